@@ -1,0 +1,31 @@
+# Two commands: `make bench` (the main job) and `make test`. Both install into .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Pick the jax flavour for the machine we are on: a CUDA GPU, a Cloud TPU VM, or the CPU.
+ACCEL := $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda; \
+           elif ls /dev/accel0 /dev/vfio/0 >/dev/null 2>&1; then echo tpu; else echo cpu; fi)
+BENCH_EXTRAS := $(if $(filter cpu,$(ACCEL)),bench,bench,$(ACCEL))
+
+.PHONY: bench test clean
+
+$(VENV)/.bench-$(ACCEL): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(BENCH_EXTRAS)]"
+	touch $@
+
+$(VENV)/.test: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+bench: $(VENV)/.bench-$(ACCEL)
+	$(PY) -m bench $(ARGS)
+
+test: $(VENV)/.test
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV)

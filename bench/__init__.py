@@ -1,0 +1,1 @@
+"""jaxkernels benchmarks: python -m bench [suite ...] [--smoke]."""

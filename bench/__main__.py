@@ -1,0 +1,53 @@
+"""python -m bench [suite ...] [--smoke] [--sweep] [--out DIR]
+
+Runs the suites on whatever device JAX sees, with the anchors measured in the
+same run, prints a table, and appends the results as JSON under
+bench/results/<device>/ (or --out). On a CPU the default is the smoke size and
+the Pallas kernels run in interpret mode: numbers for correctness, not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+from bench import harness, norms
+
+SUITES = {"norms": norms.run}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("suites", nargs="*", choices=[*SUITES, []], default=[],
+                      help=f"suites to run (default: all of {', '.join(SUITES)})")
+  parser.add_argument("--smoke", action="store_true", help="small shapes (default on a CPU)")
+  parser.add_argument("--sweep", action="store_true", help="also time candidate kernel configs")
+  parser.add_argument("--rounds", type=int, default=None, help="timing rounds (median taken)")
+  parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per round")
+  parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results/<device>)")
+  args = parser.parse_args(argv)
+
+  on_cpu = jax.devices()[0].platform == "cpu"
+  smoke = args.smoke or on_cpu
+  session = harness.Session(smoke=smoke, rounds=args.rounds or (3 if on_cpu else 20),
+                            calls=args.calls if not on_cpu else 1)
+  print(harness.environment_line(session), flush=True)
+  suites = args.suites or list(SUITES)
+  harness.copy_bandwidth(session)
+  for name in suites:
+    if name == "norms":
+      SUITES[name](session, sweep=args.sweep)
+    else:
+      SUITES[name](session)
+  path = harness.save(session, suites, args.out)
+  print(harness.table(session.rows))
+  print(harness.environment_line(session))
+  print(f"results: {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,205 @@
+"""Timing, checking and reporting shared by every suite.
+
+Timing follows the device tool's METHOD.md: warm up (compile, autotune, first
+touch), then rounds of back-to-back asynchronous calls with one sync per round,
+and the median over rounds. Every timed function is checked against the
+reference before it is timed; a wrong kernel is reported, never timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform as platform_module
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxkernels import backend, hardware
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+@dataclasses.dataclass
+class Row:
+  suite: str
+  name: str  # what was timed: "rms_norm+residual fwd"
+  impl: str  # "triton", "xla", "torch", "jax_pallas_triton", ...
+  shape: str
+  dtype: str
+  ms: float | None = None
+  gbps: float | None = None
+  tflops: float | None = None
+  pct_roofline: float | None = None
+  vs_xla: float | None = None  # xla time / this time, same run
+  error: float | None = None  # max |out - ref| / max |ref| over outputs
+  tolerance: float | None = None
+  config: str | None = None
+  note: str = ""
+
+
+@dataclasses.dataclass
+class Session:
+  """One `python -m bench` run: where it runs and what it found."""
+
+  smoke: bool
+  rounds: int
+  calls: int
+  rows: list[Row] = dataclasses.field(default_factory=list)
+
+  def __post_init__(self):
+    self.device = jax.devices()[0]
+    self.platform = backend.target_of().platform
+    self.chip = hardware.chip_for(self.device.device_kind)
+    self.interpret = self.platform == "cpu"
+
+  @property
+  def kernel(self) -> str | None:
+    """The kernel implementation this device runs (interpreted on a CPU)."""
+    return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(self.platform, "triton")
+
+  def add(self, row: Row) -> Row:
+    self.rows.append(row)
+    print(f"  {row.suite} {row.name} {row.impl}: {_fmt(row.ms, '.4f')} ms "
+          f"{_fmt(row.gbps, '.0f')} GB/s err {_fmt(row.error, '.1e')} {row.config or ''} "
+          f"{row.note}", flush=True)
+    return row
+
+
+def block(tree):
+  return jax.block_until_ready(tree)
+
+
+def time_call(fn: Callable, args: Sequence[Any], *, rounds: int, calls: int,
+              warmup: int = 3) -> float:
+  """Median seconds per call of ``fn(*args)`` (jitted by the caller)."""
+  for _ in range(warmup):
+    block(fn(*args))
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    block(out)
+    times.append((time.perf_counter() - start) / calls)
+  return statistics.median(times)
+
+
+def relative_error(out, ref) -> float:
+  """max |out - ref| / max |ref|, the worst over all leaves; computed on the device in float32."""
+  worst = 0.0
+  for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+    o, r = jnp.asarray(o, jnp.float32), jnp.asarray(r, jnp.float32)
+    if not bool(jnp.all(jnp.isfinite(o))):
+      return float("inf")
+    scale = max(float(jnp.max(jnp.abs(r))), 1e-30)
+    worst = max(worst, float(jnp.max(jnp.abs(o - r))) / scale)
+  return worst
+
+
+def copy_bandwidth(session: Session) -> Row:
+  """Device-to-device copy, bytes read + written per second: the memory ceiling of the run."""
+  n = (1 << 30) if not session.smoke else (1 << 24)  # 2 GiB of bf16 (32 MiB smoke)
+  try:
+    import torch
+
+    if not torch.cuda.is_available():
+      raise ImportError
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+      dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(session.rounds):
+      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      start.record()
+      for _ in range(session.calls):
+        dst.copy_(src)
+      end.record()
+      torch.cuda.synchronize()
+      times.append(start.elapsed_time(end) / 1e3 / session.calls)
+    seconds, impl = statistics.median(times), "torch"
+    del src, dst
+  except ImportError:
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    seconds = time_call(jax.jit(lambda a: -a), (x,), rounds=session.rounds, calls=session.calls)
+    impl = "xla(-x)"
+  gbps = 2 * n * 2 / seconds / 1e9
+  return session.add(Row("anchor", "copy", impl, f"({n},)", "bfloat16", ms=seconds * 1e3,
+                         gbps=gbps, note="device-to-device copy: the bandwidth ceiling"))
+
+
+def git_commit() -> str:
+  try:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=pathlib.Path(__file__).parent, check=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, cwd=pathlib.Path(__file__).parent)
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def device_slug(device) -> str:
+  kind = device.device_kind if device.platform != "cpu" else "cpu"
+  return kind.lower().replace("nvidia ", "").replace(" ", "_")
+
+
+def save(session: Session, suites: Sequence[str], out_dir: str | None) -> pathlib.Path:
+  record = {
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "command": " ".join(["python -m bench", *sys.argv[1:]]),
+      "commit": git_commit(),
+      "device": session.device.device_kind,
+      "platform": session.platform,
+      "jax": jax.__version__,
+      "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+      "python": platform_module.python_version(),
+      "interpret_mode": session.interpret,
+      "smoke": session.smoke,
+      "timing": f"median of {session.rounds} rounds x {session.calls} back-to-back calls",
+      "suites": list(suites),
+      "rows": [dataclasses.asdict(r) for r in session.rows],
+  }
+  directory = pathlib.Path(out_dir) if out_dir else RESULTS / device_slug(session.device)
+  directory.mkdir(parents=True, exist_ok=True)
+  stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
+  path = directory / f"{stamp}_{'-'.join(suites)}{'_smoke' if session.smoke else ''}.json"
+  path.write_text(json.dumps(record, indent=1))
+  return path
+
+
+def _fmt(value, spec):
+  return "" if value is None else format(value, spec)
+
+
+def table(rows: Sequence[Row]) -> str:
+  header = ("suite", "op", "impl", "shape", "dtype", "ms", "GB/s", "TFLOP/s", "%roof",
+            "vs xla", "err", "config")
+  lines = [header]
+  for r in rows:
+    lines.append((r.suite, r.name, r.impl, r.shape, r.dtype, _fmt(r.ms, ".4f"),
+                  _fmt(r.gbps, ".0f"), _fmt(r.tflops, ".0f"), _fmt(r.pct_roofline, ".1f"),
+                  _fmt(r.vs_xla, ".2f"), _fmt(r.error, ".1e") + ("" if r.note == "" else " *"),
+                  (r.config or "")[:60]))
+  widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+  out = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
+  notes = [f"* {r.suite}/{r.name}/{r.impl}: {r.note}" for r in rows if r.note]
+  return "\n".join(out + notes)
+
+
+def environment_line(session: Session) -> str:
+  mode = ("Pallas kernels ran in INTERPRET mode on the CPU: numbers check correctness, "
+          "they say nothing about speed" if session.interpret else "compiled kernels")
+  return (f"device: {session.device.device_kind} ({session.platform}); jax {jax.__version__}; "
+          f"{mode}; {os.cpu_count()} CPUs")

@@ -1,0 +1,86 @@
+"""Activations and their derivatives as kernels compute them (float32 in, float32 out).
+
+One definition serves every backend: Triton has no ``erf`` lowering, so exact
+GELU uses a float32 rational approximation of erf (Eigen's, clamped to
+[-4, 4]; max abs error 4.2e-7 against scipy's erf), identical in all kernels.
+The references use ``jax.nn``; the two agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
+
+_ERF_NUM = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+            -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+            -1.60960333262415e-02)
+_ERF_DEN = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+            -7.37332916720468e-03, -1.42647390514189e-02)
+_SQRT_HALF = 1 / math.sqrt(2)
+_INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
+_TANH_C = math.sqrt(2 / math.pi)
+_TANH_K = 0.044715
+
+
+def _horner(coefficients, x):
+  acc = jnp.full_like(x, coefficients[0])
+  for c in coefficients[1:]:
+    acc = acc * x + c
+  return acc
+
+
+def erf(x):
+  x = jnp.clip(x, -4.0, 4.0)
+  x2 = x * x
+  return x * _horner(_ERF_NUM, x2) / _horner(_ERF_DEN, x2)
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def apply(name: str, x):
+  """act(x) for float32 x."""
+  if name == "gelu":
+    return 0.5 * x * (1.0 + erf(x * _SQRT_HALF))
+  if name == "gelu_tanh":
+    return 0.5 * x * (1.0 + jnp.tanh(_TANH_C * (x + _TANH_K * x * x * x)))
+  if name == "silu":
+    return x * _sigmoid(x)
+  if name == "relu":
+    return jnp.maximum(x, 0.0)
+  raise ValueError(f"activation={name!r}: expected one of {ACTIVATIONS}")
+
+
+def value_and_grad(name: str, x):
+  """(act(x), act'(x)) for float32 x, sharing the transcendental work."""
+  if name == "gelu":
+    cdf = 0.5 * (1.0 + erf(x * _SQRT_HALF))
+    return x * cdf, cdf + x * _INV_SQRT_2PI * jnp.exp(-0.5 * x * x)
+  if name == "gelu_tanh":
+    t = jnp.tanh(_TANH_C * (x + _TANH_K * x * x * x))
+    du = _TANH_C * (1.0 + 3.0 * _TANH_K * x * x)
+    return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+  if name == "silu":
+    s = _sigmoid(x)
+    return x * s, s * (1.0 + x * (1.0 - s))
+  if name == "relu":
+    return jnp.maximum(x, 0.0), jnp.where(x > 0, 1.0, 0.0).astype(x.dtype)
+  raise ValueError(f"activation={name!r}: expected one of {ACTIVATIONS}")
+
+
+def reference(name: str, x):
+  """The spec: jax.nn's definition, differentiated by JAX itself."""
+  if name == "gelu":
+    return jax.nn.gelu(x, approximate=False)
+  if name == "gelu_tanh":
+    return jax.nn.gelu(x, approximate=True)
+  if name == "silu":
+    return jax.nn.silu(x)
+  if name == "relu":
+    return jax.nn.relu(x)
+  raise ValueError(f"activation={name!r}: expected one of {ACTIVATIONS}")

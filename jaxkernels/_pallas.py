@@ -1,0 +1,146 @@
+"""Helpers shared by the kernels of every op: arithmetic on tiles, masked Triton tiles, compiler params.
+
+Version differences between the jax releases we run on (0.10.2 on CPU/CI,
+0.11.x on the GPU machine) are absorbed here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+# The custom-call targets the kernels lower to (for jax.export's safety checks).
+TRITON_CUSTOM_CALL = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+TPU_CUSTOM_CALL = "tpu_custom_call"
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+  return cdiv(a, b) * b
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def rows_view(x):
+  """(..., N) -> (M, N), free for contiguous arrays."""
+  return x.reshape(-1, x.shape[-1])
+
+
+# --------------------------------------------------------------------------- #
+# Triton: masked (rows, cols) tiles over full-array refs
+# --------------------------------------------------------------------------- #
+
+
+def triton_params(num_warps: int, num_stages: int = 1) -> Any:
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def both(a, b):
+  """Elementwise and of two optional masks (None means all true)."""
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return a & b
+
+
+class Tile:
+  """Rows [rows] x columns [cols] of a 2-D array, with the masks a partial tile needs.
+
+  A mask is None where it is statically all-true, so full tiles compile to
+  unmasked 16-byte loads.
+  """
+
+  def __init__(self, rows, cols, row_mask, col_mask):
+    self.rows, self.cols = rows, cols
+    self.row_mask, self.col_mask = row_mask, col_mask
+    self.mask = both(
+        None if row_mask is None else row_mask[:, None],
+        None if col_mask is None else col_mask[None, :],
+    )
+
+  @classmethod
+  def at(cls, row0, block_rows: int, col0, block_cols: int, *, n_rows: int, n_cols: int,
+         mask_rows: bool, mask_cols: bool) -> "Tile":
+    rows = row0 + jnp.arange(block_rows)
+    cols = col0 + jnp.arange(block_cols)
+    return cls(rows, cols, rows < n_rows if mask_rows else None,
+               cols < n_cols if mask_cols else None)
+
+  @classmethod
+  def columns(cls, col0, block_cols: int, *, n_cols: int, mask_cols: bool) -> "Tile":
+    """A row vector's columns only (for load_cols)."""
+    cols = col0 + jnp.arange(block_cols)
+    return cls(None, cols, None, cols < n_cols if mask_cols else None)
+
+  @property
+  def index(self):
+    return (self.rows[:, None], self.cols[None, :])
+
+  def load(self, ref, other=0.0):
+    """ref[tile] as float32, masked lanes read ``other``."""
+    if self.mask is None:
+      return pltriton.load(ref.at[self.index]).astype(jnp.float32)
+    return pltriton.load(ref.at[self.index], mask=self.mask, other=other).astype(jnp.float32)
+
+  def store(self, ref, value):
+    pltriton.store(ref.at[self.index], value.astype(ref.dtype), mask=self.mask)
+
+  def load_cols(self, ref, other=0.0):
+    """A row vector ref[cols] (e.g. a scale) as float32."""
+    if self.col_mask is None:
+      return pltriton.load(ref.at[self.cols]).astype(jnp.float32)
+    return pltriton.load(ref.at[self.cols], mask=self.col_mask, other=other).astype(jnp.float32)
+
+  def load_rows(self, ref, other=0.0):
+    """A column vector ref[rows] (e.g. per-row statistics) as float32."""
+    if self.row_mask is None:
+      return pltriton.load(ref.at[self.rows]).astype(jnp.float32)
+    return pltriton.load(ref.at[self.rows], mask=self.row_mask, other=other).astype(jnp.float32)
+
+  def store_rows(self, ref, value):
+    pltriton.store(ref.at[self.rows], value.astype(ref.dtype), mask=self.row_mask)
+
+
+def store_vector(ref, offsets, value, mask):
+  pltriton.store(ref.at[offsets], value.astype(ref.dtype), mask=mask)
+
+
+# --------------------------------------------------------------------------- #
+# Mosaic TPU
+# --------------------------------------------------------------------------- #
+
+
+def tpu_params(dimension_semantics: tuple[str, ...], vmem_limit_bytes: int) -> Any:
+  return pltpu.CompilerParams(
+      dimension_semantics=dimension_semantics, vmem_limit_bytes=int(vmem_limit_bytes)
+  )
+
+
+def sublanes(*dtypes) -> int:
+  """Row multiple a TPU block needs: 8 sublanes of 32 bits, packed for narrower dtypes."""
+  return max(8 * (4 // jnp.dtype(d).itemsize) for d in dtypes)
+
+
+def tpu_row_mask(block_index, block_rows: int, n_rows: int):
+  """(block_rows, 1) mask of the rows of row block ``block_index`` that lie inside the array.
+
+  A partial last block holds whatever VMEM held: harmless for row-local math
+  (its rows are never written back), poison for sums across rows.
+  """
+  rows = block_index * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+  return rows < n_rows

@@ -1,0 +1,304 @@
+"""Which implementation serves a call: names, device detection, dispatch, interpret mode.
+
+Every op offers the same implementations:
+
+- ``"xla"``: the pure-jnp reference, compiled by XLA; runs anywhere.
+- ``"triton"``: Pallas on CUDA GPUs through Triton (sm80+).
+- ``"mosaic_gpu"``: Pallas Mosaic GPU, Hopper only (wgmma, TMA).
+- ``"mosaic_tpu"``: Pallas Mosaic TPU.
+
+``implementation=None`` asks for the best kernel that can serve the call on the
+device the arrays live on, and falls back to ``"xla"`` with a one-time
+:class:`FallbackWarning` naming why. An explicit implementation that cannot
+serve the call raises ``ValueError`` with the reason. While tracing (under
+``jit``, or AOT-lowering for a TPU topology from a CPU host) the device is not
+known for certain, so an explicit kernel is taken at its word.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import jax
+
+from jaxkernels import hardware
+
+Implementation = Literal["xla", "triton", "mosaic_gpu", "mosaic_tpu"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "mosaic_gpu", "mosaic_tpu")
+KERNELS: tuple[str, ...] = IMPLEMENTATIONS[1:]
+
+# The platform each kernel implementation compiles for.
+KERNEL_PLATFORM: Mapping[str, str] = {
+    "triton": "gpu",
+    "mosaic_gpu": "gpu",
+    "mosaic_tpu": "tpu",
+}
+
+# Preference order of kernels on each platform, best first.
+PREFERENCE: Mapping[str, tuple[str, ...]] = {
+    "gpu": ("mosaic_gpu", "triton"),
+    "tpu": ("mosaic_tpu",),
+}
+
+
+class FallbackWarning(UserWarning):
+    """An op ran its XLA reference because no kernel could serve the call."""
+
+
+# --------------------------------------------------------------------------- #
+# Interpret mode
+# --------------------------------------------------------------------------- #
+
+_INTERPRET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxkernels_interpret", default=None
+)
+_ENV = "JAXKERNELS_INTERPRET"
+_ENV_VALUES = ("", "0", "1", *KERNELS)
+
+
+def _interpret_setting() -> str | None:
+  """None (off), "1" (any kernel), or the kernel that auto-dispatch picks on CPU."""
+  value = _INTERPRET.get()
+  if value is not None:
+    return value or None
+  env = os.environ.get(_ENV, "").strip().lower()
+  if env not in _ENV_VALUES:
+    raise ValueError(
+        f"{_ENV}={env!r} is not understood; use 1, 0 or one of {KERNELS}."
+    )
+  return None if env in ("", "0") else env
+
+
+@contextlib.contextmanager
+def interpret_mode(implementation: str | None = None) -> Iterator[None]:
+  """Runs every Pallas kernel in interpret mode (on the CPU, for CI and debugging).
+
+  Mosaic TPU kernels run with TPU semantics (``pltpu.InterpretParams``), Triton
+  kernels with Pallas' generic interpreter. With ``implementation`` given,
+  ``implementation=None`` calls on a CPU device pick that kernel instead of the
+  XLA reference; otherwise they prefer ``"mosaic_tpu"``, then ``"triton"``.
+  The environment variable ``JAXKERNELS_INTERPRET=1`` (or a kernel name) does
+  the same for a whole process.
+  """
+  if implementation is not None and implementation not in KERNELS:
+    raise ValueError(
+        f"interpret_mode(implementation={implementation!r}): expected one of {KERNELS}"
+    )
+  token = _INTERPRET.set(implementation or "1")
+  try:
+    yield
+  finally:
+    _INTERPRET.reset(token)
+
+
+def interpreting() -> bool:
+  return _interpret_setting() is not None
+
+
+def interpret_params(implementation: str, on: bool | None = None) -> Any:
+  """The ``interpret=`` argument for a pallas_call of ``implementation``.
+
+  ``on`` defaults to whether interpret mode is on now; ops record it when a
+  call is traced so that its backward pass, traced later, agrees.
+  """
+  if not (interpreting() if on is None else on):
+    return False
+  if implementation == "mosaic_tpu":
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams()
+  return True
+
+
+# --------------------------------------------------------------------------- #
+# Device detection
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What the call will run on, as far as can be told at trace time."""
+
+  platform: str  # "cpu" | "gpu" | "tpu"
+  device_kind: str
+  concrete: bool  # True when read off concrete arrays, not guessed while tracing
+
+  @property
+  def chip(self) -> hardware.Chip | None:
+    return hardware.chip_for(self.device_kind)
+
+  def chip_for(self, implementation: str) -> hardware.Chip:
+    """The chip to size ``implementation``'s tiles for.
+
+    The target's own chip when it runs that kernel; otherwise (interpret mode,
+    or tracing for a device this host cannot see) a stand-in: an H100 for GPU
+    kernels, and for TPU kernels the chip with the least VMEM, so that the
+    kernel compiles for every TPU generation.
+    """
+    chip = self.chip
+    platform = KERNEL_PLATFORM.get(implementation)
+    if chip is not None and chip.platform == platform:
+      return chip
+    return hardware.SMALLEST_VMEM_TPU if platform == "tpu" else hardware.DEFAULT_GPU
+
+
+def _platform(name: str) -> str:
+  return {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+
+
+def target_of(*args: Any) -> Target:
+  """The device the arrays live on.
+
+  Concrete arrays answer for themselves. While tracing, the abstract mesh set
+  with ``jax.set_mesh`` (e.g. over TPU topology devices for AOT lowering) is
+  used when it names a device, else the default device.
+  """
+  for leaf in jax.tree_util.tree_leaves(args):
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+      device = next(iter(leaf.devices()))
+      return Target(_platform(device.platform), device.device_kind, True)
+  mesh = jax.sharding.get_abstract_mesh()
+  abstract_device = getattr(mesh, "abstract_device", None)
+  if abstract_device is not None:
+    kind = abstract_device.device_kind
+    platform = getattr(abstract_device, "platform", None)
+    if platform is None:
+      platform = "tpu" if kind.startswith("TPU") else "gpu"
+    return Target(_platform(platform), kind, False)
+  device = jax.config.jax_default_device or jax.devices()[0]
+  if isinstance(device, str):
+    device = jax.devices(device)[0]
+  return Target(_platform(device.platform), device.device_kind, False)
+
+
+# --------------------------------------------------------------------------- #
+# Support and dispatch
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+  """Whether an implementation can serve a call; ``reason`` says why not."""
+
+  ok: bool
+  reason: str = ""
+
+  def __bool__(self) -> bool:
+    return self.ok
+
+
+# op name -> function(*args, **kwargs) returning {kernel: reason or None}
+_REGISTRY: dict[str, Callable[..., Mapping[str, str | None]]] = {}
+_WARNED: set[tuple[str, str]] = set()
+
+
+def register(op: str, kernel_reasons: Callable[..., Mapping[str, str | None]]) -> None:
+  """Registers how ``op`` answers which of its kernels can serve a call."""
+  _REGISTRY[op] = kernel_reasons
+
+
+def _platform_reason(implementation: str, target: Target) -> str | None:
+  """Why ``implementation`` cannot run on ``target``'s device, or None."""
+  want = KERNEL_PLATFORM[implementation]
+  if target.platform == want:
+    if implementation == "mosaic_gpu":
+      chip = target.chip
+      if chip is None or chip.compute_capability != (9, 0):
+        return f"mosaic_gpu needs a Hopper GPU (sm90); the device is {target.device_kind!r}"
+    return None
+  if target.platform == "cpu" and interpreting():
+    return None
+  if not target.concrete:
+    return None  # tracing for a platform we cannot see: take the caller's word
+  return (
+      f"{implementation} compiles for {want.upper()}s; the arrays live on "
+      f"{target.platform} ({target.device_kind!r}); "
+      "use jaxkernels.interpret_mode() to run it on the CPU"
+  )
+
+
+def _reasons(
+    implementation: str,
+    target: Target,
+    kernel_reasons: Mapping[str, str | None],
+) -> str | None:
+  if implementation == "xla":
+    return None
+  if implementation not in kernel_reasons:
+    return f"this op has no {implementation} kernel (it has: {', '.join(kernel_reasons) or 'none'})"
+  return _platform_reason(implementation, target) or kernel_reasons[implementation]
+
+
+def _auto_order(target: Target) -> tuple[str, ...]:
+  if target.platform == "cpu":
+    setting = _interpret_setting()
+    if setting is None:
+      return ()
+    if setting in KERNELS:
+      return (setting,)
+    return ("mosaic_tpu", "triton")
+  return PREFERENCE.get(target.platform, ())
+
+
+def select(
+    op: str,
+    implementation: str | None,
+    target: Target,
+    kernel_reasons: Mapping[str, str | None],
+) -> str:
+  """Picks the implementation for one call of ``op``.
+
+  Args:
+    op: the public op's name, for messages.
+    implementation: what the caller asked for (None: the best that serves).
+    target: where the call runs (see :func:`target_of`).
+    kernel_reasons: for each kernel the op has, None if its kernel can serve the
+      call's shapes, dtypes and options, else the reason it cannot.
+  """
+  if implementation is not None:
+    if implementation not in IMPLEMENTATIONS:
+      raise ValueError(
+          f"{op}: implementation={implementation!r} is not one of {IMPLEMENTATIONS} or None"
+      )
+    reason = _reasons(implementation, target, kernel_reasons)
+    if reason is not None:
+      raise ValueError(f"{op}: implementation={implementation!r} cannot serve this call: {reason}")
+    return implementation
+  why_not = []
+  for candidate in _auto_order(target):
+    if candidate not in kernel_reasons:
+      continue
+    reason = _reasons(candidate, target, kernel_reasons)
+    if reason is None:
+      return candidate
+    why_not.append(f"{candidate}: {reason}")
+  if not why_not:
+    why_not.append(f"no Pallas kernel runs on {target.platform} outside interpret mode")
+  message = f"jaxkernels.{op}: using the XLA reference ({'; '.join(why_not)})"
+  if (op, message) not in _WARNED:
+    _WARNED.add((op, message))
+    warnings.warn(message, FallbackWarning, stacklevel=3)
+  return "xla"
+
+
+def supports(op: str, implementation: str, *args: Any, **kwargs: Any) -> Support:
+  """Whether ``implementation`` can serve ``op(*args, **kwargs)`` where the arrays live.
+
+  Example: ``jaxkernels.supports("rms_norm", "triton", x, scale)``. Argument
+  errors (wrong shapes or dtypes) raise as the op itself would.
+  """
+  if op not in _REGISTRY:
+    raise ValueError(f"supports: unknown op {op!r}; known: {sorted(_REGISTRY)}")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"supports: implementation={implementation!r} is not one of {IMPLEMENTATIONS}"
+    )
+  target = target_of(args, kwargs)
+  reason = _reasons(implementation, target, _REGISTRY[op](*args, **kwargs))
+  return Support(reason is None, reason or "")

@@ -1,0 +1,371 @@
+"""Pallas Triton kernels for rms_norm and layer_norm, forward and backward (CUDA GPUs, sm80+).
+
+Forward: one program normalises ``block_rows`` rows. Rows up to
+``MAX_ONE_PASS_COLS`` wide are held in registers: x (and the residual) are read
+once, y (and h = x + residual) written once, plus float32 rstd (and mean) per
+row for the backward. Wider rows are walked in ``block_cols`` chunks twice
+(statistics, then output), the second read mostly from L2.
+
+Backward: a persistent grid of ``bwd_programs`` programs, each striding over
+row blocks; dx is written as it is computed and d(scale), d(bias) accumulate in
+registers, one float32 partial row per program, summed by XLA afterwards
+(deterministic, unlike atomics). For wide rows the kernel computes dx and XLA
+reduces d(scale), d(bias) in one extra pass over h and dy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxkernels import hardware, roofline
+from jaxkernels._pallas import Tile, cdiv, is_pow2, next_pow2, store_vector, triton_params
+
+# Widest row (power-of-two padded) kept in registers in one pass; wider rows are chunked.
+MAX_ONE_PASS_COLS = 16384
+# Elements per program in the forward: 16K bf16 = 32 KiB per input tile, 8 x 16-byte loads
+# per thread at 8 warps: enough bytes in flight per SM to cover HBM latency.
+TARGET_TILE = 16384
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  block_rows: int  # rows per forward program
+  block_cols: int  # columns per pass: next_pow2(N) for one pass, else the chunk width
+  num_warps: int
+  bwd_block_rows: int
+  bwd_num_warps: int
+  bwd_programs: int  # persistent backward grid size (one-pass rows)
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_cols", "num_warps", "bwd_block_rows", "bwd_num_warps"):
+      value = getattr(self, name)
+      if not is_pow2(value):
+        raise ValueError(f"{name}={value} must be a power of two (Triton tiles are)")
+    if self.bwd_programs < 1:
+      raise ValueError(f"bwd_programs={self.bwd_programs} must be >= 1")
+
+  def one_pass(self, n_cols: int) -> bool:
+    return self.block_cols >= n_cols
+
+
+def heuristic(x, scale, bias, residual, chip: hardware.Chip) -> Config:
+  """x, residual: the (M, N) views."""
+  del scale, bias, residual
+  n_rows, n_cols = x.shape
+  padded = next_pow2(n_cols)
+  block_cols = padded if padded <= MAX_ONE_PASS_COLS else 4096
+  block_rows = max(1, min(TARGET_TILE // block_cols, 16, next_pow2(n_rows)))
+  tile = block_rows * block_cols
+  num_warps = max(4, min(16, tile // 2048))
+  # Backward tiles hold ~6 float32 values per element live: half the forward tile.
+  bwd_block_rows = max(1, block_rows // 2)
+  bwd_num_warps = max(4, min(16, bwd_block_rows * block_cols // 1024))
+  n_blocks = cdiv(n_rows, bwd_block_rows)
+  # Two resident programs per SM: the register file (64K) holds two 8-warp programs of <=128 regs.
+  bwd_programs = max(1, min(n_blocks, 2 * chip.cores))
+  return Config(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
+                bwd_block_rows=bwd_block_rows, bwd_num_warps=bwd_num_warps,
+                bwd_programs=bwd_programs)
+
+
+def unsupported(x, scale, bias, residual, chip) -> str | None:
+  del x, scale, bias, residual, chip  # any width: rows wider than a pass are chunked
+  return None
+
+
+# --------------------------------------------------------------------------- #
+# Kernels
+# --------------------------------------------------------------------------- #
+
+
+def _centered(h, mean, col_mask):
+  """h - mean (h itself for RMS), zero in padding columns so they add nothing to row sums."""
+  if mean is None:
+    return h  # padding columns were loaded as 0
+  centered = h - mean[:, None]
+  return centered if col_mask is None else jnp.where(col_mask[None, :], centered, 0.0)
+
+
+def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows,
+                block_cols, eps):
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  r_ref = refs.pop(0) if has_residual else None
+  s_ref = refs.pop(0)
+  b_ref = refs.pop(0) if has_bias else None
+  y_ref = refs.pop(0)
+  h_ref = refs.pop(0) if has_residual else None
+  rstd_ref = refs.pop(0)
+  mean_ref = refs.pop(0) if layer else None
+
+  row0 = pl.program_id(0) * block_rows
+  mask_rows = n_rows % block_rows != 0
+
+  def tile(col0):
+    return Tile.at(row0, block_rows, col0, block_cols, n_rows=n_rows, n_cols=n_cols,
+                   mask_rows=mask_rows, mask_cols=n_cols % block_cols != 0)
+
+  def load_h(t):
+    h = t.load(x_ref)
+    return h + t.load(r_ref) if has_residual else h
+
+  def write_y(t, h, mean, rstd):
+    y = _centered(h, mean, t.col_mask) * rstd[:, None] * t.load_cols(s_ref)[None, :]
+    if has_bias:
+      y = y + t.load_cols(b_ref)[None, :]
+    t.store(y_ref, y)
+
+  if block_cols >= n_cols:  # one pass, the row stays in registers
+    t = tile(0)
+    h = load_h(t)
+    if has_residual:
+      t.store(h_ref, h)
+    mean = jnp.sum(h, axis=1) / n_cols if layer else None
+    centered = _centered(h, mean, t.col_mask)
+    rstd = lax.rsqrt(jnp.sum(centered * centered, axis=1) / n_cols + eps)
+    write_y(t, h, mean, rstd)
+  else:  # chunked: statistics (Chan's parallel merge for the variance), then output
+    n_chunks = cdiv(n_cols, block_cols)
+
+    def stats(c, carry):
+      mean, m2, count = carry
+      t = tile(c * block_cols)
+      h = load_h(t)
+      if has_residual:
+        t.store(h_ref, h)
+      if not layer:
+        return mean, m2 + jnp.sum(h * h, axis=1), count
+      width = jnp.minimum(block_cols, n_cols - c * block_cols).astype(jnp.float32)
+      chunk_mean = jnp.sum(h, axis=1) / width
+      d = _centered(h, chunk_mean, t.col_mask)
+      delta = chunk_mean - mean
+      total = count + width
+      return (mean + delta * (width / total),
+              m2 + jnp.sum(d * d, axis=1) + delta * delta * (count * width / total),
+              total)
+
+    zeros = jnp.zeros((block_rows,), jnp.float32)
+    mean, m2, _ = lax.fori_loop(0, n_chunks, stats, (zeros, zeros, jnp.float32(0)))
+    rstd = lax.rsqrt(m2 / n_cols + eps)
+    mean = mean if layer else None
+
+    @pl.loop(0, n_chunks)
+    def _(c):
+      t = tile(c * block_cols)
+      write_y(t, load_h(t), mean, rstd)  # x (+ residual) again: exact h, mostly L2 hits
+
+  t = tile(0)
+  t.store_rows(rstd_ref, rstd)
+  if layer:
+    t.store_rows(mean_ref, mean)
+
+
+def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols,
+                         block_rows, block_cols, iters, mask_rows):
+  refs = list(refs)
+  h_ref, s_ref, dy_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+  dh_ref = refs.pop(0) if has_dh else None
+  rstd_ref = refs.pop(0)
+  mean_ref = refs.pop(0) if layer else None
+  dx_ref = refs.pop(0)
+  dr_ref = refs.pop(0) if dual_dx else None
+  ds_ref = refs.pop(0)
+  db_ref = refs.pop(0) if has_bias else None
+
+  pid, programs = pl.program_id(0), pl.num_programs(0)
+  mask_cols = n_cols % block_cols != 0
+  scale = Tile.columns(0, block_cols, n_cols=n_cols, mask_cols=mask_cols)
+  s = scale.load_cols(s_ref)
+
+  def body(i, carry):
+    ds, db = carry
+    t = Tile.at((pid + i * programs) * block_rows, block_rows, 0, block_cols,
+                n_rows=n_rows, n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
+    h, dy = t.load(h_ref), t.load(dy_ref)
+    rstd = t.load_rows(rstd_ref)  # 0 for rows past the end: no inf, no NaN
+    mean = t.load_rows(mean_ref) if layer else None
+    n = _centered(h, mean, t.col_mask) * rstd[:, None]
+    g = dy * s[None, :]
+    dh = g - n * (jnp.sum(g * n, axis=1) / n_cols)[:, None]
+    if layer:
+      dh = dh - (jnp.sum(g, axis=1) / n_cols)[:, None]
+    dh = dh * rstd[:, None]
+    if has_dh:
+      dh = dh + t.load(dh_ref)
+    t.store(dx_ref, dh)
+    if dual_dx:
+      t.store(dr_ref, dh)
+    ds = ds + jnp.sum(dy * n, axis=0)
+    if has_bias:
+      db = db + jnp.sum(dy, axis=0)
+    return ds, db
+
+  zeros = jnp.zeros((block_cols,), jnp.float32)
+  ds, db = lax.fori_loop(0, iters, body, (zeros, zeros))
+  offsets = pid * n_cols + scale.cols
+  store_vector(ds_ref, offsets, ds, scale.col_mask)
+  if has_bias:
+    store_vector(db_ref, offsets, db, scale.col_mask)
+
+
+def _bwd_chunked_kernel(*refs, layer, has_dh, dual_dx, n_rows, n_cols, block_rows, block_cols):
+  refs = list(refs)
+  h_ref, s_ref, dy_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+  dh_ref = refs.pop(0) if has_dh else None
+  rstd_ref = refs.pop(0)
+  mean_ref = refs.pop(0) if layer else None
+  dx_ref = refs.pop(0)
+  dr_ref = refs.pop(0) if dual_dx else None
+
+  row0 = pl.program_id(0) * block_rows
+  n_chunks = cdiv(n_cols, block_cols)
+
+  def tile(c):
+    return Tile.at(row0, block_rows, c * block_cols, block_cols, n_rows=n_rows,
+                   n_cols=n_cols, mask_rows=n_rows % block_rows != 0,
+                   mask_cols=n_cols % block_cols != 0)
+
+  t0 = tile(0)
+  rstd = t0.load_rows(rstd_ref)
+  mean = t0.load_rows(mean_ref) if layer else None
+
+  def n_and_g(t):
+    n = _centered(t.load(h_ref), mean, t.col_mask) * rstd[:, None]
+    return n, t.load(dy_ref) * t.load_cols(s_ref)[None, :]
+
+  def sums(c, carry):
+    gn, g_sum = carry
+    n, g = n_and_g(tile(c))
+    return gn + jnp.sum(g * n, axis=1), g_sum + jnp.sum(g, axis=1)
+
+  zeros = jnp.zeros((block_rows,), jnp.float32)
+  gn, g_sum = lax.fori_loop(0, n_chunks, sums, (zeros, zeros))
+  c1, c2 = gn / n_cols, g_sum / n_cols
+
+  @pl.loop(0, n_chunks)
+  def _(c):
+    t = tile(c)
+    n, g = n_and_g(t)
+    dh = g - n * c1[:, None]
+    if layer:
+      dh = dh - c2[:, None]
+    dh = dh * rstd[:, None]
+    if has_dh:
+      dh = dh + t.load(dh_ref)
+    t.store(dx_ref, dh)
+    if dual_dx:
+      t.store(dr_ref, dh)
+
+
+# --------------------------------------------------------------------------- #
+# Wrappers
+# --------------------------------------------------------------------------- #
+
+
+def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config,
+            interpret=False):
+  """x, residual: (M, N). Returns (y, h or None, stats) with stats = (rstd,) or (rstd, mean)."""
+  n_rows, n_cols = x.shape
+  kernel = functools.partial(
+      _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
+      n_rows=n_rows, n_cols=n_cols, block_rows=config.block_rows,
+      block_cols=config.block_cols, eps=eps)
+  stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+  out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+  if residual is not None:
+    out_shape.append(jax.ShapeDtypeStruct(residual.shape, residual.dtype))
+  out_shape += [stats] * (2 if layer else 1)
+  inputs = [a for a in (x, residual, scale, bias) if a is not None]
+  cost = roofline.norm_fwd(x, scale, bias, residual, layer=layer, stats=2 if layer else 1)
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(cdiv(n_rows, config.block_rows),),
+      compiler_params=triton_params(config.num_warps),
+      cost_estimate=cost.estimate(),
+      interpret=interpret,
+      name=f"jk_{'layer' if layer else 'rms'}_norm_fwd",
+  )(*inputs)
+  outs = list(outs)
+  y = outs.pop(0)
+  h = outs.pop(0) if residual is not None else None
+  return y, h, tuple(outs)
+
+
+def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: Config,
+             residual_dtype=None, interpret=False):
+  """Returns (dx, dresidual, dscale, dbias) for the (M, N) views.
+
+  dresidual is None unless residual_dtype differs from dy's (then dx serves for both);
+  dbias is None without a bias.
+  """
+  del eps  # the forward saved rstd
+  n_rows, n_cols = h.shape
+  rstd = stats[0]
+  mean = stats[1] if layer else None
+  dual_dx = residual_dtype is not None and jnp.dtype(residual_dtype) != dy.dtype
+  inputs = [a for a in (h, scale, dy, dh, rstd, mean) if a is not None]
+  out_shape = [jax.ShapeDtypeStruct(h.shape, dy.dtype)]
+  if dual_dx:
+    out_shape.append(jax.ShapeDtypeStruct(h.shape, residual_dtype))
+  cost = roofline.norm_bwd(dy, scale, bias, dh, layer=layer, stats=len(stats))
+  name = f"jk_{'layer' if layer else 'rms'}_norm_bwd"
+
+  if config.one_pass(n_cols):
+    block_rows = config.bwd_block_rows
+    n_blocks = cdiv(n_rows, block_rows)
+    programs = min(config.bwd_programs, n_blocks)
+    iters = cdiv(n_blocks, programs)
+    kernel = functools.partial(
+        _bwd_one_pass_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
+        dual_dx=dual_dx, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
+        block_cols=config.block_cols, iters=iters,
+        mask_rows=iters * programs * block_rows != n_rows)
+    partial_sums = jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)
+    out_shape += [partial_sums] * (2 if bias is not None else 1)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(programs,),
+        compiler_params=triton_params(config.bwd_num_warps),
+        cost_estimate=cost.estimate(),
+        interpret=interpret,
+        name=name,
+    )(*inputs)
+    outs = list(outs)
+    dx = outs.pop(0)
+    dr = outs.pop(0) if dual_dx else None
+    dscale = outs.pop(0).reshape(programs, n_cols).sum(axis=0)
+    dbias = outs.pop(0).reshape(programs, n_cols).sum(axis=0) if bias is not None else None
+  else:
+    kernel = functools.partial(
+        _bwd_chunked_kernel, layer=layer, has_dh=dh is not None, dual_dx=dual_dx,
+        n_rows=n_rows, n_cols=n_cols, block_rows=config.bwd_block_rows,
+        block_cols=config.block_cols)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(cdiv(n_rows, config.bwd_block_rows),),
+        compiler_params=triton_params(config.bwd_num_warps),
+        cost_estimate=cost.estimate(),
+        interpret=interpret,
+        name=name,
+    )(*inputs)
+    outs = list(outs)
+    dx = outs.pop(0)
+    dr = outs.pop(0) if dual_dx else None
+    # Rows too wide for registers: XLA reduces d(scale), d(bias) in one fused pass over h, dy.
+    dy32, h32 = dy.astype(jnp.float32), h.astype(jnp.float32)
+    centered = h32 - mean[:, None] if layer else h32
+    dscale = jnp.sum(dy32 * centered * rstd[:, None], axis=0)
+    dbias = jnp.sum(dy32, axis=0) if bias is not None else None
+
+  dscale = dscale.astype(scale.dtype)
+  dbias = dbias.astype(bias.dtype) if bias is not None else None
+  return dx, dr, dscale, dbias

@@ -1,0 +1,126 @@
+"""Work and traffic per op: the ``pl.CostEstimate`` each kernel passes, and rooflines.
+
+Bytes are the fewest an op must move through device memory: each input read
+once, each output written once. Benchmarks divide these by measured time, so a
+kernel that moves more than it must shows up as lower bandwidth. FLOPs are the
+arithmetic of the math as written (XLA uses them to schedule around the kernel;
+for these memory-bound ops they never set the bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jax.experimental import pallas as pl
+
+from jaxkernels import hardware
+
+
+def nbytes(*arrays: Any) -> int:
+  """Total bytes of arrays or ShapeDtypeStructs; None entries count as nothing."""
+  return sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays if a is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  flops: float
+  bytes: float
+  transcendentals: float = 0.0
+
+  def __add__(self, other: Cost) -> Cost:
+    return Cost(
+        self.flops + other.flops,
+        self.bytes + other.bytes,
+        self.transcendentals + other.transcendentals,
+    )
+
+  def estimate(self) -> pl.CostEstimate:
+    return pl.CostEstimate(
+        flops=int(self.flops),
+        transcendentals=int(self.transcendentals),
+        bytes_accessed=int(self.bytes),
+    )
+
+  def bound_seconds(self, chip: hardware.Chip, dtype: str = "bfloat16") -> float:
+    """The roofline floor: the larger of compute time and memory time."""
+    compute = self.flops / chip.flops(dtype) if dtype in chip.peak_flops else 0.0
+    return max(compute, self.bytes / chip.copy_bandwidth)
+
+  def percent_of_roofline(
+      self, seconds: float, chip: hardware.Chip, dtype: str = "bfloat16"
+  ) -> float:
+    return 100.0 * self.bound_seconds(chip, dtype) / seconds
+
+
+def _f32_vector(n: int) -> int:
+  return 4 * n
+
+
+# Per-element FLOPs of each activation and its derivative (polynomial erf: ~20).
+ACTIVATION_FLOPS = {"gelu": 24, "gelu_tanh": 12, "silu": 5, "relu": 1}
+ACTIVATION_TRANSCENDENTALS = {"gelu": 1, "gelu_tanh": 1, "silu": 1, "relu": 0}
+
+
+def norm_fwd(x, scale, bias=None, residual=None, *, layer: bool, stats: int = 0) -> Cost:
+  """rms_norm/layer_norm forward: reads x (+residual), writes y (+h), ``stats`` f32 per row."""
+  rows = math.prod(x.shape[:-1])
+  n = x.size
+  flops = n * ((8 if layer else 5) + (1 if residual is not None else 0))
+  written = nbytes(x) + (nbytes(residual) if residual is not None else 0) + stats * _f32_vector(rows)
+  read = nbytes(x, residual, scale, bias)
+  return Cost(flops, read + written, rows)
+
+
+def norm_bwd(x, scale, bias=None, residual=None, *, layer: bool, stats: int = 0) -> Cost:
+  """Backward: reads h, dy (+dh), scale, stats; writes dx (+dresidual if its dtype differs), dscale (+dbias)."""
+  rows = math.prod(x.shape[:-1])
+  n = x.size
+  h = residual if residual is not None else x
+  read = nbytes(h, x, scale) + (nbytes(residual) if residual is not None else 0)
+  read += stats * _f32_vector(rows)
+  written = nbytes(x, scale, bias)
+  if residual is not None and residual.dtype != x.dtype:
+    written += nbytes(residual)
+  return Cost(n * (12 if layer else 9), read + written, 0)
+
+
+def softmax_fwd(x) -> Cost:
+  return Cost(4 * x.size, 2 * nbytes(x), x.size)
+
+
+def softmax_bwd(x) -> Cost:
+  return Cost(4 * x.size, 3 * nbytes(x), 0)
+
+
+def bias_activation_fwd(x, bias, activation: str) -> Cost:
+  return Cost(
+      x.size * (1 + ACTIVATION_FLOPS[activation]),
+      2 * nbytes(x) + nbytes(bias),
+      x.size * ACTIVATION_TRANSCENDENTALS[activation],
+  )
+
+
+def bias_activation_bwd(x, bias, activation: str) -> Cost:
+  return Cost(
+      x.size * (2 + 2 * ACTIVATION_FLOPS[activation]),
+      3 * nbytes(x) + 2 * nbytes(bias),
+      x.size * ACTIVATION_TRANSCENDENTALS[activation],
+  )
+
+
+def glu_fwd(gate, up, activation: str) -> Cost:
+  return Cost(
+      gate.size * (1 + ACTIVATION_FLOPS[activation]),
+      nbytes(gate, up) + nbytes(gate),
+      gate.size * ACTIVATION_TRANSCENDENTALS[activation],
+  )
+
+
+def glu_bwd(gate, up, activation: str) -> Cost:
+  return Cost(
+      gate.size * (3 + 2 * ACTIVATION_FLOPS[activation]),
+      2 * nbytes(gate, up) + nbytes(gate),
+      gate.size * ACTIVATION_TRANSCENDENTALS[activation],
+  )
