@@ -13,9 +13,9 @@ import sys
 
 import jax
 
-from bench import harness, norms
+from bench import ceilings, harness, norms
 
-SUITES = {"norms": norms.run}
+SUITES = {"norms": norms.run, "ceilings": ceilings.run}
 
 
 def main(argv=None) -> int:
@@ -42,6 +42,8 @@ def main(argv=None) -> int:
       SUITES[name](session, sweep=args.sweep)
     else:
       SUITES[name](session)
+  if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run
+    harness.copy_bandwidth(session).name = "copy (end of run)"
   path = harness.save(session, suites, args.out)
   print(harness.table(session.rows))
   print(harness.environment_line(session))

@@ -121,11 +121,14 @@ def _triton_sweep(rows, cols, label):
                                 None, harness.hardware.chip("H100"))
   fields = dict(base.__dict__)
   if label == "fwd":
-    return [norms_triton.Config(**{**fields, "block_rows": r, "num_warps": w})
-            for r in (1, 2, 4, 8) for w in (4, 8)]
-  return [norms_triton.Config(**{**fields, "bwd_block_rows": r, "bwd_num_warps": w,
-                                 "bwd_programs": p})
-          for r in (1, 2, 4) for w in (4, 8) for p in (132, 264, 528)]
+    grid = [(r, w, p, f) for r, w in ((1, 4), (2, 8), (4, 8)) for p, f in ((0, False),)]
+    grid += [(r, w, p, f) for r, w in ((1, 4), (2, 8), (4, 8)) for p in (264, 528)
+             for f in (False, True)]
+    return [norms_triton.Config(**{**fields, "block_rows": r, "num_warps": w, "programs": p,
+                                   "prefetch": f}) for r, w, p, f in grid]
+  return [norms_triton.Config(**{**fields, "block_rows": 2, "num_warps": 8, "bwd_block_rows": r,
+                                 "bwd_num_warps": w, "bwd_programs": p, "prefetch": f})
+          for r, w in ((1, 4), (1, 8), (2, 8)) for p in (264, 528) for f in (False, True)]
 
 
 def _time(session, name, label, impl, fn, args, cost, oracle, tolerance, xla_ms, config=None):

@@ -41,14 +41,17 @@ class Config:
   bwd_block_rows: int
   bwd_num_warps: int
   bwd_programs: int  # persistent backward grid size (one-pass rows)
+  programs: int = 0  # forward: 0 = a program per row block; else a persistent grid this size
+  prefetch: bool = False  # persistent loops load the next row block before computing this one
 
   def __post_init__(self):
     for name in ("block_rows", "block_cols", "num_warps", "bwd_block_rows", "bwd_num_warps"):
       value = getattr(self, name)
       if not is_pow2(value):
         raise ValueError(f"{name}={value} must be a power of two (Triton tiles are)")
-    if self.bwd_programs < 1:
-      raise ValueError(f"bwd_programs={self.bwd_programs} must be >= 1")
+    if self.bwd_programs < 1 or self.programs < 0:
+      raise ValueError(f"bwd_programs={self.bwd_programs} must be >= 1, "
+                       f"programs={self.programs} >= 0")
 
   def one_pass(self, n_cols: int) -> bool:
     return self.block_cols >= n_cols
@@ -92,8 +95,27 @@ def _centered(h, mean, col_mask):
   return centered if col_mask is None else jnp.where(col_mask[None, :], centered, 0.0)
 
 
+def _persistent(pid, programs, iters, load, compute, carry, prefetch):
+  """Runs ``compute(block, loaded, carry)`` over blocks pid, pid + programs, ...
+
+  With ``prefetch`` the next block's loads are issued before this block is
+  computed and stored, so their latency hides behind the arithmetic.
+  """
+  if not prefetch:
+    return lax.fori_loop(
+        0, iters, lambda i, c: compute(pid + i * programs, load(pid + i * programs), c), carry)
+
+  def body(i, state):
+    loaded, c = state
+    block = pid + i * programs
+    upcoming = load(block + programs)  # past the end on the last step: masked off, no traffic
+    return upcoming, compute(block, loaded, c)
+
+  return lax.fori_loop(0, iters, body, (load(pid), carry))[1]
+
+
 def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows,
-                block_cols, eps):
+                block_cols, eps, iters, prefetch):
   refs = list(refs)
   x_ref = refs.pop(0)
   r_ref = refs.pop(0) if has_residual else None
@@ -104,12 +126,14 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
   rstd_ref = refs.pop(0)
   mean_ref = refs.pop(0) if layer else None
 
-  row0 = pl.program_id(0) * block_rows
-  mask_rows = n_rows % block_rows != 0
+  pid = pl.program_id(0)
+  persistent = iters > 0
+  mask_rows = persistent or n_rows % block_rows != 0
+  mask_cols = n_cols % block_cols != 0
 
-  def tile(col0):
-    return Tile.at(row0, block_rows, col0, block_cols, n_rows=n_rows, n_cols=n_cols,
-                   mask_rows=mask_rows, mask_cols=n_cols % block_cols != 0)
+  def tile(block, col0=0):
+    return Tile.at(block * block_rows, block_rows, col0, block_cols, n_rows=n_rows,
+                   n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
 
   def load_h(t):
     h = t.load(x_ref)
@@ -121,21 +145,17 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
       y = y + t.load_cols(b_ref)[None, :]
     t.store(y_ref, y)
 
-  if block_cols >= n_cols:  # one pass, the row stays in registers
-    t = tile(0)
-    h = load_h(t)
-    if has_residual:
-      t.store(h_ref, h)
-    mean = jnp.sum(h, axis=1) / n_cols if layer else None
-    centered = _centered(h, mean, t.col_mask)
-    rstd = lax.rsqrt(jnp.sum(centered * centered, axis=1) / n_cols + eps)
-    write_y(t, h, mean, rstd)
-  else:  # chunked: statistics (Chan's parallel merge for the variance), then output
+  def write_stats(t, mean, rstd):
+    t.store_rows(rstd_ref, rstd)
+    if layer:
+      t.store_rows(mean_ref, mean)
+
+  if block_cols < n_cols:  # chunked: statistics (Chan's parallel merge), then output
     n_chunks = cdiv(n_cols, block_cols)
 
     def stats(c, carry):
       mean, m2, count = carry
-      t = tile(c * block_cols)
+      t = tile(pid, c * block_cols)
       h = load_h(t)
       if has_residual:
         t.store(h_ref, h)
@@ -157,17 +177,38 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
 
     @pl.loop(0, n_chunks)
     def _(c):
-      t = tile(c * block_cols)
+      t = tile(pid, c * block_cols)
       write_y(t, load_h(t), mean, rstd)  # x (+ residual) again: exact h, mostly L2 hits
 
-  t = tile(0)
-  t.store_rows(rstd_ref, rstd)
-  if layer:
-    t.store_rows(mean_ref, mean)
+    write_stats(tile(pid), mean, rstd)
+    return
+
+  # One pass: the rows stay in registers.
+  def load(block):
+    t = tile(block)
+    return tuple(t.load_raw(ref) for ref in (x_ref, r_ref) if ref is not None)
+
+  def compute(block, loaded, carry):
+    t = tile(block)
+    h = loaded[0].astype(jnp.float32)
+    if has_residual:
+      h = h + loaded[1].astype(jnp.float32)
+      t.store(h_ref, h)
+    mean = jnp.sum(h, axis=1) / n_cols if layer else None
+    centered = _centered(h, mean, t.col_mask)
+    rstd = lax.rsqrt(jnp.sum(centered * centered, axis=1) / n_cols + eps)
+    write_y(t, h, mean, rstd)
+    write_stats(t, mean, rstd)
+    return carry
+
+  if persistent:
+    _persistent(pid, pl.num_programs(0), iters, load, compute, (), prefetch)
+  else:
+    compute(pid, load(pid), ())
 
 
 def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols,
-                         block_rows, block_cols, iters, mask_rows):
+                         block_rows, block_cols, iters, mask_rows, prefetch):
   refs = list(refs)
   h_ref, s_ref, dy_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   dh_ref = refs.pop(0) if has_dh else None
@@ -183,11 +224,18 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
   scale = Tile.columns(0, block_cols, n_cols=n_cols, mask_cols=mask_cols)
   s = scale.load_cols(s_ref)
 
-  def body(i, carry):
+  def tile(block):
+    return Tile.at(block * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
+                   n_cols=n_cols, mask_rows=mask_rows or prefetch, mask_cols=mask_cols)
+
+  def load(block):
+    t = tile(block)
+    return tuple(t.load_raw(ref) for ref in (h_ref, dy_ref, dh_ref) if ref is not None)
+
+  def compute(block, loaded, carry):
     ds, db = carry
-    t = Tile.at((pid + i * programs) * block_rows, block_rows, 0, block_cols,
-                n_rows=n_rows, n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
-    h, dy = t.load(h_ref), t.load(dy_ref)
+    t = tile(block)
+    h, dy = loaded[0].astype(jnp.float32), loaded[1].astype(jnp.float32)
     rstd = t.load_rows(rstd_ref)  # 0 for rows past the end: no inf, no NaN
     mean = t.load_rows(mean_ref) if layer else None
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
@@ -197,7 +245,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
       dh = dh - (jnp.sum(g, axis=1) / n_cols)[:, None]
     dh = dh * rstd[:, None]
     if has_dh:
-      dh = dh + t.load(dh_ref)
+      dh = dh + loaded[2].astype(jnp.float32)
     t.store(dx_ref, dh)
     if dual_dx:
       t.store(dr_ref, dh)
@@ -207,7 +255,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
     return ds, db
 
   zeros = jnp.zeros((block_cols,), jnp.float32)
-  ds, db = lax.fori_loop(0, iters, body, (zeros, zeros))
+  ds, db = _persistent(pid, programs, iters, load, compute, (zeros, zeros), prefetch)
   offsets = pid * n_cols + scale.cols
   store_vector(ds_ref, offsets, ds, scale.col_mask)
   if has_bias:
@@ -272,10 +320,16 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
             interpret=False):
   """x, residual: (M, N). Returns (y, h or None, stats) with stats = (rstd,) or (rstd, mean)."""
   n_rows, n_cols = x.shape
+  n_blocks = cdiv(n_rows, config.block_rows)
+  programs = n_blocks
+  iters = 0  # a program per row block
+  if config.programs and config.one_pass(n_cols):
+    programs = min(config.programs, n_blocks)
+    iters = cdiv(n_blocks, programs)
   kernel = functools.partial(
       _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
       n_rows=n_rows, n_cols=n_cols, block_rows=config.block_rows,
-      block_cols=config.block_cols, eps=eps)
+      block_cols=config.block_cols, eps=eps, iters=iters, prefetch=config.prefetch)
   stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
   if residual is not None:
@@ -286,7 +340,7 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(cdiv(n_rows, config.block_rows),),
+      grid=(programs,),
       compiler_params=triton_params(config.num_warps),
       cost_estimate=cost.estimate(),
       interpret=interpret,
@@ -326,7 +380,7 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
         _bwd_one_pass_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
         dual_dx=dual_dx, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
         block_cols=config.block_cols, iters=iters,
-        mask_rows=iters * programs * block_rows != n_rows)
+        mask_rows=iters * programs * block_rows != n_rows, prefetch=config.prefetch)
     partial_sums = jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)
     out_shape += [partial_sums] * (2 if bias is not None else 1)
     outs = pl.pallas_call(
