@@ -94,6 +94,26 @@ def time_call(fn: Callable, args: Sequence[Any], *, rounds: int, calls: int,
   return statistics.median(times)
 
 
+def time_sets(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds: int,
+              calls: int) -> float:
+  """Median device seconds per execution of ``fn`` over several distinct argument sets.
+
+  One jitted program runs ``fn`` on every set back to back, so a host dispatch
+  (tens of microseconds here, as long as a small kernel) is paid once per
+  ``len(arg_sets)`` executions: the time is the device's, as inside a training
+  step. Distinct inputs keep XLA from merging the calls and the L2 from serving
+  a repeat read.
+  """
+  batched = jax.jit(lambda sets: [fn(*a) for a in sets])
+  sets = [tuple(a) for a in arg_sets]
+  return time_call(batched, (sets,), rounds=rounds, calls=calls) / len(sets)
+
+
+def sets_for(bytes_per_set: int, budget: int = 3 << 30, most: int = 8) -> int:
+  """How many distinct input sets to rotate through: up to ``most``, within ``budget`` bytes."""
+  return max(1, min(most, budget // max(bytes_per_set, 1)))
+
+
 def relative_error(out, ref) -> float:
   """max |out - ref| / max |ref|, the worst over all leaves; computed on the device in float32."""
   worst = 0.0

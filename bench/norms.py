@@ -85,20 +85,23 @@ def run(session: harness.Session, sweep: bool = False) -> None:
   for name, layer, residual in CASES:
     args = _inputs(rows, cols, dtype, layer, residual)
     x, r, s, b, dy, dh = args
+    n_sets = 1 if session.interpret else harness.sets_for(roofline.nbytes(*args))
+    sets = [args] + [_inputs(rows, cols, dtype, layer, residual, seed) for seed in range(1, n_sets)]
     fwd_cost = roofline.norm_fwd(x, s, b, r, layer=layer)
     bwd_cost = roofline.norm_bwd(x, s, b, r, layer=layer)
     for label, builder, cost in (
         ("fwd", lambda op: _fwd(op), fwd_cost),
         ("fwd+bwd", lambda op: _fwd_bwd(op, residual), fwd_cost + bwd_cost),
     ):
-      bench_args = args[:4] if label == "fwd" else args
+      bench_sets = [a[:4] if label == "fwd" else a for a in sets]
+      bench_args = bench_sets[0]
       # The oracle: the float32 spec on the same values, upcast (no output rounding).
       oracle = builder(_op(layer, "xla"))(*[a.astype(jnp.float32) if a is not None else None
                                             for a in bench_args])
       # Tolerance: twice the error of the naive bf16 computation (DESIGN.md, Numerics).
       baseline = builder(_reference(layer, dtype))(*bench_args)
       tolerance = 2 * harness.relative_error(baseline, oracle)
-      xla_ms = _time(session, name, label, "xla", builder(_op(layer, "xla")), bench_args, cost,
+      xla_ms = _time(session, name, label, "xla", builder(_op(layer, "xla")), bench_sets, cost,
                      oracle, tolerance, None)
       configs = [None]
       if sweep and residual and kernel == "triton" and not session.interpret:
@@ -106,12 +109,12 @@ def run(session: harness.Session, sweep: bool = False) -> None:
       for config in configs:
         with context():
           fn = builder(_op(layer, kernel, config))
-          _time(session, name, label, kernel, fn, bench_args, cost, oracle, tolerance, xla_ms,
+          _time(session, name, label, kernel, fn, bench_sets, cost, oracle, tolerance, xla_ms,
                 config)
       if label == "fwd" and session.platform == "gpu" and not residual:
         example = _jax_pallas_example(layer)
         if example is not None:
-          _time(session, name, label, "jax_pallas_triton", example, bench_args, cost, None,
+          _time(session, name, label, "jax_pallas_triton", example, bench_sets, cost, None,
                 None, xla_ms)
 
 
@@ -131,7 +134,8 @@ def _triton_sweep(rows, cols, label):
           for r, w in ((1, 4), (1, 8), (2, 8)) for p in (264, 528) for f in (False, True)]
 
 
-def _time(session, name, label, impl, fn, args, cost, oracle, tolerance, xla_ms, config=None):
+def _time(session, name, label, impl, fn, sets, cost, oracle, tolerance, xla_ms, config=None):
+  args = sets[0]
   row = harness.Row("norms", f"{name} {label}", impl, "x".join(map(str, args[0].shape)),
                     str(args[0].dtype), config=repr(config) if config else None)
   try:
@@ -142,7 +146,7 @@ def _time(session, name, label, impl, fn, args, cost, oracle, tolerance, xla_ms,
         row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
         session.add(row)
         return None
-    seconds = harness.time_call(fn, args, rounds=session.rounds, calls=session.calls)
+    seconds = harness.time_sets(fn, sets, rounds=session.rounds, calls=session.calls)
   except Exception as e:  # a kernel that fails to build is a row, not a crash of the suite
     row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
     session.add(row)

@@ -1,0 +1,22 @@
+"""python -m bench.show RESULT.json [filter]: a results file as a compact table."""
+
+import json
+import re
+import sys
+
+
+def main(path, pattern=""):
+  record = json.load(open(path))
+  print(record["device"], "jax", record["jax"], record["commit"], record["date"])
+  for r in record["rows"]:
+    if pattern and pattern not in f"{r['name']} {r['impl']}":
+      continue
+    config = re.sub(r"block_cols=\d+, |Config\(|\)", "", r["config"] or "")
+    ms = "" if r["ms"] is None else f"{r['ms']:.4f}"
+    gbps = "" if r["gbps"] is None else f"{r['gbps']:.0f}"
+    vs = "" if r["vs_xla"] is None else f"{r['vs_xla']:.2f}"
+    print(f"{r['name']:28s} {r['impl']:18s} {ms:>8s} {gbps:>6s} {vs:>5s} {config} {r['note'][:90]}")
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
