@@ -13,16 +13,22 @@ import sys
 
 import jax
 
-from bench import ceilings, harness, norms
+from bench import ceilings, elementwise, harness, norms, softmax
 
-SUITES = {"norms": norms.run, "ceilings": ceilings.run}
+SUITES = {
+    "norms": norms.run,
+    "elementwise": elementwise.run,
+    "softmax": softmax.run,
+    "ceilings": ceilings.run,
+}
+DEFAULT = ("norms", "elementwise", "softmax")
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("suites", nargs="*", choices=[*SUITES, []], default=[],
-                      help=f"suites to run (default: all of {', '.join(SUITES)})")
+                      help=f"suites to run (default: {', '.join(DEFAULT)})")
   parser.add_argument("--smoke", action="store_true", help="small shapes (default on a CPU)")
   parser.add_argument("--sweep", action="store_true", help="also time candidate kernel configs")
   parser.add_argument("--rounds", type=int, default=None, help="timing rounds (median taken)")
@@ -35,13 +41,13 @@ def main(argv=None) -> int:
   session = harness.Session(smoke=smoke, rounds=args.rounds or (3 if on_cpu else 20),
                             calls=args.calls if not on_cpu else 1)
   print(harness.environment_line(session), flush=True)
-  suites = args.suites or list(SUITES)
+  suites = args.suites or list(DEFAULT)
   harness.copy_bandwidth(session)
   for name in suites:
-    if name == "norms":
-      SUITES[name](session, sweep=args.sweep)
-    else:
+    if name == "ceilings":
       SUITES[name](session)
+    else:
+      SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run
     harness.copy_bandwidth(session).name = "copy (end of run)"
   path = harness.save(session, suites, args.out)

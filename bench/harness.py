@@ -223,3 +223,102 @@ def environment_line(session: Session) -> str:
           "they say nothing about speed" if session.interpret else "compiled kernels")
   return (f"device: {session.device.device_kind} ({session.platform}); jax {jax.__version__}; "
           f"{mode}; {os.cpu_count()} CPUs")
+
+
+# --------------------------------------------------------------------------- #
+# One op, forward and forward+backward, every implementation, against the oracle
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass
+class Case:
+  """What a suite times for one op at one shape.
+
+  ``op(implementation, config)`` and ``reference(compute_dtype)`` return
+  functions of the primal arguments; ``inputs(seed)`` draws (primals,
+  cotangents); ``grads`` picks the gradients the timed step returns (a fused
+  residual's gradient is dx's array: returning it twice would add a copy).
+  """
+
+  suite: str
+  name: str
+  inputs: Callable[[int], tuple[tuple, Any]]
+  op: Callable[[str, Any], Callable]
+  reference: Callable[[Any], Callable]
+  fwd_cost: Any
+  bwd_cost: Any
+  grads: tuple[int, ...]
+  dtype: Any
+  sweep: dict[str, list] = dataclasses.field(default_factory=dict)  # label -> kernel configs
+  anchors: dict[str, Callable] = dataclasses.field(default_factory=dict)  # fwd-only extras
+
+
+def _upcast(tree):
+  return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
+def _builders(case):
+  def fwd(fn):
+    return jax.jit(lambda primals, cts: fn(*primals))
+
+  def fwd_bwd(fn):
+    @jax.jit
+    def step(primals, cts):
+      out, vjp = jax.vjp(fn, *primals)
+      grads = vjp(cts)
+      # The outputs are returned so XLA cannot skip the forward's writes.
+      return out, tuple(grads[i] for i in case.grads)
+    return step
+
+  return {"fwd": (fwd, case.fwd_cost), "fwd+bwd": (fwd_bwd, case.fwd_cost + case.bwd_cost)}
+
+
+def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
+  import contextlib
+
+  import jaxkernels as jk
+
+  context = jk.interpret_mode if session.interpret else contextlib.nullcontext
+  first = case.inputs(0)
+  n_sets = 1 if session.interpret else sets_for(
+      sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)))
+  sets = [first] + [case.inputs(seed) for seed in range(1, n_sets)]
+  shape = "x".join(map(str, jax.tree.leaves(first[0])[0].shape))
+  for label, (build, cost) in _builders(case).items():
+    # The oracle: the float32 spec on the same values, upcast (no output rounding).
+    oracle = build(case.reference(jnp.float32))(*_upcast(first))
+    # Tolerance: twice the error of the naive low-precision computation (DESIGN.md).
+    baseline = build(case.reference(case.dtype))(*first)
+    tolerance = 2 * relative_error(baseline, oracle)
+
+    def measure(impl, fn, config=None, check=True):
+      row = Row(case.suite, f"{case.name} {label}", impl, shape, jnp.dtype(case.dtype).name,
+                config=repr(config) if config is not None else None)
+      try:
+        with context():
+          out = fn(*first)
+          if check:
+            row.error, row.tolerance = relative_error(out, oracle), tolerance
+            if not row.error <= tolerance:
+              row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
+              return session.add(row)
+          seconds = time_sets(fn, sets, rounds=session.rounds, calls=session.calls)
+      except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a row
+        row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+        return session.add(row)
+      row.ms = seconds * 1e3
+      row.gbps = cost.bytes / seconds / 1e9
+      if session.chip is not None:
+        row.pct_roofline = cost.percent_of_roofline(seconds, session.chip)
+      return session.add(row)
+
+    xla = measure("xla", build(case.op("xla", None)))
+    rows = [measure(session.kernel, build(case.op(session.kernel, None)))]
+    if sweep and not session.interpret:
+      rows += [measure(session.kernel, build(case.op(session.kernel, c)), c)
+               for c in case.sweep.get(label, [])]
+    if label == "fwd" and session.platform == "gpu":
+      rows += [measure(name, build(fn), check=False) for name, fn in case.anchors.items()]
+    for row in rows:
+      if row.ms and xla.ms:
+        row.vs_xla = xla.ms / row.ms

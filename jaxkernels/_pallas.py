@@ -91,16 +91,15 @@ class Tile:
   def index(self):
     return (self.rows[:, None], self.cols[None, :])
 
-  def load_raw(self, ref, other=0.0, eviction_policy=None):
+  def load_raw(self, ref, other=0.0):
     """ref[tile] in its own dtype, masked lanes read ``other``."""
     if self.mask is None:
-      return pltriton.load(ref.at[self.index], eviction_policy=eviction_policy)
-    return pltriton.load(ref.at[self.index], mask=self.mask, other=other,
-                         eviction_policy=eviction_policy)
+      return pltriton.load(ref.at[self.index])
+    return pltriton.load(ref.at[self.index], mask=self.mask, other=other)
 
-  def load(self, ref, other=0.0, eviction_policy=None):
+  def load(self, ref, other=0.0):
     """ref[tile] as float32, masked lanes read ``other``."""
-    return self.load_raw(ref, other, eviction_policy).astype(jnp.float32)
+    return self.load_raw(ref, other).astype(jnp.float32)
 
   def store(self, ref, value):
     pltriton.store(ref.at[self.index], value.astype(ref.dtype), mask=self.mask)

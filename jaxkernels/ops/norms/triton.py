@@ -28,9 +28,15 @@ from jaxkernels._pallas import Tile, cdiv, is_pow2, next_pow2, store_vector, tri
 
 # Widest row (power-of-two padded) kept in registers in one pass; wider rows are chunked.
 MAX_ONE_PASS_COLS = 16384
-# Elements per program in the forward: 16K bf16 = 32 KiB per input tile, 8 x 16-byte loads
-# per thread at 8 warps: enough bytes in flight per SM to cover HBM latency.
-TARGET_TILE = 16384
+# Elements per forward program. Measured on an H200 at (16384, 4096) bf16 with device timing
+# (bench/NOTES.md, run 3): 2 rows x 8 warps (32 elements a thread) 3464 GB/s, 1 x 4 3381,
+# 4 x 8 3416; a persistent grid and register prefetch were slower.
+TARGET_TILE = 8192
+# The backward holds ~6 float32 values per element live: 1 row x 8 warps was best (bwd 0.155 ms);
+# 4 rows x 4 warps spilled (2-3 ms).
+TARGET_BWD_TILE = 4096
+# Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
+BWD_PROGRAMS_PER_SM = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,17 +47,14 @@ class Config:
   bwd_block_rows: int
   bwd_num_warps: int
   bwd_programs: int  # persistent backward grid size (one-pass rows)
-  programs: int = 0  # forward: 0 = a program per row block; else a persistent grid this size
-  prefetch: bool = False  # persistent loops load the next row block before computing this one
 
   def __post_init__(self):
     for name in ("block_rows", "block_cols", "num_warps", "bwd_block_rows", "bwd_num_warps"):
       value = getattr(self, name)
       if not is_pow2(value):
         raise ValueError(f"{name}={value} must be a power of two (Triton tiles are)")
-    if self.bwd_programs < 1 or self.programs < 0:
-      raise ValueError(f"bwd_programs={self.bwd_programs} must be >= 1, "
-                       f"programs={self.programs} >= 0")
+    if self.bwd_programs < 1:
+      raise ValueError(f"bwd_programs={self.bwd_programs} must be >= 1")
 
   def one_pass(self, n_cols: int) -> bool:
     return self.block_cols >= n_cols
@@ -63,15 +66,11 @@ def heuristic(x, scale, bias, residual, chip: hardware.Chip) -> Config:
   n_rows, n_cols = x.shape
   padded = next_pow2(n_cols)
   block_cols = padded if padded <= MAX_ONE_PASS_COLS else 4096
-  block_rows = max(1, min(TARGET_TILE // block_cols, 16, next_pow2(n_rows)))
-  tile = block_rows * block_cols
-  num_warps = max(4, min(16, tile // 2048))
-  # Backward tiles hold ~6 float32 values per element live: half the forward tile.
-  bwd_block_rows = max(1, block_rows // 2)
-  bwd_num_warps = max(4, min(16, bwd_block_rows * block_cols // 1024))
-  n_blocks = cdiv(n_rows, bwd_block_rows)
-  # Two resident programs per SM: the register file (64K) holds two 8-warp programs of <=128 regs.
-  bwd_programs = max(1, min(n_blocks, 2 * chip.cores))
+  block_rows = max(1, min(TARGET_TILE // block_cols, next_pow2(n_rows)))
+  num_warps = max(4, min(16, block_rows * block_cols // 1024))
+  bwd_block_rows = max(1, min(TARGET_BWD_TILE // block_cols, next_pow2(n_rows)))
+  bwd_num_warps = max(4, min(16, bwd_block_rows * block_cols // 512))
+  bwd_programs = max(1, min(cdiv(n_rows, bwd_block_rows), BWD_PROGRAMS_PER_SM * chip.cores))
   return Config(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
                 bwd_block_rows=bwd_block_rows, bwd_num_warps=bwd_num_warps,
                 bwd_programs=bwd_programs)
@@ -95,27 +94,8 @@ def _centered(h, mean, col_mask):
   return centered if col_mask is None else jnp.where(col_mask[None, :], centered, 0.0)
 
 
-def _persistent(pid, programs, iters, load, compute, carry, prefetch):
-  """Runs ``compute(block, loaded, carry)`` over blocks pid, pid + programs, ...
-
-  With ``prefetch`` the next block's loads are issued before this block is
-  computed and stored, so their latency hides behind the arithmetic.
-  """
-  if not prefetch:
-    return lax.fori_loop(
-        0, iters, lambda i, c: compute(pid + i * programs, load(pid + i * programs), c), carry)
-
-  def body(i, state):
-    loaded, c = state
-    block = pid + i * programs
-    upcoming = load(block + programs)  # past the end on the last step: masked off, no traffic
-    return upcoming, compute(block, loaded, c)
-
-  return lax.fori_loop(0, iters, body, (load(pid), carry))[1]
-
-
 def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows,
-                block_cols, eps, iters, prefetch):
+                block_cols, eps):
   refs = list(refs)
   x_ref = refs.pop(0)
   r_ref = refs.pop(0) if has_residual else None
@@ -127,8 +107,7 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
   mean_ref = refs.pop(0) if layer else None
 
   pid = pl.program_id(0)
-  persistent = iters > 0
-  mask_rows = persistent or n_rows % block_rows != 0
+  mask_rows = n_rows % block_rows != 0
   mask_cols = n_cols % block_cols != 0
 
   def tile(block, col0=0):
@@ -184,31 +163,30 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
     return
 
   # One pass: the rows stay in registers.
-  def load(block):
-    t = tile(block)
-    return tuple(t.load_raw(ref) for ref in (x_ref, r_ref) if ref is not None)
-
-  def compute(block, loaded, carry):
-    t = tile(block)
-    h = loaded[0].astype(jnp.float32)
-    if has_residual:
-      h = h + loaded[1].astype(jnp.float32)
-      t.store(h_ref, h)
-    mean = jnp.sum(h, axis=1) / n_cols if layer else None
-    centered = _centered(h, mean, t.col_mask)
-    rstd = lax.rsqrt(jnp.sum(centered * centered, axis=1) / n_cols + eps)
-    write_y(t, h, mean, rstd)
-    write_stats(t, mean, rstd)
-    return carry
-
-  if persistent:
-    _persistent(pid, pl.num_programs(0), iters, load, compute, (), prefetch)
+  t = tile(pid)
+  h = load_h(t)
+  if has_residual:
+    t.store(h_ref, h)
+  if layer:
+    # Mean and variance in one pass, shifted by a pivot (each row's first value) so the two
+    # sums are independent reductions instead of a chain of two. Cancellation is bounded:
+    # (mean - pivot)^2 <= N * var for any pivot drawn from the row, so the variance loses at
+    # most ~N float32 ulps, and typically none.
+    first = Tile(t.rows, jnp.zeros((1,), jnp.int32), t.row_mask, None)
+    pivot = load_h(first)[:, 0]
+    shifted = _centered(h, pivot, t.col_mask)
+    s1 = jnp.sum(shifted, axis=1) / n_cols
+    var = jnp.maximum(jnp.sum(shifted * shifted, axis=1) / n_cols - s1 * s1, 0.0)
+    mean = pivot + s1
   else:
-    compute(pid, load(pid), ())
+    mean, var = None, jnp.sum(h * h, axis=1) / n_cols
+  rstd = lax.rsqrt(var + eps)
+  write_y(t, h, mean, rstd)
+  write_stats(t, mean, rstd)
 
 
 def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols,
-                         block_rows, block_cols, iters, mask_rows, prefetch):
+                         block_rows, block_cols, iters, mask_rows):
   refs = list(refs)
   h_ref, s_ref, dy_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   dh_ref = refs.pop(0) if has_dh else None
@@ -224,18 +202,11 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
   scale = Tile.columns(0, block_cols, n_cols=n_cols, mask_cols=mask_cols)
   s = scale.load_cols(s_ref)
 
-  def tile(block):
-    return Tile.at(block * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
-                   n_cols=n_cols, mask_rows=mask_rows or prefetch, mask_cols=mask_cols)
-
-  def load(block):
-    t = tile(block)
-    return tuple(t.load_raw(ref) for ref in (h_ref, dy_ref, dh_ref) if ref is not None)
-
-  def compute(block, loaded, carry):
+  def body(i, carry):  # row blocks pid, pid + programs, ...: d(scale) stays in registers
     ds, db = carry
-    t = tile(block)
-    h, dy = loaded[0].astype(jnp.float32), loaded[1].astype(jnp.float32)
+    t = Tile.at((pid + i * programs) * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
+                n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
+    h, dy = t.load(h_ref), t.load(dy_ref)
     rstd = t.load_rows(rstd_ref)  # 0 for rows past the end: no inf, no NaN
     mean = t.load_rows(mean_ref) if layer else None
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
@@ -245,7 +216,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
       dh = dh - (jnp.sum(g, axis=1) / n_cols)[:, None]
     dh = dh * rstd[:, None]
     if has_dh:
-      dh = dh + loaded[2].astype(jnp.float32)
+      dh = dh + t.load(dh_ref)
     t.store(dx_ref, dh)
     if dual_dx:
       t.store(dr_ref, dh)
@@ -255,7 +226,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
     return ds, db
 
   zeros = jnp.zeros((block_cols,), jnp.float32)
-  ds, db = _persistent(pid, programs, iters, load, compute, (zeros, zeros), prefetch)
+  ds, db = lax.fori_loop(0, iters, body, (zeros, zeros))
   offsets = pid * n_cols + scale.cols
   store_vector(ds_ref, offsets, ds, scale.col_mask)
   if has_bias:
@@ -320,16 +291,10 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
             interpret=False):
   """x, residual: (M, N). Returns (y, h or None, stats) with stats = (rstd,) or (rstd, mean)."""
   n_rows, n_cols = x.shape
-  n_blocks = cdiv(n_rows, config.block_rows)
-  programs = n_blocks
-  iters = 0  # a program per row block
-  if config.programs and config.one_pass(n_cols):
-    programs = min(config.programs, n_blocks)
-    iters = cdiv(n_blocks, programs)
   kernel = functools.partial(
       _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
       n_rows=n_rows, n_cols=n_cols, block_rows=config.block_rows,
-      block_cols=config.block_cols, eps=eps, iters=iters, prefetch=config.prefetch)
+      block_cols=config.block_cols, eps=eps)
   stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
   if residual is not None:
@@ -340,7 +305,7 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(programs,),
+      grid=(cdiv(n_rows, config.block_rows),),
       compiler_params=triton_params(config.num_warps),
       cost_estimate=cost.estimate(),
       interpret=interpret,
@@ -380,7 +345,7 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
         _bwd_one_pass_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
         dual_dx=dual_dx, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
         block_cols=config.block_cols, iters=iters,
-        mask_rows=iters * programs * block_rows != n_rows, prefetch=config.prefetch)
+        mask_rows=iters * programs * block_rows != n_rows)
     partial_sums = jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)
     out_shape += [partial_sums] * (2 if bias is not None else 1)
     outs = pl.pallas_call(

@@ -1,0 +1,69 @@
+"""bias_activation and glu, forward and forward+backward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import jaxkernels as jk
+from bench import harness, shapes
+from jaxkernels import roofline
+from jaxkernels.ops.elementwise import reference, triton
+
+
+def _sweep(rows, cols):
+  base = triton.heuristic(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16),
+                          harness.hardware.chip("H200"))
+  fields = dict(base.__dict__)
+  return {
+      "fwd": [triton.Config(**{**fields, "block_rows": r, "block_cols": c, "num_warps": w})
+              for r, c, w in ((1, 4096, 4), (4, 2048, 8), (4, 4096, 8))],
+      "fwd+bwd": [triton.Config(**{**fields, "bwd_block_rows": r, "bwd_num_warps": w,
+                                   "bwd_programs": p})
+                  for r, w, p in ((1, 4, 264), (2, 8, 264), (1, 8, 528))],
+  }
+
+
+def cases(session):
+  rows, cols = shapes.SMOKE_ROWS if session.smoke else shapes.HEADLINE_ROWS
+  dtype = jnp.bfloat16
+  out = []
+  for activation in ("gelu", "gelu_tanh", "silu"):
+    def draw(seed):
+      k = jax.random.split(jax.random.key(seed), 3)
+      x = jax.random.normal(k[0], (rows, cols), dtype)
+      b = 0.1 * jax.random.normal(k[1], (cols,), jnp.float32)
+      return (x, b), jax.random.normal(k[2], (rows, cols), dtype)
+
+    (x, b), _ = draw(0)
+    out.append(harness.Case(
+        suite="elementwise", name=f"bias+{activation}", inputs=draw,
+        op=lambda impl, config, a=activation: (
+            lambda x, b: jk.bias_activation(x, b, activation=a, implementation=impl,
+                                            config=config)),
+        reference=lambda cd, a=activation: (
+            lambda x, b: reference.bias_activation(x, b, activation=a, compute_dtype=cd)),
+        fwd_cost=roofline.bias_activation_fwd(x, b, activation),
+        bwd_cost=roofline.bias_activation_bwd(x, b, activation),
+        grads=(0, 1), dtype=dtype, sweep=_sweep(rows, cols) if activation == "gelu" else {}))
+  for activation in ("silu", "gelu"):
+    def draw(seed):
+      k = jax.random.split(jax.random.key(seed), 3)
+      g, u, dy = (jax.random.normal(key, (rows, cols), dtype) for key in k)
+      return (g, u), dy
+
+    (g, u), _ = draw(0)
+    out.append(harness.Case(
+        suite="elementwise", name=f"glu {activation}", inputs=draw,
+        op=lambda impl, config, a=activation: (
+            lambda g, u: jk.glu(g, u, activation=a, implementation=impl, config=config)),
+        reference=lambda cd, a=activation: (
+            lambda g, u: reference.glu(g, u, activation=a, compute_dtype=cd)),
+        fwd_cost=roofline.glu_fwd(g, u, activation), bwd_cost=roofline.glu_bwd(g, u, activation),
+        grads=(0, 1), dtype=dtype, sweep=_sweep(rows, cols) if activation == "silu" else {}))
+  return out
+
+
+def run(session: harness.Session, sweep: bool = False) -> None:
+  for case in cases(session):
+    harness.run_case(session, case, sweep=sweep)

@@ -1,0 +1,142 @@
+"""bias_activation and glu: validation, dispatch and the custom_vjp boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+
+from jaxkernels import _activations, _checks, backend
+from jaxkernels._pallas import rows_view
+from jaxkernels.ops.elementwise import mosaic_tpu, reference, triton
+
+_KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  implementation: str
+  config: Any
+  activation: str
+  interpret: bool
+
+  def call(self, name, *args):
+    return getattr(_KERNELS[self.implementation], name)(
+        *args, activation=self.activation, config=self.config,
+        interpret=backend.interpret_params(self.implementation, self.interpret))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _bias_activation(plan, x, bias):
+  return plan.call("bias_activation_fwd", x, bias)
+
+
+def _bias_activation_fwd(plan, x, bias):
+  return plan.call("bias_activation_fwd", x, bias), (x, bias)
+
+
+def _bias_activation_bwd(plan, saved, dy):
+  return plan.call("bias_activation_bwd", *saved, dy)
+
+
+_bias_activation.defvjp(_bias_activation_fwd, _bias_activation_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _glu(plan, gate, up):
+  return plan.call("glu_fwd", gate, up)
+
+
+def _glu_fwd(plan, gate, up):
+  return plan.call("glu_fwd", gate, up), (gate, up)
+
+
+def _glu_bwd(plan, saved, dy):
+  return plan.call("glu_bwd", *saved, dy)
+
+
+_glu.defvjp(_glu_fwd, _glu_bwd)
+
+
+def _kernel_reasons(target, first, named):
+  dtypes = _checks.kernel_dtype_reason(**named)
+  return {name: dtypes or module.unsupported(first, target.chip_for(name))
+          for name, module in _KERNELS.items()}
+
+
+def _plan(op, implementation, config, activation, **named):
+  """The kernel plan for this call, or None for the XLA reference."""
+  first = next(iter(named.values()))
+  target = backend.target_of(*named.values())
+  chosen = backend.select(op, implementation, target, _kernel_reasons(target, first, named))
+  kernels = _KERNELS.get(chosen)
+  _checks.config_type(op, chosen, config, kernels.Config if kernels else None)
+  if kernels is None or first.size == 0:
+    return None
+  config = config or kernels.heuristic(rows_view(first), target.chip_for(chosen))
+  return _Plan(chosen, config, activation, backend.interpreting())
+
+
+def _validate_bias_activation(x, bias, activation):
+  op = "bias_activation"
+  x = _checks.array(op, "x", x)
+  bias = _checks.vector(op, "bias", bias, x.shape[-1], "x")
+  return x, bias, _checks.choice(op, "activation", activation, _activations.ACTIVATIONS)
+
+
+def _validate_glu(gate, up, activation):
+  op = "glu"
+  gate = _checks.array(op, "gate", gate)
+  up = _checks.same_shape(op, "up", up, gate.shape, "gate")
+  if up.dtype != gate.dtype:
+    raise TypeError(f"{op}: up must have gate's dtype {gate.dtype}, got {up.dtype}")
+  return gate, up, _checks.choice(op, "activation", activation, _activations.ACTIVATIONS)
+
+
+def bias_activation(x, bias, *, activation: str, implementation=None, config=None):
+  """activation(x + bias) in one pass over memory, forward and backward.
+
+  Args:
+    x: (..., N) bfloat16, float16 or float32.
+    bias: (N,).
+    activation: "gelu" (exact, erf), "gelu_tanh", "silu" or "relu".
+    implementation: None (best available), "xla", "triton" or "mosaic_tpu".
+    config: the chosen kernel's Config; None picks one for the shape and device.
+
+  Returns:
+    An array shaped and typed like x. The backward recomputes the activation
+    from x and bias, and reduces d(bias) in the same pass that writes dx.
+  """
+  x, bias, activation = _validate_bias_activation(x, bias, activation)
+  plan = _plan("bias_activation", implementation, config, activation, x=x, bias=bias)
+  if plan is None:
+    return reference.bias_activation(x, bias, activation=activation)
+  return _bias_activation(plan, rows_view(x), bias).reshape(x.shape)
+
+
+def glu(gate, up, *, activation: str = "silu", implementation=None, config=None):
+  """activation(gate) * up in one pass: SwiGLU ("silu"), GeGLU ("gelu", "gelu_tanh").
+
+  Args:
+    gate, up: (..., N) arrays of one shape and dtype (bfloat16, float16, float32).
+    activation: applied to gate; "silu" by default.
+    implementation, config: as for :func:`bias_activation`.
+  """
+  gate, up, activation = _validate_glu(gate, up, activation)
+  plan = _plan("glu", implementation, config, activation, gate=gate, up=up)
+  if plan is None:
+    return reference.glu(gate, up, activation=activation)
+  return _glu(plan, rows_view(gate), rows_view(up)).reshape(gate.shape)
+
+
+def _registered(validate, names):
+  def reasons(a, b, *, activation="silu", **unused):
+    a, b, _ = validate(a, b, activation)
+    return _kernel_reasons(backend.target_of(a, b), a, dict(zip(names, (a, b))))
+  return reasons
+
+
+backend.register("bias_activation", _registered(_validate_bias_activation, ("x", "bias")))
+backend.register("glu", _registered(_validate_glu, ("gate", "up")))

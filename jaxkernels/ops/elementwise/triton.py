@@ -1,0 +1,191 @@
+"""Pallas Triton kernels for bias_activation and glu, forward and backward (CUDA GPUs, sm80+).
+
+Both are one read and one write of each operand: (rows, cols) tiles of
+``block_rows x block_cols``, float32 inside. The forward saves nothing beyond
+its inputs; the backward recomputes the activation (cheaper than storing it).
+d(bias) needs a sum over rows: a persistent grid of ``bwd_programs`` programs
+per column block strides over row blocks and keeps its partial sum in
+registers, one float32 partial row per program, summed by XLA afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxkernels import _activations, hardware, roofline
+from jaxkernels._pallas import Tile, cdiv, is_pow2, next_pow2, store_vector, triton_params
+
+# Elements per program: as for the norms (bench/NOTES.md), 8192 on 8 warps streams best.
+TARGET_TILE = 8192
+MAX_BLOCK_COLS = 4096
+# The backward holds the input, the cotangent and the activation's value and slope.
+TARGET_BWD_TILE = 4096
+BWD_PROGRAMS_PER_SM = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  block_rows: int
+  block_cols: int
+  num_warps: int
+  bwd_block_rows: int
+  bwd_num_warps: int
+  bwd_programs: int  # bias_activation backward: persistent programs per column block
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_cols", "num_warps", "bwd_block_rows", "bwd_num_warps"):
+      if not is_pow2(getattr(self, name)):
+        raise ValueError(f"{name}={getattr(self, name)} must be a power of two (Triton tiles are)")
+    if self.bwd_programs < 1:
+      raise ValueError(f"bwd_programs={self.bwd_programs} must be >= 1")
+
+
+def heuristic(x, chip: hardware.Chip) -> Config:
+  """x: the (M, N) view of the first operand."""
+  n_rows, n_cols = x.shape
+  block_cols = min(next_pow2(n_cols), MAX_BLOCK_COLS)
+  block_rows = max(1, min(TARGET_TILE // block_cols, next_pow2(n_rows)))
+  bwd_block_rows = max(1, min(TARGET_BWD_TILE // block_cols, next_pow2(n_rows)))
+  return Config(
+      block_rows=block_rows, block_cols=block_cols,
+      num_warps=max(4, min(8, block_rows * block_cols // 1024)),
+      bwd_block_rows=bwd_block_rows,
+      bwd_num_warps=max(4, min(8, bwd_block_rows * block_cols // 512)),
+      bwd_programs=max(1, min(cdiv(n_rows, bwd_block_rows),
+                              BWD_PROGRAMS_PER_SM * chip.cores // cdiv(n_cols, block_cols) or 1)))
+
+
+def unsupported(x, chip) -> str | None:
+  del x, chip
+  return None
+
+
+def _tile(row_block, col_block, *, n_rows, n_cols, block_rows, block_cols, mask_rows=None):
+  return Tile.at(row_block * block_rows, block_rows, col_block * block_cols, block_cols,
+                 n_rows=n_rows, n_cols=n_cols,
+                 mask_rows=n_rows % block_rows != 0 if mask_rows is None else mask_rows,
+                 mask_cols=n_cols % block_cols != 0)
+
+
+# --------------------------------------------------------------------------- #
+# Kernels
+# --------------------------------------------------------------------------- #
+
+
+def _bias_act_fwd_kernel(x_ref, b_ref, y_ref, *, activation, **tiling):
+  t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
+  z = t.load(x_ref) + t.load_cols(b_ref)[None, :]
+  t.store(y_ref, _activations.apply(activation, z))
+
+
+def _bias_act_bwd_kernel(x_ref, b_ref, dy_ref, dx_ref, db_ref, *, activation, iters, mask_rows,
+                         **tiling):
+  pid, col_block, programs = pl.program_id(0), pl.program_id(1), pl.num_programs(0)
+  n_cols, block_cols = tiling["n_cols"], tiling["block_cols"]
+  columns = Tile.columns(col_block * block_cols, block_cols, n_cols=n_cols,
+                         mask_cols=n_cols % block_cols != 0)
+  bias = columns.load_cols(b_ref)[None, :]
+
+  def body(i, db):
+    t = _tile(pid + i * programs, col_block, mask_rows=mask_rows, **tiling)
+    _, slope = _activations.value_and_grad(activation, t.load(x_ref) + bias)
+    dx = t.load(dy_ref) * slope
+    t.store(dx_ref, dx)
+    return db + jnp.sum(dx, axis=0)  # masked rows loaded dy = 0: they add nothing
+
+  db = lax.fori_loop(0, iters, body, jnp.zeros((block_cols,), jnp.float32))
+  store_vector(db_ref, pid * n_cols + columns.cols, db, columns.col_mask)
+
+
+def _glu_fwd_kernel(g_ref, u_ref, y_ref, *, activation, **tiling):
+  t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
+  t.store(y_ref, _activations.apply(activation, t.load(g_ref)) * t.load(u_ref))
+
+
+def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *, activation, **tiling):
+  t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
+  value, slope = _activations.value_and_grad(activation, t.load(g_ref))
+  dy = t.load(dy_ref)
+  t.store(dg_ref, dy * t.load(u_ref) * slope)
+  t.store(du_ref, dy * value)
+
+
+# --------------------------------------------------------------------------- #
+# Wrappers
+# --------------------------------------------------------------------------- #
+
+
+def _tiling(x, block_rows, config):
+  n_rows, n_cols = x.shape
+  return dict(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=config.block_cols)
+
+
+def _grid(x, block_rows, config):
+  return (cdiv(x.shape[0], block_rows), cdiv(x.shape[1], config.block_cols))
+
+
+def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False):
+  return pl.pallas_call(
+      functools.partial(_bias_act_fwd_kernel, activation=activation,
+                        **_tiling(x, config.block_rows, config)),
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      grid=_grid(x, config.block_rows, config),
+      compiler_params=triton_params(config.num_warps),
+      cost_estimate=roofline.bias_activation_fwd(x, bias, activation).estimate(),
+      interpret=interpret,
+      name=f"jk_bias_{activation}_fwd",
+  )(x, bias)
+
+
+def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=False):
+  n_rows, n_cols = x.shape
+  n_blocks, col_blocks = _grid(x, config.bwd_block_rows, config)
+  programs = min(config.bwd_programs, n_blocks)
+  iters = cdiv(n_blocks, programs)
+  dx, partial_sums = pl.pallas_call(
+      functools.partial(_bias_act_bwd_kernel, activation=activation, iters=iters,
+                        mask_rows=iters * programs * config.bwd_block_rows != n_rows,
+                        **_tiling(x, config.bwd_block_rows, config)),
+      out_shape=[jax.ShapeDtypeStruct(x.shape, dy.dtype),
+                 jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)],
+      grid=(programs, col_blocks),
+      compiler_params=triton_params(config.bwd_num_warps),
+      cost_estimate=roofline.bias_activation_bwd(x, bias, activation).estimate(),
+      interpret=interpret,
+      name=f"jk_bias_{activation}_bwd",
+  )(x, bias, dy)
+  return dx, partial_sums.reshape(programs, n_cols).sum(axis=0).astype(bias.dtype)
+
+
+def glu_fwd(gate, up, *, activation, config: Config, interpret=False):
+  return pl.pallas_call(
+      functools.partial(_glu_fwd_kernel, activation=activation,
+                        **_tiling(gate, config.block_rows, config)),
+      out_shape=jax.ShapeDtypeStruct(gate.shape, gate.dtype),
+      grid=_grid(gate, config.block_rows, config),
+      compiler_params=triton_params(config.num_warps),
+      cost_estimate=roofline.glu_fwd(gate, up, activation).estimate(),
+      interpret=interpret,
+      name=f"jk_glu_{activation}_fwd",
+  )(gate, up)
+
+
+def glu_bwd(gate, up, dy, *, activation, config: Config, interpret=False):
+  dg, du = pl.pallas_call(
+      functools.partial(_glu_bwd_kernel, activation=activation,
+                        **_tiling(gate, config.bwd_block_rows, config)),
+      out_shape=[jax.ShapeDtypeStruct(gate.shape, gate.dtype),
+                 jax.ShapeDtypeStruct(up.shape, up.dtype)],
+      grid=_grid(gate, config.bwd_block_rows, config),
+      compiler_params=triton_params(config.bwd_num_warps),
+      cost_estimate=roofline.glu_bwd(gate, up, activation).estimate(),
+      interpret=interpret,
+      name=f"jk_glu_{activation}_bwd",
+  )(gate, up, dy)
+  return dg, du
