@@ -257,20 +257,34 @@ def _upcast(tree):
   return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
 
-def _builders(case):
-  def fwd(fn):
-    return jax.jit(lambda primals, cts: fn(*primals))
+class _Timed:
+  """An implementation's forward, backward and forward+backward, each its own jitted program.
 
-  def fwd_bwd(fn):
-    @jax.jit
-    def step(primals, cts):
-      out, vjp = jax.vjp(fn, *primals)
-      grads = vjp(cts)
-      # The outputs are returned so XLA cannot skip the forward's writes.
-      return out, tuple(grads[i] for i in case.grads)
-    return step
+  The backward runs from residuals the forward saved to HBM, as in a training
+  step, where the rest of the network runs in between: timing forward and
+  backward in one program would let XLA fuse the forward into the backward.
+  """
 
-  return {"fwd": (fwd, case.fwd_cost), "fwd+bwd": (fwd_bwd, case.fwd_cost + case.bwd_cost)}
+  def __init__(self, fn, grads):
+    self.fwd = jax.jit(lambda primals: fn(*primals))
+    self.vjp_fwd = jax.jit(lambda primals: jax.vjp(fn, *primals))
+    self.bwd = jax.jit(lambda vjp_fn, cts: tuple(vjp_fn(cts)[i] for i in grads))
+
+  def outputs(self, label, primals, cts):
+    if label == "fwd":
+      return self.fwd(primals)
+    out, vjp_fn = self.vjp_fwd(primals)
+    return out, self.bwd(vjp_fn, cts)
+
+  def seconds(self, label, sets, session):
+    def timed(fn, arg_sets):
+      return time_sets(fn, arg_sets, rounds=session.rounds, calls=session.calls)
+    if label == "fwd":
+      return timed(self.fwd, [(p,) for p, _ in sets])
+    backward = timed(self.bwd, [(self.vjp_fwd(p)[1], c) for p, c in sets])
+    if label == "bwd":
+      return backward
+    return timed(self.vjp_fwd, [(p,) for p, _ in sets]) + backward
 
 
 def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
@@ -284,11 +298,13 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
       sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)))
   sets = [first] + [case.inputs(seed) for seed in range(1, n_sets)]
   shape = "x".join(map(str, jax.tree.leaves(first[0])[0].shape))
-  for label, (build, cost) in _builders(case).items():
+  costs = {"fwd": case.fwd_cost, "bwd": case.bwd_cost,
+           "fwd+bwd": case.fwd_cost + case.bwd_cost}
+  for label, cost in costs.items():
     # The oracle: the float32 spec on the same values, upcast (no output rounding).
-    oracle = build(case.reference(jnp.float32))(*_upcast(first))
+    oracle = _Timed(case.reference(jnp.float32), case.grads).outputs(label, *_upcast(first))
     # Tolerance: twice the error of the naive low-precision computation (DESIGN.md).
-    baseline = build(case.reference(case.dtype))(*first)
+    baseline = _Timed(case.reference(case.dtype), case.grads).outputs(label, *first)
     tolerance = 2 * relative_error(baseline, oracle)
 
     def measure(impl, fn, config=None, check=True):
@@ -296,13 +312,14 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
                 config=repr(config) if config is not None else None)
       try:
         with context():
-          out = fn(*first)
+          timed = _Timed(fn, case.grads)
           if check:
+            out = timed.outputs(label, *first)
             row.error, row.tolerance = relative_error(out, oracle), tolerance
             if not row.error <= tolerance:
               row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
               return session.add(row)
-          seconds = time_sets(fn, sets, rounds=session.rounds, calls=session.calls)
+          seconds = timed.seconds(label, sets, session)
       except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a row
         row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
         return session.add(row)
@@ -312,13 +329,14 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
         row.pct_roofline = cost.percent_of_roofline(seconds, session.chip)
       return session.add(row)
 
-    xla = measure("xla", build(case.op("xla", None)))
-    rows = [measure(session.kernel, build(case.op(session.kernel, None)))]
-    if sweep and not session.interpret:
-      rows += [measure(session.kernel, build(case.op(session.kernel, c)), c)
-               for c in case.sweep.get(label, [])]
+    xla = measure("xla", case.op("xla", None))
+    rows = [measure(session.kernel, case.op(session.kernel, None))]
+    sweep_label = "fwd+bwd" if label == "bwd" else label
+    if sweep and not session.interpret and label != "fwd+bwd":
+      rows += [measure(session.kernel, case.op(session.kernel, c), c)
+               for c in case.sweep.get(sweep_label, [])]
     if label == "fwd" and session.platform == "gpu":
-      rows += [measure(name, build(fn), check=False) for name, fn in case.anchors.items()]
+      rows += [measure(name, fn, check=False) for name, fn in case.anchors.items()]
     for row in rows:
       if row.ms and xla.ms:
         row.vs_xla = xla.ms / row.ms

@@ -33,40 +33,42 @@ def _horner(coefficients, x):
   return acc
 
 
-def erf(x):
+def erf(x, reciprocal=None):
   x = jnp.clip(x, -4.0, 4.0)
   x2 = x * x
-  return x * _horner(_ERF_NUM, x2) / _horner(_ERF_DEN, x2)
+  if reciprocal is None:
+    return x * _horner(_ERF_NUM, x2) / _horner(_ERF_DEN, x2)
+  return x * _horner(_ERF_NUM, x2) * reciprocal(_horner(_ERF_DEN, x2))
 
 
-def _sigmoid(x):
-  return 1.0 / (1.0 + jnp.exp(-x))
+def _sigmoid(x, reciprocal=None):
+  return 1.0 / (1.0 + jnp.exp(-x)) if reciprocal is None else reciprocal(1.0 + jnp.exp(-x))
 
 
-def apply(name: str, x):
-  """act(x) for float32 x."""
+def apply(name: str, x, reciprocal=None):
+  """act(x) for float32 x; ``reciprocal`` may swap in a faster 1/x (a kernel's hardware one)."""
   if name == "gelu":
-    return 0.5 * x * (1.0 + erf(x * _SQRT_HALF))
+    return 0.5 * x * (1.0 + erf(x * _SQRT_HALF, reciprocal))
   if name == "gelu_tanh":
     return 0.5 * x * (1.0 + jnp.tanh(_TANH_C * (x + _TANH_K * x * x * x)))
   if name == "silu":
-    return x * _sigmoid(x)
+    return x * _sigmoid(x, reciprocal)
   if name == "relu":
     return jnp.maximum(x, 0.0)
   raise ValueError(f"activation={name!r}: expected one of {ACTIVATIONS}")
 
 
-def value_and_grad(name: str, x):
+def value_and_grad(name: str, x, reciprocal=None):
   """(act(x), act'(x)) for float32 x, sharing the transcendental work."""
   if name == "gelu":
-    cdf = 0.5 * (1.0 + erf(x * _SQRT_HALF))
+    cdf = 0.5 * (1.0 + erf(x * _SQRT_HALF, reciprocal))
     return x * cdf, cdf + x * _INV_SQRT_2PI * jnp.exp(-0.5 * x * x)
   if name == "gelu_tanh":
     t = jnp.tanh(_TANH_C * (x + _TANH_K * x * x * x))
     du = _TANH_C * (1.0 + 3.0 * _TANH_K * x * x)
     return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
   if name == "silu":
-    s = _sigmoid(x)
+    s = _sigmoid(x, reciprocal)
     return x * s, s * (1.0 + x * (1.0 - s))
   if name == "relu":
     return jnp.maximum(x, 0.0), jnp.where(x > 0, 1.0, 0.0).astype(x.dtype)
