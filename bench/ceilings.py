@@ -29,10 +29,8 @@ def _stream_kernel(*refs, k, block_rows, block_cols, n_rows, n_cols, programs, i
     t = Tile.at(block * block_rows, block_rows, 0, block_cols, n_rows=n_rows, n_cols=n_cols,
                 mask_rows=iters > 0, mask_cols=False)
     for src, dst in zip(ins, outs):
-      if hint:
-        t.store(dst, t.load_raw(src))  # Tile's loads carry the streaming eviction hint
-      else:
-        t.store(dst, pltriton.load(src.at[t.index], mask=t.mask))
+      hint_kw = {"eviction_policy": "evict_first"} if hint else {}
+      t.store(dst, pltriton.load(src.at[t.index], mask=t.mask, **hint_kw))
 
   if iters:
     @pl.loop(0, iters)
@@ -42,7 +40,7 @@ def _stream_kernel(*refs, k, block_rows, block_cols, n_rows, n_cols, programs, i
     step(pid)
 
 
-def stream(arrays, block_rows, num_warps, programs=0, hint=True):
+def stream(arrays, block_rows, num_warps, programs=0, hint=False):
   n_rows, n_cols = arrays[0].shape
   n_blocks = cdiv(n_rows, block_rows)
   grid = min(programs, n_blocks) if programs else n_blocks

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxkernels import hardware, roofline
+from jaxkernels._activations import exp
 from jaxkernels._pallas import cdiv, round_up, sublanes, tpu_params
 from jaxkernels.ops.norms.mosaic_tpu import MAX_BLOCK_ROWS, vmem_limit
 
@@ -68,7 +69,7 @@ def unsupported(x, chip) -> str | None:
 def _fwd_kernel(x_ref, y_ref):
   x = x_ref[...].astype(jnp.float32)
   peak = jnp.max(x, axis=1, keepdims=True)
-  e = jnp.exp(x - jnp.where(peak == -jnp.inf, 0.0, peak))
+  e = exp(x - jnp.where(peak == -jnp.inf, 0.0, peak))
   total = jnp.sum(e, axis=1, keepdims=True)
   y_ref[...] = (e * (1.0 / jnp.where(total == 0, 1.0, total))).astype(y_ref.dtype)
 

@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import hardware, roofline
+from jaxkernels._activations import exp
 from jaxkernels._pallas import Tile, cdiv, is_pow2, next_pow2, triton_params
 
 MAX_ONE_PASS_COLS = 16384
@@ -69,7 +70,7 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols):
   if block_cols >= n_cols:
     t = tile(0)
     x = t.load(x_ref, other=-jnp.inf)
-    e = jnp.exp(x - _finite(jnp.max(x, axis=1))[:, None])
+    e = exp(x - _finite(jnp.max(x, axis=1))[:, None])
     total = jnp.sum(e, axis=1)
     t.store(y_ref, e * (1.0 / jnp.where(total == 0, 1.0, total))[:, None])
     return
@@ -79,7 +80,7 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols):
     x = tile(c).load(x_ref, other=-jnp.inf)
     new_peak = jnp.maximum(peak, jnp.max(x, axis=1))
     safe = _finite(new_peak)
-    total = total * jnp.exp(peak - safe) + jnp.sum(jnp.exp(x - safe[:, None]), axis=1)
+    total = total * exp(peak - safe) + jnp.sum(exp(x - safe[:, None]), axis=1)
     return new_peak, total
 
   n_chunks = cdiv(n_cols, block_cols)
@@ -91,7 +92,7 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols):
   @pl.loop(0, n_chunks)
   def _(c):
     t = tile(c)
-    t.store(y_ref, jnp.exp(t.load(x_ref, other=-jnp.inf) - peak[:, None]) * scale[:, None])
+    t.store(y_ref, exp(t.load(x_ref, other=-jnp.inf) - peak[:, None]) * scale[:, None])
 
 
 def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols):
