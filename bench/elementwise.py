@@ -17,10 +17,11 @@ def _sweep(rows, cols):
   fields = dict(base.__dict__)
   return {
       "fwd": [triton.Config(**{**fields, "block_rows": r, "block_cols": c, "num_warps": w})
-              for r, c, w in ((1, 4096, 4), (4, 2048, 8), (4, 4096, 8))],
+              for r, c, w in ((2, 4096, 4), (1, 4096, 8), (2, 4096, 8), (4, 4096, 8),
+                              (1, 2048, 2), (8, 1024, 8))],
       "fwd+bwd": [triton.Config(**{**fields, "bwd_block_rows": r, "bwd_num_warps": w,
                                    "bwd_programs": p})
-                  for r, w, p in ((1, 4, 264), (2, 8, 264), (1, 8, 528))],
+                  for r, w, p in ((4, 8, 264), (2, 8, 528))],
   }
 
 
@@ -45,7 +46,7 @@ def cases(session):
             lambda x, b: reference.bias_activation(x, b, activation=a, compute_dtype=cd)),
         fwd_cost=roofline.bias_activation_fwd(x, b, activation),
         bwd_cost=roofline.bias_activation_bwd(x, b, activation),
-        grads=(0, 1), dtype=dtype, sweep=_sweep(rows, cols) if activation == "gelu" else {}))
+        grads=(0, 1), dtype=dtype, sweep=_sweep(rows, cols) if activation == "silu" else {}))
   for activation in ("silu", "gelu"):
     def draw(seed):
       k = jax.random.split(jax.random.key(seed), 3)
