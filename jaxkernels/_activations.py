@@ -61,7 +61,9 @@ def apply(name: str, x, reciprocal=None):
   if name == "gelu":
     return 0.5 * x * (1.0 + erf(x * _SQRT_HALF, reciprocal))
   if name == "gelu_tanh":
-    return 0.5 * x * (1.0 + jnp.tanh(_TANH_C * (x + _TANH_K * x * x * x)))
+    # 0.5 * (1 + tanh(u)) == sigmoid(2u): the same function without 1 + tanh(u)'s
+    # cancellation for x << 0, and an exp instead of a tanh.
+    return x * _sigmoid(2.0 * _TANH_C * (x + _TANH_K * x * x * x), reciprocal)
   if name == "silu":
     return x * _sigmoid(x, reciprocal)
   if name == "relu":
@@ -75,9 +77,9 @@ def value_and_grad(name: str, x, reciprocal=None):
     cdf = 0.5 * (1.0 + erf(x * _SQRT_HALF, reciprocal))
     return x * cdf, cdf + x * _INV_SQRT_2PI * exp(-0.5 * x * x)
   if name == "gelu_tanh":
-    t = jnp.tanh(_TANH_C * (x + _TANH_K * x * x * x))
-    du = _TANH_C * (1.0 + 3.0 * _TANH_K * x * x)
-    return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+    s = _sigmoid(2.0 * _TANH_C * (x + _TANH_K * x * x * x), reciprocal)
+    du = 2.0 * _TANH_C * (1.0 + 3.0 * _TANH_K * x * x)
+    return x * s, s + x * s * (1.0 - s) * du
   if name == "silu":
     s = _sigmoid(x, reciprocal)
     return x * s, s * (1.0 + x * (1.0 - s))

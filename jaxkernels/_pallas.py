@@ -144,10 +144,12 @@ def store_vector(ref, offsets, value, mask):
 # --------------------------------------------------------------------------- #
 
 
-def tpu_params(dimension_semantics: tuple[str, ...], vmem_limit_bytes: int) -> Any:
+def tpu_params(dimension_semantics: tuple[str, ...], vmem_limit_bytes: int, interpret) -> Any:
+  """Mosaic compiler params. Interpreted, the grid semantics are left out: jax 0.10's TPU
+  interpreter does not extend them over the grid axis vmap adds (real Mosaic does)."""
   return pltpu.CompilerParams(
-      dimension_semantics=dimension_semantics, vmem_limit_bytes=int(vmem_limit_bytes)
-  )
+      dimension_semantics=None if interpret else dimension_semantics,
+      vmem_limit_bytes=int(vmem_limit_bytes))
 
 
 def sublanes(*dtypes) -> int:

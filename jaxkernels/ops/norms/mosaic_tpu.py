@@ -91,7 +91,7 @@ def _block_rows(n_rows, fitting, packing) -> int:
 
 def _rows_fwd_bwd(x, bias, residual, chip) -> tuple[int, int]:
   n_rows, n_cols = x.shape[:-1], x.shape[-1]
-  n_rows = math.prod(n_rows)
+  n_rows = max(math.prod(n_rows), 1)
   packing = sublanes(*(a.dtype for a in (x, residual) if a is not None))
   return tuple(
       _block_rows(n_rows, _fitting_rows(n_cols, *_streams(x, bias, residual, bwd), chip), packing)
@@ -222,7 +222,7 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
       grid=(cdiv(n_rows, rows),),
       in_specs=in_specs,
       out_specs=[row_block] * len(out_shape),
-      compiler_params=tpu_params(("parallel",), config.vmem_limit_bytes),
+      compiler_params=tpu_params(("parallel",), config.vmem_limit_bytes, interpret),
       cost_estimate=roofline.norm_fwd(x, scale, bias, residual, layer=layer).estimate(),
       interpret=interpret,
       name=f"jk_{'layer' if layer else 'rms'}_norm_fwd",
@@ -263,7 +263,7 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
       grid=(cores, per_core),
       in_specs=in_specs,
       out_specs=out_specs,
-      compiler_params=tpu_params(("parallel", "arbitrary"), config.vmem_limit_bytes),
+      compiler_params=tpu_params(("parallel", "arbitrary"), config.vmem_limit_bytes, interpret),
       cost_estimate=roofline.norm_bwd(dy, scale, bias, dh, layer=layer).estimate(),
       interpret=interpret,
       name=f"jk_{'layer' if layer else 'rms'}_norm_bwd",

@@ -89,7 +89,7 @@ def _call(kernel, inputs, out_dtype, config, cost, name, interpret):
       grid=(cdiv(x.shape[0], rows),),
       in_specs=[block] * len(inputs),
       out_specs=block,
-      compiler_params=tpu_params(("parallel",), config.vmem_limit_bytes),
+      compiler_params=tpu_params(("parallel",), config.vmem_limit_bytes, interpret),
       cost_estimate=cost.estimate(),
       interpret=interpret,
       name=name,

@@ -1,0 +1,1 @@
+"""Models built only on jaxkernels' public API."""

@@ -1,0 +1,53 @@
+"""Shared fixtures: TPU topologies for AOT compiles, and the seed in the report header."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import numerics
+
+TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+
+
+def pytest_report_header(config):
+  return f"jaxkernels test seed: {numerics.SEED} (set JAXKERNELS_TEST_SEED to replay)"
+
+
+@pytest.fixture(scope="session", params=sorted(TPU_TOPOLOGIES))
+def tpu_mesh(request):
+  """A one-device mesh of a real TPU generation's topology: compiles run the TPU compiler."""
+  import jax
+  from jax.experimental import topologies
+
+  try:
+    topology = topologies.get_topology_desc(platform="tpu",
+                                            topology_name=TPU_TOPOLOGIES[request.param])
+  except Exception as e:  # noqa: BLE001 - no libtpu: the `test` extra brings it
+    pytest.skip(f"no TPU compiler here ({type(e).__name__}: {e}); pip install '.[test]'")
+  return jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
+
+
+def aot_compile(mesh, fn, *shapes):
+  """Compiles fn for the mesh's TPU from ShapeDtypeStructs; returns the compiled text."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  sharding = NamedSharding(mesh, PartitionSpec())
+  args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes]
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(fn).lower(*args).compile()
+  return compiled.as_text()
+
+
+def cuda_lowering(fn, *shapes) -> str:
+  """fn exported for CUDA (Triton kernels serialized, no GPU needed): the StableHLO text."""
+  import jax
+  from jax import export
+
+  from jaxkernels._pallas import TRITON_CUSTOM_CALL
+
+  exported = export.export(
+      jax.jit(fn), platforms=["cuda"],
+      disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(*shapes)
+  return exported.mlir_module()

@@ -1,0 +1,137 @@
+"""Dispatch, the fallback warning, interpret mode, device detection, chip table and roofline."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxkernels as jk
+from jaxkernels import backend, hardware, roofline
+from jaxkernels.backend import Target
+
+CPU = Target("cpu", "cpu", True)
+H200 = Target("gpu", "NVIDIA H200", True)
+A100 = Target("gpu", "NVIDIA A100-SXM4-80GB", True)
+BOTH = {"triton": None, "mosaic_tpu": None}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+  monkeypatch.setattr(backend, "_WARNED", set())
+  monkeypatch.delenv("JAXKERNELS_INTERPRET", raising=False)
+
+
+def test_auto_on_cpu_falls_back_once_with_the_reason():
+  with pytest.warns(jk.FallbackWarning, match="jaxkernels.op: using the XLA reference"):
+    assert backend.select("op", None, CPU, BOTH) == "xla"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert backend.select("op", None, CPU, BOTH) == "xla"  # one time only
+
+
+def test_auto_on_gpu_prefers_a_kernel_and_names_why_not():
+  assert backend.select("op", None, H200, BOTH) == "triton"
+  with pytest.warns(jk.FallbackWarning, match="triton: rows too odd"):
+    assert backend.select("op", None, H200, {"triton": "rows too odd"}) == "xla"
+
+
+def test_explicit_implementation_that_cannot_serve_raises():
+  with pytest.raises(ValueError, match="implementation='triton' cannot serve this call: rows"):
+    backend.select("op", "triton", H200, {"triton": "rows too odd"})
+  with pytest.raises(ValueError, match="this op has no mosaic_gpu kernel"):
+    backend.select("op", "mosaic_gpu", H200, BOTH)
+  with pytest.raises(ValueError, match="mosaic_gpu needs a Hopper GPU"):
+    backend.select("op", "mosaic_gpu", A100, {"mosaic_gpu": None})
+  with pytest.raises(ValueError, match="mosaic_tpu compiles for TPUs"):
+    backend.select("op", "mosaic_tpu", H200, BOTH)
+
+
+def test_explicit_kernel_is_taken_at_its_word_while_tracing():
+  tracing = Target("cpu", "cpu", False)
+  assert backend.select("op", "mosaic_tpu", tracing, BOTH) == "mosaic_tpu"
+
+
+def test_interpret_mode_switch():
+  assert not backend.interpreting()
+  with jk.interpret_mode():
+    assert backend.interpreting()
+    assert backend.select("op", None, CPU, BOTH) == "mosaic_tpu"
+    assert backend.interpret_params("triton") is True
+    assert type(backend.interpret_params("mosaic_tpu")).__name__ == "InterpretParams"
+  with jk.interpret_mode("triton"):
+    assert backend.select("op", None, CPU, BOTH) == "triton"
+  assert backend.interpret_params("triton") is False
+  with pytest.raises(ValueError, match="interpret_mode"):
+    with jk.interpret_mode("cuda"):
+      pass
+
+
+def test_interpret_environment_variable(monkeypatch):
+  monkeypatch.setenv("JAXKERNELS_INTERPRET", "triton")
+  assert backend.select("op", None, CPU, BOTH) == "triton"
+  monkeypatch.setenv("JAXKERNELS_INTERPRET", "yes please")
+  with pytest.raises(ValueError, match="JAXKERNELS_INTERPRET='yes please' is not understood"):
+    backend.interpreting()
+
+
+def test_target_of_concrete_traced_and_mesh(tpu_mesh):
+  x = jnp.ones(3)
+  assert backend.target_of(x) == Target("cpu", "cpu", True)
+  seen = []
+  jax.jit(lambda a: seen.append(backend.target_of(a)) or a)(x)
+  assert seen[0].platform == "cpu" and not seen[0].concrete
+  with jax.set_mesh(tpu_mesh):
+    target = backend.target_of(jax.ShapeDtypeStruct((3,), jnp.float32))
+  assert target.platform == "tpu" and target.chip.platform == "tpu"
+
+
+def test_auto_dispatch_picks_the_tpu_kernel_for_a_tpu_mesh(tpu_mesh):
+  from tests.conftest import aot_compile
+
+  x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+  s = jax.ShapeDtypeStruct((256,), jnp.float32)
+  assert "jk_rms_norm_fwd" in aot_compile(tpu_mesh, lambda x, s: jk.rms_norm(x, s), x, s)
+
+
+def test_supports():
+  verdict = jk.supports("rms_norm", "triton", jnp.ones((2, 8)), jnp.ones(8))
+  assert not verdict and "interpret_mode" in verdict.reason
+  assert jk.supports("rms_norm", "xla", jnp.ones((2, 8)), jnp.ones(8))
+  with jk.interpret_mode():
+    assert jk.supports("softmax", "triton", jnp.ones((2, 8)))
+    assert not jk.supports("glu", "mosaic_tpu", jnp.ones((2, 8), jnp.float16),
+                           jnp.ones((2, 8), jnp.float16))
+  with pytest.raises(ValueError, match="unknown op 'matmul'"):
+    jk.supports("matmul", "triton", jnp.ones((2, 2)))
+  with pytest.raises(ValueError, match="scale must have shape"):
+    jk.supports("rms_norm", "triton", jnp.ones((2, 8)), jnp.ones(3))
+
+
+def test_chip_table():
+  assert hardware.chip_for("NVIDIA H200").name == "H200"
+  assert hardware.chip_for("NVIDIA H100 80GB HBM3").cores == 132
+  assert hardware.chip_for("TPU v5 lite").name == "TPU v5e"
+  assert hardware.chip_for("TPU v6 lite").mxu == 256
+  assert hardware.chip_for("TPU v5").cores == 2  # megacore
+  assert hardware.chip_for("Quantum Abacus") is None
+  h200 = hardware.chip("H200")
+  assert h200.copy_bandwidth == h200.measured["copy_bandwidth"] < h200.hbm_bandwidth
+  with pytest.raises(ValueError, match="unknown chip"):
+    hardware.chip("H300")
+
+
+def test_roofline():
+  x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+  s = jax.ShapeDtypeStruct((4096,), jnp.float32)
+  fwd = roofline.norm_fwd(x, s, None, x, layer=False)
+  assert fwd.bytes == 4 * 1024 * 4096 * 2 + 4096 * 4  # x, residual in; y, h out; scale
+  both = fwd + roofline.norm_bwd(x, s, None, x, layer=False)
+  assert both.bytes > fwd.bytes and both.flops > fwd.flops
+  h200 = hardware.chip("H200")
+  assert fwd.bound_seconds(h200) == pytest.approx(fwd.bytes / 4.24e12)
+  assert fwd.percent_of_roofline(fwd.bound_seconds(h200) * 2, h200) == pytest.approx(50.0)
+  estimate = fwd.estimate()
+  assert estimate.bytes_accessed == fwd.bytes and estimate.transcendentals == 1024

@@ -1,0 +1,162 @@
+"""bias_activation and glu: every backend against the float64 oracle, forward and backward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxkernels as jk
+from bench import shapes
+from jaxkernels import _activations
+from jaxkernels.ops.elementwise import reference
+from jaxkernels.ops.elementwise import triton as elementwise_triton
+from tests import numerics
+from tests.conftest import aot_compile, cuda_lowering
+
+ACTIVATIONS = _activations.ACTIVATIONS
+SMALL = ((1, 1), (3, 7), (37, 200), (130, 129), (9, 5000))
+
+
+class ElementwiseTest:
+  IMPL = "xla"
+
+  def bias_activation(self, activation, config=None):
+    return lambda x, b: jk.bias_activation(x, b, activation=activation,
+                                           implementation=self.IMPL, config=config)
+
+  def glu(self, activation, config=None):
+    return lambda g, u: jk.glu(g, u, activation=activation, implementation=self.IMPL,
+                               config=config)
+
+  def check(self, op_name, fn, reference_fn, primals, ct, dtype):
+    with jk.interpret_mode():
+      support = jk.supports(op_name, self.IMPL, *primals)
+      if not support:
+        pytest.skip(support.reason)
+      out, vjp = jax.vjp(fn, *primals)
+      got = (out, vjp(ct))
+    numerics.assert_matches(got, reference_fn, primals, ct, dtype=dtype,
+                            reduction=primals[0].size // primals[0].shape[-1])
+
+  def bias_inputs(self, shape, dtype, *labels):
+    gen = numerics.rng(type(self).__name__, "bias", shape, jnp.dtype(dtype).name, *labels)
+    return ((numerics.normal(gen, shape, dtype, 2.0),
+             numerics.normal(gen, (shape[-1],), jnp.float32, 0.5)),
+            numerics.normal(gen, shape, dtype))
+
+  def glu_inputs(self, shape, dtype, *labels):
+    gen = numerics.rng(type(self).__name__, "glu", shape, jnp.dtype(dtype).name, *labels)
+    return ((numerics.normal(gen, shape, dtype, 2.0), numerics.normal(gen, shape, dtype)),
+            numerics.normal(gen, shape, dtype))
+
+  @pytest.mark.parametrize("shape", SMALL + shapes.BATCHED)
+  @pytest.mark.parametrize("activation", ACTIVATIONS)
+  def test_bias_activation_float32(self, shape, activation):
+    primals, ct = self.bias_inputs(shape, jnp.float32, activation)
+    self.check("bias_activation", self.bias_activation(activation),
+               lambda cd: lambda x, b: reference.bias_activation(x, b, activation=activation,
+                                                                 compute_dtype=cd),
+               primals, ct, jnp.float32)
+
+  @pytest.mark.parametrize("shape", SMALL + shapes.BATCHED)
+  @pytest.mark.parametrize("activation", ACTIVATIONS)
+  def test_glu_float32(self, shape, activation):
+    primals, ct = self.glu_inputs(shape, jnp.float32, activation)
+    self.check("glu", self.glu(activation),
+               lambda cd: lambda g, u: reference.glu(g, u, activation=activation,
+                                                     compute_dtype=cd),
+               primals, ct, jnp.float32)
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("activation", ["gelu", "silu"])
+  def test_low_precision(self, dtype, activation):
+    primals, ct = self.bias_inputs((64, 384), dtype, activation)
+    self.check("bias_activation", self.bias_activation(activation),
+               lambda cd: lambda x, b: reference.bias_activation(x, b, activation=activation,
+                                                                 compute_dtype=cd),
+               primals, ct, dtype)
+    primals, ct = self.glu_inputs((64, 384), dtype, activation)
+    self.check("glu", self.glu(activation),
+               lambda cd: lambda g, u: reference.glu(g, u, activation=activation,
+                                                     compute_dtype=cd),
+               primals, ct, dtype)
+
+  def test_jit_vmap(self):
+    (x, b), _ = self.bias_inputs((4, 6, 40), jnp.float32, "vmap")
+    with jk.interpret_mode():
+      got = jax.jit(jax.vmap(self.bias_activation("silu"), in_axes=(1, None), out_axes=1))(x, b)
+    want = reference.bias_activation(x, b, activation="silu")
+    assert max(numerics.errors(got, want)) < 16 * numerics.F32_EPS
+
+
+class TestElementwiseXla(ElementwiseTest):
+  IMPL = "xla"
+
+
+class TestElementwiseTriton(ElementwiseTest):
+  IMPL = "triton"
+
+  def test_persistent_bias_backward_uneven(self):
+    """d(bias) over more row blocks than programs, column blocks narrower than the row."""
+    primals, ct = self.bias_inputs((37, 300), jnp.float32, "uneven")
+    config = elementwise_triton.Config(block_rows=4, block_cols=128, num_warps=4,
+                                       bwd_block_rows=2, bwd_num_warps=4, bwd_programs=5)
+    self.check("bias_activation", self.bias_activation("gelu", config),
+               lambda cd: lambda x, b: reference.bias_activation(x, b, activation="gelu",
+                                                                 compute_dtype=cd),
+               primals, ct, jnp.float32)
+
+  def test_lowers_for_cuda(self):
+    x = jax.ShapeDtypeStruct((256, 1000), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((1000,), jnp.float32)
+    for activation in ACTIVATIONS:
+      text = cuda_lowering(lambda x, b, dy: jax.vjp(self.bias_activation(activation), x, b)[1](dy),
+                           x, b, x)
+      assert f'name = "jk_bias_{activation}_bwd"' in text
+      text = cuda_lowering(lambda g, u, dy: jax.vjp(self.glu(activation), g, u)[1](dy), x, x, x)
+      assert f'name = "jk_glu_{activation}_bwd"' in text
+
+
+class TestElementwiseMosaicTpu(ElementwiseTest):
+  IMPL = "mosaic_tpu"
+
+  def test_aot_compiles(self, tpu_mesh):
+    for (rows, cols), dtype in (((1024, 6144), jnp.bfloat16), ((37, 200), jnp.float32)):
+      x = jax.ShapeDtypeStruct((rows, cols), dtype)
+      b = jax.ShapeDtypeStruct((cols,), jnp.float32)
+      for activation in ("gelu", "silu"):
+        text = aot_compile(
+            tpu_mesh, lambda x, b, dy: jax.vjp(self.bias_activation(activation), x, b)[1](dy),
+            x, b, x)
+        assert f"jk_bias_{activation}_bwd" in text
+        text = aot_compile(tpu_mesh, lambda g, u, dy: jax.vjp(self.glu(activation), g, u)[1](dy),
+                           x, x, x)
+        assert f"jk_glu_{activation}_bwd" in text
+
+
+class TestElementwiseErrors:
+  def test_bias_length(self):
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
+      jk.bias_activation(jnp.ones((2, 8)), jnp.ones(9), activation="gelu")
+
+  def test_unknown_activation(self):
+    with pytest.raises(ValueError, match="activation='tanh' is not one of"):
+      jk.bias_activation(jnp.ones((2, 8)), jnp.ones(8), activation="tanh")
+
+  def test_glu_shapes(self):
+    with pytest.raises(ValueError, match=r"up must have the shape of gate, \(2, 8\)"):
+      jk.glu(jnp.ones((2, 8)), jnp.ones((2, 4)))
+
+  def test_glu_dtypes(self):
+    with pytest.raises(TypeError, match="up must have gate's dtype float32, got bfloat16"):
+      jk.glu(jnp.ones((2, 8)), jnp.ones((2, 8), jnp.bfloat16))
+
+  def test_integer(self):
+    with pytest.raises(TypeError, match="gate must have a floating dtype"):
+      jk.glu(jnp.ones((2, 8), jnp.int8), jnp.ones((2, 8), jnp.int8))
+
+  def test_config_invariants(self):
+    with pytest.raises(ValueError, match="block_rows=3 must be a power of two"):
+      elementwise_triton.Config(block_rows=3, block_cols=128, num_warps=4, bwd_block_rows=1,
+                                bwd_num_warps=4, bwd_programs=1)

@@ -1,0 +1,259 @@
+"""rms_norm and layer_norm: every backend against the float64 oracle, forward and backward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxkernels as jk
+from bench import shapes
+from jaxkernels.ops.norms import reference
+from jaxkernels.ops.norms import triton as norms_triton
+from tests import numerics
+from tests.conftest import aot_compile, cuda_lowering
+
+EPS = 1e-5
+SMALL = ((1, 1), (3, 7), (37, 200), (130, 129))
+
+
+def _reference(layer):
+  def make(compute_dtype):
+    def f(x, scale, bias, residual):
+      if layer:
+        return reference.layer_norm(x, scale, bias, eps=EPS, residual=residual,
+                                    compute_dtype=compute_dtype)
+      return reference.rms_norm(x, scale, eps=EPS, residual=residual,
+                                compute_dtype=compute_dtype)
+    return f
+  return make
+
+
+class NormTest:
+  IMPL = "xla"
+
+  def op(self, layer, config=None):
+    def f(x, scale, bias, residual):
+      if layer:
+        return jk.layer_norm(x, scale, bias, eps=EPS, residual=residual,
+                             implementation=self.IMPL, config=config)
+      return jk.rms_norm(x, scale, eps=EPS, residual=residual, implementation=self.IMPL,
+                         config=config)
+    return f
+
+  def inputs(self, shape, dtype, layer, residual, residual_dtype=None, shift=0.0):
+    gen = numerics.rng(type(self).__name__, shape, jnp.dtype(dtype).name, layer, residual, shift)
+    n = shape[-1]
+    x = numerics.normal(gen, shape, dtype, shift=shift)
+    r = numerics.normal(gen, shape, residual_dtype or dtype) if residual else None
+    s = numerics.normal(gen, (n,), jnp.float32, 0.2, 1.0)
+    b = numerics.normal(gen, (n,), jnp.float32, 0.2) if layer else None
+    dy = numerics.normal(gen, shape, dtype)
+    dh = numerics.normal(gen, shape, residual_dtype or dtype) if residual else None
+    return (x, s, b, r), ((dy, dh) if residual else dy)
+
+  def check(self, layer, primals, ct, dtype, config=None):
+    x, s, b, r = primals
+    with jk.interpret_mode():
+      support = jk.supports("layer_norm" if layer else "rms_norm", self.IMPL, x, s, b, residual=r)
+      if not support:
+        pytest.skip(support.reason)
+      out, vjp = jax.vjp(self.op(layer, config), x, s, b, r)
+      got = (out, vjp(ct))
+    if x.shape[-1] == 1:
+      # A one-element row's gradient is eps / (x^2 + eps) times the cotangent, left over
+      # from cancelling two nearly equal terms: ill-conditioned in every implementation.
+      got, ct = out, None
+    numerics.assert_matches(got, _reference(layer), primals, ct,
+                            dtype=dtype, reduction=max(x.shape[-1], x.size // x.shape[-1]))
+    return got
+
+  @pytest.mark.parametrize("shape", SMALL + shapes.BATCHED)
+  @pytest.mark.parametrize("layer", [False, True])
+  @pytest.mark.parametrize("residual", [False, True])
+  def test_float32(self, shape, layer, residual):
+    primals, ct = self.inputs(shape, jnp.float32, layer, residual)
+    self.check(layer, primals, ct, jnp.float32)
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("layer", [False, True])
+  @pytest.mark.parametrize("residual", [False, True])
+  def test_low_precision(self, dtype, layer, residual):
+    primals, ct = self.inputs((64, 256), dtype, layer, residual)
+    self.check(layer, primals, ct, dtype)
+
+  @pytest.mark.parametrize("layer", [False, True])
+  def test_float32_residual_stream(self, layer):
+    """bf16 branch, float32 residual stream: h (and its gradient) stay float32."""
+    primals, ct = self.inputs((40, 96), jnp.bfloat16, layer, True, residual_dtype=jnp.float32)
+    (y, h), grads = self.check(layer, primals, ct, jnp.bfloat16)
+    assert (y.dtype, h.dtype) == (jnp.bfloat16, jnp.float32)
+    assert (grads[0].dtype, grads[3].dtype) == (jnp.bfloat16, jnp.float32)
+
+  def test_large_mean(self):
+    """Rows far from zero: the statistics must not cancel away the variance."""
+    primals, ct = self.inputs((16, 512), jnp.float32, True, False, shift=300.0)
+    self.check(True, primals, ct, jnp.float32)
+
+  def test_wide_rows(self):
+    primals, ct = self.inputs(shapes.ODD_ROWS[-1], jnp.float32, True, True)
+    self.check(True, primals, ct, jnp.float32)
+
+  def test_jit_vmap_over_inner_axis(self):
+    (x, s, _, _), _ = self.inputs((5, 3, 40), jnp.float32, False, False)
+    with jk.interpret_mode():
+      got = jax.jit(jax.vmap(lambda a: jk.rms_norm(a, s, eps=EPS, implementation=self.IMPL),
+                             in_axes=1, out_axes=1))(x)
+    want = reference.rms_norm(x, s, eps=EPS)
+    assert max(numerics.errors(got, want)) < 8 * numerics.F32_EPS
+
+  def test_checkpoint_grad(self):
+    primals, ct = self.inputs((24, 72), jnp.float32, True, True)
+
+    def loss(x, s, b, r):
+      y, h = self.op(True)(x, s, b, r)
+      return jnp.sum(y * ct[0]) + jnp.sum(h * ct[1])
+
+    with jk.interpret_mode():
+      got = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3)))(*primals)
+    want = jax.grad(lambda *a: jnp.sum(_reference(True)(jnp.float32)(*a)[0] * ct[0]) +
+                    jnp.sum(_reference(True)(jnp.float32)(*a)[1] * ct[1]),
+                    argnums=(0, 1, 2, 3))(*primals)
+    assert max(numerics.errors(got, want)) < 1e-5
+
+  def test_empty(self):
+    x = jnp.zeros((0, 8), jnp.float32)
+    with jk.interpret_mode():
+      y, h = jk.rms_norm(x, jnp.ones(8), residual=x, implementation=self.IMPL)
+    assert y.shape == h.shape == (0, 8)
+
+
+class TestNormsXla(NormTest):
+  IMPL = "xla"
+
+
+class TestNormsTriton(NormTest):
+  IMPL = "triton"
+
+  @pytest.mark.parametrize("layer", [False, True])
+  def test_chunked_path(self, layer):
+    """Rows wider than one register pass: statistics and output in chunks (Chan's merge)."""
+    primals, ct = self.inputs((9, 300), jnp.float32, layer, True, shift=3.0)
+    config = norms_triton.Config(block_rows=2, block_cols=64, num_warps=4, bwd_block_rows=2,
+                                 bwd_num_warps=4, bwd_programs=3)
+    assert not config.one_pass(300)
+    self.check(layer, primals, ct, jnp.float32, config)
+
+  def test_persistent_backward_uneven(self):
+    """More row blocks than programs, unevenly: strided blocks, masked tail, summed partials."""
+    primals, ct = self.inputs((37, 128), jnp.float32, True, True)
+    config = norms_triton.Config(block_rows=4, block_cols=128, num_warps=4, bwd_block_rows=2,
+                                 bwd_num_warps=4, bwd_programs=5)
+    self.check(True, primals, ct, jnp.float32, config)
+
+  @pytest.mark.parametrize("layer", [False, True])
+  def test_lowers_for_cuda_with_named_kernels(self, layer):
+    x = jax.ShapeDtypeStruct((256, 1000), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((1000,), jnp.float32)
+    name = "layer" if layer else "rms"
+
+    def loss(x, s, r):
+      y, h = self.op(layer)(x, s, s if layer else None, r)
+      return jnp.sum(y.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32))
+
+    # value_and_grad: the loss needs the forward, so remat shows as a second forward kernel.
+    plain = cuda_lowering(jax.value_and_grad(loss, argnums=(0, 1, 2)), x, s, x)
+    remat = cuda_lowering(jax.value_and_grad(jax.checkpoint(
+        loss, policy=jax.checkpoint_policies.nothing_saveable), argnums=(0, 1, 2)), x, s, x)
+    fwd, bwd = f'name = "jk_{name}_norm_fwd"', f'name = "jk_{name}_norm_bwd"'
+    assert (plain.count(fwd), plain.count(bwd)) == (1, 1)
+    assert (remat.count(fwd), remat.count(bwd)) == (2, 1)  # the forward is recomputed
+
+
+class TestNormsMosaicTpu(NormTest):
+  IMPL = "mosaic_tpu"
+
+  def test_checkpoint_grad(self, tpu_mesh):
+    """The TPU interpreter's callbacks cannot pass through remat: compile it for a TPU instead."""
+    def loss(x, s, r):
+      y, h = self.op(False)(x, s, None, r)
+      return jnp.sum(y.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32))
+
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((512,), jnp.float32)
+    remat = jax.checkpoint(loss, policy=jax.checkpoint_policies.nothing_saveable)
+    plain = aot_compile(tpu_mesh, jax.value_and_grad(loss, argnums=(0, 1, 2)), x, s, x)
+    text = aot_compile(tpu_mesh, jax.value_and_grad(remat, argnums=(0, 1, 2)), x, s, x)
+    assert "jk_rms_norm_bwd" in text
+    assert text.count("jk_rms_norm_fwd") > plain.count("jk_rms_norm_fwd")  # recomputed
+
+  @pytest.mark.parametrize("layer", [False, True])
+  def test_aot_compiles(self, tpu_mesh, layer):
+    def step(x, r, s, dy, dh):
+      out, vjp = jax.vjp(lambda x, r, s: self.op(layer)(x, s, s if layer else None, r), x, r, s)
+      return out, vjp((dy, dh))
+
+    for (rows, cols), dtype in (((1024, 4096), jnp.bfloat16), ((37, 200), jnp.float32)):
+      big = jax.ShapeDtypeStruct((rows, cols), dtype)
+      vec = jax.ShapeDtypeStruct((cols,), jnp.float32)
+      text = aot_compile(tpu_mesh, step, big, big, vec, big, big)
+      name = "layer" if layer else "rms"
+      assert f"jk_{name}_norm_fwd" in text and f"jk_{name}_norm_bwd" in text
+
+
+class TestNormErrors:
+  def test_rank(self):
+    with pytest.raises(ValueError, match="x must have rank >= 1"):
+      jk.rms_norm(jnp.float32(1.0), jnp.ones(1))
+
+  def test_scale_shape(self):
+    with pytest.raises(ValueError, match=r"scale must have shape \(8,\).*got shape \(7,\)"):
+      jk.rms_norm(jnp.ones((2, 8)), jnp.ones(7))
+
+  def test_bias_shape(self):
+    with pytest.raises(ValueError, match="bias must have shape"):
+      jk.layer_norm(jnp.ones((2, 8)), jnp.ones(8), jnp.ones((1, 8)))
+
+  def test_residual_shape(self):
+    with pytest.raises(ValueError, match=r"residual must have the shape of x, \(2, 8\)"):
+      jk.rms_norm(jnp.ones((2, 8)), jnp.ones(8), residual=jnp.ones((8,)))
+
+  def test_integer_dtype(self):
+    with pytest.raises(TypeError, match="x must have a floating dtype.*int32"):
+      jk.layer_norm(jnp.ones((2, 8), jnp.int32), jnp.ones(8))
+
+  @pytest.mark.parametrize("eps", [0.0, -1e-6, float("nan")])
+  def test_eps(self, eps):
+    with pytest.raises(ValueError, match="eps must be a finite float > 0"):
+      jk.rms_norm(jnp.ones((2, 8)), jnp.ones(8), eps=eps)
+
+  def test_traced_eps(self):
+    with pytest.raises(TypeError, match="eps must be a Python float"):
+      jax.jit(lambda e: jk.rms_norm(jnp.ones((2, 8)), jnp.ones(8), eps=e))(1e-6)
+
+  def test_zero_width(self):
+    with pytest.raises(ValueError, match="last dimension is normalized and must be > 0"):
+      jk.rms_norm(jnp.ones((2, 0)), jnp.ones(0))
+
+  def test_unknown_implementation(self):
+    with pytest.raises(ValueError, match="implementation='cuda' is not one of"):
+      jk.rms_norm(jnp.ones((2, 8)), jnp.ones(8), implementation="cuda")
+
+  def test_kernel_on_cpu_arrays_outside_interpret_mode(self):
+    with pytest.raises(ValueError, match="triton compiles for GPUs.*interpret_mode"):
+      jk.rms_norm(jnp.ones((2, 8)), jnp.ones(8), implementation="triton")
+
+  def test_float16_on_tpu(self):
+    with jk.interpret_mode(), pytest.raises(ValueError, match="float16 is not a TPU dtype"):
+      jk.rms_norm(jnp.ones((2, 8), jnp.float16), jnp.ones(8), implementation="mosaic_tpu")
+
+  def test_config_type(self):
+    config = norms_triton.Config(block_rows=1, block_cols=8, num_warps=4, bwd_block_rows=1,
+                                 bwd_num_warps=4, bwd_programs=1)
+    with jk.interpret_mode(), pytest.raises(TypeError, match="config for implementation="):
+      jk.rms_norm(jnp.ones((2, 8)), jnp.ones(8), implementation="mosaic_tpu", config=config)
+
+  def test_config_invariants(self):
+    with pytest.raises(ValueError, match="block_cols=100 must be a power of two"):
+      norms_triton.Config(block_rows=1, block_cols=100, num_warps=4, bwd_block_rows=1,
+                          bwd_num_warps=4, bwd_programs=1)

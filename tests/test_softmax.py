@@ -1,0 +1,110 @@
+"""softmax: every backend against the float64 oracle, forward and backward; masked rows."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkernels as jk
+from bench import shapes
+from jaxkernels.ops.softmax import reference
+from jaxkernels.ops.softmax import triton as softmax_triton
+from tests import numerics
+from tests.conftest import aot_compile, cuda_lowering
+
+SMALL = ((1, 1), (3, 7), (37, 200), (130, 129), shapes.ODD_ROWS[-1])
+
+
+def _reference(axis=-1):
+  return lambda cd: lambda x: reference.softmax(x, axis=axis, compute_dtype=cd)
+
+
+class SoftmaxTest:
+  IMPL = "xla"
+
+  def op(self, axis=-1, config=None):
+    return lambda x: jk.softmax(x, axis=axis, implementation=self.IMPL, config=config)
+
+  def inputs(self, shape, dtype, *labels):
+    gen = numerics.rng(type(self).__name__, shape, jnp.dtype(dtype).name, *labels)
+    return numerics.normal(gen, shape, dtype, 3.0), numerics.normal(gen, shape, dtype)
+
+  def check(self, x, ct, dtype, axis=-1, config=None):
+    with jk.interpret_mode():
+      support = jk.supports("softmax", self.IMPL, x, axis=axis)
+      if not support:
+        pytest.skip(support.reason)
+      out, vjp = jax.vjp(self.op(axis, config), x)
+      got = (out, vjp(ct))
+    numerics.assert_matches(got, _reference(axis), (x,), ct, dtype=dtype,
+                            reduction=x.shape[axis])
+    return got
+
+  @pytest.mark.parametrize("shape", SMALL + shapes.BATCHED)
+  def test_float32(self, shape):
+    self.check(*self.inputs(shape, jnp.float32), jnp.float32)
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  def test_low_precision(self, dtype):
+    self.check(*self.inputs((64, 384), dtype), dtype)
+
+  def test_axis(self):
+    x, ct = self.inputs((4, 37, 5), jnp.float32, "axis")
+    self.check(x, ct, jnp.float32, axis=1)
+
+  def test_masked_rows(self):
+    """Fully masked rows give zeros and zero gradients; partly masked rows ignore the mask."""
+    x, ct = self.inputs((6, 40), jnp.float32, "masked")
+    x = x.at[1].set(-jnp.inf).at[4, :25].set(-jnp.inf)
+    (y, (dx,)) = self.check(x, ct, jnp.float32)
+    assert np.all(np.asarray(y[1]) == 0) and np.all(np.asarray(dx[1]) == 0)
+    assert np.all(np.asarray(y[4, :25]) == 0)
+    assert np.all(np.isfinite(np.asarray(dx)))
+
+
+class TestSoftmaxXla(SoftmaxTest):
+  IMPL = "xla"
+
+
+class TestSoftmaxTriton(SoftmaxTest):
+  IMPL = "triton"
+
+  def test_online_path(self):
+    """Rows wider than one register pass: the online softmax, with a fully masked row."""
+    x, ct = self.inputs((5, 300), jnp.float32, "online")
+    x = x.at[2].set(-jnp.inf).at[3, 64:].set(-jnp.inf)
+    config = softmax_triton.Config(block_rows=2, block_cols=64, num_warps=4, bwd_block_rows=2,
+                                   bwd_num_warps=4)
+    y, (dx,) = self.check(x, ct, jnp.float32, config=config)
+    assert np.all(np.asarray(y[2]) == 0) and np.all(np.isfinite(np.asarray(dx)))
+
+  def test_lowers_for_cuda(self):
+    x = jax.ShapeDtypeStruct((64, 70000), jnp.bfloat16)
+    text = cuda_lowering(lambda x, dy: jax.vjp(self.op(), x)[1](dy), x, x)
+    assert 'name = "jk_softmax_fwd"' in text and 'name = "jk_softmax_bwd"' in text
+
+
+class TestSoftmaxMosaicTpu(SoftmaxTest):
+  IMPL = "mosaic_tpu"
+
+  def test_aot_compiles(self, tpu_mesh):
+    for (rows, cols), dtype in (((1024, 4096), jnp.bfloat16), ((37, 200), jnp.float32)):
+      x = jax.ShapeDtypeStruct((rows, cols), dtype)
+      text = aot_compile(tpu_mesh, lambda x, dy: jax.vjp(self.op(), x)[1](dy), x, x)
+      assert "jk_softmax_fwd" in text and "jk_softmax_bwd" in text
+
+
+class TestSoftmaxErrors:
+  def test_axis_range(self):
+    with pytest.raises(ValueError, match="axis=2 is out of range for an array of rank 2"):
+      jk.softmax(jnp.ones((2, 3)), axis=2)
+
+  def test_axis_type(self):
+    with pytest.raises(TypeError, match="axis must be an int"):
+      jk.softmax(jnp.ones((2, 3)), axis=(0, 1))
+
+  def test_integer(self):
+    with pytest.raises(TypeError, match="x must have a floating dtype"):
+      jk.softmax(jnp.ones((2, 3), jnp.int32))
