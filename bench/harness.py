@@ -160,6 +160,9 @@ def copy_bandwidth(session: Session) -> Row:
 
 
 def git_commit() -> str:
+  """The checkout's commit; JAXKERNELS_COMMIT where the tree travelled without .git."""
+  if os.environ.get("JAXKERNELS_COMMIT"):
+    return os.environ["JAXKERNELS_COMMIT"]
   try:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=pathlib.Path(__file__).parent, check=True)
