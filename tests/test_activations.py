@@ -30,7 +30,7 @@ def test_pointwise_accuracy(name):
 
 
 def test_gelu_left_tail_keeps_relative_accuracy():
-  """Where 1 + erf(x / sqrt 2) cancels, the erfc fit keeps the CDF's relative accuracy."""
+  """Where 1 + erf(x / sqrt 2) would cancel, the erfc fit keeps the CDF's relative accuracy."""
   x = np.linspace(-6, -4, 2001, dtype=np.float32)
   got = np.asarray(_activations.apply("gelu", jnp.asarray(x)), np.float64)
   with jax.enable_x64(True):
