@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 # Pick the jax flavour for the machine we are on: a CUDA GPU, a Cloud TPU VM, or the CPU.
 ACCEL := $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda; \
            elif ls /dev/accel0 /dev/vfio/0 >/dev/null 2>&1; then echo tpu; else echo cpu; fi)
-BENCH_EXTRAS := $(if $(filter cpu,$(ACCEL)),bench,bench,$(ACCEL))
+COMMA := ,
+BENCH_EXTRAS := bench$(if $(filter-out cpu,$(ACCEL)),$(COMMA)$(ACCEL))
 
 .PHONY: bench test clean
 

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import functools
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -53,26 +52,6 @@ def stream(arrays, block_rows, num_warps, programs=0, hint=False):
                         name="jk_stream")(*arrays)
 
 
-def _torch_copy(session, n_elements):
-  import torch
-
-  src = torch.randn(n_elements, dtype=torch.bfloat16, device="cuda")
-  dst = torch.empty_like(src)
-  for _ in range(3):
-    dst.copy_(src)
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(session.rounds):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(session.calls):
-      dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    times.append(start.elapsed_time(end) / 1e3 / session.calls)
-  return statistics.median(times)
-
-
 def run(session: harness.Session) -> None:
   if session.platform != "gpu":
     print("ceilings: GPU only; skipped")
@@ -80,7 +59,7 @@ def run(session: harness.Session) -> None:
   rows, cols = shapes.HEADLINE_ROWS
   n = rows * cols
   try:
-    seconds = _torch_copy(session, n)
+    seconds = harness.torch_copy_seconds(session, n)
     session.add(harness.Row("ceilings", "copy 128MiB", "torch", f"({n},)", "bfloat16",
                             ms=seconds * 1e3, gbps=4 * n / seconds / 1e9))
   except ImportError:

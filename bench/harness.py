@@ -126,30 +126,34 @@ def relative_error(out, ref) -> float:
   return worst
 
 
+def torch_copy_seconds(session: Session, n_elements: int) -> float:
+  """Median seconds of a torch device-to-device copy of n bf16 elements (CUDA events)."""
+  import torch
+
+  if not torch.cuda.is_available():
+    raise ImportError("torch sees no CUDA device")
+  src = torch.randn(n_elements, dtype=torch.bfloat16, device="cuda")
+  dst = torch.empty_like(src)
+  for _ in range(3):
+    dst.copy_(src)
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(session.rounds):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(session.calls):
+      dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / 1e3 / session.calls)
+  return statistics.median(times)
+
+
 def copy_bandwidth(session: Session) -> Row:
   """Device-to-device copy, bytes read + written per second: the memory ceiling of the run."""
   n = (1 << 30) if not session.smoke else (1 << 24)  # 2 GiB of bf16 (32 MiB smoke)
   try:
-    import torch
-
-    if not torch.cuda.is_available():
-      raise ImportError
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-      dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(session.rounds):
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      start.record()
-      for _ in range(session.calls):
-        dst.copy_(src)
-      end.record()
-      torch.cuda.synchronize()
-      times.append(start.elapsed_time(end) / 1e3 / session.calls)
-    seconds, impl = statistics.median(times), "torch"
-    del src, dst
+    seconds, impl = torch_copy_seconds(session, n), "torch"
   except ImportError:
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     seconds = time_call(jax.jit(lambda a: -a), (x,), rounds=session.rounds, calls=session.calls)

@@ -1,9 +1,11 @@
 """python -m bench.profile: run each headline norm kernel a few times, for `ncu` to profile.
 
-Example (on the GPU machine):
-  ncu --clock-control none --kernel-name regex:jk_ --launch-skip 4 --launch-count 6 \\
-      --section SpeedOfLight --section Occupancy --section LaunchStats \\
-      --section WarpStateStats --section MemoryWorkloadAnalysis python -m bench.profile
+Example (on the GPU machine). Without XLA_PYTHON_CLIENT_PREALLOCATE=false, JAX holds most of
+the GPU's memory and ncu saves and restores all of it for every replay pass (500 s for 14
+kernels, bench/NOTES.md run 3b); profile few kernels:
+  XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:jk_rms \\
+      --launch-skip 4 --launch-count 2 --section SpeedOfLight --section Occupancy \\
+      --section LaunchStats --section WarpStateStats python -m bench.profile
 """
 
 from __future__ import annotations

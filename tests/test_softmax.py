@@ -54,6 +54,12 @@ class SoftmaxTest:
     x, ct = self.inputs((4, 37, 5), jnp.float32, "axis")
     self.check(x, ct, jnp.float32, axis=1)
 
+  def test_jit_vmap(self):
+    x, _ = self.inputs((4, 6, 40), jnp.float32, "vmap")
+    with jk.interpret_mode():
+      got = jax.jit(jax.vmap(self.op(), in_axes=1, out_axes=1))(x)
+    assert max(numerics.errors(got, reference.softmax(x))) < 8 * numerics.F32_EPS
+
   def test_masked_rows(self):
     """Fully masked rows give zeros and zero gradients; partly masked rows ignore the mask."""
     x, ct = self.inputs((6, 40), jnp.float32, "masked")

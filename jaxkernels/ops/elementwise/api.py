@@ -19,45 +19,30 @@ _KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 class _Plan:
   implementation: str
   config: Any
+  op: str  # "bias_activation" or "glu": the kernels are <op>_fwd and <op>_bwd
   activation: str
   interpret: bool
 
-  def call(self, name, *args):
-    return getattr(_KERNELS[self.implementation], name)(
+  def call(self, direction, *args):
+    return getattr(_KERNELS[self.implementation], f"{self.op}_{direction}")(
         *args, activation=self.activation, config=self.config,
         interpret=backend.interpret_params(self.implementation, self.interpret))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _bias_activation(plan, x, bias):
-  return plan.call("bias_activation_fwd", x, bias)
+def _fused(plan, a, b):
+  return plan.call("fwd", a, b)
 
 
-def _bias_activation_fwd(plan, x, bias):
-  return plan.call("bias_activation_fwd", x, bias), (x, bias)
+def _fused_fwd(plan, a, b):
+  return plan.call("fwd", a, b), (a, b)  # the backward recomputes the activation from these
 
 
-def _bias_activation_bwd(plan, saved, dy):
-  return plan.call("bias_activation_bwd", *saved, dy)
+def _fused_bwd(plan, saved, dy):
+  return plan.call("bwd", *saved, dy)
 
 
-_bias_activation.defvjp(_bias_activation_fwd, _bias_activation_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _glu(plan, gate, up):
-  return plan.call("glu_fwd", gate, up)
-
-
-def _glu_fwd(plan, gate, up):
-  return plan.call("glu_fwd", gate, up), (gate, up)
-
-
-def _glu_bwd(plan, saved, dy):
-  return plan.call("glu_bwd", *saved, dy)
-
-
-_glu.defvjp(_glu_fwd, _glu_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _kernel_reasons(target, first, named):
@@ -76,7 +61,7 @@ def _plan(op, implementation, config, activation, **named):
   if kernels is None or first.size == 0:
     return None
   config = config or kernels.heuristic(rows_view(first), target.chip_for(chosen))
-  return _Plan(chosen, config, activation, backend.interpreting())
+  return _Plan(chosen, config, op, activation, backend.interpreting())
 
 
 def _validate_bias_activation(x, bias, activation):
@@ -113,7 +98,7 @@ def bias_activation(x, bias, *, activation: str, implementation=None, config=Non
   plan = _plan("bias_activation", implementation, config, activation, x=x, bias=bias)
   if plan is None:
     return reference.bias_activation(x, bias, activation=activation)
-  return _bias_activation(plan, rows_view(x), bias).reshape(x.shape)
+  return _fused(plan, rows_view(x), bias).reshape(x.shape)
 
 
 def glu(gate, up, *, activation: str = "silu", implementation=None, config=None):
@@ -128,7 +113,7 @@ def glu(gate, up, *, activation: str = "silu", implementation=None, config=None)
   plan = _plan("glu", implementation, config, activation, gate=gate, up=up)
   if plan is None:
     return reference.glu(gate, up, activation=activation)
-  return _glu(plan, rows_view(gate), rows_view(up)).reshape(gate.shape)
+  return _fused(plan, rows_view(gate), rows_view(up)).reshape(gate.shape)
 
 
 def _registered(validate, names):

@@ -137,18 +137,28 @@ def _grid(x, block_rows, config):
   return (cdiv(x.shape[0], block_rows), cdiv(x.shape[1], config.block_cols))
 
 
-def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False):
+def _tiled_call(kernel, operands, out_shape, *, backward, activation, config, cost, name,
+                interpret, grid=None, **static):
+  """A pallas_call over (row block, column block) tiles of the first operand."""
+  x = operands[0]
+  block_rows = config.bwd_block_rows if backward else config.block_rows
   return pl.pallas_call(
-      functools.partial(_bias_act_fwd_kernel, activation=activation,
-                        reciprocal=_reciprocal(interpret),
-                        **_tiling(x, config.block_rows, config)),
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-      grid=_grid(x, config.block_rows, config),
-      compiler_params=triton_params(config.num_warps),
-      cost_estimate=roofline.bias_activation_fwd(x, bias, activation).estimate(),
+      functools.partial(kernel, activation=activation, reciprocal=_reciprocal(interpret),
+                        **_tiling(x, block_rows, config), **static),
+      out_shape=out_shape,
+      grid=grid or _grid(x, block_rows, config),
+      compiler_params=triton_params(config.bwd_num_warps if backward else config.num_warps),
+      cost_estimate=cost.estimate(),
       interpret=interpret,
-      name=f"jk_bias_{activation}_fwd",
-  )(x, bias)
+      name=name,
+  )(*operands)
+
+
+def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False):
+  return _tiled_call(_bias_act_fwd_kernel, (x, bias), jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     backward=False, activation=activation, config=config,
+                     cost=roofline.bias_activation_fwd(x, bias, activation),
+                     name=f"jk_bias_{activation}_fwd", interpret=interpret)
 
 
 def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=False):
@@ -156,47 +166,29 @@ def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=Fa
   n_blocks, col_blocks = _grid(x, config.bwd_block_rows, config)
   programs = min(config.bwd_programs, n_blocks)
   iters = cdiv(n_blocks, programs)
-  dx, partial_sums = pl.pallas_call(
-      functools.partial(_bias_act_bwd_kernel, activation=activation,
-                        reciprocal=_reciprocal(interpret), iters=iters,
-                        mask_rows=iters * programs * config.bwd_block_rows != n_rows,
-                        **_tiling(x, config.bwd_block_rows, config)),
-      out_shape=[jax.ShapeDtypeStruct(x.shape, dy.dtype),
-                 jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)],
-      grid=(programs, col_blocks),
-      compiler_params=triton_params(config.bwd_num_warps),
-      cost_estimate=roofline.bias_activation_bwd(x, bias, activation).estimate(),
-      interpret=interpret,
-      name=f"jk_bias_{activation}_bwd",
-  )(x, bias, dy)
+  dx, partial_sums = _tiled_call(
+      _bias_act_bwd_kernel, (x, bias, dy),
+      [jax.ShapeDtypeStruct(x.shape, dy.dtype),
+       jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)],
+      backward=True, activation=activation, config=config,
+      cost=roofline.bias_activation_bwd(x, bias, activation), name=f"jk_bias_{activation}_bwd",
+      interpret=interpret, grid=(programs, col_blocks), iters=iters,
+      mask_rows=iters * programs * config.bwd_block_rows != n_rows)
   return dx, partial_sums.reshape(programs, n_cols).sum(axis=0).astype(bias.dtype)
 
 
 def glu_fwd(gate, up, *, activation, config: Config, interpret=False):
-  return pl.pallas_call(
-      functools.partial(_glu_fwd_kernel, activation=activation,
-                        reciprocal=_reciprocal(interpret),
-                        **_tiling(gate, config.block_rows, config)),
-      out_shape=jax.ShapeDtypeStruct(gate.shape, gate.dtype),
-      grid=_grid(gate, config.block_rows, config),
-      compiler_params=triton_params(config.num_warps),
-      cost_estimate=roofline.glu_fwd(gate, up, activation).estimate(),
-      interpret=interpret,
-      name=f"jk_glu_{activation}_fwd",
-  )(gate, up)
+  return _tiled_call(_glu_fwd_kernel, (gate, up), jax.ShapeDtypeStruct(gate.shape, gate.dtype),
+                     backward=False, activation=activation, config=config,
+                     cost=roofline.glu_fwd(gate, up, activation), name=f"jk_glu_{activation}_fwd",
+                     interpret=interpret)
 
 
 def glu_bwd(gate, up, dy, *, activation, config: Config, interpret=False):
-  dg, du = pl.pallas_call(
-      functools.partial(_glu_bwd_kernel, activation=activation,
-                        reciprocal=_reciprocal(interpret),
-                        **_tiling(gate, config.bwd_block_rows, config)),
-      out_shape=[jax.ShapeDtypeStruct(gate.shape, gate.dtype),
-                 jax.ShapeDtypeStruct(up.shape, up.dtype)],
-      grid=_grid(gate, config.bwd_block_rows, config),
-      compiler_params=triton_params(config.bwd_num_warps),
-      cost_estimate=roofline.glu_bwd(gate, up, activation).estimate(),
-      interpret=interpret,
-      name=f"jk_glu_{activation}_bwd",
-  )(gate, up, dy)
+  dg, du = _tiled_call(
+      _glu_bwd_kernel, (gate, up, dy),
+      [jax.ShapeDtypeStruct(gate.shape, gate.dtype), jax.ShapeDtypeStruct(up.shape, up.dtype)],
+      backward=True, activation=activation, config=config,
+      cost=roofline.glu_bwd(gate, up, activation), name=f"jk_glu_{activation}_bwd",
+      interpret=interpret)
   return dg, du

@@ -122,29 +122,25 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols
     t.store(dx_ref, t.load(y_ref) * (t.load(dy_ref) - inner[:, None]))
 
 
-def forward(x, *, config: Config, interpret=False):
-  n_rows, n_cols = x.shape
+def _row_call(kernel, operands, out_dtype, block_rows, num_warps, config, cost, name, interpret):
+  n_rows, n_cols = operands[0].shape
   return pl.pallas_call(
-      functools.partial(_fwd_kernel, n_rows=n_rows, n_cols=n_cols,
-                        block_rows=config.block_rows, block_cols=config.block_cols),
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-      grid=(cdiv(n_rows, config.block_rows),),
-      compiler_params=triton_params(config.num_warps),
-      cost_estimate=roofline.softmax_fwd(x).estimate(),
+      functools.partial(kernel, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
+                        block_cols=config.block_cols),
+      out_shape=jax.ShapeDtypeStruct(operands[0].shape, out_dtype),
+      grid=(cdiv(n_rows, block_rows),),
+      compiler_params=triton_params(num_warps),
+      cost_estimate=cost.estimate(),
       interpret=interpret,
-      name="jk_softmax_fwd",
-  )(x)
+      name=name,
+  )(*operands)
+
+
+def forward(x, *, config: Config, interpret=False):
+  return _row_call(_fwd_kernel, (x,), x.dtype, config.block_rows, config.num_warps, config,
+                   roofline.softmax_fwd(x), "jk_softmax_fwd", interpret)
 
 
 def backward(y, dy, *, config: Config, interpret=False):
-  n_rows, n_cols = y.shape
-  return pl.pallas_call(
-      functools.partial(_bwd_kernel, n_rows=n_rows, n_cols=n_cols,
-                        block_rows=config.bwd_block_rows, block_cols=config.block_cols),
-      out_shape=jax.ShapeDtypeStruct(y.shape, dy.dtype),
-      grid=(cdiv(n_rows, config.bwd_block_rows),),
-      compiler_params=triton_params(config.bwd_num_warps),
-      cost_estimate=roofline.softmax_bwd(y).estimate(),
-      interpret=interpret,
-      name="jk_softmax_bwd",
-  )(y, dy)
+  return _row_call(_bwd_kernel, (y, dy), dy.dtype, config.bwd_block_rows, config.bwd_num_warps,
+                   config, roofline.softmax_bwd(y), "jk_softmax_bwd", interpret)
