@@ -14,9 +14,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-# The custom-call targets the kernels lower to (for jax.export's safety checks).
+# The custom-call target Triton kernels lower to (for jax.export's safety checks).
 TRITON_CUSTOM_CALL = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
-TPU_CUSTOM_CALL = "tpu_custom_call"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,6 +57,14 @@ def fast_reciprocal(x):
       "rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
   return out
+
+
+def check_fields(config, names, ok, requirement: str) -> None:
+  """Raises ValueError naming the first of ``names`` whose value fails ``ok``."""
+  for name in names:
+    value = getattr(config, name)
+    if not ok(value):
+      raise ValueError(f"{name}={value} must be {requirement}")
 
 
 def both(a, b):
@@ -102,19 +109,15 @@ class Tile:
   def index(self):
     return (self.rows[:, None], self.cols[None, :])
 
-  def load_raw(self, ref, other=0.0):
-    """ref[tile] in its own dtype, masked lanes read ``other``.
+  def load(self, ref, other=0.0):
+    """ref[tile] as float32, masked lanes read ``other``.
 
     No eviction hint: evict_first on these streamed loads cost 1-5% on an H200
     (bench/NOTES.md, run 5).
     """
     if self.mask is None:
-      return pltriton.load(ref.at[self.index])
-    return pltriton.load(ref.at[self.index], mask=self.mask, other=other)
-
-  def load(self, ref, other=0.0):
-    """ref[tile] as float32, masked lanes read ``other``."""
-    return self.load_raw(ref, other).astype(jnp.float32)
+      return pltriton.load(ref.at[self.index]).astype(jnp.float32)
+    return pltriton.load(ref.at[self.index], mask=self.mask, other=other).astype(jnp.float32)
 
   def store(self, ref, value):
     pltriton.store(ref.at[self.index], value.astype(ref.dtype), mask=self.mask)

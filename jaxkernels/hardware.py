@@ -169,7 +169,6 @@ _BY_NAME = {chip.name: chip for chip in CHIPS}
 
 # When tracing for a TPU whose generation cannot be seen (AOT from a CPU host),
 # configs are sized for the smallest VMEM among the chips we compile for.
-DEFAULT_TPU = _BY_NAME["TPU v5e"]
 SMALLEST_VMEM_TPU = _BY_NAME["TPU v4"]
 DEFAULT_GPU = _BY_NAME["H100"]
 

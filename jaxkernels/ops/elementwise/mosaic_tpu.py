@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxkernels import _activations, hardware, roofline
-from jaxkernels._pallas import cdiv, sublanes, tpu_params, tpu_row_mask
+from jaxkernels._pallas import cdiv, check_fields, sublanes, tpu_params, tpu_row_mask
 from jaxkernels.ops.norms.mosaic_tpu import MAX_BLOCK_ROWS, vmem_limit
 
 # Widest block: rows up to this wide are whole; wider ones are cut into lane-aligned blocks.
@@ -30,9 +30,7 @@ class Config:
   vmem_limit_bytes: int
 
   def __post_init__(self):
-    for name in ("block_rows", "block_cols", "vmem_limit_bytes"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    check_fields(self, ("block_rows", "block_cols", "vmem_limit_bytes"), lambda v: v >= 1, ">= 1")
 
   def blocks(self, x) -> tuple[int, int]:
     """(rows, cols) of a block of the (M, N) array x, checked against TPU tiling."""

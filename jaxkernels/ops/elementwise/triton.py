@@ -19,8 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import _activations, hardware, roofline
-from jaxkernels._pallas import (Tile, cdiv, fast_reciprocal, is_pow2, next_pow2, store_vector,
-                                triton_params)
+from jaxkernels._pallas import (Tile, cdiv, check_fields, fast_reciprocal, is_pow2, next_pow2,
+                                store_vector, triton_params)
 
 # Elements per program. H200, (16384, 4096) bf16 (bench/NOTES.md, run 4): glu forward
 # 1 x 4096 on 4 warps 3965 GB/s, 2 x 4096 on 8 warps 3883; bias+gelu the same either way.
@@ -41,11 +41,9 @@ class Config:
   bwd_programs: int  # bias_activation backward: persistent programs per column block
 
   def __post_init__(self):
-    for name in ("block_rows", "block_cols", "num_warps", "bwd_block_rows", "bwd_num_warps"):
-      if not is_pow2(getattr(self, name)):
-        raise ValueError(f"{name}={getattr(self, name)} must be a power of two (Triton tiles are)")
-    if self.bwd_programs < 1:
-      raise ValueError(f"bwd_programs={self.bwd_programs} must be >= 1")
+    check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
+                        "bwd_num_warps"), is_pow2, "a power of two (Triton tiles are)")
+    check_fields(self, ("bwd_programs",), lambda v: v >= 1, ">= 1")
 
 
 def heuristic(x, chip: hardware.Chip) -> Config:

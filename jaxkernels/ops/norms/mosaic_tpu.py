@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import hardware, roofline
-from jaxkernels._pallas import cdiv, round_up, sublanes, tpu_params, tpu_row_mask
+from jaxkernels._pallas import cdiv, check_fields, round_up, sublanes, tpu_params, tpu_row_mask
 
 # Largest row block: past ~1024 rows per step the per-step overhead (~0.35 us) is already
 # under 5% of the step's HBM time on every generation, and bigger blocks only cost VMEM.
@@ -36,9 +36,7 @@ class Config:
   vmem_limit_bytes: int
 
   def __post_init__(self):
-    for name in ("block_rows", "bwd_block_rows", "vmem_limit_bytes"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    check_fields(self, ("block_rows", "bwd_block_rows", "vmem_limit_bytes"), lambda v: v >= 1, ">= 1")
 
   def rows(self, name: str, n_rows: int, *dtypes) -> int:
     """The block's row count for an (n_rows, N) array, checked against TPU tiling."""

@@ -24,7 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import hardware, roofline
-from jaxkernels._pallas import Tile, cdiv, is_pow2, next_pow2, store_vector, triton_params
+from jaxkernels._pallas import (Tile, cdiv, check_fields, is_pow2, next_pow2, store_vector,
+                                triton_params)
 
 # Widest row (power-of-two padded) kept in registers in one pass; wider rows are chunked.
 MAX_ONE_PASS_COLS = 16384
@@ -49,12 +50,9 @@ class Config:
   bwd_programs: int  # persistent backward grid size (one-pass rows)
 
   def __post_init__(self):
-    for name in ("block_rows", "block_cols", "num_warps", "bwd_block_rows", "bwd_num_warps"):
-      value = getattr(self, name)
-      if not is_pow2(value):
-        raise ValueError(f"{name}={value} must be a power of two (Triton tiles are)")
-    if self.bwd_programs < 1:
-      raise ValueError(f"bwd_programs={self.bwd_programs} must be >= 1")
+    check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
+                        "bwd_num_warps"), is_pow2, "a power of two (Triton tiles are)")
+    check_fields(self, ("bwd_programs",), lambda v: v >= 1, ">= 1")
 
   def one_pass(self, n_cols: int) -> bool:
     return self.block_cols >= n_cols

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 
 from jaxkernels import hardware, roofline
 from jaxkernels._activations import exp
-from jaxkernels._pallas import cdiv, round_up, sublanes, tpu_params
+from jaxkernels._pallas import cdiv, check_fields, round_up, sublanes, tpu_params
 from jaxkernels.ops.norms.mosaic_tpu import MAX_BLOCK_ROWS, vmem_limit
 
 
@@ -25,9 +25,7 @@ class Config:
   vmem_limit_bytes: int
 
   def __post_init__(self):
-    for name in ("block_rows", "vmem_limit_bytes"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    check_fields(self, ("block_rows", "vmem_limit_bytes"), lambda v: v >= 1, ">= 1")
 
   def rows(self, x) -> int:
     n_rows = x.shape[0]

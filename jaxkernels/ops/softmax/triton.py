@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from jaxkernels import hardware, roofline
 from jaxkernels._activations import exp
-from jaxkernels._pallas import Tile, cdiv, is_pow2, next_pow2, triton_params
+from jaxkernels._pallas import Tile, cdiv, check_fields, is_pow2, next_pow2, triton_params
 
 MAX_ONE_PASS_COLS = 16384
 CHUNK_COLS = 4096
@@ -34,9 +34,8 @@ class Config:
   bwd_num_warps: int
 
   def __post_init__(self):
-    for name in ("block_rows", "block_cols", "num_warps", "bwd_block_rows", "bwd_num_warps"):
-      if not is_pow2(getattr(self, name)):
-        raise ValueError(f"{name}={getattr(self, name)} must be a power of two (Triton tiles are)")
+    check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
+                        "bwd_num_warps"), is_pow2, "a power of two (Triton tiles are)")
 
 
 def heuristic(x, chip: hardware.Chip) -> Config:
@@ -60,12 +59,16 @@ def _finite(m):
   return jnp.where(m == -jnp.inf, 0.0, m)
 
 
-def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols):
-  row0 = pl.program_id(0) * block_rows
+def _chunk(row0, c, *, n_rows, n_cols, block_rows, block_cols):
+  """Column chunk c of the row block starting at row0."""
+  return Tile.at(row0, block_rows, c * block_cols, block_cols,
+                 n_rows=n_rows, n_cols=n_cols, mask_rows=n_rows % block_rows != 0,
+                 mask_cols=n_cols % block_cols != 0)
 
-  def tile(c):
-    return Tile.at(row0, block_rows, c * block_cols, block_cols, n_rows=n_rows, n_cols=n_cols,
-                   mask_rows=n_rows % block_rows != 0, mask_cols=n_cols % block_cols != 0)
+
+def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols):
+  tile = functools.partial(_chunk, pl.program_id(0) * block_rows, n_rows=n_rows,
+                           n_cols=n_cols, block_rows=block_rows, block_cols=block_cols)
 
   if block_cols >= n_cols:
     t = tile(0)
@@ -96,11 +99,8 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols):
 
 
 def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols):
-  row0 = pl.program_id(0) * block_rows
-
-  def tile(c):
-    return Tile.at(row0, block_rows, c * block_cols, block_cols, n_rows=n_rows, n_cols=n_cols,
-                   mask_rows=n_rows % block_rows != 0, mask_cols=n_cols % block_cols != 0)
+  tile = functools.partial(_chunk, pl.program_id(0) * block_rows, n_rows=n_rows,
+                           n_cols=n_cols, block_rows=block_rows, block_cols=block_cols)
 
   if block_cols >= n_cols:
     t = tile(0)
