@@ -13,13 +13,14 @@ import sys
 
 import jax
 
-from bench import ceilings, elementwise, harness, norms, softmax
+from bench import ceilings, elementwise, harness, matmul, norms, softmax
 
 SUITES = {
     "norms": norms.run,
     "elementwise": elementwise.run,
     "softmax": softmax.run,
     "ceilings": ceilings.run,
+    "matmul": matmul.run,
 }
 DEFAULT = ("norms", "elementwise", "softmax")
 
@@ -33,6 +34,10 @@ def main(argv=None) -> int:
   parser.add_argument("--sweep", action="store_true", help="also time candidate kernel configs")
   parser.add_argument("--rounds", type=int, default=None, help="timing rounds (median taken)")
   parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per round")
+  parser.add_argument("--step", type=int, default=128, help="matmul --sweep: size step")
+  parser.add_argument("--tune", action="store_true", help="matmul: autotune ours first")
+  parser.add_argument("--only", default=None,
+                      help="matmul: run only these parts, comma-separated (checks,headline,sweep)")
   parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results/<device>)")
   args = parser.parse_args(argv)
 
@@ -46,6 +51,9 @@ def main(argv=None) -> int:
   for name in suites:
     if name == "ceilings":
       SUITES[name](session)
+    elif name == "matmul":
+      matmul.run(session, sweep=args.sweep, step=args.step, tune_first=args.tune,
+                 only=args.only.split(",") if args.only else None)
     else:
       SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run

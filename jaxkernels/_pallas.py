@@ -14,6 +14,15 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+def mosaic_gpu_interpret_params() -> Any:
+  """The Mosaic GPU interpreter's params (threads, barriers, TMA and wgmma run on the CPU).
+
+  jax 0.10-0.11 keep the class private; this is the one place that names it.
+  """
+  from jax._src.pallas.mosaic_gpu.interpret import params
+  return params.InterpretGPUParams()
+
+
 # The custom-call target Triton kernels lower to (for jax.export's safety checks).
 TRITON_CUSTOM_CALL = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 

@@ -113,6 +113,10 @@ def interpret_params(implementation: str, on: bool | None = None) -> Any:
     from jax.experimental.pallas import tpu as pltpu
 
     return pltpu.InterpretParams()
+  if implementation == "mosaic_gpu":
+    from jaxkernels._pallas import mosaic_gpu_interpret_params
+
+    return mosaic_gpu_interpret_params()
   return True
 
 
@@ -242,7 +246,7 @@ def _auto_order(target: Target) -> tuple[str, ...]:
       return ()
     if setting in KERNELS:
       return (setting,)
-    return ("mosaic_tpu", "triton")
+    return ("mosaic_tpu", "triton", "mosaic_gpu")
   return PREFERENCE.get(target.platform, ())
 
 

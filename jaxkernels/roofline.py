@@ -124,3 +124,15 @@ def glu_bwd(gate, up, activation: str) -> Cost:
       2 * nbytes(gate, up) + nbytes(gate),
       gate.size * ACTIVATION_TRANSCENDENTALS[activation],
   )
+
+
+def matmul(m: int, n: int, k: int, *, in_itemsize: int, out_itemsize: int, epilogue_reads: int = 0,
+           activation: str | None = None, extra_outputs: int = 0) -> Cost:
+  """C (M, N) = A (M, K) @ B (K, N) with an epilogue reading ``epilogue_reads`` bytes.
+
+  ``extra_outputs`` counts further (M, N) outputs of out_itemsize (the saved pre-activation).
+  """
+  flops = 2 * m * n * k + m * n * (2 + ACTIVATION_FLOPS.get(activation, 0))
+  moved = (m * k + k * n) * in_itemsize + (1 + extra_outputs) * m * n * out_itemsize
+  return Cost(flops, moved + epilogue_reads,
+              m * n * ACTIVATION_TRANSCENDENTALS.get(activation, 0))

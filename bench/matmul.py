@@ -1,0 +1,377 @@
+"""matmul: ours (Mosaic GPU, Triton) against cuBLAS (torch), XLA and JAX's Pallas Hopper example.
+
+Headline cases are the issue's: bf16 8192^3 and 4096^3, the wave-quantization
+cliffs 8193^3 and 2049^3 (with their aligned neighbours), fp8 e4m3 8192^3,
+the fused bias+gelu epilogue against the plain product and against our product
+followed by XLA's fused bias+gelu, and a forward+backward with the epilogue.
+``--sweep`` adds square sizes 1024..8192 (step ``--step``, with odd neighbours)
+for ours, XLA and cuBLAS, and autotunes ours at the headline shape first.
+
+Every output is checked against an f32 product on the device before it is timed
+(tolerance: twice the error of XLA's own product in the same dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import statistics
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jaxkernels as jk
+from bench import harness
+from jaxkernels import tuning
+from jaxkernels.ops.matmul import mosaic_gpu, triton
+from jaxkernels.ops.matmul.common import Problem
+
+BF16 = jnp.bfloat16
+F8 = jnp.float8_e4m3fn
+
+
+def _inputs(m, n, k, dtype, seed, *, bias=False):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  a = jax.random.normal(keys[0], (m, k), jnp.float32)
+  b = jax.random.normal(keys[1], (k, n), jnp.float32) / (k ** 0.25)
+  a = a / (k ** 0.25)
+  out = [a.astype(dtype), b.astype(dtype)]
+  if bias:
+    out.append(jax.random.normal(keys[2], (n,), BF16))
+  return tuple(out)
+
+
+def _flops(m, n, k):
+  return 2.0 * m * n * k
+
+
+@functools.cache
+def _f32_product():
+  return jax.jit(lambda a, b: lax.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                                      precision=lax.Precision.HIGHEST))
+
+
+def _time(session, fn, m, n, k, dtype, *, bias=False, rounds=None):
+  n_sets = harness.sets_for((m * k + k * n) * jnp.dtype(dtype).itemsize, most=4)
+  sets = [_inputs(m, n, k, dtype, seed, bias=bias) for seed in range(n_sets)]
+  return harness.time_sets(fn, sets, rounds=rounds or session.rounds, calls=session.calls)
+
+
+def _torch_seconds(session, m, n, k, dtype="bfloat16", rounds=None):
+  import torch
+
+  if not torch.cuda.is_available():
+    raise ImportError("torch sees no CUDA device")
+  tdtype = {"bfloat16": torch.bfloat16}[dtype]
+  sets = [(torch.randn(m, k, device="cuda", dtype=tdtype), torch.randn(k, n, device="cuda",
+                                                                       dtype=tdtype))
+          for _ in range(harness.sets_for((m * k + k * n) * 2, most=4))]
+  for a, b in sets:
+    torch.matmul(a, b)
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(rounds or session.rounds):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(session.calls):
+      for a, b in sets:
+        torch.matmul(a, b)
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / 1e3 / session.calls / len(sets))
+  return statistics.median(times)
+
+
+def _jax_example(a, b):
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as example
+  config = example.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                                grid_minor_dim=example.MatmulDimension.N, grid_tile_width=8,
+                                wg_dimension=example.MatmulDimension.N)
+  return example.matmul(a, b, None, config)
+
+
+class _Bench:
+  def __init__(self, session, rows_out):
+    self.session = session
+
+  def row(self, name, impl, m, n, k, dtype, fn=None, *, seconds=None, check=True, bias=False,
+          flops=None, config=None, rounds=None, ref=None):
+    session = self.session
+    row = harness.Row("matmul", name, impl, f"{m}x{n}x{k}", jnp.dtype(dtype).name,
+                      config=None if config is None else repr(config))
+    try:
+      if seconds is None:
+        jitted = jax.jit(fn)
+        if check:
+          args = _inputs(m, n, k, dtype, 0, bias=bias)
+          want = (ref or _f32_product())(*args)
+          got = jitted(*args)
+          naive = jax.jit(lambda a, b: (a @ b) if jnp.dtype(dtype) != F8 else
+                          lax.dot(a, b, preferred_element_type=BF16))(*args[:2])
+          if ref is None:
+            row.tolerance = max(2 * harness.relative_error(naive, want), 8e-3)
+          else:
+            row.tolerance = 8e-3  # bf16 output rounding, twice over
+          row.error = harness.relative_error(got, want)
+          if not row.error <= row.tolerance:
+            row.note = f"WRONG: error {row.error:.2e} > {row.tolerance:.2e}; not timed"
+            return session.add(row)
+        seconds = _time(session, jitted, m, n, k, dtype, bias=bias, rounds=rounds)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a row
+      row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+      return session.add(row)
+    row.ms = seconds * 1e3
+    row.tflops = (flops or _flops(m, n, k)) / seconds / 1e12
+    if session.chip is not None:
+      peak = session.chip.peak_flops.get(jnp.dtype(dtype).name)
+      if peak:
+        row.pct_roofline = 100 * row.tflops * 1e12 / peak
+    return session.add(row)
+
+
+def _ours(impl, config=None, **kw):
+  return lambda a, b, *rest: jk.matmul(a, b, *rest, implementation=impl, config=config, **kw)
+
+
+def headline(session, bench, impls):
+  big = 8192 if not session.smoke else 512
+  mid = 4096 if not session.smoke else 256
+  sizes = [big, mid] if session.smoke else [8192, 4096, 8193, 2048, 2049, 6144, 6145]
+  for s in sizes:
+    xla = bench.row("bf16", "xla", s, s, s, BF16, lambda a, b: a @ b)
+    rows = [bench.row("bf16", impl, s, s, s, BF16, _ours(impl)) for impl in impls]
+    if session.platform == "gpu":
+      try:
+        rows.append(bench.session.add(harness.Row(
+            "matmul", "bf16", "cublas(torch)", f"{s}x{s}x{s}", "bfloat16",
+            ms=_torch_seconds(session, s, s, s) * 1e3,
+            tflops=_flops(s, s, s) / _torch_seconds(session, s, s, s) / 1e12)))
+      except ImportError as e:
+        print(f"  no torch: {e}")
+      if s in (8192, 4096):
+        rows.append(bench.row("bf16", "jax_pallas_mgpu_example", s, s, s, BF16, _jax_example))
+    _ratios(xla, rows)
+  # fp8 e4m3, per-tensor scales, bf16 out.
+  s = big
+  scale = lambda a, b: (jnp.float32(1.5), jnp.float32(0.5))
+  f8_ref = jax.jit(lambda a, b: 0.75 * lax.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                                               precision=lax.Precision.HIGHEST))
+  xla = bench.row("fp8 e4m3 (bf16 out)", "xla", s, s, s, F8,
+                  lambda a, b: jk.matmul(a, b, a_scale=jnp.float32(1.5), b_scale=jnp.float32(0.5),
+                                         implementation="xla"), ref=f8_ref)
+  rows = [bench.row("fp8 e4m3 (bf16 out)", impl, s, s, s, F8,
+                    _ours(impl, a_scale=jnp.float32(1.5), b_scale=jnp.float32(0.5)), ref=f8_ref)
+          for impl in impls]
+  _ratios(xla, rows)
+  del scale
+  # The fused epilogue: bias + exact gelu.
+  def xla_epilogue(a, b, bias):
+    return jax.nn.gelu((a @ b).astype(jnp.float32) + bias.astype(jnp.float32),
+                       approximate=False).astype(BF16)
+  epi_ref = jax.jit(lambda a, b, bias: jax.nn.gelu(
+      _f32_product()(a, b) + bias.astype(jnp.float32), approximate=False))
+  xla = bench.row("bias+gelu", "xla", s, s, s, BF16, xla_epilogue, bias=True, ref=epi_ref)
+  rows = []
+  for impl in impls:
+    rows.append(bench.row("bias+gelu", impl, s, s, s, BF16,
+                          _ours(impl, activation="gelu"), bias=True, ref=epi_ref))
+    rows.append(bench.row("bias+gelu", f"{impl} then xla bias+gelu", s, s, s, BF16,
+                          lambda a, b, bias, impl=impl: jax.nn.gelu(
+                              jk.matmul(a, b, implementation=impl).astype(jnp.float32)
+                              + bias.astype(jnp.float32), approximate=False).astype(BF16),
+                          bias=True, ref=epi_ref))
+  _ratios(xla, rows)
+  # Forward + backward of y = gelu(a @ b + bias): 3 products.
+  s = mid
+  def train(impl):
+    def loss(a, b, bias):
+      y = jk.matmul(a, b, bias=bias, activation="gelu", implementation=impl)
+      return jnp.sum(y.astype(jnp.float32) * 0.001)
+    return lambda a, b, bias: jax.grad(loss, argnums=(0, 1, 2))(a, b, bias)
+  xla = bench.row("bias+gelu fwd+bwd", "xla", s, s, s, BF16, train("xla"), bias=True,
+                  check=False, flops=3 * _flops(s, s, s))
+  rows = [bench.row("bias+gelu fwd+bwd", impl, s, s, s, BF16, train(impl), bias=True,
+                    check=False, flops=3 * _flops(s, s, s)) for impl in impls]
+  _ratios(xla, rows)
+
+
+def _ratios(xla, rows):
+  for row in rows:
+    if row.ms and xla.ms:
+      row.vs_xla = xla.ms / row.ms
+
+
+def tune(session, bench, impl, s=8192):
+  """Autotunes ``impl`` for bf16 s^3 on this device; prints every trial."""
+  p = Problem(m=s, n=s, k=s, dtype=jnp.dtype(BF16), out_dtype=jnp.dtype(BF16))
+  if impl == "mosaic_gpu":
+    candidates = [mosaic_gpu.Config(tile_m=tm, tile_n=tn, tile_k=64, stages=st, split=sp,
+                                    grid_minor=gm, grid_tile_width=w)
+                  for tm, tn, sp in ((128, 128, "n"), (128, 128, "m"), (64, 256, "m"),
+                                     (128, 256, "m"), (128, 192, "m"))
+                  for st in (4, 5) for gm in ("n", "m") for w in (4, 8, 16)]
+  else:
+    candidates = [triton.Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=w,
+                                num_stages=st)
+                  for bm, bn, bk in ((128, 256, 64), (256, 128, 64), (128, 128, 64))
+                  for w in (4, 8) for st in (3, 4)]
+  best, trials = tuning.autotune(
+      impl, p, candidates, chip=session.chip,
+      make_inputs=lambda seed: _inputs(s, s, s, BF16, seed),
+      run=lambda config, a, b: jk.matmul(a, b, implementation=impl, config=config),
+      check=lambda out, args: harness.relative_error(out, _f32_product()(*args)) < 8e-3,
+      rounds=3)
+  for t in sorted(trials, key=lambda t: t.seconds or 1e9):
+    tf = _flops(s, s, s) / t.seconds / 1e12 if t.seconds else None
+    print(f"  tune {impl} {t.config}: {'' if tf is None else f'{tf:.0f} TFLOP/s'} {t.error}")
+  return best, trials
+
+
+def sweep_sizes(session, bench, impls, step):
+  lo, hi = (1024, 8192) if not session.smoke else (128, 384)
+  sizes = []
+  for s in range(lo, hi + 1, step):
+    sizes += [s, s + 1]
+  rounds = max(3, session.rounds // 4)
+  for s in sizes:
+    xla = bench.row("sweep bf16", "xla", s, s, s, BF16, lambda a, b: a @ b, rounds=rounds,
+                    check=False)
+    rows = [bench.row("sweep bf16", impl, s, s, s, BF16, _ours(impl), rounds=rounds,
+                      check=s % 1024 in (0, 1)) for impl in impls]
+    if session.platform == "gpu":
+      try:
+        t = _torch_seconds(session, s, s, s, rounds=rounds)
+        rows.append(session.add(harness.Row("matmul", "sweep bf16", "cublas(torch)",
+                                             f"{s}x{s}x{s}", "bfloat16", ms=t * 1e3,
+                                             tflops=_flops(s, s, s) / t / 1e12)))
+      except ImportError:
+        pass
+    _ratios(xla, rows)
+
+
+def plot(rows, path):
+  """TFLOP/s against size for each implementation of the sweep."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(11, 5))
+  series = {}
+  for r in rows:
+    if r.name == "sweep bf16" and r.tflops:
+      series.setdefault(r.impl, []).append((int(r.shape.split("x")[0]), r.tflops))
+  for impl, points in sorted(series.items()):
+    points.sort()
+    ax.plot([p[0] for p in points], [p[1] for p in points], ".-", label=impl, lw=0.8, ms=3)
+  ax.set_xlabel("M = N = K (bf16); odd sizes are the aligned size + 1")
+  ax.set_ylabel("TFLOP/s")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_first=False,
+        only=None) -> None:
+  bench = _Bench(session, None)
+  if session.platform == "gpu":
+    impls = ["mosaic_gpu", "triton"] if session.chip and session.chip.compute_capability == (9, 0) \
+        else ["triton"]
+  elif session.platform == "tpu":
+    impls = ["mosaic_tpu"]
+  else:
+    impls = ["triton", "mosaic_tpu"]
+  only = set(only or ("checks", "headline", "sweep"))
+  if "checks" in only:
+    checks(session, impls)
+  if tune_first and session.platform == "gpu":
+    for impl in impls:
+      tune(session, bench, impl)
+  if "headline" in only:
+    headline(session, bench, impls)
+  if sweep and "sweep" in only:
+    sweep_sizes(session, bench, impls[:1], step if not session.smoke else 128)
+
+
+def checks(session, impls):
+  """Kernel vs the float64-free f32 spec on odd shapes, every epilogue, gradients: rows with an
+  error and a tolerance, untimed. (On the CPU the tests do this; here it is the GPU's word.)"""
+  import numpy as np
+
+  from jaxkernels.ops.matmul import reference
+
+  shapes = [(100, 130, 70), (257, 383, 129), (3, 2, 1027), (1024, 1024, 1024)]
+  gen = np.random.default_rng(0)
+  def draw(shape, dtype):
+    return jnp.asarray(gen.standard_normal(shape), jnp.float32).astype(dtype)
+
+  epilogues = ((None, False, False), ("gelu", True, True), ("silu", True, False),
+               ("relu", False, True))
+  for (m, n, k) in shapes:
+    for dtype in (BF16, jnp.float16, jnp.float32):
+      for act, use_bias, use_res in epilogues if dtype == BF16 else epilogues[:2]:
+        a, b = draw((2, m, k), dtype), draw((k, n), dtype)
+        bias = draw((n,), dtype) if use_bias else None
+        res = draw((2, m, n), dtype) if use_res else None
+        dy = draw((2, m, n), dtype)
+        kw = dict(bias=bias, activation=act, residual=res)
+        def value_and_grads(fn, *args):
+          out, vjp = jax.vjp(fn, *args)
+          return out, vjp(dy.astype(out.dtype))
+        f32 = lambda x: None if x is None else x.astype(jnp.float32)
+        spec = jax.jit(lambda a, b, bias, res: value_and_grads(
+            lambda a, b, bias, res: reference.matmul(
+                a, b, bias=bias, residual=res, activation=act, out_dtype=jnp.float32,
+                precision=lax.Precision.HIGHEST), a, b, bias, res))
+        want = spec(f32(a), f32(b), f32(bias), f32(res))
+        naive = jax.jit(lambda a, b, bias, res: value_and_grads(
+            lambda a, b, bias, res: jk.matmul(a, b, bias=bias, residual=res, activation=act,
+                                              implementation="xla"), a, b, bias, res))(
+            a, b, bias, res)
+        tolerance = max(2 * harness.relative_error(naive, want), 1e-5)
+        for impl in impls:
+          label = f"check {act or 'plain'}{'+bias' if use_bias else ''}{'+res' if use_res else ''}"
+          row = harness.Row("matmul", label, impl, f"2x{m}x{n}x{k}", jnp.dtype(dtype).name,
+                            tolerance=tolerance)
+          if not jk.supports("matmul", impl, a, b, **kw):
+            continue
+          try:
+            got = jax.jit(lambda a, b, bias, res: value_and_grads(
+                lambda a, b, bias, res: jk.matmul(a, b, bias=bias, residual=res, activation=act,
+                                                  implementation=impl), a, b, bias, res))(
+                a, b, bias, res)
+            errors = [harness.relative_error(g, w) for g, w in
+                      zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+            row.error = max(errors)
+            if not row.error <= tolerance:
+              row.note = "WRONG: per output " + " ".join(f"{e:.1e}" for e in errors)
+          except Exception as e:  # noqa: BLE001
+            row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+          if row.note or (m, n, k) == shapes[0]:
+            session.add(row)
+          else:
+            session.rows.append(row)
+  # fp8 with per-row and per-column scales, odd shapes.
+  for (m, n, k) in shapes[:3]:
+    for f8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+      a, b = draw((m, k), f8), draw((k, n), f8)
+      sa = jnp.asarray(gen.uniform(0.5, 2, m), jnp.float32)
+      sb = jnp.asarray(gen.uniform(0.5, 2, n), jnp.float32)
+      want = reference.matmul(a, b, a_scale=sa, b_scale=sb, out_dtype=jnp.float32,
+                              precision=lax.Precision.HIGHEST)
+      for impl in impls:
+        if not jk.supports("matmul", impl, a, b, a_scale=sa, b_scale=sb):
+          continue
+        row = harness.Row("matmul", "check fp8 scaled", impl, f"{m}x{n}x{k}",
+                          jnp.dtype(f8).name, tolerance=8e-3)
+        try:
+          got = jax.jit(lambda a, b: jk.matmul(a, b, a_scale=sa, b_scale=sb,
+                                               implementation=impl))(a, b)
+          row.error = harness.relative_error(got, want)
+          if not row.error <= row.tolerance:
+            row.note = "WRONG"
+        except Exception as e:  # noqa: BLE001
+          row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+        session.add(row)

@@ -1,0 +1,64 @@
+"""What every matmul kernel shares: the problem's shape, its fused epilogue, and dtype rules."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxkernels import _activations
+
+FLOAT8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+INT8 = jnp.dtype(jnp.int8)
+FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# Activations whose derivative needs the pre-activation z (relu's comes from y itself).
+NEEDS_PREACTIVATION = ("gelu", "gelu_tanh", "silu")
+
+
+def is_quantized(dtype) -> bool:
+  return jnp.dtype(dtype) in FLOAT8 or jnp.dtype(dtype) == INT8
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """C (m, n) = op(A) (m, k) @ op(B) (k, n); op transposes what is stored transposed.
+
+  A is stored (m, k), or (k, m) when ``trans_a``; B (k, n), or (n, k) when ``trans_b``.
+  """
+
+  m: int
+  n: int
+  k: int
+  dtype: Any  # operands'
+  out_dtype: Any
+  trans_a: bool = False
+  trans_b: bool = False
+  activation: str | None = None
+  has_bias: bool = False
+  has_residual: bool = False
+  has_scales: bool = False  # a_scale (m,) and b_scale (n,), float32
+  save_preactivation: bool = False  # also return z = scale * (a @ b) + bias
+  precision: Any = None
+
+  @property
+  def outputs(self) -> int:
+    return 2 if self.save_preactivation else 1
+
+
+def epilogue(acc, *, problem: Problem, bias=None, residual=None, a_scale=None, b_scale=None,
+             reciprocal=None):
+  """(y, z) from a float32 tile: z = scale * acc + bias; y = act(z) + residual.
+
+  The operands are float32 tiles already broadcastable to acc (bias (1, n), scales (m, 1) and
+  (1, n), residual (m, n)). ``reciprocal`` swaps in a kernel's fast 1/x.
+  """
+  z = acc
+  if problem.has_scales:
+    z = z * a_scale * b_scale
+  if problem.has_bias:
+    z = z + bias
+  y = z if problem.activation is None else _activations.apply(problem.activation, z, reciprocal)
+  if problem.has_residual:
+    y = y + residual
+  return y, z

@@ -1,0 +1,336 @@
+"""Pallas Mosaic GPU matmul for Hopper: TMA, wgmma, warp specialization, a persistent grid.
+
+Each CTA has three warpgroups: one issues TMA loads of A and B blocks into a
+``stages``-deep ring of swizzled shared-memory buffers; two compute
+warpgroups each own a ``tile_m x tile_n`` float32 accumulator in registers and
+issue wgmma straight from shared memory. Together they cover a CTA tile of
+(2 tile_m, tile_n) or (tile_m, 2 tile_n) (``split``). The grid is persistent:
+one CTA per SM walks output tiles in a snake order (``grid_minor``,
+``grid_tile_width``) that keeps neighbouring CTAs on shared A and B blocks in L2.
+
+The epilogue runs on the accumulator in registers (dequantization scales, bias,
+activation; the residual comes in by TMA through the output buffer), then
+writes C through shared memory by TMA in ``epi_tile_m x epi_tile_n`` pieces,
+double-buffered so the store of one piece overlaps the next one's math.
+
+Edges: TMA zero-fills loads past the array and drops stores past it, so M, N and
+K need not be multiples of the CTA tile. Swizzled TMA does need each array's rows
+to be a multiple of 8 and its row a multiple of 128 bytes: where they are not, the
+wrapper zero-pads the operands (and slices the output), one extra pass over each
+padded array, ~10% of the time at 8193^3.
+
+fp8 wgmma reads both operands K-major: B must be stored (N, K). A (K, N) fp8 B is
+transposed by XLA first (one pass over B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkernels import hardware
+from jaxkernels._activations import apply as activation_apply
+from jaxkernels._pallas import cdiv, check_fields, round_up
+from jaxkernels.ops.matmul.common import FLOAT8, Problem
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FLOAT8)
+SPLITS = ("m", "n")
+SMEM_BYTES = 227 * 1024  # per CTA on Hopper
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  tile_m: int = 128  # per compute warpgroup
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  split: str = "n"  # the compute warpgroups sit side by side along this dimension
+  grid_minor: str = "n"
+  grid_tile_width: int = 8
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+
+  def __post_init__(self):
+    check_fields(self, ("tile_m", "epi_tile_m"), lambda v: v % 64 == 0,
+                 "a multiple of 64 (wgmma's M per warpgroup)")
+    check_fields(self, ("tile_n", "tile_k", "epi_tile_n"), lambda v: v % 32 == 0 and v <= 256,
+                 "a multiple of 32, at most 256")
+    check_fields(self, ("stages", "grid_tile_width"), lambda v: v >= 1, ">= 1")
+    check_fields(self, ("split", "grid_minor"), lambda v: v in SPLITS, "'m' or 'n'")
+    if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
+      raise ValueError(f"epilogue tile {self.epi_tile_m}x{self.epi_tile_n} must divide the "
+                       f"warpgroup tile {self.tile_m}x{self.tile_n}")
+
+  @property
+  def cta_m(self) -> int:
+    return self.tile_m * (2 if self.split == "m" else 1)
+
+  @property
+  def cta_n(self) -> int:
+    return self.tile_n * (2 if self.split == "n" else 1)
+
+
+def shared_bytes(problem: Problem, config: Config) -> int:
+  c = config
+  item = jnp.dtype(problem.dtype).itemsize
+  ring = c.stages * (c.cta_m + c.cta_n) * c.tile_k * item
+  out_item = jnp.dtype(problem.out_dtype).itemsize
+  epilogue = 2 * 2 * c.epi_tile_m * c.epi_tile_n * out_item * problem.outputs
+  vectors = 2 * 2 * 4 * (c.tile_m + 2 * c.tile_n)
+  return ring + epilogue + vectors + 2048  # barriers and alignment
+
+
+def config_error(problem: Problem, config: Config, chip) -> str | None:
+  del chip
+  if (need := shared_bytes(problem, config)) > SMEM_BYTES:
+    return f"needs {need} bytes of shared memory per CTA; Hopper has {SMEM_BYTES}"
+  return None
+
+
+def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
+  """128 x 256 CTA tiles (two 128 x 128 warpgroup tiles side by side along N), 64-deep K
+  steps (128 for fp8: 128 bytes per row either way, the widest swizzle), 4 stages.
+  Small problems take 64-row warpgroup tiles so that more CTAs get work."""
+  item = jnp.dtype(problem.dtype).itemsize
+  tile_k = 128 // item
+  small = cdiv(problem.m, 256) * cdiv(problem.n, 256) < chip.cores
+  tile_m = 64 if small else 128
+  config = Config(tile_m=tile_m, tile_n=128, tile_k=tile_k, stages=4, split="n",
+                  epi_tile_m=64, epi_tile_n=64)
+  while config_error(problem, config, chip) and config.stages > 2:
+    config = dataclasses.replace(config, stages=config.stages - 1)
+  return config
+
+
+def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
+  dtype = jnp.dtype(problem.dtype)
+  if dtype not in DTYPES:
+    return f"mosaic_gpu takes bfloat16, float16 or fp8 operands, got {dtype}"
+  if dtype in FLOAT8 and problem.trans_a:
+    return "fp8 wgmma reads A K-major; A stored transposed is not served"
+  if problem.precision not in (None, lax.Precision.DEFAULT):
+    return f"precision={problem.precision} has no meaning for {dtype} operands here"
+  return None
+
+
+def _swizzled(minor: int, dtype):
+  """Tiling and swizzle transforms for a shared-memory block whose minor dimension is ``minor``."""
+  item = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor * item * 8)
+  return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(*refs, problem: Problem, config: Config):
+  p, c = problem, config
+  a_gmem, b_gmem, *refs = refs
+  bias_gmem = refs.pop(0) if p.has_bias else None
+  res_gmem = refs.pop(0) if p.has_residual else None
+  as_gmem, bs_gmem = (refs.pop(0), refs.pop(0)) if p.has_scales else (None, None)
+  y_gmem, *z_gmem = refs
+  z_gmem = z_gmem[0] if z_gmem else None
+
+  m_tiles, n_tiles = cdiv(p.m, c.cta_m), cdiv(p.n, c.cta_n)
+  k_steps = cdiv(p.k, c.tile_k)
+  a_block = (c.tile_k, c.cta_m) if p.trans_a else (c.cta_m, c.tile_k)
+  b_block = (c.cta_n, c.tile_k) if p.trans_b else (c.tile_k, c.cta_n)
+  in_specs = [
+      plgpu.BlockSpec(a_block, (lambda k: (k, 0)) if p.trans_a else (lambda k: (0, k)),
+                      transforms=_swizzled(a_block[1], p.dtype), memory_space=plgpu.SMEM),
+      plgpu.BlockSpec(b_block, (lambda k: (0, k)) if p.trans_b else (lambda k: (k, 0)),
+                      transforms=_swizzled(b_block[1], p.dtype), memory_space=plgpu.SMEM),
+  ]
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
+        num_compute_wgs=2, max_concurrent_steps=c.stages, compute_context=compute_context)
+
+  out_transforms = _swizzled(c.epi_tile_n, p.out_dtype)
+  ignore = lambda *_, **__: None
+  slots = 2  # per warpgroup: one epilogue piece stores while the next is computed
+  scoped = dict(
+      pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+      y_smem=plgpu.SMEM((2, slots, c.epi_tile_m, c.epi_tile_n), p.out_dtype,
+                        transforms=out_transforms),
+      z_smem=(plgpu.SMEM((2, slots, c.epi_tile_m, c.epi_tile_n), p.out_dtype,
+                         transforms=out_transforms) if z_gmem is not None else None),
+      # Epilogue vectors, per warpgroup and per tile parity (so that the next tile's load
+      # never lands while a lagging warp still reads this tile's).
+      bias_smem=plgpu.SMEM((2, 2, c.tile_n), jnp.float32) if p.has_bias else None,
+      as_smem=plgpu.SMEM((2, 2, c.tile_m), jnp.float32) if p.has_scales else None,
+      bs_smem=plgpu.SMEM((2, 2, c.tile_n), jnp.float32) if p.has_scales else None,
+      vec_barrier=(plgpu.Barrier(num_barriers=2 * 2 * 3)
+                   if p.has_bias or p.has_scales else None),
+      res_barrier=plgpu.Barrier(num_barriers=2 * slots) if p.has_residual else None,
+  )
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+  def _scope(pipeline_allocs, y_smem, z_smem, bias_smem, as_smem, bs_smem, vec_barrier,
+             res_barrier):
+    wg = lax.axis_index("wg")
+
+    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+    def _tiles(info: plgpu.NDLoopInfo):
+      (linear,) = info.index
+      parity = info.local_index % 2
+      minor = 1 if c.grid_minor == "n" else 0
+      m_idx, n_idx = plgpu.planar_snake(linear, (m_tiles, n_tiles), minor, c.grid_tile_width)
+      cta_rows = pl.ds(m_idx * c.cta_m, c.cta_m)
+      cta_cols = pl.ds(n_idx * c.cta_n, c.cta_n)
+      if c.split == "m":
+        wg_rows, wg_cols = pl.ds(wg * c.tile_m, c.tile_m), slice(None)
+      else:
+        wg_rows, wg_cols = slice(None), pl.ds(wg * c.tile_n, c.tile_n)
+
+      def load_vector(gmem, smem, index, which):
+        barrier = vec_barrier.at[(wg * 2 + parity) * 3 + which]
+        plgpu.copy_gmem_to_smem(gmem.at[index], smem.at[wg, parity], barrier)
+        return barrier
+
+      def compute_context(eval_pipeline):
+        # The epilogue's vectors load while the main loop runs.
+        waits = []
+        if p.has_bias:
+          waits.append(load_vector(bias_gmem, bias_smem, _sub(cta_cols, wg_cols, c.tile_n), 0))
+        if p.has_scales:
+          waits.append(load_vector(as_gmem, as_smem, _sub(cta_rows, wg_rows, c.tile_m), 1))
+          waits.append(load_vector(bs_gmem, bs_smem, _sub(cta_cols, wg_cols, c.tile_n), 2))
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+        def _acc(acc_ref):
+          eval_pipeline(acc_ref)
+          acc = acc_ref[...]
+          for barrier in waits:
+            plgpu.barrier_wait(barrier)
+          _epilogue(acc, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols,
+                    y_smem, z_smem, bias_smem, as_smem, bs_smem, res_barrier,
+                    res_gmem, y_gmem, z_gmem, problem=p, config=c)
+
+      def mma(_, a_smem, b_smem, acc_ref):
+        # This warpgroup's half of the CTA's block, sliced before any transpose (a transposed
+        # view cannot be sliced).
+        a, b = a_smem, b_smem
+        if c.split == "m":
+          a = a.at[:, wg_rows] if p.trans_a else a.at[wg_rows]
+        else:
+          b = b.at[wg_cols] if p.trans_b else b.at[:, wg_cols]
+        a = plgpu.transpose_ref(a, (1, 0)) if p.trans_a else a
+        b = plgpu.transpose_ref(b, (1, 0)) if p.trans_b else b
+        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      pipeline(mma, compute_context)(
+          a_gmem.at[:, cta_rows] if p.trans_a else a_gmem.at[cta_rows, :],
+          b_gmem.at[cta_cols, :] if p.trans_b else b_gmem.at[:, cta_cols],
+          allocations=pipeline_allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _sub(cta_slice, wg_slice, size):
+  """The warpgroup's part of a CTA range, as one pl.ds."""
+  if isinstance(wg_slice, slice):
+    return cta_slice
+  return pl.ds(cta_slice.start + wg_slice.start, size)
+
+
+def _epilogue(acc, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols, y_smem, z_smem, bias_smem,
+              as_smem, bs_smem, res_barrier, res_gmem, y_gmem, z_gmem, *, problem, config):
+  p, c = problem, config
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  pieces_n = c.tile_n // c.epi_tile_n
+  for pm in range(c.tile_m // c.epi_tile_m):
+    for pn in range(pieces_n):
+      rows = slice(pm * c.epi_tile_m, (pm + 1) * c.epi_tile_m)
+      cols = slice(pn * c.epi_tile_n, (pn + 1) * c.epi_tile_n)
+      slot = (pm * pieces_n + pn) % 2
+      # Buffer `slot` was last stored two pieces ago: wait until that store has read it.
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      dest = lambda gmem: gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols].at[rows, cols]
+      shape = (c.epi_tile_m, c.epi_tile_n)
+      z = acc[rows, cols]
+      if p.has_scales:
+        a_scale = as_smem[wg, parity, rows]
+        b_scale = bs_smem[wg, parity, cols]
+        z = z * lax.broadcast_in_dim(a_scale, shape, [0]) * lax.broadcast_in_dim(b_scale, shape, [1])
+      if p.has_bias:
+        z = z + lax.broadcast_in_dim(bias_smem[wg, parity, cols], shape, [1])
+      y = z if p.activation is None else activation_apply(p.activation, z)
+      if p.has_residual:
+        barrier = res_barrier.at[wg * 2 + slot]
+        plgpu.copy_gmem_to_smem(dest(res_gmem), y_smem.at[wg, slot], barrier)
+        plgpu.barrier_wait(barrier)
+        y = y + y_smem[wg, slot].astype(jnp.float32)
+      y_smem[wg, slot] = y.astype(p.out_dtype)
+      if z_smem is not None:
+        z_smem[wg, slot] = z.astype(p.out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(y_smem.at[wg, slot], dest(y_gmem))
+      if z_smem is not None:
+        plgpu.copy_smem_to_gmem(z_smem.at[wg, slot], dest(z_gmem))
+
+
+def _tma_aligned(x):
+  """x zero-padded to TMA's tiled layout: rows to a multiple of 8, a row to a multiple of 128 bytes.
+
+  Swizzled TMA needs every dimension of the array to be a multiple of the shared-memory
+  tiling (8 rows by one 128-byte swizzle span), or smaller than it.
+  """
+  rows, cols = x.shape
+  want = (_row_multiple(rows), round_up(cols, 128 // jnp.dtype(x.dtype).itemsize))
+  if (rows, cols) == want:
+    return x
+  return jnp.pad(x, [(0, want[0] - rows), (0, want[1] - cols)])
+
+
+def _row_multiple(rows: int) -> int:
+  return rows if rows <= 8 else round_up(rows, 8)
+
+
+def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
+           config: Config, interpret=False):
+  p = problem
+  if jnp.dtype(p.dtype) in FLOAT8 and not p.trans_b:
+    b, p = b.T, dataclasses.replace(p, trans_b=True)
+  # The kernel reads only [0, m) x [0, k) of A and [0, k) x [0, n) of B whatever the padding;
+  # past those, TMA zero-fills (or reads the pad's zeros), so the K tail adds nothing.
+  a, b = _tma_aligned(a), _tma_aligned(b)
+  out_shape = (_row_multiple(p.m), round_up(p.n, 128 // jnp.dtype(p.out_dtype).itemsize))
+  operands = [a, b]
+  if p.has_bias:
+    operands.append(bias.astype(jnp.float32))
+  if p.has_residual:  # it comes in through the output's shared-memory buffer: same dtype
+    operands.append(_tma_aligned(residual.astype(p.out_dtype)))
+  if p.has_scales:
+    operands += [a_scale.astype(jnp.float32), b_scale.astype(jnp.float32)]
+  out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, problem=p, config=config),
+      out_shape=[out] * p.outputs,
+      grid=(min(_num_sms(), cdiv(p.m, config.cta_m) * cdiv(p.n, config.cta_n)),),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **({"interpret": interpret} if interpret else {}),
+  )
+  outs = kernel(*operands)
+  outs = [o[:p.m, :p.n] if out_shape != (p.m, p.n) else o for o in outs]
+  return tuple(outs) if p.save_preactivation else outs[0]
+
+
+def _num_sms() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and getattr(device, "num_cores", None):
+    return device.num_cores
+  device = jax.devices()[0]
+  return getattr(device, "core_count", None) or hardware.DEFAULT_GPU.cores
