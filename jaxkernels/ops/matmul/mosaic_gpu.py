@@ -313,7 +313,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)
   kernel = plgpu.kernel(
       functools.partial(_kernel, problem=p, config=config),
-      out_shape=[out] * p.outputs,
+      out_type=[out] * p.outputs,
       grid=(min(_num_sms(), cdiv(p.m, config.cta_m) * cdiv(p.n, config.cta_n)),),
       grid_names=("sm",),
       num_threads=3,

@@ -24,7 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import hardware, roofline
-from jaxkernels._pallas import cdiv, check_fields, fast_reciprocal, is_pow2, next_pow2, triton_params
+from jaxkernels._pallas import (cdiv, check_fields, fast_reciprocal, is_pow2, next_pow2, round_up,
+                                triton_params)
 from jaxkernels.ops.matmul.common import FLOAT8, FLOATS, Problem, epilogue
 
 
@@ -147,10 +148,26 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
            config: Config, interpret=False):
   """y (and z if problem.save_preactivation) for 2-D a, b stored as problem says."""
   p = problem
+  if jnp.dtype(p.dtype) in FLOAT8:
+    # fp8 tensor cores read both operands K-major, so B goes in as (N, K); and Triton cannot
+    # fill a masked fp8 load with zeros, so K is zero-padded to whole blocks instead.
+    if not p.trans_b:
+      b, p = b.T, dataclasses.replace(p, trans_b=True)
+    k_pad = round_up(p.k, config.block_k)
+    if k_pad != p.k:
+      a = _pad_axis(a, 0 if p.trans_a else 1, k_pad)
+      b = _pad_axis(b, 1, k_pad)
+      p = dataclasses.replace(p, k=k_pad)
+  # Rows padded to 16 bytes give 16-byte aligned strides: vector loads instead of scalar ones
+  # (8193^3 bf16 ran at 46 TFLOP/s unpadded, bench/NOTES.md). The kernel still reads only the
+  # logical [0, m) x [0, k) and [0, k) x [0, n).
+  a, b = _aligned_rows(a), _aligned_rows(b)
+  residual = None if residual is None else _aligned_rows(residual)
+  n_out = round_up(p.n, 16 // jnp.dtype(p.out_dtype).itemsize)
   operands = [a, b] + [x for x in (bias, residual) if x is not None]
   if p.has_scales:
     operands += [a_scale, b_scale]
-  out = jax.ShapeDtypeStruct((p.m, p.n), p.out_dtype)
+  out = jax.ShapeDtypeStruct((p.m, n_out), p.out_dtype)
   cost = roofline.matmul(p.m, p.n, p.k, in_itemsize=jnp.dtype(p.dtype).itemsize,
                          out_itemsize=jnp.dtype(p.out_dtype).itemsize,
                          epilogue_reads=roofline.nbytes(bias, residual, a_scale, b_scale),
@@ -165,7 +182,18 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
       interpret=interpret,
       name=f"jk_matmul_{config.block_m}x{config.block_n}x{config.block_k}",
   )(*operands)
+  result = [r[:, :p.n] if n_out != p.n else r for r in result]
   return tuple(result) if p.save_preactivation else result[0]
+
+
+def _pad_axis(x, axis, size):
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def _aligned_rows(x):
+  return _pad_axis(x, 1, round_up(x.shape[1], 16 // jnp.dtype(x.dtype).itemsize))
 
 
 def config_error(problem: Problem, config: Config, chip: hardware.Chip) -> str | None:
