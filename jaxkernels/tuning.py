@@ -166,3 +166,21 @@ def record(implementation: str, problem: Any, device_kind: str, config: Any,
   tmp = path.with_suffix(f".{os.getpid()}.tmp")
   tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
   tmp.replace(path)
+
+
+def ship(cache_file: str | os.PathLike, out_file: str | os.PathLike, note: str = "") -> int:
+  """Copies an autotune cache's entries into a shipped table (keys without the jax version).
+
+  Run on what a tuning run on our GPU machine brought back; returns the number of entries.
+  """
+  entries = json.loads(pathlib.Path(cache_file).read_text())
+  out_path = pathlib.Path(out_file)
+  table = json.loads(out_path.read_text()) if out_path.exists() else {"note": note, "entries": {}}
+  for k, v in entries.items():
+    parts = k.split("|")
+    table["entries"]["|".join(p for p in parts if not p.startswith("jax"))] = v
+  if note:
+    table["note"] = note
+  out_path.parent.mkdir(parents=True, exist_ok=True)
+  out_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+  return len(entries)

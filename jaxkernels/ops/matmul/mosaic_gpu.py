@@ -55,13 +55,15 @@ class Config:
   grid_tile_width: int = 8
   epi_tile_m: int = 64
   epi_tile_n: int = 64
+  epi_slots: int = 2  # output buffers per warpgroup: 2 overlap a piece's store with the next
+
 
   def __post_init__(self):
     check_fields(self, ("tile_m", "epi_tile_m"), lambda v: v % 64 == 0,
                  "a multiple of 64 (wgmma's M per warpgroup)")
     check_fields(self, ("tile_n", "tile_k", "epi_tile_n"), lambda v: v % 32 == 0 and v <= 256,
                  "a multiple of 32, at most 256")
-    check_fields(self, ("stages", "grid_tile_width"), lambda v: v >= 1, ">= 1")
+    check_fields(self, ("stages", "grid_tile_width", "epi_slots"), lambda v: v >= 1, ">= 1")
     check_fields(self, ("split", "grid_minor"), lambda v: v in SPLITS, "'m' or 'n'")
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
       raise ValueError(f"epilogue tile {self.epi_tile_m}x{self.epi_tile_n} must divide the "
@@ -81,7 +83,7 @@ def shared_bytes(problem: Problem, config: Config) -> int:
   item = jnp.dtype(problem.dtype).itemsize
   ring = c.stages * (c.cta_m + c.cta_n) * c.tile_k * item
   out_item = jnp.dtype(problem.out_dtype).itemsize
-  epilogue = 2 * 2 * c.epi_tile_m * c.epi_tile_n * out_item * problem.outputs
+  epilogue = 2 * c.epi_slots * c.epi_tile_m * c.epi_tile_n * out_item * problem.outputs
   vectors = 2 * 2 * 4 * (c.tile_m + 2 * c.tile_n)
   return ring + epilogue + vectors + 2048  # barriers and alignment
 
@@ -95,14 +97,16 @@ def config_error(problem: Problem, config: Config, chip) -> str | None:
 
 def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
   """128 x 256 CTA tiles (two 128 x 128 warpgroup tiles side by side along N), 64-deep K
-  steps (128 for fp8: 128 bytes per row either way, the widest swizzle), 4 stages.
-  Small problems take 64-row warpgroup tiles so that more CTAs get work."""
+  steps (128 for fp8: 128 bytes per row either way, the widest swizzle), as many stages as
+  fit, tiles visited in snakes 8 wide along M: the autotuner's pick at 8192^3 bf16 on an H200
+  (730 TFLOP/s; bench/NOTES.md). Small problems take 64-row warpgroup tiles so that more
+  CTAs get work."""
   item = jnp.dtype(problem.dtype).itemsize
   tile_k = 128 // item
   small = cdiv(problem.m, 256) * cdiv(problem.n, 256) < chip.cores
   tile_m = 64 if small else 128
   config = Config(tile_m=tile_m, tile_n=128, tile_k=tile_k, stages=4, split="n",
-                  epi_tile_m=64, epi_tile_n=64)
+                  grid_minor="m", grid_tile_width=8, epi_tile_m=64, epi_tile_n=64)
   while config_error(problem, config, chip) and config.stages > 2:
     config = dataclasses.replace(config, stages=config.stages - 1)
   return config
@@ -153,7 +157,7 @@ def _kernel(*refs, problem: Problem, config: Config):
 
   out_transforms = _swizzled(c.epi_tile_n, p.out_dtype)
   ignore = lambda *_, **__: None
-  slots = 2  # per warpgroup: one epilogue piece stores while the next is computed
+  slots = c.epi_slots
   scoped = dict(
       pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
       y_smem=plgpu.SMEM((2, slots, c.epi_tile_m, c.epi_tile_n), p.out_dtype,
@@ -250,9 +254,9 @@ def _epilogue(acc, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols, y_smem, z_s
     for pn in range(pieces_n):
       rows = slice(pm * c.epi_tile_m, (pm + 1) * c.epi_tile_m)
       cols = slice(pn * c.epi_tile_n, (pn + 1) * c.epi_tile_n)
-      slot = (pm * pieces_n + pn) % 2
-      # Buffer `slot` was last stored two pieces ago: wait until that store has read it.
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      slot = (pm * pieces_n + pn) % c.epi_slots
+      # Buffer `slot` was last stored epi_slots pieces ago: wait until that store has read it.
+      plgpu.wait_smem_to_gmem(c.epi_slots - 1, wait_read_only=True)
       dest = lambda gmem: gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols].at[rows, cols]
       shape = (c.epi_tile_m, c.epi_tile_n)
       z = acc[rows, cols]
@@ -264,7 +268,7 @@ def _epilogue(acc, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols, y_smem, z_s
         z = z + lax.broadcast_in_dim(bias_smem[wg, parity, cols], shape, [1])
       y = z if p.activation is None else activation_apply(p.activation, z)
       if p.has_residual:
-        barrier = res_barrier.at[wg * 2 + slot]
+        barrier = res_barrier.at[wg * c.epi_slots + slot]
         plgpu.copy_gmem_to_smem(dest(res_gmem), y_smem.at[wg, slot], barrier)
         plgpu.barrier_wait(barrier)
         y = y + y_smem[wg, slot].astype(jnp.float32)
@@ -291,7 +295,8 @@ def _tma_aligned(x):
 
 
 def _row_multiple(rows: int) -> int:
-  return rows if rows <= 8 else round_up(rows, 8)
+  # Fewer than 8 rows passes the tiling check but not the hardware: (3, 2, 1027) came out wrong.
+  return round_up(rows, 8)
 
 
 def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
