@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -140,19 +141,11 @@ def headline(session, bench, impls):
   mid = 4096 if not session.smoke else 256
   sizes = [big, mid] if session.smoke else [8192, 4096, 8193, 2048, 2049, 6144, 6145]
   for s in sizes:
-    xla = bench.row("bf16", "xla", s, s, s, BF16, lambda a, b: a @ b)
-    rows = [bench.row("bf16", impl, s, s, s, BF16, _ours(impl)) for impl in impls]
-    if session.platform == "gpu":
-      try:
-        rows.append(bench.session.add(harness.Row(
-            "matmul", "bf16", "cublas(torch)", f"{s}x{s}x{s}", "bfloat16",
-            ms=_torch_seconds(session, s, s, s) * 1e3,
-            tflops=_flops(s, s, s) / _torch_seconds(session, s, s, s) / 1e12)))
-      except ImportError as e:
-        print(f"  no torch: {e}")
-      if s in (8192, 4096):
-        rows.append(bench.row("bf16", "jax_pallas_mgpu_example", s, s, s, BF16, _jax_example))
-    _ratios(xla, rows)
+    fns = {"xla": lambda a, b: a @ b}
+    fns.update({impl: _ours(impl) for impl in impls})
+    if session.platform == "gpu" and s in (8192, 4096):
+      fns["jax_pallas_mgpu_example"] = _jax_example
+    interleaved(session, bench, "bf16", s, fns, torch=session.platform == "gpu")
   # fp8 e4m3, per-tensor scales, bf16 out.
   s = big
   scale = lambda a, b: (jnp.float32(1.5), jnp.float32(0.5))
@@ -172,19 +165,18 @@ def headline(session, bench, impls):
                        approximate=False).astype(BF16)
   epi_ref = jax.jit(lambda a, b, bias: jax.nn.gelu(
       _f32_product()(a, b) + bias.astype(jnp.float32), approximate=False))
-  xla = bench.row("bias+gelu", "xla", s, s, s, BF16, xla_epilogue, bias=True, ref=epi_ref)
-  rows = []
+  fns = {"xla": xla_epilogue}
   for impl in impls:
-    rows.append(bench.row("bias+gelu", impl, s, s, s, BF16,
-                          lambda a, b, bias, impl=impl: jk.matmul(
-                              a, b, bias=bias, activation="gelu", implementation=impl),
-                          bias=True, ref=epi_ref))
-    rows.append(bench.row("bias+gelu", f"{impl} then xla bias+gelu", s, s, s, BF16,
-                          lambda a, b, bias, impl=impl: jax.nn.gelu(
-                              jk.matmul(a, b, implementation=impl).astype(jnp.float32)
-                              + bias.astype(jnp.float32), approximate=False).astype(BF16),
-                          bias=True, ref=epi_ref))
-  _ratios(xla, rows)
+    fns[impl] = lambda a, b, bias, impl=impl: jk.matmul(a, b, bias=bias, activation="gelu",
+                                                        implementation=impl)
+    fns[f"{impl} plain (no epilogue)"] = lambda a, b, bias, impl=impl: jk.matmul(
+        a, b, implementation=impl)
+    fns[f"{impl} then xla bias+gelu"] = lambda a, b, bias, impl=impl: jax.nn.gelu(
+        jk.matmul(a, b, implementation=impl).astype(jnp.float32) + bias.astype(jnp.float32),
+        approximate=False).astype(BF16)
+  plain_ref = jax.jit(lambda a, b, bias: _f32_product()(a, b))
+  refs = {name: plain_ref if "plain" in name else epi_ref for name in fns}
+  interleaved(session, bench, "bias+gelu", s, fns, bias=True, refs=refs)
   # Forward + backward of y = gelu(a @ b + bias): 3 products.
   s = mid
   def train(impl):
@@ -199,6 +191,61 @@ def headline(session, bench, impls):
   _ratios(xla, rows)
 
 
+def interleaved(session, bench, name, s, fns, *, torch=False, dtype=BF16, bias=False, refs=None,
+                flops=None):
+  """Checks each implementation, then times them round-robin: one round of each in turn, the
+  median per implementation over the rounds. A GPU at its power limit clocks down as a run
+  goes on; timed one after another, whichever ran first (on a cool chip) looked up to ~10%
+  faster (run matmul-3, bench/NOTES.md). Round-robin gives every implementation the same mix."""
+  rows, programs = {}, {}
+  for impl, fn in fns.items():
+    row = harness.Row("matmul", name, impl, f"{s}x{s}x{s}", jnp.dtype(dtype).name)
+    try:
+      jitted = jax.jit(fn)
+      args = _inputs(s, s, s, dtype, 0, bias=bias)
+      want = ((refs or {}).get(impl) or _f32_product())(*args)
+      row.error = harness.relative_error(jitted(*args), want)
+      row.tolerance = 8e-3
+      if not row.error <= row.tolerance:
+        row.note = f"WRONG: error {row.error:.2e}; not timed"
+      else:
+        programs[impl] = jitted
+    except Exception as e:  # noqa: BLE001
+      row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+    rows[impl] = row
+  n_sets = harness.sets_for((2 * s * s) * jnp.dtype(dtype).itemsize, most=4)
+  sets = [_inputs(s, s, s, dtype, seed, bias=bias) for seed in range(n_sets)]
+  batched = {impl: jax.jit(lambda sets, fn=fn: [fn(*a) for a in sets])
+             for impl, fn in programs.items()}
+  for fn in batched.values():
+    harness.block(fn(sets))
+  samples = {impl: [] for impl in batched}
+  if torch:
+    samples["cublas(torch)"] = []
+    rows["cublas(torch)"] = harness.Row("matmul", name, "cublas(torch)", f"{s}x{s}x{s}",
+                                        jnp.dtype(dtype).name)
+  for _ in range(session.rounds):
+    for impl, fn in batched.items():
+      start = time.perf_counter()
+      for _ in range(session.calls):
+        out = fn(sets)
+      harness.block(out)
+      samples[impl].append((time.perf_counter() - start) / session.calls / len(sets))
+    if torch:
+      samples["cublas(torch)"].append(_torch_seconds(session, s, s, s, rounds=1))
+  for impl, times in samples.items():
+    row = rows[impl]
+    if times:
+      seconds = statistics.median(times)
+      row.ms = seconds * 1e3
+      row.tflops = (flops or _flops(s, s, s)) / seconds / 1e12
+      row.note = (row.note + f" spread {min(times) * 1e3:.3f}-{max(times) * 1e3:.3f} ms").strip()
+  _ratios(rows["xla"], list(rows.values()))
+  for row in rows.values():
+    session.add(row)
+  return rows
+
+
 def _ratios(xla, rows):
   for row in rows:
     if row.ms and xla.ms:
@@ -209,16 +256,12 @@ def tune(session, bench, impl, s=8192):
   """Autotunes ``impl`` for bf16 s^3 on this device; prints every trial."""
   p = Problem(m=s, n=s, k=s, dtype=jnp.dtype(BF16), out_dtype=jnp.dtype(BF16))
   if impl == "mosaic_gpu":
+    shapes = ((128, 128, "n", 4, 1), (128, 192, "m", 3, 2), (64, 256, "m", 4, 1),
+              (128, 128, "n", 3, 2))
+    orders = (("n", 16), ("m", 8), ("n", 8), ("m", 16)) if s % 1024 == 0 else (("n", 16),)
     candidates = [mosaic_gpu.Config(tile_m=tm, tile_n=tn, tile_k=64, stages=st, split=sp,
                                     grid_minor=gm, grid_tile_width=w, epi_slots=slots)
-                  for tm, tn, sp, st, slots in ((128, 128, "n", 3, 2), (128, 128, "n", 4, 1),
-                                                (128, 128, "m", 4, 1), (128, 192, "m", 3, 2))
-                  for gm in ("m", "n") for w in (8, 16)]
-  else:
-    candidates = [triton.Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=w,
-                                num_stages=st)
-                  for bm, bn, bk in ((128, 256, 64), (256, 128, 64), (128, 128, 64))
-                  for w in (8,) for st in (3, 4)]
+                  for tm, tn, sp, st, slots in shapes for gm, w in orders]
   best, trials = tuning.autotune(
       impl, p, candidates, chip=session.chip,
       make_inputs=lambda seed: _inputs(s, s, s, BF16, seed),
@@ -285,12 +328,19 @@ def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_fir
     impls = ["mosaic_tpu"]
   else:
     impls = ["triton", "mosaic_tpu"]
+  if session.interpret:  # on a CPU: the kernels interpreted, at the smoke sizes
+    with jk.interpret_mode():
+      return _run(session, bench, impls, sweep, step, only)
+  return _run(session, bench, impls, sweep, step, only, tune_first)
+
+
+def _run(session, bench, impls, sweep, step, only, tune_first=False):
   only = set(only or ("checks", "headline", "sweep"))
   if "checks" in only:
     checks(session, impls)
   if tune_first and session.platform == "gpu":
-    for impl in impls[:1]:
-      tune(session, bench, impl)
+    for s in (8192, 8193, 2049, 4096):
+      tune(session, bench, impls[0], s)
   if "headline" in only:
     headline(session, bench, impls)
   if sweep and "sweep" in only:

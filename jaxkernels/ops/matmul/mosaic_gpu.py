@@ -323,8 +323,11 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
+      # approx_math: the activation's exp2 and divisions on the SFU (ex2.approx, rcp.approx:
+      # 1-2 ulp), as the Triton kernels do; nothing else in the kernel does either.
       compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+          approx_math=p.activation is not None),
       **({"interpret": interpret} if interpret else {}),
   )
   outs = kernel(*operands)
