@@ -192,7 +192,7 @@ def headline(session, bench, impls):
 
 
 def interleaved(session, bench, name, s, fns, *, torch=False, dtype=BF16, bias=False, refs=None,
-                flops=None):
+                flops=None, rounds=None, calls=None):
   """Checks each implementation, then times them round-robin: one round of each in turn, the
   median per implementation over the rounds. A GPU at its power limit clocks down as a run
   goes on; timed one after another, whichever ran first (on a cool chip) looked up to ~10%
@@ -224,13 +224,14 @@ def interleaved(session, bench, name, s, fns, *, torch=False, dtype=BF16, bias=F
     samples["cublas(torch)"] = []
     rows["cublas(torch)"] = harness.Row("matmul", name, "cublas(torch)", f"{s}x{s}x{s}",
                                         jnp.dtype(dtype).name)
-  for _ in range(session.rounds):
+  calls = calls or session.calls
+  for _ in range(rounds or session.rounds):
     for impl, fn in batched.items():
       start = time.perf_counter()
-      for _ in range(session.calls):
+      for _ in range(calls):
         out = fn(sets)
       harness.block(out)
-      samples[impl].append((time.perf_counter() - start) / session.calls / len(sets))
+      samples[impl].append((time.perf_counter() - start) / calls / len(sets))
     if torch:
       samples["cublas(torch)"].append(_torch_seconds(session, s, s, s, rounds=1))
   for impl, times in samples.items():
@@ -279,21 +280,11 @@ def sweep_sizes(session, bench, impls, step):
   sizes = []
   for s in range(lo, hi + 1, step):
     sizes += [s, s + 1]
-  rounds = max(3, session.rounds // 4)
   for s in sizes:
-    xla = bench.row("sweep bf16", "xla", s, s, s, BF16, lambda a, b: a @ b, rounds=rounds,
-                    check=False)
-    rows = [bench.row("sweep bf16", impl, s, s, s, BF16, _ours(impl), rounds=rounds,
-                      check=s % 1024 in (0, 1)) for impl in impls]
-    if session.platform == "gpu":
-      try:
-        t = _torch_seconds(session, s, s, s, rounds=rounds)
-        rows.append(session.add(harness.Row("matmul", "sweep bf16", "cublas(torch)",
-                                             f"{s}x{s}x{s}", "bfloat16", ms=t * 1e3,
-                                             tflops=_flops(s, s, s) / t / 1e12)))
-      except ImportError:
-        pass
-    _ratios(xla, rows)
+    fns = {"xla": lambda a, b: a @ b}
+    fns.update({impl: _ours(impl) for impl in impls})
+    interleaved(session, bench, "sweep bf16", s, fns, torch=session.platform == "gpu",
+                rounds=3, calls=3)
 
 
 def plot(rows, path):
