@@ -35,6 +35,8 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=None, help="timing rounds (median taken)")
   parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per round")
   parser.add_argument("--step", type=int, default=128, help="matmul --sweep: size step")
+  parser.add_argument("--sweep-range", default="1024:8192",
+                      help="matmul --sweep: first:last size (a long sweep may need two runs)")
   parser.add_argument("--tune", action="store_true", help="matmul: autotune ours first")
   parser.add_argument("--only", default=None,
                       help="matmul: run only these parts, comma-separated (checks,headline,sweep)")
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
       SUITES[name](session)
     elif name == "matmul":
       matmul.run(session, sweep=args.sweep, step=args.step, tune_first=args.tune,
+                 sweep_range=tuple(int(v) for v in args.sweep_range.split(":")),
                  only=args.only.split(",") if args.only else None)
     else:
       SUITES[name](session, sweep=args.sweep)

@@ -275,8 +275,8 @@ def tune(session, bench, impl, s=8192):
   return best, trials
 
 
-def sweep_sizes(session, bench, impls, step):
-  lo, hi = (1024, 8192) if not session.smoke else (128, 384)
+def sweep_sizes(session, bench, impls, step, sweep_range):
+  lo, hi = sweep_range
   sizes = []
   for s in range(lo, hi + 1, step):
     sizes += [s, s + 1]
@@ -310,7 +310,7 @@ def plot(rows, path):
 
 
 def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_first=False,
-        only=None) -> None:
+        only=None, sweep_range=(1024, 8192)) -> None:
   bench = _Bench(session, None)
   if session.platform == "gpu":
     impls = ["mosaic_gpu", "triton"] if session.chip and session.chip.compute_capability == (9, 0) \
@@ -321,11 +321,11 @@ def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_fir
     impls = ["triton", "mosaic_tpu"]
   if session.interpret:  # on a CPU: the kernels interpreted, at the smoke sizes
     with jk.interpret_mode():
-      return _run(session, bench, impls, sweep, step, only)
-  return _run(session, bench, impls, sweep, step, only, tune_first)
+      return _run(session, bench, impls, sweep, step, only, sweep_range=(128, 384))
+  return _run(session, bench, impls, sweep, step, only, tune_first, sweep_range)
 
 
-def _run(session, bench, impls, sweep, step, only, tune_first=False):
+def _run(session, bench, impls, sweep, step, only, tune_first=False, sweep_range=(1024, 8192)):
   only = set(only or ("checks", "headline", "sweep"))
   if "checks" in only:
     checks(session, impls)
@@ -335,7 +335,7 @@ def _run(session, bench, impls, sweep, step, only, tune_first=False):
   if "headline" in only:
     headline(session, bench, impls)
   if sweep and "sweep" in only:
-    sweep_sizes(session, bench, impls[:1], step if not session.smoke else 128)
+    sweep_sizes(session, bench, impls[:1], step if not session.smoke else 128, sweep_range)
 
 
 def checks(session, impls):

@@ -97,16 +97,16 @@ def config_error(problem: Problem, config: Config, chip) -> str | None:
 
 def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
   """128 x 256 CTA tiles (two 128 x 128 warpgroup tiles side by side along N), 64-deep K
-  steps (128 for fp8: 128 bytes per row either way, the widest swizzle), as many stages as
-  fit, tiles visited in snakes 8 wide along M: the autotuner's pick at 8192^3 bf16 on an H200
-  (730 TFLOP/s; bench/NOTES.md). Small problems take 64-row warpgroup tiles so that more
-  CTAs get work."""
+  steps (128 for fp8: 128 bytes per row either way, the widest swizzle), 4 stages with one
+  epilogue buffer per warpgroup (2 buffers leave room for only 3 stages), tiles visited in
+  snakes 16 wide along M: the autotuner's pick at 8192^3 bf16 on an H200 (bench/NOTES.md).
+  Small problems take 64-row warpgroup tiles so that more CTAs get work."""
   item = jnp.dtype(problem.dtype).itemsize
   tile_k = 128 // item
   small = cdiv(problem.m, 256) * cdiv(problem.n, 256) < chip.cores
   tile_m = 64 if small else 128
   config = Config(tile_m=tile_m, tile_n=128, tile_k=tile_k, stages=4, split="n",
-                  grid_minor="m", grid_tile_width=8, epi_tile_m=64, epi_tile_n=64)
+                  grid_minor="m", grid_tile_width=16, epi_tile_m=64, epi_tile_n=64, epi_slots=1)
   while config_error(problem, config, chip) and config.stages > 2:
     config = dataclasses.replace(config, stages=config.stages - 1)
   return config

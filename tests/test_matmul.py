@@ -1,0 +1,388 @@
+"""matmul: every backend against the float64 oracle (forward and gradients), dispatch, errors,
+TPU AOT compiles, CUDA lowering, and the tuning cache."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkernels as jk
+from jaxkernels import _activations, hardware, tuning
+from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, triton
+from jaxkernels.ops.matmul.common import Problem
+from tests import numerics
+from tests.conftest import aot_compile, cuda_lowering
+
+EPILOGUES = (  # (activation, bias, residual)
+    (None, False, False), ("gelu", True, True), ("gelu_tanh", True, False),
+    ("silu", False, True), ("relu", True, True))
+
+
+def reference(activation, has_bias, has_residual):
+  """The spec computed in ``compute_dtype`` throughout (float64: the oracle; the input dtype:
+  the naive baseline whose error sets the tolerance)."""
+  def make(cd):
+    def fn(a, b, *rest):
+      rest = list(rest)
+      bias = rest.pop(0) if has_bias else None
+      residual = rest.pop(0) if has_residual else None
+      z = jnp.matmul(a.astype(cd), b.astype(cd), preferred_element_type=cd)
+      if bias is not None:
+        z = z + bias.astype(cd)
+      y = z if activation is None else _activations.reference(activation, z)
+      if residual is not None:
+        y = y + residual.astype(cd)
+      return y
+    return fn
+  return make
+
+
+def inputs(shape, dtype, has_bias, has_residual, *labels):
+  """a (..., M, K), b (K, N) scaled so that a @ b ~ N(0, 1): activations stay where their
+  accuracy is documented."""
+  *lead, m, n, k = shape
+  gen = numerics.rng("matmul", shape, jnp.dtype(dtype).name, has_bias, has_residual, *labels)
+  s = k ** -0.25
+  primals = [numerics.normal(gen, (*lead, m, k), dtype, s), numerics.normal(gen, (k, n), dtype, s)]
+  if has_bias:
+    primals.append(numerics.normal(gen, (n,), dtype, 0.5))
+  if has_residual:
+    primals.append(numerics.normal(gen, (*lead, m, n), dtype))
+  return primals, numerics.normal(gen, (*lead, m, n), dtype)
+
+
+class MatmulTest:
+  IMPL = "xla"
+  CONFIG = None  # small tiles, so that edges, K tails and many programs are all exercised
+
+  def op(self, activation, has_bias, has_residual, config=None):
+    def fn(a, b, *rest):
+      rest = list(rest)
+      bias = rest.pop(0) if has_bias else None
+      residual = rest.pop(0) if has_residual else None
+      return jk.matmul(a, b, bias=bias, residual=residual, activation=activation,
+                       implementation=self.IMPL, config=config or self.CONFIG)
+    return fn
+
+  def check(self, shape, dtype, epilogue, grads=True):
+    activation, has_bias, has_residual = epilogue
+    primals, ct = inputs(shape, dtype, has_bias, has_residual, activation)
+    with jk.interpret_mode():
+      support = jk.supports("matmul", self.IMPL, primals[0], primals[1])
+      if not support:
+        pytest.skip(support.reason)
+      fn = self.op(activation, has_bias, has_residual)
+      if grads:
+        out, vjp = jax.vjp(fn, *primals)
+        got = (out, vjp(ct))
+      else:
+        got = fn(*primals)
+    numerics.assert_matches(got, reference(activation, has_bias, has_residual), primals,
+                            ct if grads else None, dtype=dtype,
+                            reduction=max(math.prod(shape[:-2]), shape[-1]),
+                            pointwise_rtol=_activations.RTOL)
+
+  # M, N, K: one odd size each, none a multiple of any block; a batched a; K < one block.
+  @pytest.mark.parametrize("shape", [(37, 45, 70), (2, 19, 130, 33), (8, 16, 5)])
+  @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: "-".join(map(str, e)))
+  def test_float32(self, shape, epilogue):
+    self.check(shape, jnp.float32, epilogue)
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("epilogue", EPILOGUES[:2], ids=lambda e: "-".join(map(str, e)))
+  def test_low_precision(self, dtype, epilogue):
+    self.check((3, 33, 140, 72), dtype, epilogue)
+
+  def test_out_dtype(self):
+    primals, _ = inputs((40, 50, 60), jnp.bfloat16, False, False)
+    with jk.interpret_mode():
+      if not jk.supports("matmul", self.IMPL, *primals, out_dtype=jnp.float32):
+        pytest.skip("not served")
+      y = jk.matmul(*primals, out_dtype=jnp.float32, implementation=self.IMPL,
+                    config=self.CONFIG)
+    assert y.dtype == jnp.float32
+    want = np.asarray(primals[0], np.float64) @ np.asarray(primals[1], np.float64)
+    # bf16 operands are exact in float32 products; only the float32 sums round.
+    np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+class TestXla(MatmulTest):
+  IMPL = "xla"
+
+
+class TestTriton(MatmulTest):
+  IMPL = "triton"
+  CONFIG = triton.Config(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4,
+                         num_stages=2)
+
+  def test_heuristic_config(self):
+    self.check((70, 300, 200), jnp.float32, EPILOGUES[1])
+
+
+class TestMosaicTpu(MatmulTest):
+  IMPL = "mosaic_tpu"
+  # block_m 16 (bf16 sublanes), 128-lane blocks: N and K tails are partial blocks.
+  CONFIG = mosaic_tpu.Config(block_m=16, block_n=128, block_k=128)
+
+  @pytest.mark.parametrize("shape", [(40, 200, 300)])
+  @pytest.mark.parametrize("epilogue", EPILOGUES[:2], ids=lambda e: "-".join(map(str, e)))
+  def test_float32(self, shape, epilogue):
+    self.check(shape, jnp.float32, epilogue)
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16])
+  @pytest.mark.parametrize("epilogue", EPILOGUES[1:2], ids=lambda e: "-".join(map(str, e)))
+  def test_low_precision(self, dtype, epilogue):
+    self.check((2, 24, 260, 130), dtype, epilogue)
+
+  def test_int8_scaled(self):
+    gen = numerics.rng("int8")
+    a = jnp.asarray(gen.integers(-127, 128, (40, 300)), jnp.int8)
+    b = jnp.asarray(gen.integers(-127, 128, (300, 200)), jnp.int8)
+    a_scale = jnp.asarray(gen.uniform(0.5, 2, 40), jnp.float32) / 127
+    b_scale = jnp.asarray(gen.uniform(0.5, 2, 200), jnp.float32) / 127
+    bias = numerics.normal(gen, (200,), jnp.float32)
+    with jk.interpret_mode():
+      y = jk.matmul(a, b, a_scale=a_scale, b_scale=b_scale, bias=bias, activation="silu",
+                    out_dtype=jnp.float32, implementation="mosaic_tpu", config=self.CONFIG)
+    acc = np.asarray(a, np.int64) @ np.asarray(b, np.int64)  # exact in int32 as well
+    z = acc * np.asarray(a_scale, np.float64)[:, None] * np.asarray(b_scale, np.float64) + \
+        np.asarray(bias, np.float64)
+    want = z / (1 + np.exp(-z))
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+class TestMosaicGpu(MatmulTest):
+  """The Mosaic GPU interpreter runs the real kernel (warpgroups, barriers, TMA, wgmma) on the
+  CPU, but not TMA's out-of-bounds handling: these shapes keep M, N, K within whole CTA tiles
+  after the wrapper's padding. Odd shapes run on the GPU machine (bench matmul checks)."""
+
+  IMPL = "mosaic_gpu"
+  CONFIG = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, stages=2)
+
+  @pytest.mark.parametrize("shape", [(64, 128, 128)])
+  @pytest.mark.parametrize("epilogue", EPILOGUES[1:2], ids=lambda e: "-".join(map(str, e)))
+  def test_float32(self, shape, epilogue):
+    pytest.skip("mosaic_gpu serves 16-bit and fp8 operands; float32 goes to triton")
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("epilogue", EPILOGUES[:2], ids=lambda e: "-".join(map(str, e)))
+  def test_low_precision(self, dtype, epilogue):
+    self.check((64, 128, 128), dtype, epilogue, grads=False)
+
+  @pytest.mark.parametrize("epilogue", EPILOGUES[2:], ids=lambda e: "-".join(map(str, e)))
+  def test_epilogues(self, epilogue):
+    self.check((128, 128, 64), jnp.bfloat16, epilogue, grads=False)
+
+  def test_fp8_scaled(self):
+    gen = numerics.rng("fp8")
+    a = numerics.normal(gen, (64, 128), jnp.float8_e4m3fn)
+    b = numerics.normal(gen, (128, 128), jnp.float8_e4m3fn)
+    a_scale, b_scale = jnp.float32(0.5), jnp.asarray(gen.uniform(0.5, 2, 128), jnp.float32)
+    with jk.interpret_mode():
+      y = jk.matmul(a, b, a_scale=a_scale, b_scale=b_scale, implementation="mosaic_gpu",
+                    config=mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=128, stages=2))
+    want = (np.asarray(a, np.float64) @ np.asarray(b, np.float64)) * 0.5 * np.asarray(b_scale)
+    # fp8 values are exact in float32 products; the error is the bf16 output's rounding.
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2 ** -8,
+                               atol=1e-6 * np.abs(want).max())
+
+  def test_out_dtype(self):
+    pytest.skip("covered by test_low_precision's bfloat16 output; the interpreter is slow")
+
+
+def test_fp8_triton_and_reference():
+  gen = numerics.rng("fp8-triton")
+  a = numerics.normal(gen, (3, 20, 70), jnp.float8_e5m2)
+  b = numerics.normal(gen, (70, 50), jnp.float8_e5m2)
+  a_scale = jnp.asarray(gen.uniform(0.5, 2, (3, 20)), jnp.float32)
+  want = np.einsum("bmk,kn->bmn", np.asarray(a, np.float64), np.asarray(b, np.float64)) * \
+      np.asarray(a_scale, np.float64)[..., None]
+  for impl in ("xla", "triton"):
+    with jk.interpret_mode():
+      y = jk.matmul(a, b, a_scale=a_scale, implementation=impl,
+                    config=triton.Config(block_m=16, block_n=32, block_k=32, num_warps=4,
+                                         num_stages=2) if impl == "triton" else None)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2 ** -8,
+                               atol=1e-6 * np.abs(want).max())
+  with jk.interpret_mode(), pytest.raises(TypeError,
+                                          match="no gradient through a float8_e5m2 matmul"):
+    jax.grad(lambda s: jk.matmul(a, b, a_scale=s, implementation="triton",
+                                 config=TestTriton.CONFIG).astype(jnp.float32).sum())(
+        jnp.float32(1.0))
+
+
+# --------------------------------------------------------------------------- #
+# Bad input
+# --------------------------------------------------------------------------- #
+
+A = jnp.zeros((4, 8), jnp.bfloat16)
+B = jnp.zeros((8, 16), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(b=jnp.zeros((7, 16), jnp.bfloat16)), ValueError, r"a \(4, 8\) and b \(7, 16\) disagree on K"),
+    (dict(a=jnp.zeros((8,), jnp.bfloat16)), ValueError, r"a must have rank >= 2, got shape \(8,\)"),
+    (dict(b=jnp.zeros((1, 8, 16), jnp.bfloat16)), ValueError, r"b must be \(K, N\), rank 2"),
+    (dict(bias=jnp.zeros((15,), jnp.bfloat16)), ValueError, r"bias must have shape \(16,\)"),
+    (dict(residual=jnp.zeros((4, 15), jnp.bfloat16)), ValueError, r"residual must have the shape"),
+    (dict(b=jnp.zeros((8, 16), jnp.float32)), TypeError, "a and b must share a dtype"),
+    (dict(a=jnp.zeros((4, 8), jnp.int32), b=jnp.zeros((8, 16), jnp.int32)), TypeError,
+     "a has dtype int32"),
+    (dict(activation="tanh"), ValueError, "activation='tanh' is not one of"),
+    (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be one of"),
+    (dict(a_scale=jnp.float32(2)), ValueError, "a_scale dequantizes fp8/int8 operands"),
+    (dict(precision="high"), TypeError, "precision must be None or a jax.lax.Precision"),
+    (dict(implementation="mosaic_tpu", out_dtype=jnp.float16), ValueError,
+     "mosaic_tpu does not write float16"),
+    (dict(implementation="cuda"), ValueError, "implementation='cuda' is not one of"),
+])
+def test_bad_input(kwargs, error, match):
+  args = dict(a=A, b=B)
+  args.update(kwargs)
+  with jk.interpret_mode(), pytest.raises(error, match=match):
+    jk.matmul(args.pop("a"), args.pop("b"), **args)
+
+
+def test_unsupported_dtype_combination_names_the_backend():
+  a8, b8 = jnp.zeros((4, 8), jnp.int8), jnp.zeros((8, 16), jnp.int8)
+  with jk.interpret_mode(), pytest.raises(ValueError, match="triton takes bfloat16, float16, "
+                                          "float32 or fp8 operands, got int8"):
+    jk.matmul(a8, b8, implementation="triton")
+  support = jk.supports("matmul", "mosaic_gpu", A.astype(jnp.float32), B.astype(jnp.float32))
+  assert not support and "float32" in support.reason
+
+
+def test_config_checks():
+  with pytest.raises(ValueError, match="block_m=24 must be a power of two"):
+    triton.Config(block_m=24, block_n=32, block_k=32)
+  with pytest.raises(ValueError, match="tile_m=96 must be a multiple of 64"):
+    mosaic_gpu.Config(tile_m=96)
+  with jk.interpret_mode(), pytest.raises(TypeError, match="config for implementation='triton'"):
+    jk.matmul(A, B, implementation="triton", config=mosaic_gpu.Config())
+  big = mosaic_gpu.Config(tile_m=128, tile_n=256, stages=8)
+  p = Problem(m=4096, n=4096, k=4096, dtype=jnp.dtype(jnp.bfloat16),
+              out_dtype=jnp.dtype(jnp.bfloat16))
+  assert "shared memory" in mosaic_gpu.config_error(p, big, hardware.DEFAULT_GPU)
+
+
+def test_zero_sized():
+  with jk.interpret_mode():
+    y = jk.matmul(jnp.zeros((0, 8), jnp.float32), jnp.ones((8, 3), jnp.float32),
+                  implementation="triton")
+  assert y.shape == (0, 3)
+
+
+def test_jit_vmap_checkpoint():
+  primals, ct = inputs((24, 40, 36), jnp.float32, True, False)
+  fn = lambda a, b, bias: jk.matmul(a, b, bias=bias, activation="silu", implementation="triton",
+                                    config=TestTriton.CONFIG)
+  want = reference("silu", True, False)(jnp.float32)(*primals)
+  with jk.interpret_mode():
+    got = jax.jit(fn)(*primals)
+    batched = jax.vmap(fn, in_axes=(0, None, None))(jnp.stack([primals[0]] * 2), *primals[1:])
+    g1 = jax.grad(lambda *p: jnp.sum(jax.checkpoint(fn)(*p) * ct))(*primals)
+    g2 = jax.grad(lambda *p: jnp.sum(fn(*p) * ct))(*primals)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(batched[1], want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(g1, g2, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# Compiles: TPU (real compiler, AOT) and CUDA (lowering)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("dtype, shape", [
+    (jnp.bfloat16, (1024, 2048, 4096)), (jnp.bfloat16, (1000, 700, 1030)),
+    (jnp.float32, (512, 384, 640)), (jnp.int8, (2048, 2048, 4096))])
+def test_tpu_aot_compile(tpu_mesh, dtype, shape):
+  """The heuristic config for each shape compiles for v5e, v5p and v6e, forward and backward."""
+  m, n, k = shape
+  a = jax.ShapeDtypeStruct((m, k), dtype)
+  b = jax.ShapeDtypeStruct((k, n), dtype)
+  if dtype == jnp.int8:
+    fn = lambda a, b: jk.matmul(a, b, a_scale=jnp.float32(0.1), activation="gelu",
+                                implementation="mosaic_tpu")
+  else:
+    bias = jax.ShapeDtypeStruct((n,), dtype)
+    def fn(a, b, bias):
+      loss = lambda a, b, bias: jnp.sum(jk.matmul(a, b, bias=bias, activation="gelu",
+                                                  implementation="mosaic_tpu").astype(jnp.float32))
+      return jax.grad(loss, argnums=(0, 1, 2))(a, b, bias)
+    text = aot_compile(tpu_mesh, fn, a, b, bias)
+    assert text.count("jk_matmul") >= 3  # forward, dA, dB
+    return
+  assert "jk_matmul" in aot_compile(tpu_mesh, fn, a, b)
+
+
+def test_cuda_lowering():
+  bf = jnp.bfloat16
+  shapes = (jax.ShapeDtypeStruct((1000, 520), bf), jax.ShapeDtypeStruct((520, 1030), bf),
+            jax.ShapeDtypeStruct((1030,), bf))
+  for impl in ("triton", "mosaic_gpu"):
+    def fn(a, b, bias, impl=impl):
+      loss = lambda a, b, bias: jnp.sum(jk.matmul(a, b, bias=bias, activation="gelu",
+                                                  implementation=impl).astype(jnp.float32))
+      return jax.grad(loss, argnums=(0, 1, 2))(a, b, bias)
+    text = cuda_lowering(fn, *shapes)
+    marker = "jk_matmul" if impl == "triton" else "mosaic_gpu"
+    assert text.count(marker) >= 3, impl
+  f8 = jax.ShapeDtypeStruct((256, 512), jnp.float8_e4m3fn)
+  text = cuda_lowering(lambda a, b: jk.matmul(a, b, b_scale=jnp.float32(2),
+                                              implementation="mosaic_gpu"), f8,
+                       jax.ShapeDtypeStruct((512, 384), jnp.float8_e4m3fn))
+  assert "mosaic_gpu" in text
+
+
+# --------------------------------------------------------------------------- #
+# Tuning: cache on disk, shipped tables, heuristics
+# --------------------------------------------------------------------------- #
+
+
+def test_tuning_cache_roundtrip(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAXKERNELS_CACHE_DIR", str(tmp_path))
+  p = Problem(m=3000, n=3000, k=3000, dtype=jnp.dtype(jnp.bfloat16),
+              out_dtype=jnp.dtype(jnp.bfloat16))
+  chip = hardware.chip_for("NVIDIA H100 80GB HBM3")
+  assert tuning.config_for("triton", p, chip) == triton.heuristic(p, chip)
+  mine = triton.Config(block_m=64, block_n=64, block_k=32, group_m=4, num_warps=4, num_stages=2)
+  tuning.record("triton", p, "NVIDIA H100 80GB HBM3", mine, 1e-3)
+  assert tuning.config_for("triton", p, chip) == mine
+  # A shape in the same bucket shares the entry; another bucket does not.
+  assert tuning.config_for("triton", Problem(**{**p.__dict__, "m": 2100}), chip) == mine
+  assert tuning.config_for("triton", Problem(**{**p.__dict__, "m": 5000}), chip) != mine
+  (tmp_path / "tuning.json").write_text("{not json")
+  assert tuning.config_for("triton", p, chip) == triton.heuristic(p, chip)
+
+
+def test_shipped_table_and_ship(tmp_path):
+  p = Problem(m=8192, n=8192, k=8192, dtype=jnp.dtype(jnp.bfloat16),
+              out_dtype=jnp.dtype(jnp.bfloat16))
+  chip = hardware.chip_for("NVIDIA H200")
+  shipped = tuning.config_for("mosaic_gpu", p, chip, device_kind="NVIDIA H200")
+  assert isinstance(shipped, mosaic_gpu.Config)
+  cache = tmp_path / "cache.json"
+  cache.write_text(json.dumps({"triton|gpu x|jax9.9|bfloat16->bfloat16|nn|1024x1024x1024":
+                               {"config": {}, "seconds": 1.0}}))
+  out = tmp_path / "table.json"
+  assert tuning.ship(cache, out, note="test") == 1
+  assert list(json.loads(out.read_text())["entries"]) == [
+      "triton|gpu x|bfloat16->bfloat16|nn|1024x1024x1024"]
+
+
+@pytest.mark.parametrize("module", [triton, mosaic_gpu, mosaic_tpu])
+@pytest.mark.parametrize("size", [1, 100, 4096, 8193])
+def test_heuristics_are_valid(module, size):
+  dtypes = {triton: (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn),
+            mosaic_gpu: (jnp.bfloat16, jnp.float8_e4m3fn),
+            mosaic_tpu: (jnp.bfloat16, jnp.float32, jnp.int8)}[module]
+  chip = hardware.DEFAULT_GPU if module is not mosaic_tpu else hardware.SMALLEST_VMEM_TPU
+  for dtype in dtypes:
+    p = Problem(m=size, n=size, k=size, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(jnp.bfloat16))
+    assert module.config_error(p, module.heuristic(p, chip), chip) is None
