@@ -281,22 +281,20 @@ def _epilogue(acc, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols, y_smem, z_s
         plgpu.copy_smem_to_gmem(z_smem.at[wg, slot], dest(z_gmem))
 
 
-def _tma_aligned(x):
-  """x zero-padded to TMA's tiled layout: rows to a multiple of 8, a row to a multiple of 128 bytes.
+def _tma_aligned(x, min_rows: int = 8):
+  """x zero-padded to TMA's tiled layout: rows to a multiple of 8 (and at least ``min_rows``),
+  a row to a multiple of 128 bytes.
 
   Swizzled TMA needs every dimension of the array to be a multiple of the shared-memory
-  tiling (8 rows by one 128-byte swizzle span), or smaller than it.
+  tiling (8 rows by one 128-byte swizzle span). And an array with fewer rows than the block
+  that reads it came out wrong on an H200 ((6, 1027) @ (1027, 2), bench/NOTES.md), so small
+  arrays are padded to a whole block: a few KiB at most.
   """
   rows, cols = x.shape
-  want = (_row_multiple(rows), round_up(cols, 128 // jnp.dtype(x.dtype).itemsize))
+  want = (max(round_up(rows, 8), min_rows), round_up(cols, 128 // jnp.dtype(x.dtype).itemsize))
   if (rows, cols) == want:
     return x
   return jnp.pad(x, [(0, want[0] - rows), (0, want[1] - cols)])
-
-
-def _row_multiple(rows: int) -> int:
-  # Fewer than 8 rows passes the tiling check but not the hardware: (3, 2, 1027) came out wrong.
-  return round_up(rows, 8)
 
 
 def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
@@ -306,13 +304,16 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
     b, p = b.T, dataclasses.replace(p, trans_b=True)
   # The kernel reads only [0, m) x [0, k) of A and [0, k) x [0, n) of B whatever the padding;
   # past those, TMA zero-fills (or reads the pad's zeros), so the K tail adds nothing.
-  a, b = _tma_aligned(a), _tma_aligned(b)
-  out_shape = (_row_multiple(p.m), round_up(p.n, 128 // jnp.dtype(p.out_dtype).itemsize))
+  c = config
+  a = _tma_aligned(a, c.tile_k if p.trans_a else c.cta_m)
+  b = _tma_aligned(b, c.cta_n if p.trans_b else c.tile_k)
+  out_rows = max(round_up(p.m, 8), c.cta_m)
+  out_shape = (out_rows, round_up(p.n, 128 // jnp.dtype(p.out_dtype).itemsize))
   operands = [a, b]
   if p.has_bias:
     operands.append(bias.astype(jnp.float32))
   if p.has_residual:  # it comes in through the output's shared-memory buffer: same dtype
-    operands.append(_tma_aligned(residual.astype(p.out_dtype)))
+    operands.append(_tma_aligned(residual.astype(p.out_dtype), c.cta_m))
   if p.has_scales:
     operands += [a_scale.astype(jnp.float32), b_scale.astype(jnp.float32)]
   out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)
