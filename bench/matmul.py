@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import statistics
 import time
 
@@ -319,6 +320,8 @@ def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_fir
     impls = ["mosaic_tpu"]
   else:
     impls = ["triton", "mosaic_tpu"]
+  if os.environ.get("JAXKERNELS_BENCH_IMPLS"):  # e.g. a quick re-check of one backend
+    impls = os.environ["JAXKERNELS_BENCH_IMPLS"].split(",")
   if session.interpret:  # on a CPU: the kernels interpreted, at the smoke sizes
     with jk.interpret_mode():
       return _run(session, bench, impls, sweep, step, only, sweep_range=(128, 384))

@@ -13,11 +13,12 @@ activation; the residual comes in by TMA through the output buffer), then
 writes C through shared memory by TMA in ``epi_tile_m x epi_tile_n`` pieces,
 double-buffered so the store of one piece overlaps the next one's math.
 
-Edges: TMA zero-fills loads past the array and drops stores past it, so M, N and
+Edges: TMA zero-fills loads that run past the array and clips stores, so M, N and
 K need not be multiples of the CTA tile. Swizzled TMA does need each array's rows
-to be a multiple of 8 and its row a multiple of 128 bytes: where they are not, the
-wrapper zero-pads the operands (and slices the output), one extra pass over each
-padded array, ~10% of the time at 8193^3.
+to be a multiple of 8 and its row a multiple of 128 bytes, and a copy must not start
+past the array's end: where these fail, the wrapper zero-pads the operands (and
+slices the output), one extra pass over each padded array, ~15% of the time at
+8193^3.
 
 fp8 wgmma reads both operands K-major: B must be stored (N, K). A (K, N) fp8 B is
 transposed by XLA first (one pass over B).
@@ -281,20 +282,24 @@ def _epilogue(acc, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols, y_smem, z_s
         plgpu.copy_smem_to_gmem(z_smem.at[wg, slot], dest(z_gmem))
 
 
-def _tma_aligned(x, min_rows: int = 8):
-  """x zero-padded to TMA's tiled layout: rows to a multiple of 8 (and at least ``min_rows``),
-  a row to a multiple of 128 bytes.
+def _padded_extent(size: int, align: int, cta: int, step: int) -> int:
+  """How far to pad a dimension of ``size`` that the kernel reads in ``cta`` blocks, cut into
+  ``step`` pieces (warpgroup halves, epilogue pieces): to a multiple of ``align``, or of
+  ``cta`` where some piece of the last block would start at or past the padded end.
 
-  Swizzled TMA needs every dimension of the array to be a multiple of the shared-memory
-  tiling (8 rows by one 128-byte swizzle span). And an array with fewer rows than the block
-  that reads it came out wrong on an H200 ((6, 1027) @ (1027, 2), bench/NOTES.md), so small
-  arrays are padded to a whole block: a few KiB at most.
+  A TMA copy whose start lies past the array's end came out wrong on an H200 ((6, 1027) @
+  (1027, 2), bench/NOTES.md); pieces that start inside and run past the end are fine (TMA
+  zero-fills and clips them).
   """
-  rows, cols = x.shape
-  want = (max(round_up(rows, 8), min_rows), round_up(cols, 128 // jnp.dtype(x.dtype).itemsize))
-  if (rows, cols) == want:
+  padded = round_up(size, align)
+  last_piece = (cdiv(size, cta) - 1) * cta + cta - step
+  return padded if last_piece < padded else round_up(size, cta)
+
+
+def _pad_to(x, rows: int, cols: int):
+  if x.shape == (rows, cols):
     return x
-  return jnp.pad(x, [(0, want[0] - rows), (0, want[1] - cols)])
+  return jnp.pad(x, [(0, rows - x.shape[0]), (0, cols - x.shape[1])])
 
 
 def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
@@ -304,16 +309,27 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
     b, p = b.T, dataclasses.replace(p, trans_b=True)
   # The kernel reads only [0, m) x [0, k) of A and [0, k) x [0, n) of B whatever the padding;
   # past those, TMA zero-fills (or reads the pad's zeros), so the K tail adds nothing.
+  # Swizzled TMA wants each array's rows in multiples of 8 and each row in multiples of 128
+  # bytes; and no block piece may start past an array's end.
   c = config
-  a = _tma_aligned(a, c.tile_k if p.trans_a else c.cta_m)
-  b = _tma_aligned(b, c.cta_n if p.trans_b else c.tile_k)
-  out_rows = max(round_up(p.m, 8), c.cta_m)
-  out_shape = (out_rows, round_up(p.n, 128 // jnp.dtype(p.out_dtype).itemsize))
+  lanes = 128 // jnp.dtype(p.dtype).itemsize
+  out_lanes = 128 // jnp.dtype(p.out_dtype).itemsize
+  m_step = min(c.tile_m, c.epi_tile_m)
+  n_step = min(c.tile_n, c.epi_tile_n)
+  m_rows = _padded_extent(p.m, 8, c.cta_m, m_step)
+  k_in = _padded_extent(p.k, lanes, c.tile_k, c.tile_k)
+  n_in = _padded_extent(p.n, lanes if not p.trans_b else 8, c.cta_n, n_step)
+  n_out = _padded_extent(p.n, out_lanes, c.cta_n, n_step)
+  m_in = _padded_extent(p.m, lanes if p.trans_a else 8, c.cta_m, m_step)
+  k_rows = _padded_extent(p.k, 8, c.tile_k, c.tile_k)
+  a = _pad_to(a, k_rows, m_in) if p.trans_a else _pad_to(a, m_in, k_in)
+  b = _pad_to(b, n_in, k_in) if p.trans_b else _pad_to(b, k_rows, n_in)
+  out_shape = (m_rows, n_out)
   operands = [a, b]
   if p.has_bias:
     operands.append(bias.astype(jnp.float32))
   if p.has_residual:  # it comes in through the output's shared-memory buffer: same dtype
-    operands.append(_tma_aligned(residual.astype(p.out_dtype), c.cta_m))
+    operands.append(_pad_to(residual.astype(p.out_dtype), *out_shape))
   if p.has_scales:
     operands += [a_scale.astype(jnp.float32), b_scale.astype(jnp.float32)]
   out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)
