@@ -19,3 +19,19 @@ def test_bench_smoke_softmax(tmp_path, capsys):
   assert len(kernel_rows) == 6  # 2 shapes x (fwd, bwd, fwd+bwd)
   for row in kernel_rows:
     assert row["note"] == "" and row["error"] <= row["tolerance"] and row["ms"] > 0
+
+
+def test_plot_sweep_reads_logs_in_run_order(tmp_path):
+  from bench import plot_sweep
+
+  log = tmp_path / "log.txt"
+  lines = []
+  for size in (128, 129, 256, 257):
+    for impl, ms in (("xla", 1.0), ("mosaic_gpu", 0.5), ("cublas(torch)", 2.0)):
+      lines.append(f"  matmul sweep bf16 {impl}: {ms * size / 128:.4f} ms  GB/s err 1e-3\n")
+  log.write_text("".join(lines))
+  series = plot_sweep.from_log(str(log), 128, 256, 128)
+  assert sorted(series) == ["cublas", "mosaic_gpu", "xla"]
+  assert [s for s, _ in series["xla"]] == [128, 129, 256, 257]
+  size, tflops = series["mosaic_gpu"][2]
+  assert size == 256 and abs(tflops - 2 * 256 ** 3 / (1e-3 * 256 / 128) / 1e12) < 1e-3
