@@ -104,8 +104,8 @@ def test_supports():
     assert jk.supports("softmax", "triton", jnp.ones((2, 8)))
     assert not jk.supports("glu", "mosaic_tpu", jnp.ones((2, 8), jnp.float16),
                            jnp.ones((2, 8), jnp.float16))
-  with pytest.raises(ValueError, match="unknown op 'matmul'"):
-    jk.supports("matmul", "triton", jnp.ones((2, 2)))
+  with pytest.raises(ValueError, match="unknown op 'conv'"):
+    jk.supports("conv", "triton", jnp.ones((2, 2)))
   with pytest.raises(ValueError, match="scale must have shape"):
     jk.supports("rms_norm", "triton", jnp.ones((2, 8)), jnp.ones(3))
 

@@ -34,4 +34,4 @@ def test_plot_sweep_reads_logs_in_run_order(tmp_path):
   assert sorted(series) == ["cublas", "mosaic_gpu", "xla"]
   assert [s for s, _ in series["xla"]] == [128, 129, 256, 257]
   size, tflops = series["mosaic_gpu"][2]
-  assert size == 256 and abs(tflops - 2 * 256 ** 3 / (1e-3 * 256 / 128) / 1e12) < 1e-3
+  assert size == 256 and abs(tflops - 2 * 256 ** 3 / (1e-3 * 0.5 * 256 / 128) / 1e12) < 1e-6
