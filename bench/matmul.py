@@ -4,8 +4,9 @@ Headline cases are the issue's: bf16 8192^3 and 4096^3, the wave-quantization
 cliffs 8193^3 and 2049^3 (with their aligned neighbours), fp8 e4m3 8192^3,
 the fused bias+gelu epilogue against the plain product and against our product
 followed by XLA's fused bias+gelu, and a forward+backward with the epilogue.
-``--sweep`` adds square sizes 1024..8192 (step ``--step``, with odd neighbours)
-for ours, XLA and cuBLAS, and autotunes ours at the headline shape first.
+``--sweep`` adds square sizes (``--sweep-range``, step ``--step``, each with its odd
+neighbour) for ours, XLA and cuBLAS; ``bench/plot_sweep.py`` plots them. ``--tune``
+autotunes ours at 8192, 8193, 2049 and 4096 first (into the user's tuning cache).
 
 Every output is checked against an f32 product on the device before it is timed
 (tolerance: twice the error of XLA's own product in the same dtype).
@@ -13,9 +14,7 @@ Every output is checked against an f32 product on the device before it is timed
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import os
 import statistics
 import time
@@ -95,7 +94,7 @@ def _jax_example(a, b):
 
 
 class _Bench:
-  def __init__(self, session, rows_out):
+  def __init__(self, session):
     self.session = session
 
   def row(self, name, impl, m, n, k, dtype, fn=None, *, seconds=None, check=True, bias=False,
@@ -149,7 +148,6 @@ def headline(session, bench, impls):
     interleaved(session, bench, "bf16", s, fns, torch=session.platform == "gpu")
   # fp8 e4m3, per-tensor scales, bf16 out.
   s = big
-  scale = lambda a, b: (jnp.float32(1.5), jnp.float32(0.5))
   f8_ref = jax.jit(lambda a, b: 0.75 * lax.dot(a.astype(jnp.float32), b.astype(jnp.float32),
                                                precision=lax.Precision.HIGHEST))
   xla = bench.row("fp8 e4m3 (bf16 out)", "xla", s, s, s, F8,
@@ -159,7 +157,6 @@ def headline(session, bench, impls):
                     _ours(impl, a_scale=jnp.float32(1.5), b_scale=jnp.float32(0.5)), ref=f8_ref)
           for impl in impls]
   _ratios(xla, rows)
-  del scale
   # The fused epilogue: bias + exact gelu.
   def xla_epilogue(a, b, bias):
     return jax.nn.gelu((a @ b).astype(jnp.float32) + bias.astype(jnp.float32),
@@ -264,6 +261,11 @@ def tune(session, bench, impl, s=8192):
     candidates = [mosaic_gpu.Config(tile_m=tm, tile_n=tn, tile_k=64, stages=st, split=sp,
                                     grid_minor=gm, grid_tile_width=w, epi_slots=slots)
                   for tm, tn, sp, st, slots in shapes for gm, w in orders]
+  else:
+    candidates = [triton.Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=8,
+                                num_stages=st)
+                  for bm, bn, bk in ((128, 256, 64), (256, 128, 64), (128, 128, 64))
+                  for st in (3, 4)]
   best, trials = tuning.autotune(
       impl, p, candidates, chip=session.chip,
       make_inputs=lambda seed: _inputs(s, s, s, BF16, seed),
@@ -288,31 +290,9 @@ def sweep_sizes(session, bench, impls, step, sweep_range):
                 rounds=3, calls=3)
 
 
-def plot(rows, path):
-  """TFLOP/s against size for each implementation of the sweep."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(11, 5))
-  series = {}
-  for r in rows:
-    if r.name == "sweep bf16" and r.tflops:
-      series.setdefault(r.impl, []).append((int(r.shape.split("x")[0]), r.tflops))
-  for impl, points in sorted(series.items()):
-    points.sort()
-    ax.plot([p[0] for p in points], [p[1] for p in points], ".-", label=impl, lw=0.8, ms=3)
-  ax.set_xlabel("M = N = K (bf16); odd sizes are the aligned size + 1")
-  ax.set_ylabel("TFLOP/s")
-  ax.legend()
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-
-
 def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_first=False,
         only=None, sweep_range=(1024, 8192)) -> None:
-  bench = _Bench(session, None)
+  bench = _Bench(session)
   if session.platform == "gpu":
     impls = ["mosaic_gpu", "triton"] if session.chip and session.chip.compute_capability == (9, 0) \
         else ["triton"]

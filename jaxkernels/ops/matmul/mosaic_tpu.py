@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxkernels import hardware, roofline
-from jaxkernels._pallas import cdiv, check_fields, round_up, sublanes, tpu_params
+from jaxkernels._pallas import cdiv, check_fields, sublanes, tpu_params
 from jaxkernels.ops.matmul.common import INT8, Problem, epilogue
 from jaxkernels.ops.matmul.reference import accumulator_dtype
 

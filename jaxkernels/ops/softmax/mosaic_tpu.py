@@ -7,7 +7,6 @@ Mosaic pads lanes to 128 and masks the reductions), float32 inside.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
