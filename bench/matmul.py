@@ -195,14 +195,16 @@ def interleaved(session, bench, name, s, fns, *, torch=False, dtype=BF16, bias=F
   median per implementation over the rounds. A GPU at its power limit clocks down as a run
   goes on; timed one after another, whichever ran first (on a cool chip) looked up to ~10%
   faster (run matmul-3, bench/NOTES.md). Round-robin gives every implementation the same mix."""
-  rows, programs = {}, {}
+  rows, programs, wants = {}, {}, {}
+  args = _inputs(s, s, s, dtype, 0, bias=bias)
   for impl, fn in fns.items():
     row = harness.Row("matmul", name, impl, f"{s}x{s}x{s}", jnp.dtype(dtype).name)
     try:
       jitted = jax.jit(fn)
-      args = _inputs(s, s, s, dtype, 0, bias=bias)
-      want = ((refs or {}).get(impl) or _f32_product())(*args)
-      row.error = harness.relative_error(jitted(*args), want)
+      ref = (refs or {}).get(impl) or _f32_product()
+      if ref not in wants:  # one spec product per reference, not one per implementation
+        wants[ref] = ref(*args)
+      row.error = harness.relative_error(jitted(*args), wants[ref])
       row.tolerance = 8e-3
       if not row.error <= row.tolerance:
         row.note = f"WRONG: error {row.error:.2e}; not timed"

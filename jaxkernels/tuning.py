@@ -76,11 +76,20 @@ def _cache_file() -> pathlib.Path:
 
 
 def _user_cache() -> dict[str, dict[str, Any]]:
+  """The user's cache, read again only when the file changes (config_for runs on every trace)."""
   path = _cache_file()
-  if not path.exists():
-    return {}
   try:
-    return json.loads(path.read_text())
+    stat = path.stat()
+  except OSError:
+    return {}
+  return dict(_parsed(str(path), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, dict[str, Any]]:
+  del mtime_ns, size  # the key: a rewritten file is parsed afresh
+  try:
+    return json.loads(pathlib.Path(path).read_text())
   except (OSError, json.JSONDecodeError):
     return {}  # a damaged cache is a miss, not a crash; the next autotune rewrites it
 

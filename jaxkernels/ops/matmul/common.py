@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxkernels import _activations
+from jaxkernels import _activations, roofline
 
 FLOAT8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 INT8 = jnp.dtype(jnp.int8)
@@ -62,3 +62,33 @@ def epilogue(acc, *, problem: Problem, bias=None, residual=None, a_scale=None, b
   if problem.has_residual:
     y = y + residual
   return y, z
+
+
+def split_refs(problem: Problem, refs):
+  """A kernel's refs as (a, b, bias, residual, a_scale, b_scale, y, z).
+
+  Every wrapper passes its operands in this order, each optional one only when the problem
+  has it: a, b, [bias], [residual], [a_scale, b_scale]; then the outputs y, [z].
+  """
+  a, b, *refs = refs
+  bias = refs.pop(0) if problem.has_bias else None
+  residual = refs.pop(0) if problem.has_residual else None
+  a_scale, b_scale = (refs.pop(0), refs.pop(0)) if problem.has_scales else (None, None)
+  y, *z = refs
+  return a, b, bias, residual, a_scale, b_scale, y, (z[0] if z else None)
+
+
+def cost(problem: Problem, *epilogue_operands) -> roofline.Cost:
+  """FLOPs and fewest bytes of the product, its epilogue's reads and its outputs."""
+  p = problem
+  return roofline.matmul(p.m, p.n, p.k, in_itemsize=jnp.dtype(p.dtype).itemsize,
+                         out_itemsize=jnp.dtype(p.out_dtype).itemsize,
+                         epilogue_reads=roofline.nbytes(*epilogue_operands),
+                         activation=p.activation, extra_outputs=p.outputs - 1)
+
+
+def pad_to(x, shape):
+  """x zero-padded at the end of each dimension to ``shape`` (x itself when it already fits)."""
+  if tuple(x.shape) == tuple(shape):
+    return x
+  return jnp.pad(x, [(0, want - have) for have, want in zip(x.shape, shape)])

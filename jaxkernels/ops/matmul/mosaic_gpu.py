@@ -38,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkernels import hardware
 from jaxkernels._activations import apply as activation_apply
 from jaxkernels._pallas import cdiv, check_fields, round_up
-from jaxkernels.ops.matmul.common import FLOAT8, Problem
+from jaxkernels.ops.matmul.common import FLOAT8, Problem, pad_to, split_refs
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FLOAT8)
 SPLITS = ("m", "n")
@@ -133,12 +133,7 @@ def _swizzled(minor: int, dtype):
 
 def _kernel(*refs, problem: Problem, config: Config):
   p, c = problem, config
-  a_gmem, b_gmem, *refs = refs
-  bias_gmem = refs.pop(0) if p.has_bias else None
-  res_gmem = refs.pop(0) if p.has_residual else None
-  as_gmem, bs_gmem = (refs.pop(0), refs.pop(0)) if p.has_scales else (None, None)
-  y_gmem, *z_gmem = refs
-  z_gmem = z_gmem[0] if z_gmem else None
+  a_gmem, b_gmem, bias_gmem, res_gmem, as_gmem, bs_gmem, y_gmem, z_gmem = split_refs(p, refs)
 
   m_tiles, n_tiles = cdiv(p.m, c.cta_m), cdiv(p.n, c.cta_n)
   k_steps = cdiv(p.k, c.tile_k)
@@ -296,12 +291,6 @@ def _padded_extent(size: int, align: int, cta: int, step: int) -> int:
   return padded if last_piece < padded else round_up(size, cta)
 
 
-def _pad_to(x, rows: int, cols: int):
-  if x.shape == (rows, cols):
-    return x
-  return jnp.pad(x, [(0, rows - x.shape[0]), (0, cols - x.shape[1])])
-
-
 def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
            config: Config, interpret=False):
   p = problem
@@ -322,14 +311,14 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   n_out = _padded_extent(p.n, out_lanes, c.cta_n, n_step)
   m_in = _padded_extent(p.m, lanes if p.trans_a else 8, c.cta_m, m_step)
   k_rows = _padded_extent(p.k, 8, c.tile_k, c.tile_k)
-  a = _pad_to(a, k_rows, m_in) if p.trans_a else _pad_to(a, m_in, k_in)
-  b = _pad_to(b, n_in, k_in) if p.trans_b else _pad_to(b, k_rows, n_in)
+  a = pad_to(a, (k_rows, m_in) if p.trans_a else (m_in, k_in))
+  b = pad_to(b, (n_in, k_in) if p.trans_b else (k_rows, n_in))
   out_shape = (m_rows, n_out)
   operands = [a, b]
   if p.has_bias:
     operands.append(bias.astype(jnp.float32))
   if p.has_residual:  # it comes in through the output's shared-memory buffer: same dtype
-    operands.append(_pad_to(residual.astype(p.out_dtype), *out_shape))
+    operands.append(pad_to(residual.astype(p.out_dtype), out_shape))
   if p.has_scales:
     operands += [a_scale.astype(jnp.float32), b_scale.astype(jnp.float32)]
   out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)

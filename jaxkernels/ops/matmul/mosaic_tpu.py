@@ -23,9 +23,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkernels import hardware, roofline
+from jaxkernels import hardware
 from jaxkernels._pallas import cdiv, check_fields, sublanes, tpu_params
-from jaxkernels.ops.matmul.common import INT8, Problem, epilogue
+from jaxkernels.ops.matmul.common import INT8, Problem, epilogue, split_refs
+from jaxkernels.ops.matmul.common import cost as common_cost
 from jaxkernels.ops.matmul.reference import accumulator_dtype
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), INT8)
@@ -84,11 +85,8 @@ def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
 
 def _kernel(*refs, problem: Problem, config: Config, k_steps: int):
   p, c = problem, config
-  a_ref, b_ref, *refs = refs
-  bias_ref = refs.pop(0) if p.has_bias else None
-  res_ref = refs.pop(0) if p.has_residual else None
-  as_ref, bs_ref = (refs.pop(0), refs.pop(0)) if p.has_scales else (None, None)
-  *out_refs, acc_ref = refs
+  *refs, acc_ref = refs  # the scratch comes after the outputs
+  a_ref, b_ref, bias_ref, res_ref, as_ref, bs_ref, y_ref, z_ref = split_refs(p, refs)
   step = pl.program_id(2)
 
   @pl.when(step == 0)
@@ -112,9 +110,9 @@ def _kernel(*refs, problem: Problem, config: Config, k_steps: int):
                     residual=f32(res_ref) if p.has_residual else None,
                     a_scale=f32(as_ref) if p.has_scales else None,
                     b_scale=f32(bs_ref) if p.has_scales else None)
-    out_refs[0][...] = y.astype(out_refs[0].dtype)
-    if p.save_preactivation:
-      out_refs[1][...] = z.astype(out_refs[1].dtype)
+    y_ref[...] = y.astype(y_ref.dtype)
+    if z_ref is not None:
+      z_ref[...] = z.astype(z_ref.dtype)
 
 
 def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
@@ -138,10 +136,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   if p.has_scales:
     operands += [a_scale.reshape(p.m, 1), b_scale.reshape(1, p.n)]
     specs += [column, row]
-  cost = roofline.matmul(p.m, p.n, p.k, in_itemsize=jnp.dtype(p.dtype).itemsize,
-                         out_itemsize=jnp.dtype(p.out_dtype).itemsize,
-                         epilogue_reads=roofline.nbytes(bias, residual, a_scale, b_scale),
-                         activation=p.activation, extra_outputs=p.outputs - 1)
+  cost = common_cost(p, bias, residual, a_scale, b_scale)
   out = pl.pallas_call(
       functools.partial(_kernel, problem=p, config=c, k_steps=grid[2]),
       out_shape=[jax.ShapeDtypeStruct((p.m, p.n), p.out_dtype)] * p.outputs,

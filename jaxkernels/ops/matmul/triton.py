@@ -23,10 +23,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkernels import hardware, roofline
+from jaxkernels import hardware
 from jaxkernels._pallas import (cdiv, check_fields, fast_reciprocal, is_pow2, next_pow2, round_up,
                                 triton_params)
-from jaxkernels.ops.matmul.common import FLOAT8, FLOATS, Problem, epilogue
+from jaxkernels.ops.matmul.common import FLOAT8, FLOATS, Problem, epilogue, pad_to, split_refs
+from jaxkernels.ops.matmul.common import cost as common_cost
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,11 +76,7 @@ def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
 
 def _kernel(*refs, problem: Problem, config: Config, reciprocal):
   p, c = problem, config
-  a_ref, b_ref, *refs = refs
-  bias_ref = refs.pop(0) if p.has_bias else None
-  res_ref = refs.pop(0) if p.has_residual else None
-  as_ref, bs_ref = (refs.pop(0), refs.pop(0)) if p.has_scales else (None, None)
-  y_ref, *z_ref = refs
+  a_ref, b_ref, bias_ref, res_ref, as_ref, bs_ref, y_ref, z_ref = split_refs(p, refs)
 
   # Grouped program order: group_m row blocks sweep each column block together.
   grid_m, grid_n = cdiv(p.m, c.block_m), cdiv(p.n, c.block_n)
@@ -134,8 +131,8 @@ def _kernel(*refs, problem: Problem, config: Config, reciprocal):
     mask = col_ok if mask is None else mask & col_ok
   index = (rows[:, None], cols[None, :])
   pltriton.store(y_ref.at[index], y.astype(y_ref.dtype), mask=mask)
-  if z_ref:
-    pltriton.store(z_ref[0].at[index], z.astype(z_ref[0].dtype), mask=mask)
+  if z_ref is not None:
+    pltriton.store(z_ref.at[index], z.astype(z_ref.dtype), mask=mask)
 
 
 def _load(ref, i, j, mask):
@@ -155,8 +152,8 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
       b, p = b.T, dataclasses.replace(p, trans_b=True)
     k_pad = round_up(p.k, config.block_k)
     if k_pad != p.k:
-      a = _pad_axis(a, 0 if p.trans_a else 1, k_pad)
-      b = _pad_axis(b, 1, k_pad)
+      a = pad_to(a, (k_pad, a.shape[1]) if p.trans_a else (a.shape[0], k_pad))
+      b = pad_to(b, (b.shape[0], k_pad))
       p = dataclasses.replace(p, k=k_pad)
   # Rows padded to 16 bytes give 16-byte aligned strides: vector loads instead of scalar ones
   # (8193^3 bf16 ran at 46 TFLOP/s unpadded, bench/NOTES.md). The kernel still reads only the
@@ -168,10 +165,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   if p.has_scales:
     operands += [a_scale, b_scale]
   out = jax.ShapeDtypeStruct((p.m, n_out), p.out_dtype)
-  cost = roofline.matmul(p.m, p.n, p.k, in_itemsize=jnp.dtype(p.dtype).itemsize,
-                         out_itemsize=jnp.dtype(p.out_dtype).itemsize,
-                         epilogue_reads=roofline.nbytes(bias, residual, a_scale, b_scale),
-                         activation=p.activation, extra_outputs=p.outputs - 1)
+  cost = common_cost(p, bias, residual, a_scale, b_scale)
   result = pl.pallas_call(
       functools.partial(_kernel, problem=p, config=config,
                         reciprocal=None if interpret else fast_reciprocal),
@@ -186,14 +180,8 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   return tuple(result) if p.save_preactivation else result[0]
 
 
-def _pad_axis(x, axis, size):
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
-
-
 def _aligned_rows(x):
-  return _pad_axis(x, 1, round_up(x.shape[1], 16 // jnp.dtype(x.dtype).itemsize))
+  return pad_to(x, (x.shape[0], round_up(x.shape[1], 16 // jnp.dtype(x.dtype).itemsize)))
 
 
 def config_error(problem: Problem, config: Config, chip: hardware.Chip) -> str | None:
