@@ -39,7 +39,8 @@ def main(argv=None) -> int:
                       help="matmul --sweep: first:last size (a long sweep may need two runs)")
   parser.add_argument("--tune", action="store_true", help="matmul: autotune ours first")
   parser.add_argument("--only", default=None,
-                      help="matmul: run only these parts, comma-separated (checks,headline,sweep)")
+                      help="matmul: run only these parts, comma-separated (checks,headline,sweep;"
+                           " epilogue,configs run only when named)")
   parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results/<device>)")
   args = parser.parse_args(argv)
 

@@ -14,6 +14,7 @@ Every output is checked against an f32 product on the device before it is timed
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import statistics
@@ -189,6 +190,55 @@ def headline(session, bench, impls):
   _ratios(xla, rows)
 
 
+def epilogue_costs(session, bench, impls):
+  """What each epilogue costs over the plain product at 8192^3, round-robin: bias alone, bias
+  with each activation, and bias+gelu under other epilogue piece sizes (the bar: <= 3%)."""
+  s = 8192 if not session.smoke else 512
+  impl = impls[0]
+  f32_act = lambda act: jax.jit(lambda a, b, bias: jk.matmul(
+      a.astype(jnp.float32), b.astype(jnp.float32), bias=bias.astype(jnp.float32),
+      activation=act, precision=lax.Precision.HIGHEST, implementation="xla"))
+  fns = {"xla": lambda a, b, bias: a @ b, f"{impl} plain": lambda a, b, bias: jk.matmul(
+      a, b, implementation=impl)}
+  refs = {"xla": jax.jit(lambda a, b, bias: _f32_product()(a, b)),
+          f"{impl} plain": jax.jit(lambda a, b, bias: _f32_product()(a, b))}
+  for act in (None, "relu", "gelu_tanh", "silu", "gelu"):
+    label = f"{impl} bias+{act or 'nothing'}"
+    fns[label] = lambda a, b, bias, act=act: jk.matmul(a, b, bias=bias, activation=act,
+                                                       implementation=impl)
+    refs[label] = f32_act(act)
+  if impl == "mosaic_gpu":
+    base = mosaic_gpu.heuristic(Problem(m=s, n=s, k=s, dtype=jnp.dtype(BF16),
+                                        out_dtype=jnp.dtype(BF16), activation="gelu",
+                                        has_bias=True), session.chip)
+    for epi_m, epi_n, slots, stages in ((64, 128, 1, 3), (128, 128, 1, 3), (64, 64, 2, 3)):
+      config = dataclasses.replace(base, epi_tile_m=epi_m, epi_tile_n=epi_n, epi_slots=slots,
+                                   stages=stages)
+      label = f"{impl} bias+gelu epi {epi_m}x{epi_n}x{slots} stages {stages}"
+      fns[label] = lambda a, b, bias, config=config: jk.matmul(
+          a, b, bias=bias, activation="gelu", implementation=impl, config=config)
+      refs[label] = f32_act("gelu")
+  interleaved(session, bench, "epilogue costs", s, fns, bias=True, refs=refs)
+
+
+def config_candidates(session, bench, impls):
+  """Mosaic GPU configs other than the heuristic's, round-robin against XLA and cuBLAS at
+  4096^3 (where the heuristic ran 0.97x XLA) and 8192^3."""
+  if impls[0] != "mosaic_gpu":
+    return
+  for s in (4096, 8192) if not session.smoke else (256,):
+    base = mosaic_gpu.heuristic(Problem(m=s, n=s, k=s, dtype=jnp.dtype(BF16),
+                                        out_dtype=jnp.dtype(BF16)), session.chip)
+    fns = {"xla": lambda a, b: a @ b, "mosaic_gpu": _ours("mosaic_gpu")}
+    variants = [dict(tile_m=64), dict(split="m"), dict(grid_minor="n"), dict(grid_tile_width=8),
+                dict(grid_tile_width=32), dict(stages=3, epi_slots=2)]
+    for v in variants:
+      config = dataclasses.replace(base, **v)
+      fns["mosaic_gpu " + " ".join(f"{k}={x}" for k, x in v.items())] = _ours(
+          "mosaic_gpu", config)
+    interleaved(session, bench, "configs bf16", s, fns, torch=session.platform == "gpu")
+
+
 def interleaved(session, bench, name, s, fns, *, torch=False, dtype=BF16, bias=False, refs=None,
                 flops=None, rounds=None, calls=None):
   """Checks each implementation, then times them round-robin: one round of each in turn, the
@@ -319,6 +369,10 @@ def _run(session, bench, impls, sweep, step, only, tune_first=False, sweep_range
       tune(session, bench, impls[0], s)
   if "headline" in only:
     headline(session, bench, impls)
+  if "epilogue" in only:
+    epilogue_costs(session, bench, impls)
+  if "configs" in only:
+    config_candidates(session, bench, impls)
   if sweep and "sweep" in only:
     sweep_sizes(session, bench, impls[:1], step if not session.smoke else 128, sweep_range)
 
