@@ -211,7 +211,7 @@ def epilogue_costs(session, bench, impls):
     base = mosaic_gpu.heuristic(Problem(m=s, n=s, k=s, dtype=jnp.dtype(BF16),
                                         out_dtype=jnp.dtype(BF16), activation="gelu",
                                         has_bias=True), session.chip)
-    for epi_m, epi_n, slots, stages in ((64, 128, 1, 3), (128, 128, 1, 3), (64, 64, 2, 3)):
+    for epi_m, epi_n, slots, stages in ((64, 64, 1, 4), (128, 128, 1, 3), (64, 64, 2, 3)):
       config = dataclasses.replace(base, epi_tile_m=epi_m, epi_tile_n=epi_n, epi_slots=slots,
                                    stages=stages)
       label = f"{impl} bias+gelu epi {epi_m}x{epi_n}x{slots} stages {stages}"

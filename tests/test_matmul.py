@@ -3,8 +3,10 @@ TPU AOT compiles, CUDA lowering, and the tuning cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -347,6 +349,9 @@ def test_tuning_cache_roundtrip(tmp_path, monkeypatch):
   # A shape in the same bucket shares the entry; another bucket does not.
   assert tuning.config_for("triton", Problem(**{**p.__dict__, "m": 2100}), chip) == mine
   assert tuning.config_for("triton", Problem(**{**p.__dict__, "m": 5000}), chip) != mine
+  # An activation epilogue is tuned apart: the plain entry does not serve it.
+  act = Problem(**{**p.__dict__, "activation": "gelu", "has_bias": True})
+  assert tuning.config_for("triton", act, chip) == triton.heuristic(act, chip)
   (tmp_path / "tuning.json").write_text("{not json")
   assert tuning.config_for("triton", p, chip) == triton.heuristic(p, chip)
 
@@ -355,8 +360,17 @@ def test_shipped_table_and_ship(tmp_path):
   p = Problem(m=8192, n=8192, k=8192, dtype=jnp.dtype(jnp.bfloat16),
               out_dtype=jnp.dtype(jnp.bfloat16))
   chip = hardware.chip_for("NVIDIA H200")
-  shipped = tuning.config_for("mosaic_gpu", p, chip, device_kind="NVIDIA H200")
-  assert isinstance(shipped, mosaic_gpu.Config)
+  table = json.loads((pathlib.Path(tuning.__file__).parent / "data" / "tuned" /
+                      "nvidia_h200.json").read_text())["entries"]
+  for size in (8192, 4096):
+    q = dataclasses.replace(p, m=size, n=size, k=size)
+    entry = table[tuning.key("mosaic_gpu", q, "NVIDIA H200", versioned=False)]
+    assert tuning.config_for("mosaic_gpu", q, chip, device_kind="NVIDIA H200") == \
+        mosaic_gpu.Config(**entry["config"])
+  # bias+gelu is not served by the plain entry: the heuristic's activation config runs it.
+  act = dataclasses.replace(p, activation="gelu", has_bias=True)
+  config = tuning.config_for("mosaic_gpu", act, chip, device_kind="NVIDIA H200")
+  assert config == mosaic_gpu.heuristic(act, chip) and config.epi_tile_n == 128
   cache = tmp_path / "cache.json"
   cache.write_text(json.dumps({"triton|gpu x|jax9.9|bfloat16->bfloat16|nn|1024x1024x1024":
                                {"config": {}, "seconds": 1.0}}))
