@@ -46,8 +46,8 @@ def bucket(size: int) -> int:
 def key(implementation: str, problem: Any, device_kind: str, *, versioned: bool = True) -> str:
   p = problem
   layout = ("t" if p.trans_a else "n") + ("t" if p.trans_b else "n")
-  # An activation's arithmetic in the epilogue changes which config wins (bench/NOTES.md,
-  # matmul-10): such problems are tuned apart from plain and bias/residual-only ones.
+  # Problems with an activation are tuned apart from plain and bias/residual-only ones: the
+  # epilogue's arithmetic is part of what a config is timed on.
   epilogue = "act" if getattr(p, "activation", None) else "plain"
   dims = "x".join(str(bucket(d)) for d in (p.m, p.n, p.k))
   parts = [implementation, device_kind.lower(), f"{jnp.dtype(p.dtype)}->{jnp.dtype(p.out_dtype)}",

@@ -367,10 +367,10 @@ def test_shipped_table_and_ship(tmp_path):
     entry = table[tuning.key("mosaic_gpu", q, "NVIDIA H200", versioned=False)]
     assert tuning.config_for("mosaic_gpu", q, chip, device_kind="NVIDIA H200") == \
         mosaic_gpu.Config(**entry["config"])
-  # bias+gelu is not served by the plain entry: the heuristic's activation config runs it.
-  act = dataclasses.replace(p, activation="gelu", has_bias=True)
+  # bias+gelu is not served by the plain 4096 entry: the heuristic runs it.
+  act = dataclasses.replace(p, m=4096, n=4096, k=4096, activation="gelu", has_bias=True)
   config = tuning.config_for("mosaic_gpu", act, chip, device_kind="NVIDIA H200")
-  assert config == mosaic_gpu.heuristic(act, chip) and config.epi_tile_n == 128
+  assert config == mosaic_gpu.heuristic(act, chip) and config.stages == 4
   cache = tmp_path / "cache.json"
   cache.write_text(json.dumps({"triton|gpu x|jax9.9|bfloat16->bfloat16|nn|1024x1024x1024":
                                {"config": {}, "seconds": 1.0}}))
