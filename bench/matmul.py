@@ -248,10 +248,11 @@ def config_candidates(session, bench, impls):
 
 def interleaved(session, bench, name, s, fns, *, torch=False, dtype=BF16, bias=False, refs=None,
                 flops=None, rounds=None, calls=None):
-  """Checks each implementation, then times them round-robin: one round of each in turn, the
-  median per implementation over the rounds. A GPU at its power limit clocks down as a run
-  goes on; timed one after another, whichever ran first (on a cool chip) looked up to ~10%
-  faster (run matmul-3, bench/NOTES.md). Round-robin gives every implementation the same mix."""
+  """Checks each implementation, then times them round-robin: one round of each in turn (the
+  order rotated a step every round), the median per implementation over the rounds. A GPU at
+  its power limit clocks down as a run goes on; timed one after another, whichever ran first
+  (on a cool chip) looked up to ~10% faster (run matmul-3, bench/NOTES.md). Round-robin gives
+  every implementation the same mix."""
   rows, programs, wants = {}, {}, {}
   args = _inputs(s, s, s, dtype, 0, bias=bias)
   for impl, fn in fns.items():
@@ -282,15 +283,23 @@ def interleaved(session, bench, name, s, fns, *, torch=False, dtype=BF16, bias=F
     rows["cublas(torch)"] = harness.Row("matmul", name, "cublas(torch)", f"{s}x{s}x{s}",
                                         jnp.dtype(dtype).name)
   calls = calls or session.calls
-  for _ in range(rounds or session.rounds):
-    for impl, fn in batched.items():
-      start = time.perf_counter()
-      for _ in range(calls):
-        out = fn(sets)
-      harness.block(out)
-      samples[impl].append((time.perf_counter() - start) / calls / len(sets))
-    if torch:
-      samples["cublas(torch)"].append(_torch_seconds(session, s, s, s, rounds=1))
+
+  def timed(fn):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = fn(sets)
+    harness.block(out)
+    return (time.perf_counter() - start) / calls / len(sets)
+
+  timers = [(impl, functools.partial(timed, fn)) for impl, fn in batched.items()]
+  if torch:
+    timers.append(("cublas(torch)", lambda: _torch_seconds(session, s, s, s, rounds=1)))
+  for r in range(rounds or session.rounds):
+    # Each round starts one further along: every implementation takes every place in the
+    # order equally often. With a fixed order, the same place ran ~2% slow whatever sat there
+    # (matmul-9..11, bench/NOTES.md).
+    for impl, timer in timers[r % len(timers):] + timers[:r % len(timers)]:
+      samples[impl].append(timer())
   for impl, times in samples.items():
     row = rows[impl]
     if times:
