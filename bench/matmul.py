@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import random
 import statistics
 import time
 
@@ -248,8 +249,8 @@ def config_candidates(session, bench, impls):
 
 def interleaved(session, bench, name, s, fns, *, torch=False, dtype=BF16, bias=False, refs=None,
                 flops=None, rounds=None, calls=None):
-  """Checks each implementation, then times them round-robin: one round of each in turn (the
-  order rotated a step every round), the median per implementation over the rounds. A GPU at
+  """Checks each implementation, then times them round-robin: one round of each in turn (in
+  a fresh random order every round), the median per implementation over the rounds. A GPU at
   its power limit clocks down as a run goes on; timed one after another, whichever ran first
   (on a cool chip) looked up to ~10% faster (run matmul-3, bench/NOTES.md). Round-robin gives
   every implementation the same mix."""
@@ -294,11 +295,12 @@ def interleaved(session, bench, name, s, fns, *, torch=False, dtype=BF16, bias=F
   timers = [(impl, functools.partial(timed, fn)) for impl, fn in batched.items()]
   if torch:
     timers.append(("cublas(torch)", lambda: _torch_seconds(session, s, s, s, rounds=1)))
-  for r in range(rounds or session.rounds):
-    # Each round starts one further along: every implementation takes every place in the
-    # order equally often. With a fixed order, the same place ran ~2% slow whatever sat there
-    # (matmul-9..11, bench/NOTES.md).
-    for impl, timer in timers[r % len(timers):] + timers[:r % len(timers)]:
+  order = random.Random(0)
+  for _ in range(rounds or session.rounds):
+    # A fresh order every round: with a fixed one, the same place ran ~2% slow whatever sat
+    # there (matmul-9..11); rotating kept each one's neighbours, and two identical configs
+    # still differed by 2% (matmul-13, bench/NOTES.md).
+    for impl, timer in order.sample(timers, len(timers)):
       samples[impl].append(timer())
   for impl, times in samples.items():
     row = rows[impl]

@@ -101,20 +101,16 @@ def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
   steps (128 for fp8: 128 bytes per row either way, the widest swizzle), 4 stages with one
   epilogue buffer per warpgroup (2 buffers leave room for only 3 stages), tiles visited in
   snakes 16 wide along M: the autotuner's pick at 8192^3 bf16 on an H200 (bench/NOTES.md).
-  Small problems take 64-row warpgroup tiles so that more CTAs get work. With an activation,
-  each warpgroup writes its whole tile as one epilogue piece over a 3-stage ring, where shared
-  memory allows (not with a saved pre-activation): bias+gelu at 8192^3 ran 0.8-2.3% faster so
-  in four of four H200 runs, the last with the round-robin order rotated (matmul-9..12)."""
+  Small problems take 64-row warpgroup tiles so that more CTAs get work. Activation epilogues
+  take the same config: whole-tile epilogue pieces over 3 stages looked 1-2% faster in four
+  H200 runs, but in a fifth two identical configs differed by 2% (matmul-9..13): within what
+  the round-robin timing can resolve."""
   item = jnp.dtype(problem.dtype).itemsize
   tile_k = 128 // item
   small = cdiv(problem.m, 256) * cdiv(problem.n, 256) < chip.cores
   tile_m = 64 if small else 128
   config = Config(tile_m=tile_m, tile_n=128, tile_k=tile_k, stages=4, split="n",
                   grid_minor="m", grid_tile_width=16, epi_tile_m=64, epi_tile_n=64, epi_slots=1)
-  if problem.activation is not None:
-    whole = dataclasses.replace(config, stages=3, epi_tile_m=tile_m, epi_tile_n=config.tile_n)
-    if config_error(problem, whole, chip) is None:
-      config = whole
   while config_error(problem, config, chip) and config.stages > 2:
     config = dataclasses.replace(config, stages=config.stages - 1)
   return config
