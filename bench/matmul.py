@@ -87,12 +87,30 @@ def _torch_seconds(session, m, n, k, dtype="bfloat16", rounds=None):
   return statistics.median(times)
 
 
-def _jax_example(a, b):
+def _jax_example(a, b, cluster=None):
+  """JAX's Pallas Hopper matmul; ``cluster`` "m" or "n" pairs CTAs in a 2-CTA cluster that
+  shares (TMA-multicasts) its B or A blocks."""
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as example
+  dims = {"m": example.MatmulDimension.M, "n": example.MatmulDimension.N}
   config = example.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
                                 grid_minor_dim=example.MatmulDimension.N, grid_tile_width=8,
-                                wg_dimension=example.MatmulDimension.N)
+                                wg_dimension=example.MatmulDimension.N,
+                                cluster_dimension=dims.get(cluster))
   return example.matmul(a, b, None, config)
+
+
+def clusters(session, bench, impls):
+  """Does a 2-CTA cluster with TMA multicast (which ours lacks) pay on this card? JAX's example
+  with and without one, round-robin beside ours, XLA and cuBLAS."""
+  if impls[0] != "mosaic_gpu":
+    return
+  for s in (8192, 4096) if not session.smoke else (256,):
+    fns = {"xla": lambda a, b: a @ b, "mosaic_gpu": _ours("mosaic_gpu"),
+           "jax_example": _jax_example,
+           "jax_example cluster m": functools.partial(_jax_example, cluster="m"),
+           "jax_example cluster n": functools.partial(_jax_example, cluster="n")}
+    interleaved(session, bench, "clusters bf16", s, fns, torch=session.platform == "gpu",
+                rounds=2 * session.rounds)
 
 
 class _Bench:
@@ -391,6 +409,8 @@ def _run(session, bench, impls, sweep, step, only, tune_first=False, sweep_range
     epilogue_costs(session, bench, impls)
   if "configs" in only:
     config_candidates(session, bench, impls)
+  if "clusters" in only:
+    clusters(session, bench, impls)
   if sweep and "sweep" in only:
     sweep_sizes(session, bench, impls[:1], step if not session.smoke else 128, sweep_range)
 

@@ -30,18 +30,20 @@ def load(ref, layout, optimized=True):
 def cast(x, layout):
   return x if INTERP else plgpu.layout_cast(x, layout)
 
-def fwd(x, r, s, eps=1e-6, steps=3, ncta=132, chunk=256, math=True, nobar=False):
+def fwd(x, r, s, eps=1e-6, steps=3, ncta=132, chunk=256, math=True, nobar=False, block_rows=R):
+  """block_rows: rows a step; other than 4 (one a warp) only for the no-arithmetic stream."""
+  assert block_rows == R or not math
   M, N = x.shape
   chunk = min(chunk, N)
   L = layout(chunk)
-  nblk = pl.cdiv(M, R)
+  nblk = pl.cdiv(M, block_rows)
   nchunks = N // chunk
   def kernel(x_g, r_g, s_g, y_g, h_g, xbuf, rbuf, sbuf, bars, sbar):
     cta = lax.axis_index("sm")
     plgpu.copy_gmem_to_smem(s_g, sbuf, sbar.at[0])
     my = (nblk - cta + ncta - 1) // ncta
     def rows(i):
-      return pl.ds((cta + i * ncta) * R, R)
+      return pl.ds((cta + i * ncta) * block_rows, block_rows)
     def fetch(i, slot):
       plgpu.copy_gmem_to_smem(x_g.at[rows(i)], xbuf.at[slot], bars.at[slot])
       plgpu.copy_gmem_to_smem(r_g.at[rows(i)], rbuf.at[slot], bars.at[slot])
@@ -89,7 +91,7 @@ def fwd(x, r, s, eps=1e-6, steps=3, ncta=132, chunk=256, math=True, nobar=False)
   y, h = plgpu.kernel(kernel, out_type=(jax.ShapeDtypeStruct(x3.shape, x.dtype),)*2,
       grid=(ncta,), grid_names=("sm",), **INTERP,
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=nobar),
-      scratch_types=dict(xbuf=plgpu.SMEM((steps, R, N // 256, 256), x.dtype), rbuf=plgpu.SMEM((steps, R, N // 256, 256), r.dtype),
+      scratch_types=dict(xbuf=plgpu.SMEM((steps, block_rows, N // 256, 256), x.dtype), rbuf=plgpu.SMEM((steps, block_rows, N // 256, 256), r.dtype),
                           sbuf=plgpu.SMEM((N // 256, 256), jnp.float32),
                           bars=plgpu.Barrier(num_arrivals=2, num_barriers=steps), sbar=plgpu.Barrier(num_barriers=1)))(x3, r3, s2)
   return y.reshape(M, N), h.reshape(M, N)
