@@ -6,7 +6,10 @@ the fused bias+gelu epilogue against the plain product and against our product
 followed by XLA's fused bias+gelu, and a forward+backward with the epilogue.
 ``--sweep`` adds square sizes (``--sweep-range``, step ``--step``, each with its odd
 neighbour) for ours, XLA and cuBLAS; ``bench/plot_sweep.py`` plots them. ``--tune``
-autotunes ours at 8192, 8193, 2049 and 4096 first (into the user's tuning cache).
+autotunes ours at 8192, 8193, 2049 and 4096 first (into the user's tuning cache). Parts run
+only when named in ``--only``: ``epilogue`` (each epilogue's cost over the plain product),
+``configs`` (Mosaic GPU configs where the heuristic trails) and ``clusters`` (JAX's example
+with a 2-CTA multicast cluster).
 
 Every output is checked against an f32 product on the device before it is timed
 (tolerance: twice the error of XLA's own product in the same dtype).
