@@ -40,6 +40,21 @@ class ElementwiseTest:
                             reduction=primals[0].size // primals[0].shape[-1],
                             pointwise_rtol=_activations.RTOL)
 
+  def check_bias_activation(self, shape, dtype, activation, *labels, config=None):
+    """Draws inputs (labelled ``labels``, else the activation) and checks one call."""
+    primals, ct = self.bias_inputs(shape, dtype, *(labels or (activation,)))
+    self.check("bias_activation", self.bias_activation(activation, config),
+               lambda cd: lambda x, b: reference.bias_activation(x, b, activation=activation,
+                                                                 compute_dtype=cd),
+               primals, ct, dtype)
+
+  def check_glu(self, shape, dtype, activation):
+    primals, ct = self.glu_inputs(shape, dtype, activation)
+    self.check("glu", self.glu(activation),
+               lambda cd: lambda g, u: reference.glu(g, u, activation=activation,
+                                                     compute_dtype=cd),
+               primals, ct, dtype)
+
   # Activation inputs stay where the activations' accuracy is documented (|z| <= 4).
   def bias_inputs(self, shape, dtype, *labels):
     gen = numerics.rng(type(self).__name__, "bias", shape, jnp.dtype(dtype).name, *labels)
@@ -56,34 +71,18 @@ class ElementwiseTest:
   @pytest.mark.parametrize("shape", SMALL + shapes.BATCHED)
   @pytest.mark.parametrize("activation", ACTIVATIONS)
   def test_bias_activation_float32(self, shape, activation):
-    primals, ct = self.bias_inputs(shape, jnp.float32, activation)
-    self.check("bias_activation", self.bias_activation(activation),
-               lambda cd: lambda x, b: reference.bias_activation(x, b, activation=activation,
-                                                                 compute_dtype=cd),
-               primals, ct, jnp.float32)
+    self.check_bias_activation(shape, jnp.float32, activation)
 
   @pytest.mark.parametrize("shape", SMALL + shapes.BATCHED)
   @pytest.mark.parametrize("activation", ACTIVATIONS)
   def test_glu_float32(self, shape, activation):
-    primals, ct = self.glu_inputs(shape, jnp.float32, activation)
-    self.check("glu", self.glu(activation),
-               lambda cd: lambda g, u: reference.glu(g, u, activation=activation,
-                                                     compute_dtype=cd),
-               primals, ct, jnp.float32)
+    self.check_glu(shape, jnp.float32, activation)
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
   @pytest.mark.parametrize("activation", ["gelu", "silu"])
   def test_low_precision(self, dtype, activation):
-    primals, ct = self.bias_inputs((64, 384), dtype, activation)
-    self.check("bias_activation", self.bias_activation(activation),
-               lambda cd: lambda x, b: reference.bias_activation(x, b, activation=activation,
-                                                                 compute_dtype=cd),
-               primals, ct, dtype)
-    primals, ct = self.glu_inputs((64, 384), dtype, activation)
-    self.check("glu", self.glu(activation),
-               lambda cd: lambda g, u: reference.glu(g, u, activation=activation,
-                                                     compute_dtype=cd),
-               primals, ct, dtype)
+    self.check_bias_activation((64, 384), dtype, activation)
+    self.check_glu((64, 384), dtype, activation)
 
   def test_jit_vmap(self):
     (x, b), _ = self.bias_inputs((4, 6, 40), jnp.float32, "vmap")
@@ -102,13 +101,9 @@ class TestElementwiseTriton(ElementwiseTest):
 
   def test_persistent_bias_backward_uneven(self):
     """d(bias) over more row blocks than programs, column blocks narrower than the row."""
-    primals, ct = self.bias_inputs((37, 300), jnp.float32, "uneven")
     config = elementwise_triton.Config(block_rows=4, block_cols=128, num_warps=4,
                                        bwd_block_rows=2, bwd_num_warps=4, bwd_programs=5)
-    self.check("bias_activation", self.bias_activation("gelu", config),
-               lambda cd: lambda x, b: reference.bias_activation(x, b, activation="gelu",
-                                                                 compute_dtype=cd),
-               primals, ct, jnp.float32)
+    self.check_bias_activation((37, 300), jnp.float32, "gelu", "uneven", config=config)
 
   def test_lowers_for_cuda(self):
     x = jax.ShapeDtypeStruct((256, 1000), jnp.bfloat16)
