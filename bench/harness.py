@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxkernels import backend, hardware
+from jaxkernels import backend, hardware, tuning
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -104,9 +104,7 @@ def time_sets(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds: int,
   step. Distinct inputs keep XLA from merging the calls and the L2 from serving
   a repeat read.
   """
-  batched = jax.jit(lambda sets: [fn(*a) for a in sets])
-  sets = [tuple(a) for a in arg_sets]
-  return time_call(batched, (sets,), rounds=rounds, calls=calls) / len(sets)
+  return tuning.time_on_device(fn, arg_sets, rounds=rounds, calls=calls, warmup=3)
 
 
 def sets_for(bytes_per_set: int, budget: int = 3 << 30, most: int = 8) -> int:

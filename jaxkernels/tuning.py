@@ -119,18 +119,23 @@ class Trial:
   error: str = ""
 
 
-def time_on_device(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, rounds: int = 5) -> float:
-  """Median seconds per call of ``fn`` on the device, over rounds of one program that runs it on
-  every input set back to back (one host dispatch per round: a 0.2 ms product timed one
-  dispatch at a time measured the dispatch)."""
+def time_on_device(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, rounds: int = 5,
+                   calls: int = 1, warmup: int = 1) -> float:
+  """Median seconds per call of ``fn`` on the device: one jitted program runs it on every
+  input set back to back, so a host dispatch is paid once per ``len(arg_sets)`` calls (a 0.2 ms
+  product timed one dispatch at a time measured the dispatch). Each round times ``calls`` such
+  programs after ``warmup`` untimed ones; distinct sets keep the L2 from serving repeats."""
   batched = jax.jit(lambda sets: [fn(*args) for args in sets])
   sets = [tuple(args) for args in arg_sets]
-  jax.block_until_ready(batched(sets))
+  for _ in range(warmup):
+    jax.block_until_ready(batched(sets))
   samples = []
   for _ in range(rounds):
     start = time.perf_counter()
-    jax.block_until_ready(batched(sets))
-    samples.append((time.perf_counter() - start) / len(sets))
+    for _ in range(calls):
+      out = batched(sets)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) / calls / len(sets))
   return float(np.median(samples))
 
 
