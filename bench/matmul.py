@@ -59,10 +59,10 @@ def _f32_product():
                                       precision=lax.Precision.HIGHEST))
 
 
-def _time(session, fn, m, n, k, dtype, *, bias=False, rounds=None):
+def _time(session, fn, m, n, k, dtype, *, bias=False):
   n_sets = harness.sets_for((m * k + k * n) * jnp.dtype(dtype).itemsize, most=4)
   sets = [_inputs(m, n, k, dtype, seed, bias=bias) for seed in range(n_sets)]
-  return harness.time_sets(fn, sets, rounds=rounds or session.rounds, calls=session.calls)
+  return harness.time_sets(fn, sets, rounds=session.rounds, calls=session.calls)
 
 
 def _torch_seconds(session, m, n, k, dtype="bfloat16", rounds=None):
@@ -102,7 +102,7 @@ def _jax_example(a, b, cluster=None):
   return example.matmul(a, b, None, config)
 
 
-def clusters(session, bench, impls):
+def clusters(session, impls):
   """Does a 2-CTA cluster with TMA multicast (which ours lacks) pay on this card? JAX's example
   with and without one, round-robin beside ours, XLA and cuBLAS."""
   if impls[0] != "mosaic_gpu":
@@ -112,54 +112,48 @@ def clusters(session, bench, impls):
            "jax_example": _jax_example,
            "jax_example cluster m": functools.partial(_jax_example, cluster="m"),
            "jax_example cluster n": functools.partial(_jax_example, cluster="n")}
-    interleaved(session, bench, "clusters bf16", s, fns, torch=session.platform == "gpu",
+    interleaved(session, "clusters bf16", s, fns, torch=session.platform == "gpu",
                 rounds=2 * session.rounds)
 
 
-class _Bench:
-  def __init__(self, session):
-    self.session = session
-
-  def row(self, name, impl, m, n, k, dtype, fn=None, *, seconds=None, check=True, bias=False,
-          flops=None, config=None, rounds=None, ref=None):
-    session = self.session
-    row = harness.Row("matmul", name, impl, f"{m}x{n}x{k}", jnp.dtype(dtype).name,
-                      config=None if config is None else repr(config))
-    try:
-      if seconds is None:
-        jitted = jax.jit(fn)
-        if check:
-          args = _inputs(m, n, k, dtype, 0, bias=bias)
-          want = (ref or _f32_product())(*args)
-          got = jitted(*args)
-          naive = jax.jit(lambda a, b: (a @ b) if jnp.dtype(dtype) != F8 else
-                          lax.dot(a, b, preferred_element_type=BF16))(*args[:2])
-          if ref is None:
-            row.tolerance = max(2 * harness.relative_error(naive, want), 8e-3)
-          else:
-            row.tolerance = 8e-3  # bf16 output rounding, twice over
-          row.error = harness.relative_error(got, want)
-          if not row.error <= row.tolerance:
-            row.note = f"WRONG: error {row.error:.2e} > {row.tolerance:.2e}; not timed"
-            return session.add(row)
-        seconds = _time(session, jitted, m, n, k, dtype, bias=bias, rounds=rounds)
-    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a row
-      row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
-      return session.add(row)
-    row.ms = seconds * 1e3
-    row.tflops = (flops or _flops(m, n, k)) / seconds / 1e12
-    if session.chip is not None:
-      peak = session.chip.peak_flops.get(jnp.dtype(dtype).name)
-      if peak:
-        row.pct_roofline = 100 * row.tflops * 1e12 / peak
+def _row(session, name, impl, m, n, k, dtype, fn, *, check=True, bias=False, flops=None,
+         ref=None):
+  """Checks ``fn`` against ``ref`` (default: the f32 product), times it alone, adds the row."""
+  row = harness.Row("matmul", name, impl, f"{m}x{n}x{k}", jnp.dtype(dtype).name)
+  try:
+    jitted = jax.jit(fn)
+    if check:
+      args = _inputs(m, n, k, dtype, 0, bias=bias)
+      want = (ref or _f32_product())(*args)
+      got = jitted(*args)
+      naive = jax.jit(lambda a, b: (a @ b) if jnp.dtype(dtype) != F8 else
+                      lax.dot(a, b, preferred_element_type=BF16))(*args[:2])
+      if ref is None:
+        row.tolerance = max(2 * harness.relative_error(naive, want), 8e-3)
+      else:
+        row.tolerance = 8e-3  # bf16 output rounding, twice over
+      row.error = harness.relative_error(got, want)
+      if not row.error <= row.tolerance:
+        row.note = f"WRONG: error {row.error:.2e} > {row.tolerance:.2e}; not timed"
+        return session.add(row)
+    seconds = _time(session, jitted, m, n, k, dtype, bias=bias)
+  except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a row
+    row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
     return session.add(row)
+  row.ms = seconds * 1e3
+  row.tflops = (flops or _flops(m, n, k)) / seconds / 1e12
+  if session.chip is not None:
+    peak = session.chip.peak_flops.get(jnp.dtype(dtype).name)
+    if peak:
+      row.pct_roofline = 100 * row.tflops * 1e12 / peak
+  return session.add(row)
 
 
 def _ours(impl, config=None, **kw):
   return lambda a, b, *rest: jk.matmul(a, b, *rest, implementation=impl, config=config, **kw)
 
 
-def headline(session, bench, impls):
+def headline(session, impls):
   big = 8192 if not session.smoke else 512
   mid = 4096 if not session.smoke else 256
   sizes = [big, mid] if session.smoke else [8192, 4096, 8193, 2048, 2049, 6144, 6145]
@@ -168,15 +162,15 @@ def headline(session, bench, impls):
     fns.update({impl: _ours(impl) for impl in impls})
     if session.platform == "gpu" and s in (8192, 4096):
       fns["jax_pallas_mgpu_example"] = _jax_example
-    interleaved(session, bench, "bf16", s, fns, torch=session.platform == "gpu")
+    interleaved(session, "bf16", s, fns, torch=session.platform == "gpu")
   # fp8 e4m3, per-tensor scales, bf16 out.
   s = big
   f8_ref = jax.jit(lambda a, b: 0.75 * lax.dot(a.astype(jnp.float32), b.astype(jnp.float32),
                                                precision=lax.Precision.HIGHEST))
-  xla = bench.row("fp8 e4m3 (bf16 out)", "xla", s, s, s, F8,
+  xla = _row(session, "fp8 e4m3 (bf16 out)", "xla", s, s, s, F8,
                   lambda a, b: jk.matmul(a, b, a_scale=jnp.float32(1.5), b_scale=jnp.float32(0.5),
                                          implementation="xla"), ref=f8_ref)
-  rows = [bench.row("fp8 e4m3 (bf16 out)", impl, s, s, s, F8,
+  rows = [_row(session, "fp8 e4m3 (bf16 out)", impl, s, s, s, F8,
                     _ours(impl, a_scale=jnp.float32(1.5), b_scale=jnp.float32(0.5)), ref=f8_ref)
           for impl in impls]
   _ratios(xla, rows)
@@ -197,7 +191,7 @@ def headline(session, bench, impls):
         approximate=False).astype(BF16)
   plain_ref = jax.jit(lambda a, b, bias: _f32_product()(a, b))
   refs = {name: plain_ref if "plain" in name else epi_ref for name in fns}
-  interleaved(session, bench, "bias+gelu", s, fns, bias=True, refs=refs)
+  interleaved(session, "bias+gelu", s, fns, bias=True, refs=refs)
   # Forward + backward of y = gelu(a @ b + bias): 3 products.
   s = mid
   def train(impl):
@@ -205,14 +199,14 @@ def headline(session, bench, impls):
       y = jk.matmul(a, b, bias=bias, activation="gelu", implementation=impl)
       return jnp.sum(y.astype(jnp.float32) * 0.001)
     return lambda a, b, bias: jax.grad(loss, argnums=(0, 1, 2))(a, b, bias)
-  xla = bench.row("bias+gelu fwd+bwd", "xla", s, s, s, BF16, train("xla"), bias=True,
+  xla = _row(session, "bias+gelu fwd+bwd", "xla", s, s, s, BF16, train("xla"), bias=True,
                   check=False, flops=3 * _flops(s, s, s))
-  rows = [bench.row("bias+gelu fwd+bwd", impl, s, s, s, BF16, train(impl), bias=True,
+  rows = [_row(session, "bias+gelu fwd+bwd", impl, s, s, s, BF16, train(impl), bias=True,
                     check=False, flops=3 * _flops(s, s, s)) for impl in impls]
   _ratios(xla, rows)
 
 
-def epilogue_costs(session, bench, impls):
+def epilogue_costs(session, impls):
   """What each epilogue costs over the plain product at 8192^3, round-robin: bias alone, bias
   with each activation, and bias+gelu under other epilogue piece sizes (the bar: <= 3%)."""
   s = 8192 if not session.smoke else 512
@@ -240,11 +234,11 @@ def epilogue_costs(session, bench, impls):
       fns[label] = lambda a, b, bias, config=config: jk.matmul(
           a, b, bias=bias, activation="gelu", implementation=impl, config=config)
       refs[label] = f32_act("gelu")
-  interleaved(session, bench, "epilogue costs", s, fns, bias=True, refs=refs,
+  interleaved(session, "epilogue costs", s, fns, bias=True, refs=refs,
               rounds=2 * session.rounds)
 
 
-def config_candidates(session, bench, impls):
+def config_candidates(session, impls):
   """Mosaic GPU configs other than the heuristic's, round-robin against XLA and cuBLAS where the
   heuristic trails them: 2048^3 (0.87x XLA), 4096^3 (0.97x); and 2049^3 beside 2048."""
   if impls[0] != "mosaic_gpu":
@@ -264,11 +258,11 @@ def config_candidates(session, bench, impls):
       config = dataclasses.replace(base, **v)
       fns["mosaic_gpu " + " ".join(f"{k}={x}" for k, x in v.items())] = _ours(
           "mosaic_gpu", config)
-    interleaved(session, bench, "configs bf16", s, fns, torch=session.platform == "gpu",
+    interleaved(session, "configs bf16", s, fns, torch=session.platform == "gpu",
                 rounds=2 * session.rounds)
 
 
-def interleaved(session, bench, name, s, fns, *, torch=False, dtype=BF16, bias=False, refs=None,
+def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, refs=None,
                 flops=None, rounds=None, calls=None):
   """Checks each implementation, then times them round-robin: one round of each in turn (in
   a fresh random order every round), the median per implementation over the rounds. A GPU at
@@ -342,7 +336,7 @@ def _ratios(xla, rows):
       row.vs_xla = xla.ms / row.ms
 
 
-def tune(session, bench, impl, s=8192):
+def tune(session, impl, s=8192):
   """Autotunes ``impl`` for bf16 s^3 on this device; prints every trial."""
   p = Problem(m=s, n=s, k=s, dtype=jnp.dtype(BF16), out_dtype=jnp.dtype(BF16))
   if impl == "mosaic_gpu":
@@ -369,7 +363,7 @@ def tune(session, bench, impl, s=8192):
   return best, trials
 
 
-def sweep_sizes(session, bench, impls, step, sweep_range):
+def sweep_sizes(session, impls, step, sweep_range):
   lo, hi = sweep_range
   sizes = []
   for s in range(lo, hi + 1, step):
@@ -377,13 +371,12 @@ def sweep_sizes(session, bench, impls, step, sweep_range):
   for s in sizes:
     fns = {"xla": lambda a, b: a @ b}
     fns.update({impl: _ours(impl) for impl in impls})
-    interleaved(session, bench, "sweep bf16", s, fns, torch=session.platform == "gpu",
+    interleaved(session, "sweep bf16", s, fns, torch=session.platform == "gpu",
                 rounds=3, calls=3)
 
 
 def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_first=False,
         only=None, sweep_range=(1024, 8192)) -> None:
-  bench = _Bench(session)
   if session.platform == "gpu":
     impls = ["mosaic_gpu", "triton"] if session.chip and session.chip.compute_capability == (9, 0) \
         else ["triton"]
@@ -395,27 +388,27 @@ def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_fir
     impls = os.environ["JAXKERNELS_BENCH_IMPLS"].split(",")
   if session.interpret:  # on a CPU: the kernels interpreted, at the smoke sizes
     with jk.interpret_mode():
-      return _run(session, bench, impls, sweep, step, only, sweep_range=(128, 384))
-  return _run(session, bench, impls, sweep, step, only, tune_first, sweep_range)
+      return _run(session, impls, sweep, step, only, sweep_range=(128, 384))
+  return _run(session, impls, sweep, step, only, tune_first, sweep_range)
 
 
-def _run(session, bench, impls, sweep, step, only, tune_first=False, sweep_range=(1024, 8192)):
+def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024, 8192)):
   only = set(only or ("checks", "headline", "sweep"))
   if "checks" in only:
     checks(session, impls)
   if tune_first and session.platform == "gpu":
     for s in (8192, 8193, 2049, 4096):
-      tune(session, bench, impls[0], s)
+      tune(session, impls[0], s)
   if "headline" in only:
-    headline(session, bench, impls)
+    headline(session, impls)
   if "epilogue" in only:
-    epilogue_costs(session, bench, impls)
+    epilogue_costs(session, impls)
   if "configs" in only:
-    config_candidates(session, bench, impls)
+    config_candidates(session, impls)
   if "clusters" in only:
-    clusters(session, bench, impls)
+    clusters(session, impls)
   if sweep and "sweep" in only:
-    sweep_sizes(session, bench, impls[:1], step if not session.smoke else 128, sweep_range)
+    sweep_sizes(session, impls[:1], step if not session.smoke else 128, sweep_range)
 
 
 def checks(session, impls):
