@@ -38,6 +38,7 @@ TARGET_TILE = 8192
 TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
+LOAD_DH_FIRST = False  # EXPERIMENT (bench/experiments/run_norm_bwd_variants.py)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,6 +206,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
     t = Tile.at((pid + i * programs) * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
                 n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
     h, dy = t.load(h_ref), t.load(dy_ref)
+    dh_in = t.load(dh_ref) if has_dh and LOAD_DH_FIRST else None
     rstd = t.load_rows(rstd_ref)  # 0 for rows past the end: no inf, no NaN
     mean = t.load_rows(mean_ref) if layer else None
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
@@ -214,7 +216,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
       dh = dh - (jnp.sum(g, axis=1) / n_cols)[:, None]
     dh = dh * rstd[:, None]
     if has_dh:
-      dh = dh + t.load(dh_ref)
+      dh = dh + (dh_in if dh_in is not None else t.load(dh_ref))
     t.store(dx_ref, dh)
     if dual_dx:
       t.store(dr_ref, dh)
@@ -274,7 +276,7 @@ def _bwd_chunked_kernel(*refs, layer, has_dh, dual_dx, n_rows, n_cols, block_row
       dh = dh - c2[:, None]
     dh = dh * rstd[:, None]
     if has_dh:
-      dh = dh + t.load(dh_ref)
+      dh = dh + (dh_in if dh_in is not None else t.load(dh_ref))
     t.store(dx_ref, dh)
     if dual_dx:
       t.store(dr_ref, dh)
