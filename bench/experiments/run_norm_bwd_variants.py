@@ -20,7 +20,7 @@ from jaxkernels.ops.norms import reference, triton
 M, N = (int(v) for v in os.environ.get("SHAPE", "16384,4096").split(","))
 SETS = 4
 ROUNDS = int(os.environ.get("ROUNDS", 15))
-CALLS = 3
+CALLS = int(os.environ.get("CALLS", 12))  # 48 launches a sample: dispatch and sync amortized
 INTERPRET = jax.default_backend() == "cpu"  # a smoke test here: SHAPE=64,256 ROUNDS=1
 
 
@@ -36,9 +36,10 @@ def main():
                                   interpret=INTERPRET)
     sets.append(dict(x=x, r=r, s=s, dy=dy, dh=dh, h=h, rstd=stats[0]))
 
-  def bwd(config, dh_first):
+  def bwd(config, dh_first, reload_scale=False):
     def f(d):
       triton.LOAD_DH_FIRST = dh_first  # read while tracing
+      triton.RELOAD_SCALE = reload_scale
       return triton.backward(d["h"], d["s"], None, (d["rstd"],), d["dy"], d["dh"], layer=False,
                              eps=1e-6, config=config, interpret=INTERPRET)[:3]
     return f
@@ -53,10 +54,13 @@ def main():
   variants = {
       "bwd shipped (1 row, 8 warps, 264 progs)": (bwd(base, False), 4),
       "bwd dh first": (bwd(base, True), 4),
-      "bwd dh first, 1 row 16 warps 132": (bwd(cfg(bwd_num_warps=16, bwd_programs=132), True), 4),
+      "bwd dh first, reload scale": (bwd(base, True, True), 4),
+      "bwd dh first, reload scale, 396 progs": (bwd(cfg(bwd_programs=396), True, True), 4),
+      "bwd reload scale, 396 progs": (bwd(cfg(bwd_programs=396), False, True), 4),
+      "bwd dh first, 16 warps 264": (bwd(cfg(bwd_num_warps=16), True), 4),
+      "bwd dh first, 16 warps 264, reload": (bwd(cfg(bwd_num_warps=16), True, True), 4),
       "bwd dh first, 2 rows 16 warps 132": (bwd(cfg(bwd_block_rows=2, bwd_num_warps=16,
                                                     bwd_programs=132), True), 4),
-      "bwd dh first, 1 row 4 warps 264": (bwd(cfg(bwd_num_warps=4), True), 4),
       "xla 3->1 (h+dy+dh)": (lambda d: (d["h"].astype(jnp.float32) + d["dy"] + d["dh"]).astype(
           jnp.bfloat16), 4),
       "fwd shipped": (fwd(base), 4),

@@ -137,8 +137,7 @@ void add_family(std::vector<Variant>& vs, int sms) {
     add_grid<K, J, 4>(vs, sms * per_sm, 256);
     add_grid<K, J, 8>(vs, sms * per_sm, 256);
   }
-  add_grid<K, J, 4>(vs, sms * 2, 1024);
-  add_grid<K, J, 8>(vs, sms * 2, 1024);
+  add_grid<K, J, 2>(vs, sms * 2, 1024);
 }
 
 int main() {

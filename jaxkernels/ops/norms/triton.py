@@ -39,6 +39,7 @@ TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
 LOAD_DH_FIRST = False  # EXPERIMENT (bench/experiments/run_norm_bwd_variants.py)
+RELOAD_SCALE = False  # EXPERIMENT: scale from L1 each block instead of 16 registers a thread
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,10 +200,11 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
   pid, programs = pl.program_id(0), pl.num_programs(0)
   mask_cols = n_cols % block_cols != 0
   scale = Tile.columns(0, block_cols, n_cols=n_cols, mask_cols=mask_cols)
-  s = scale.load_cols(s_ref)
+  s_held = None if RELOAD_SCALE else scale.load_cols(s_ref)
 
   def body(i, carry):  # row blocks pid, pid + programs, ...: d(scale) stays in registers
     ds, db = carry
+    s = scale.load_cols(s_ref) if RELOAD_SCALE else s_held
     t = Tile.at((pid + i * programs) * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
                 n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
     h, dy = t.load(h_ref), t.load(dy_ref)
