@@ -278,7 +278,7 @@ def _bwd_chunked_kernel(*refs, layer, has_dh, dual_dx, n_rows, n_cols, block_row
       dh = dh - c2[:, None]
     dh = dh * rstd[:, None]
     if has_dh:
-      dh = dh + (dh_in if dh_in is not None else t.load(dh_ref))
+      dh = dh + t.load(dh_ref)
     t.store(dx_ref, dh)
     if dual_dx:
       t.store(dr_ref, dh)
