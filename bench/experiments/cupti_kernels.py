@@ -35,7 +35,23 @@ def kernels(program, args):
   return [(name, float(np.median([run[i][1] for run in runs]))) for i, name in enumerate(names)]
 
 
+def overhead():
+  """Host-clock time per negate against its kernel time, with 1, 4 and 16 negates (of distinct
+  128 MiB arrays) in one program: is the excess paid per program or per kernel?"""
+  n = 16384 * 4096
+  xs = [jnp.full((n,), i + 1, jnp.bfloat16) for i in range(16)]
+  for k in (1, 4, 16):
+    fn = jax.jit(lambda xs: [-x for x in xs])
+    ks = kernels(fn, (xs[:k],))
+    per_kernel = sum(t for _, t in ks) / k
+    wall = harness.time_sets(lambda *xs: [-x for x in xs], [tuple(xs[:k])], rounds=10, calls=10)
+    print(f"negate x{k} in one program: kernel {per_kernel * 1e3:.1f} us, host clock "
+          f"{wall * 1e6 / k:.1f} us a negate ({len(ks)} kernels)", flush=True)
+
+
 def main(pattern=""):
+  if pattern == "overhead":
+    return overhead()
   records = []
   n = 16384 * 4096
   # -x: x + 0 is simplified away and the input forwarded, launching nothing.
