@@ -41,6 +41,12 @@ class Row:
   tflops: float | None = None
   pct_roofline: float | None = None
   vs_xla: float | None = None  # xla time / this time, same run
+  # Device time of the same program: the sum of its kernels' durations (CUPTI), without the
+  # gaps between programs that the host clock above also counts (bench/NOTES.md, run 17).
+  kernel_ms: float | None = None
+  kernel_gbps: float | None = None
+  kernel_vs_xla: float | None = None
+  kernels: str | None = None  # "name time" for each kernel of one execution
   error: float | None = None  # max |out - ref| / max |ref| over outputs
   tolerance: float | None = None
   config: str | None = None
@@ -107,6 +113,39 @@ def time_sets(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds: int,
   return tuning.time_on_device(fn, arg_sets, rounds=rounds, calls=calls, warmup=3)
 
 
+def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *,
+                   iterations: int = 10) -> tuple[float | None, str | None]:
+  """Device seconds per execution of ``fn``, counting only its kernels, and what they were.
+
+  The program of ``time_sets`` (``fn`` on every set back to back) runs ``iterations`` times
+  under CUPTI (JAX's Mosaic GPU profiler); the time is the median over iterations of the sum
+  of kernel durations, per set. Host-clock timing also counts what passes between kernels and
+  programs on the device: at ~0.1 ms a kernel that was 7-12% of the norms' times on the H200
+  (bench/NOTES.md, run 17), for every implementation alike. (None, None) where CUPTI is not
+  available (no GPU, or a jaxlib without Mosaic GPU).
+  """
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+  except ImportError:
+    return None, None
+  batched = jax.jit(lambda sets: [fn(*args) for args in sets])
+  sets = [tuple(args) for args in arg_sets]
+  try:
+    _, runs = profiler.measure(batched, aggregate=False, iterations=iterations)(sets)
+  except RuntimeError:  # "CUPTI profiling is not supported on this platform"
+    return None, None
+  if not runs:
+    return None, None
+  runs = runs if iterations > 1 else [runs]
+  totals = [sum(ms for _, ms in run) for run in runs]
+  middle = runs[sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]]
+  per_name: dict[str, float] = {}
+  for name, ms in middle:
+    per_name[name] = per_name.get(name, 0.0) + ms / len(sets)
+  names = "; ".join(f"{name} {ms * 1e3:.1f}us" for name, ms in per_name.items())
+  return statistics.median(totals) / 1e3 / len(sets), names
+
+
 def sets_for(bytes_per_set: int, budget: int = 3 << 30, most: int = 8) -> int:
   """How many distinct input sets to rotate through: up to ``most``, within ``budget`` bytes."""
   return max(1, min(most, budget // max(bytes_per_set, 1)))
@@ -157,8 +196,12 @@ def copy_bandwidth(session: Session) -> Row:
     seconds = time_call(jax.jit(lambda a: -a), (x,), rounds=session.rounds, calls=session.calls)
     impl = "xla(-x)"
   gbps = 2 * n * 2 / seconds / 1e9
+  # torch's copy is timed with CUDA events over back-to-back copies: its device time, as the
+  # kernel columns are; XLA's is host-clock time only.
+  kernel = {"kernel_ms": seconds * 1e3, "kernel_gbps": gbps} if impl == "torch" else {}
   return session.add(Row("anchor", "copy", impl, f"({n},)", "bfloat16", ms=seconds * 1e3,
-                         gbps=gbps, note="device-to-device copy: the bandwidth ceiling"))
+                         gbps=gbps, note="device-to-device copy: the bandwidth ceiling",
+                         **kernel))
 
 
 def git_commit() -> str:
@@ -192,7 +235,8 @@ def save(session: Session, suites: Sequence[str], out_dir: str | None) -> pathli
       "python": platform_module.python_version(),
       "interpret_mode": session.interpret,
       "smoke": session.smoke,
-      "timing": f"median of {session.rounds} rounds x {session.calls} back-to-back calls",
+      "timing": (f"host clock: median of {session.rounds} rounds x {session.calls} back-to-back "
+                 "calls; kernel_ms (GPU): CUPTI sum of kernel durations, median of 10 runs"),
       "suites": list(suites),
       "rows": [dataclasses.asdict(r) for r in session.rows],
   }
@@ -210,13 +254,14 @@ def _fmt(value, spec):
 
 def table(rows: Sequence[Row]) -> str:
   header = ("suite", "op", "impl", "shape", "dtype", "ms", "GB/s", "TFLOP/s", "%roof",
-            "vs xla", "err", "config")
+            "vs xla", "kernel ms", "kernel GB/s", "k vs xla", "err", "config")
   lines = [header]
   for r in rows:
     lines.append((r.suite, r.name, r.impl, r.shape, r.dtype, _fmt(r.ms, ".4f"),
                   _fmt(r.gbps, ".0f"), _fmt(r.tflops, ".0f"), _fmt(r.pct_roofline, ".1f"),
-                  _fmt(r.vs_xla, ".2f"), _fmt(r.error, ".1e") + ("" if r.note == "" else " *"),
-                  (r.config or "")[:60]))
+                  _fmt(r.vs_xla, ".2f"), _fmt(r.kernel_ms, ".4f"), _fmt(r.kernel_gbps, ".0f"),
+                  _fmt(r.kernel_vs_xla, ".2f"),
+                  _fmt(r.error, ".1e") + ("" if r.note == "" else " *"), (r.config or "")[:60]))
   widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
   out = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
   notes = [f"* {r.suite}/{r.name}/{r.impl}: {r.note}" for r in rows if r.note]
@@ -296,6 +341,9 @@ class _Timed:
     return time_sets(self.programs[label], [self._args(label, *s) for s in sets],
                      rounds=session.rounds, calls=session.calls)
 
+  def kernel_seconds(self, label, sets):
+    return kernel_seconds(self.programs[label], [self._args(label, *s) for s in sets])
+
 
 def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
   import contextlib
@@ -330,6 +378,10 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
               row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
               return session.add(row)
           seconds = timed.seconds(label, sets, session)
+          if session.platform == "gpu":
+            kernel, row.kernels = timed.kernel_seconds(label, sets)
+            if kernel:
+              row.kernel_ms, row.kernel_gbps = kernel * 1e3, cost.bytes / kernel / 1e9
       except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a row
         row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
         return session.add(row)
@@ -350,3 +402,5 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
     for row in rows:
       if row.ms and xla.ms:
         row.vs_xla = xla.ms / row.ms
+      if row.kernel_ms and xla.kernel_ms:
+        row.kernel_vs_xla = xla.kernel_ms / row.kernel_ms

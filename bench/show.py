@@ -15,7 +15,12 @@ def main(path, pattern=""):
     ms = "" if r["ms"] is None else f"{r['ms']:.4f}"
     gbps = "" if r["gbps"] is None else f"{r['gbps']:.0f}"
     vs = "" if r["vs_xla"] is None else f"{r['vs_xla']:.2f}"
-    print(f"{r['name']:28s} {r['impl']:18s} {ms:>8s} {gbps:>6s} {vs:>5s} {config} {r['note'][:90]}")
+    kernel = ""
+    if r.get("kernel_ms") is not None:  # results from before run 17 have no kernel columns
+      kvs = "" if r.get("kernel_vs_xla") is None else f"{r['kernel_vs_xla']:.2f}"
+      kernel = f" | kernel {r['kernel_ms']:.4f} {r['kernel_gbps'] or 0:6.0f} {kvs:>5s}"
+    print(f"{r['name']:28s} {r['impl']:18s} {ms:>8s} {gbps:>6s} {vs:>5s}{kernel} {config} "
+          f"{r['note'][:90]}")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,6 @@ TARGET_TILE = 8192
 TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
-LOAD_DH_FIRST = False  # EXPERIMENT (bench/experiments/run_norm_bwd_variants.py)
-RELOAD_SCALE = False  # EXPERIMENT: scale from L1 each block instead of 16 registers a thread
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -200,15 +198,16 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
   pid, programs = pl.program_id(0), pl.num_programs(0)
   mask_cols = n_cols % block_cols != 0
   scale = Tile.columns(0, block_cols, n_cols=n_cols, mask_cols=mask_cols)
-  s_held = None if RELOAD_SCALE else scale.load_cols(s_ref)
+  s = scale.load_cols(s_ref)
 
   def body(i, carry):  # row blocks pid, pid + programs, ...: d(scale) stays in registers
     ds, db = carry
-    s = scale.load_cols(s_ref) if RELOAD_SCALE else s_held
     t = Tile.at((pid + i * programs) * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
                 n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
+    # Every load of the block before the row reduction, so all three streams are in flight
+    # together: dh loaded after it (where it is used) cost 4-6% (bench/NOTES.md, run 16).
     h, dy = t.load(h_ref), t.load(dy_ref)
-    dh_in = t.load(dh_ref) if has_dh and LOAD_DH_FIRST else None
+    dh_in = t.load(dh_ref) if has_dh else None
     rstd = t.load_rows(rstd_ref)  # 0 for rows past the end: no inf, no NaN
     mean = t.load_rows(mean_ref) if layer else None
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
@@ -218,7 +217,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
       dh = dh - (jnp.sum(g, axis=1) / n_cols)[:, None]
     dh = dh * rstd[:, None]
     if has_dh:
-      dh = dh + (dh_in if dh_in is not None else t.load(dh_ref))
+      dh = dh + dh_in
     t.store(dx_ref, dh)
     if dual_dx:
       t.store(dr_ref, dh)
