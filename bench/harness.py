@@ -45,6 +45,7 @@ class Row:
   # gaps between programs that the host clock above also counts (bench/NOTES.md, run 17).
   kernel_ms: float | None = None
   kernel_gbps: float | None = None
+  kernel_tflops: float | None = None
   kernel_vs_xla: float | None = None
   kernels: str | None = None  # "name time" for each kernel of one execution
   error: float | None = None  # max |out - ref| / max |ref| over outputs
@@ -254,12 +255,13 @@ def _fmt(value, spec):
 
 def table(rows: Sequence[Row]) -> str:
   header = ("suite", "op", "impl", "shape", "dtype", "ms", "GB/s", "TFLOP/s", "%roof",
-            "vs xla", "kernel ms", "kernel GB/s", "k vs xla", "err", "config")
+            "vs xla", "kernel ms", "kernel GB/s|TFLOP/s", "k vs xla", "err", "config")
   lines = [header]
   for r in rows:
     lines.append((r.suite, r.name, r.impl, r.shape, r.dtype, _fmt(r.ms, ".4f"),
                   _fmt(r.gbps, ".0f"), _fmt(r.tflops, ".0f"), _fmt(r.pct_roofline, ".1f"),
-                  _fmt(r.vs_xla, ".2f"), _fmt(r.kernel_ms, ".4f"), _fmt(r.kernel_gbps, ".0f"),
+                  _fmt(r.vs_xla, ".2f"), _fmt(r.kernel_ms, ".4f"),
+                  _fmt(r.kernel_gbps if r.kernel_gbps is not None else r.kernel_tflops, ".0f"),
                   _fmt(r.kernel_vs_xla, ".2f"),
                   _fmt(r.error, ".1e") + ("" if r.note == "" else " *"), (r.config or "")[:60]))
   widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]

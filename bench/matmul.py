@@ -317,13 +317,21 @@ def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, r
     # still differed by 2% (matmul-13, bench/NOTES.md).
     for impl, timer in order.sample(timers, len(timers)):
       samples[impl].append(timer())
+  flops = flops or _flops(s, s, s)
   for impl, times in samples.items():
     row = rows[impl]
     if times:
       seconds = statistics.median(times)
       row.ms = seconds * 1e3
-      row.tflops = (flops or _flops(s, s, s)) / seconds / 1e12
+      row.tflops = flops / seconds / 1e12
       row.note = (row.note + f" spread {min(times) * 1e3:.3f}-{max(times) * 1e3:.3f} ms").strip()
+    if impl == "cublas(torch)" and times:  # timed with CUDA events: device time already
+      row.kernel_ms, row.kernel_tflops = row.ms, row.tflops
+  if session.platform == "gpu":  # the same programs' kernels alone (CUPTI), one after another
+    for impl, fn in programs.items():
+      kernel, rows[impl].kernels = harness.kernel_seconds(fn, sets)
+      if kernel:
+        rows[impl].kernel_ms, rows[impl].kernel_tflops = kernel * 1e3, flops / kernel / 1e12
   _ratios(rows["xla"], list(rows.values()))
   for row in rows.values():
     session.add(row)
@@ -334,6 +342,8 @@ def _ratios(xla, rows):
   for row in rows:
     if row.ms and xla.ms:
       row.vs_xla = xla.ms / row.ms
+    if row.kernel_ms and xla.kernel_ms:
+      row.kernel_vs_xla = xla.kernel_ms / row.kernel_ms
 
 
 def tune(session, impl, s=8192):

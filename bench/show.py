@@ -13,12 +13,14 @@ def main(path, pattern=""):
       continue
     config = re.sub(r"block_cols=\d+, |Config\(|\)", "", r["config"] or "")
     ms = "" if r["ms"] is None else f"{r['ms']:.4f}"
-    gbps = "" if r["gbps"] is None else f"{r['gbps']:.0f}"
+    rate = r["gbps"] if r["gbps"] is not None else r.get("tflops")
+    gbps = "" if rate is None else f"{rate:.0f}"
     vs = "" if r["vs_xla"] is None else f"{r['vs_xla']:.2f}"
     kernel = ""
     if r.get("kernel_ms") is not None:  # results from before run 17 have no kernel columns
       kvs = "" if r.get("kernel_vs_xla") is None else f"{r['kernel_vs_xla']:.2f}"
-      kernel = f" | kernel {r['kernel_ms']:.4f} {r['kernel_gbps'] or 0:6.0f} {kvs:>5s}"
+      rate = r.get("kernel_gbps") or r.get("kernel_tflops") or 0
+      kernel = f" | kernel {r['kernel_ms']:.4f} {rate:6.0f} {kvs:>5s}"
     print(f"{r['name']:28s} {r['impl']:18s} {ms:>8s} {gbps:>6s} {vs:>5s}{kernel} {config} "
           f"{r['note'][:90]}")
 
