@@ -114,8 +114,8 @@ def time_sets(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds: int,
   return tuning.time_on_device(fn, arg_sets, rounds=rounds, calls=calls, warmup=3)
 
 
-def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, iterations: int = 10,
-                   hot_seconds: float = 1.0) -> tuple[float | None, str | None]:
+def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *,
+                   iterations: int = 10) -> tuple[float | None, str | None]:
   """Device seconds per execution of ``fn``, counting only its kernels, and what they were.
 
   The program of ``time_sets`` (``fn`` on every set back to back) runs ``iterations`` times
@@ -124,10 +124,6 @@ def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, iteration
   programs on the device: at ~0.1 ms a kernel that was 7-12% of the norms' times on the H200
   (bench/NOTES.md, run 17), for every implementation alike. (None, None) where CUPTI is not
   available (no GPU, or a jaxlib without Mosaic GPU).
-
-  The program first runs back to back for ``hot_seconds``: measured straight after its
-  compilation (an idle GPU), an 8192^3 product ran 18% faster than on a card held at its
-  power limit, as a training step holds it (run 18).
   """
   try:
     from jax.experimental.mosaic.gpu import profiler
@@ -135,13 +131,6 @@ def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, iteration
     return None, None
   batched = jax.jit(lambda sets: [fn(*args) for args in sets])
   sets = [tuple(args) for args in arg_sets]
-  deadline = time.perf_counter() + hot_seconds
-  out = batched(sets)
-  while time.perf_counter() < deadline:  # two programs in flight: the GPU never waits
-    following = batched(sets)
-    block(out)
-    out = following
-  block(out)
   try:
     _, runs = profiler.measure(batched, aggregate=False, iterations=iterations)(sets)
   except RuntimeError:  # "CUPTI profiling is not supported on this platform"
