@@ -128,12 +128,6 @@ class Tile:
       return pltriton.load(ref.at[self.index]).astype(jnp.float32)
     return pltriton.load(ref.at[self.index], mask=self.mask, other=other).astype(jnp.float32)
 
-  def load_raw(self, ref, other=0):
-    """ref[tile] in its own dtype (a bfloat16 tile holds half the registers of a float32 one)."""
-    if self.mask is None:
-      return pltriton.load(ref.at[self.index])
-    return pltriton.load(ref.at[self.index], mask=self.mask, other=other)
-
   def store(self, ref, value):
     pltriton.store(ref.at[self.index], value.astype(ref.dtype), mask=self.mask)
 

@@ -183,18 +183,6 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
   write_stats(t, mean, rstd)
 
 
-BWD_VARIANT = "shipped"  # EXPERIMENT: "shipped", "dh_raw", "recompute"
-
-
-def _widen(x):
-  """x as float32 by another route than astype for bfloat16 (the bits shifted into the high
-  half), so the compiler does not merge it with an earlier conversion of the same tile."""
-  if x.dtype != jnp.bfloat16:
-    return x.astype(jnp.float32)
-  bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
-
 def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols,
                          block_rows, block_cols, iters, mask_rows):
   refs = list(refs)
@@ -218,45 +206,24 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
                 n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
     # Every load of the block before the row reduction, so all three streams are in flight
     # together: dh loaded after it (where it is used) cost 4-6% (bench/NOTES.md, run 16).
+    h, dy = t.load(h_ref), t.load(dy_ref)
+    dh_in = t.load(dh_ref) if has_dh else None
     rstd = t.load_rows(rstd_ref)  # 0 for rows past the end: no inf, no NaN
     mean = t.load_rows(mean_ref) if layer else None
-    if BWD_VARIANT == "shipped":
-      h, dy = t.load(h_ref), t.load(dy_ref)
-      dh_in = t.load(dh_ref) if has_dh else None
-      n = _centered(h, mean, t.col_mask) * rstd[:, None]
-      g = dy * s[None, :]
-      dh = g - n * (jnp.sum(g * n, axis=1) / n_cols)[:, None]
-      if layer:
-        dh = dh - (jnp.sum(g, axis=1) / n_cols)[:, None]
-      dh = dh * rstd[:, None]
-      if has_dh:
-        dh = dh + dh_in
-      ds = ds + jnp.sum(dy * n, axis=0)
-      if has_bias:
-        db = db + jnp.sum(dy, axis=0)
-    else:  # EXPERIMENT: fewer float32 values live through the reduction
-      h_raw, dy_raw = t.load_raw(h_ref), t.load_raw(dy_ref)
-      dh_raw = t.load_raw(dh_ref) if has_dh else None
-      dy = dy_raw.astype(jnp.float32)
-      n = _centered(h_raw.astype(jnp.float32), mean, t.col_mask) * rstd[:, None]
-      g = dy * s[None, :]
-      ds = ds + jnp.sum(dy * n, axis=0)
-      if has_bias:
-        db = db + jnp.sum(dy, axis=0)
-      c1 = jnp.sum(g * n, axis=1) / n_cols
-      c2 = jnp.sum(g, axis=1) / n_cols if layer else None
-      if BWD_VARIANT == "recompute":  # rebuild n and g from the raw tiles after the sums
-        n = _centered(_widen(h_raw), mean, t.col_mask) * rstd[:, None]
-        g = _widen(dy_raw) * s[None, :]
-      dh = g - n * c1[:, None]
-      if layer:
-        dh = dh - c2[:, None]
-      dh = dh * rstd[:, None]
-      if has_dh:
-        dh = dh + _widen(dh_raw)
+    n = _centered(h, mean, t.col_mask) * rstd[:, None]
+    g = dy * s[None, :]
+    dh = g - n * (jnp.sum(g * n, axis=1) / n_cols)[:, None]
+    if layer:
+      dh = dh - (jnp.sum(g, axis=1) / n_cols)[:, None]
+    dh = dh * rstd[:, None]
+    if has_dh:
+      dh = dh + dh_in
     t.store(dx_ref, dh)
     if dual_dx:
       t.store(dr_ref, dh)
+    ds = ds + jnp.sum(dy * n, axis=0)
+    if has_bias:
+      db = db + jnp.sum(dy, axis=0)
     return ds, db
 
   zeros = jnp.zeros((block_cols,), jnp.float32)
