@@ -21,13 +21,14 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import jax
 
-from jaxkernels import hardware
+from jaxkernels import _checks, hardware
 
 Implementation = Literal["xla", "triton", "mosaic_gpu", "mosaic_tpu"]
 IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "mosaic_gpu", "mosaic_tpu")
@@ -250,6 +251,15 @@ def _auto_order(target: Target) -> tuple[str, ...]:
   return PREFERENCE.get(target.platform, ())
 
 
+def _user_stacklevel() -> int:
+  """``warnings.warn``'s stacklevel for the first frame outside this package (the user's call)."""
+  package = os.path.dirname(os.path.abspath(__file__))
+  frame, level = sys._getframe(1), 1  # our caller's frame is stacklevel 1
+  while frame is not None and frame.f_code.co_filename.startswith(package):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
 def select(
     op: str,
     implementation: str | None,
@@ -287,8 +297,53 @@ def select(
   message = f"jaxkernels.{op}: using the XLA reference ({'; '.join(why_not)})"
   if (op, message) not in _WARNED:
     _WARNED.add((op, message))
-    warnings.warn(message, FallbackWarning, stacklevel=3)
+    warnings.warn(message, FallbackWarning, stacklevel=_user_stacklevel())
   return "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one kernel call fixes when it is traced: the implementation and its module of
+  kernels, the config, the static keyword options every kernel of the call takes, and whether
+  interpret mode was on. Ops' custom_vjps close over it (it is hashable), so the backward,
+  traced later, runs the same kernels the same way.
+  """
+
+  implementation: str
+  kernels: Any  # the implementation's module: its kernel functions, Config, heuristic
+  config: Any
+  options: tuple[tuple[str, Any], ...]
+  interpret: bool
+
+  def __call__(self, kernel: str, *args: Any, **kwargs: Any) -> Any:
+    """Runs ``kernels.<kernel>(*args, **kwargs)`` with the options, config and interpret mode."""
+    return getattr(self.kernels, kernel)(
+        *args, **kwargs, **dict(self.options), config=self.config,
+        interpret=interpret_params(self.implementation, self.interpret))
+
+
+def plan(op: str, implementation: str | None, target: Target,
+         kernel_reasons: Mapping[str, str | None], modules: Mapping[str, Any], config: Any,
+         heuristic: Callable[[Any, Any], Any], *, empty: bool = False,
+         **options: Any) -> Plan | None:
+  """The kernel plan for one call of ``op``, or None where the XLA reference serves it.
+
+  Args:
+    op, implementation, target, kernel_reasons: as for :func:`select`.
+    modules: the op's kernel modules by implementation name.
+    config: the caller's config (checked against the chosen module's ``Config``), or None.
+    heuristic: (module, chip) -> the config to use when the caller gave none.
+    empty: the call has no elements (the reference serves it, whatever was chosen).
+    options: static keyword arguments for every kernel of the call.
+  """
+  chosen = select(op, implementation, target, kernel_reasons)
+  kernels = modules.get(chosen)
+  _checks.config_type(op, chosen, config, kernels.Config if kernels else None)
+  if kernels is None or empty:
+    return None
+  if config is None:
+    config = heuristic(kernels, target.chip_for(chosen))
+  return Plan(chosen, kernels, config, tuple(sorted(options.items())), interpreting())
 
 
 def supports(op: str, implementation: str, *args: Any, **kwargs: Any) -> Support:

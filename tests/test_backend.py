@@ -32,6 +32,18 @@ def test_auto_on_cpu_falls_back_once_with_the_reason():
     assert backend.select("op", None, CPU, BOTH) == "xla"  # one time only
 
 
+def test_fallback_warning_names_the_callers_line(monkeypatch):
+  # However deep the op's own frames go (select < plan < the op's helpers < the op), the
+  # warning points at the line that called the public op.
+  monkeypatch.setattr(backend, "_WARNED", set())  # it warns once a process
+  x = jnp.ones((3, 5), jnp.float32)
+  for op in (lambda: jk.softmax(x, axis=0), lambda: jk.rms_norm(x, jnp.ones((5,)), eps=1e-5),
+             lambda: jk.glu(x, x), lambda: jk.matmul(x, x.T)):
+    with pytest.warns(jk.FallbackWarning) as record:
+      op()
+    assert record[0].filename == __file__, record[0].filename
+
+
 def test_auto_on_gpu_prefers_a_kernel_and_names_why_not():
   assert backend.select("op", None, H200, BOTH) == "triton"
   with pytest.warns(jk.FallbackWarning, match="triton: rows too odd"):

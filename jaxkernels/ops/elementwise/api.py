@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 
@@ -15,31 +13,17 @@ from jaxkernels.ops.elementwise import mosaic_tpu, reference, triton
 _KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  implementation: str
-  config: Any
-  op: str  # "bias_activation" or "glu": the kernels are <op>_fwd and <op>_bwd
-  activation: str
-  interpret: bool
-
-  def call(self, direction, *args):
-    return getattr(_KERNELS[self.implementation], f"{self.op}_{direction}")(
-        *args, activation=self.activation, config=self.config,
-        interpret=backend.interpret_params(self.implementation, self.interpret))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused(plan, op, a, b):
+  return plan(f"{op}_fwd", a, b)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(plan, a, b):
-  return plan.call("fwd", a, b)
+def _fused_fwd(plan, op, a, b):
+  return plan(f"{op}_fwd", a, b), (a, b)  # the backward recomputes the activation from these
 
 
-def _fused_fwd(plan, a, b):
-  return plan.call("fwd", a, b), (a, b)  # the backward recomputes the activation from these
-
-
-def _fused_bwd(plan, saved, dy):
-  return plan.call("bwd", *saved, dy)
+def _fused_bwd(plan, op, saved, dy):
+  return plan(f"{op}_bwd", *saved, dy)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -55,13 +39,10 @@ def _plan(op, implementation, config, activation, **named):
   """The kernel plan for this call, or None for the XLA reference."""
   first = next(iter(named.values()))
   target = backend.target_of(*named.values())
-  chosen = backend.select(op, implementation, target, _kernel_reasons(target, first, named))
-  kernels = _KERNELS.get(chosen)
-  _checks.config_type(op, chosen, config, kernels.Config if kernels else None)
-  if kernels is None or first.size == 0:
-    return None
-  config = config or kernels.heuristic(rows_view(first), target.chip_for(chosen))
-  return _Plan(chosen, config, op, activation, backend.interpreting())
+  return backend.plan(op, implementation, target, _kernel_reasons(target, first, named),
+                      _KERNELS, config,
+                      lambda kernels, chip: kernels.heuristic(rows_view(first), chip),
+                      empty=first.size == 0, activation=activation)
 
 
 def _validate_bias_activation(x, bias, activation):
@@ -98,7 +79,7 @@ def bias_activation(x, bias, *, activation: str, implementation=None, config=Non
   plan = _plan("bias_activation", implementation, config, activation, x=x, bias=bias)
   if plan is None:
     return reference.bias_activation(x, bias, activation=activation)
-  return _fused(plan, rows_view(x), bias).reshape(x.shape)
+  return _fused(plan, "bias_activation", rows_view(x), bias).reshape(x.shape)
 
 
 def glu(gate, up, *, activation: str = "silu", implementation=None, config=None):
@@ -113,7 +94,7 @@ def glu(gate, up, *, activation: str = "silu", implementation=None, config=None)
   plan = _plan("glu", implementation, config, activation, gate=gate, up=up)
   if plan is None:
     return reference.glu(gate, up, activation=activation)
-  return _fused(plan, rows_view(gate), rows_view(up)).reshape(gate.shape)
+  return _fused(plan, "glu", rows_view(gate), rows_view(up)).reshape(gate.shape)
 
 
 def _registered(validate, names):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 
@@ -15,45 +13,25 @@ from jaxkernels.ops.norms import mosaic_tpu, reference, triton
 _KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  """Everything static about one call; the custom_vjp closes over it."""
-
-  implementation: str
-  config: Any
-  layer: bool
-  eps: float
-  has_residual: bool
-  interpret: bool
-
-  @property
-  def kernels(self):
-    return _KERNELS[self.implementation]
-
-  def kwargs(self) -> dict[str, Any]:
-    return dict(layer=self.layer, eps=self.eps, config=self.config,
-                interpret=backend.interpret_params(self.implementation, self.interpret))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(plan, x, scale, bias, residual):
   return _fused_fwd(plan, x, scale, bias, residual)[0]
 
 
 def _fused_fwd(plan, x, scale, bias, residual):
-  y, h, stats = plan.kernels.forward(x, scale, bias, residual, **plan.kwargs())
-  if plan.has_residual:
+  y, h, stats = plan("forward", x, scale, bias, residual)
+  if residual is not None:
     return (y, h), (h, scale, bias, stats)
   return y, (x, scale, bias, stats)
 
 
 def _fused_bwd(plan, saved, cotangent):
   h, scale, bias, stats = saved
-  dy, dh = cotangent if plan.has_residual else (cotangent, None)
-  dx, dr, dscale, dbias = plan.kernels.backward(
-      h, scale, bias, stats, dy, dh,
-      residual_dtype=dh.dtype if dh is not None else None, **plan.kwargs())
-  if plan.has_residual and dr is None:
+  has_residual = isinstance(cotangent, tuple)  # (dy, dh) for the outputs (y, h)
+  dy, dh = cotangent if has_residual else (cotangent, None)
+  dx, dr, dscale, dbias = plan("backward", h, scale, bias, stats, dy, dh,
+                               residual_dtype=dh.dtype if has_residual else None)
+  if has_residual and dr is None:
     dr = dx  # same dtype: one array serves both gradients, written once
   return dx, dscale, dbias, dr
 
@@ -84,20 +62,16 @@ def _kernel_reasons(target, x, scale, bias, residual):
 def _norm(op, layer, x, scale, bias, residual, eps, implementation, config):
   x, scale, bias, residual, eps = _validate(op, x, scale, bias, residual, eps)
   target = backend.target_of(x, scale, bias, residual)
-  chosen = backend.select(op, implementation, target,
-                          _kernel_reasons(target, x, scale, bias, residual))
-  kernels = _KERNELS.get(chosen)
-  _checks.config_type(op, chosen, config, kernels.Config if kernels else None)
-  if kernels is None or x.size == 0:
+  rows = rows_view(x)
+  residual_rows = rows_view(residual) if residual is not None else None
+  plan = backend.plan(
+      op, implementation, target, _kernel_reasons(target, x, scale, bias, residual), _KERNELS,
+      config, lambda kernels, chip: kernels.heuristic(rows, scale, bias, residual_rows, chip),
+      empty=x.size == 0, layer=layer, eps=eps)
+  if plan is None:
     if layer:
       return reference.layer_norm(x, scale, bias, eps=eps, residual=residual)
     return reference.rms_norm(x, scale, eps=eps, residual=residual)
-
-  rows = rows_view(x)
-  residual_rows = rows_view(residual) if residual is not None else None
-  if config is None:
-    config = kernels.heuristic(rows, scale, bias, residual_rows, target.chip_for(chosen))
-  plan = _Plan(chosen, config, layer, eps, residual is not None, backend.interpreting())
   out = _fused(plan, rows, scale, bias, residual_rows)
   if residual is None:
     return out.reshape(x.shape)

@@ -337,6 +337,19 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
   cost = roofline.norm_bwd(dy, scale, bias, dh, layer=layer, stats=len(stats))
   name = f"jk_{'layer' if layer else 'rms'}_norm_bwd"
 
+  def call(kernel, grid, extra_outputs=()):
+    """(dx, dresidual or None, [extra outputs]) of one backward pallas_call."""
+    outs = list(pl.pallas_call(
+        kernel,
+        out_shape=out_shape + list(extra_outputs),
+        grid=(grid,),
+        compiler_params=triton_params(config.bwd_num_warps),
+        cost_estimate=cost.estimate(),
+        interpret=interpret,
+        name=name,
+    )(*inputs))
+    return outs.pop(0), (outs.pop(0) if dual_dx else None), outs
+
   if config.one_pass(n_cols):
     block_rows = config.bwd_block_rows
     n_blocks = cdiv(n_rows, block_rows)
@@ -348,38 +361,15 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
         block_cols=config.block_cols, iters=iters,
         mask_rows=iters * programs * block_rows != n_rows)
     partial_sums = jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)
-    out_shape += [partial_sums] * (2 if bias is not None else 1)
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(programs,),
-        compiler_params=triton_params(config.bwd_num_warps),
-        cost_estimate=cost.estimate(),
-        interpret=interpret,
-        name=name,
-    )(*inputs)
-    outs = list(outs)
-    dx = outs.pop(0)
-    dr = outs.pop(0) if dual_dx else None
-    dscale = outs.pop(0).reshape(programs, n_cols).sum(axis=0)
-    dbias = outs.pop(0).reshape(programs, n_cols).sum(axis=0) if bias is not None else None
+    dx, dr, sums = call(kernel, programs, [partial_sums] * (2 if bias is not None else 1))
+    dscale = sums[0].reshape(programs, n_cols).sum(axis=0)
+    dbias = sums[1].reshape(programs, n_cols).sum(axis=0) if bias is not None else None
   else:
     kernel = functools.partial(
         _bwd_chunked_kernel, layer=layer, has_dh=dh is not None, dual_dx=dual_dx,
         n_rows=n_rows, n_cols=n_cols, block_rows=config.bwd_block_rows,
         block_cols=config.block_cols)
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(cdiv(n_rows, config.bwd_block_rows),),
-        compiler_params=triton_params(config.bwd_num_warps),
-        cost_estimate=cost.estimate(),
-        interpret=interpret,
-        name=name,
-    )(*inputs)
-    outs = list(outs)
-    dx = outs.pop(0)
-    dr = outs.pop(0) if dual_dx else None
+    dx, dr, _ = call(kernel, cdiv(n_rows, config.bwd_block_rows))
     # Rows too wide for registers: XLA reduces d(scale), d(bias) in one fused pass over h, dy.
     dy32, h32 = dy.astype(jnp.float32), h.astype(jnp.float32)
     centered = h32 - mean[:, None] if layer else h32

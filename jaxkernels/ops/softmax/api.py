@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,30 +14,18 @@ from jaxkernels.ops.softmax import mosaic_tpu, reference, triton
 _KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  implementation: str
-  config: Any
-  interpret: bool
-
-  def call(self, name, *args):
-    return getattr(_KERNELS[self.implementation], name)(
-        *args, config=self.config,
-        interpret=backend.interpret_params(self.implementation, self.interpret))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _softmax(plan, x):
-  return plan.call("forward", x)
+  return plan("forward", x)
 
 
 def _softmax_fwd(plan, x):
-  y = plan.call("forward", x)
+  y = plan("forward", x)
   return y, y
 
 
 def _softmax_bwd(plan, y, dy):
-  return (plan.call("backward", y, dy),)
+  return (plan("backward", y, dy),)
 
 
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
@@ -70,15 +56,13 @@ def softmax(x, *, axis: int = -1, implementation=None, config=None):
   last = x.ndim - 1
   moved = jnp.moveaxis(x, axis, last) if axis != last else x
   target = backend.target_of(x)
-  chosen = backend.select("softmax", implementation, target, _kernel_reasons(target, moved))
-  kernels = _KERNELS.get(chosen)
-  _checks.config_type("softmax", chosen, config, kernels.Config if kernels else None)
-  if kernels is None or x.size == 0:
+  plan = backend.plan("softmax", implementation, target, _kernel_reasons(target, moved),
+                      _KERNELS, config,
+                      lambda kernels, chip: kernels.heuristic(rows_view(moved), chip),
+                      empty=x.size == 0)
+  if plan is None:  # also for no elements, where a (-1, 0) rows view is ambiguous
     return reference.softmax(x, axis=axis)
-  rows = rows_view(moved)
-  plan = _Plan(chosen, config or kernels.heuristic(rows, target.chip_for(chosen)),
-               backend.interpreting())
-  y = _softmax(plan, rows).reshape(moved.shape)
+  y = _softmax(plan, rows_view(moved)).reshape(moved.shape)
   return jnp.moveaxis(y, last, axis) if axis != last else y
 
 
