@@ -102,13 +102,14 @@ def time_call(fn: Callable, args: Sequence[Any], *, rounds: int, calls: int,
 
 def time_sets(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds: int,
               calls: int) -> float:
-  """Median device seconds per execution of ``fn`` over several distinct argument sets.
+  """Median host-clock seconds per execution of ``fn`` over several distinct argument sets.
 
-  One jitted program runs ``fn`` on every set back to back, so a host dispatch
-  (tens of microseconds here, as long as a small kernel) is paid once per
-  ``len(arg_sets)`` executions: the time is the device's, as inside a training
-  step. Distinct inputs keep XLA from merging the calls and the L2 from serving
-  a repeat read.
+  One jitted program runs ``fn`` on every set back to back, so what a program
+  costs beyond its kernels (dispatch, the first launch, the sync: tens of
+  microseconds, as long as a small kernel) is shared by ``len(arg_sets)``
+  executions; the more sets, the closer to the time inside a training step
+  (:func:`kernel_seconds` gives the kernels alone). Distinct inputs keep XLA
+  from merging the calls and the L2 from serving a repeat read.
   """
   return tuning.time_on_device(fn, arg_sets, rounds=rounds, calls=calls, warmup=3)
 
