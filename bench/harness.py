@@ -129,7 +129,7 @@ def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *,
     from jax.experimental.mosaic.gpu import profiler
   except ImportError:
     return None, None
-  batched = jax.jit(lambda sets: [fn(*args) for args in sets])
+  batched = tuning.over_sets(fn)
   sets = [tuple(args) for args in arg_sets]
   try:
     _, runs = profiler.measure(batched, aggregate=False, iterations=iterations)(sets)
@@ -344,12 +344,9 @@ class _Timed:
   def outputs(self, label, primals, cts):
     return self.programs[label](*self._args(label, primals, cts))
 
-  def seconds(self, label, sets, session):
-    return time_sets(self.programs[label], [self._args(label, *s) for s in sets],
-                     rounds=session.rounds, calls=session.calls)
-
-  def kernel_seconds(self, label, sets):
-    return kernel_seconds(self.programs[label], [self._args(label, *s) for s in sets])
+  def arg_sets(self, label, sets):
+    """The program's arguments for each input set (the backward's: the forward's residuals)."""
+    return [self._args(label, *s) for s in sets]
 
 
 def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
@@ -390,9 +387,10 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
             if not row.error <= tolerance:
               row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
               return session.add(row)
-          seconds = timed.seconds(label, sets, session)
+          program, arg_sets = timed.programs[label], timed.arg_sets(label, sets)
+          seconds = time_sets(program, arg_sets, rounds=session.rounds, calls=session.calls)
           if session.platform == "gpu":
-            kernel, row.kernels = timed.kernel_seconds(label, sets)
+            kernel, row.kernels = kernel_seconds(program, arg_sets)
             if kernel:
               row.kernel_ms, row.kernel_gbps = kernel * 1e3, cost.bytes / kernel / 1e9
       except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a row

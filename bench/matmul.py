@@ -289,8 +289,7 @@ def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, r
     rows[impl] = row
   n_sets = harness.sets_for((2 * s * s) * jnp.dtype(dtype).itemsize, most=4)
   sets = [_inputs(s, s, s, dtype, seed, bias=bias) for seed in range(n_sets)]
-  batched = {impl: jax.jit(lambda sets, fn=fn: [fn(*a) for a in sets])
-             for impl, fn in programs.items()}
+  batched = {impl: tuning.over_sets(fn) for impl, fn in programs.items()}
   for fn in batched.values():
     harness.block(fn(sets))
   samples = {impl: [] for impl in batched}

@@ -119,13 +119,18 @@ class Trial:
   error: str = ""
 
 
+def over_sets(fn: Callable[..., Any]) -> Callable[[Sequence[tuple]], list[Any]]:
+  """One jitted program that runs ``fn(*args)`` for every ``args`` in its list of input sets."""
+  return jax.jit(lambda sets: [fn(*args) for args in sets])
+
+
 def time_on_device(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, rounds: int = 5,
                    calls: int = 1, warmup: int = 1) -> float:
   """Median seconds per call of ``fn`` on the device: one jitted program runs it on every
   input set back to back, so a host dispatch is paid once per ``len(arg_sets)`` calls (a 0.2 ms
   product timed one dispatch at a time measured the dispatch). Each round times ``calls`` such
   programs after ``warmup`` untimed ones; distinct sets keep the L2 from serving repeats."""
-  batched = jax.jit(lambda sets: [fn(*args) for args in sets])
+  batched = over_sets(fn)
   sets = [tuple(args) for args in arg_sets]
   for _ in range(warmup):
     jax.block_until_ready(batched(sets))

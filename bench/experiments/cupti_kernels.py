@@ -78,7 +78,7 @@ def main(pattern=""):
         args = timed._args(label, *sets[0])
         ks = kernels(program, args)
         ms = sum(t for _, t in ks) or float("nan")
-        wall = timed.seconds(label, sets, harness.Session(smoke=False, rounds=10, calls=10))
+        wall = harness.time_sets(program, timed.arg_sets(label, sets), rounds=10, calls=10)
         records.append(dict(name=case.name, impl=impl, label=label, kernels=ks, kernel_ms=ms,
                             wall_ms=wall * 1e3, gbps_kernel=cost.bytes / ms / 1e6,
                             gbps_wall=cost.bytes / wall / 1e9))
