@@ -8,8 +8,8 @@ followed by XLA's fused bias+gelu, and a forward+backward with the epilogue.
 neighbour) for ours, XLA and cuBLAS; ``bench/plot_sweep.py`` plots them. ``--tune``
 autotunes ours at 8192, 8193, 2049 and 4096 first (into the user's tuning cache). Parts run
 only when named in ``--only``: ``epilogue`` (each epilogue's cost over the plain product),
-``configs`` (Mosaic GPU configs where the heuristic trails) and ``clusters`` (JAX's example
-with a 2-CTA multicast cluster).
+``configs`` (Mosaic GPU configs where the heuristic trails), ``clusters`` (JAX's example
+with a 2-CTA multicast cluster) and ``schedules`` (ping-pong against cooperative warpgroups).
 
 Every output is checked against an f32 product on the device before it is timed
 (tolerance: twice the error of XLA's own product in the same dtype).
@@ -262,6 +262,82 @@ def config_candidates(session, impls):
                 rounds=2 * session.rounds)
 
 
+def schedules(session, impls):
+  """Ping-pong warpgroups (each owns whole tiles, one's epilogue under the other's product)
+  against the cooperative schedule: first checked on odd shapes, with transposed operands
+  (the backward's) and every epilogue, then timed round-robin, plain and with bias+gelu."""
+  if impls[0] != "mosaic_gpu":
+    return
+  import numpy as np
+
+  from jaxkernels.ops.matmul import reference
+
+  smoke = session.smoke
+  pingpong = dict(schedule="pingpong", tile_m=128, tile_n=128, tile_k=64, epi_slots=1,
+                  grid_minor="m", grid_tile_width=16)
+  variants = {"pp s4": dict(pingpong, stages=4), "pp s5": dict(pingpong, stages=5),
+              "pp s6": dict(pingpong, stages=6), "pp s5 epi2": dict(pingpong, stages=5,
+                                                                   epi_slots=2)}
+  gen = np.random.default_rng(1)
+  draw = lambda shape: jnp.asarray(gen.standard_normal(shape), jnp.float32).astype(BF16)
+  shapes = [(100, 130, 70), (257, 383, 129), (3, 2, 1027), (1024, 1024, 1024),
+            (2049, 2049, 2049)]
+  config = mosaic_gpu.Config(**variants["pp s5"])
+  for (m, n, k) in shapes[:2] if smoke else shapes:
+    for trans_a, trans_b in ((False, False), (True, False), (False, True), (True, True)):
+      for act, use_bias, use_res in ((None, False, False), ("gelu", True, True),
+                                     ("silu", True, False)):
+        if (trans_a or trans_b) and act:
+          continue  # the backward's transposed products carry no epilogue
+        a = draw((k, m) if trans_a else (m, k))
+        b = draw((n, k) if trans_b else (k, n))
+        bias = draw((n,)) if use_bias else None
+        res = draw((m, n)) if use_res else None
+        p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(BF16), out_dtype=jnp.dtype(BF16),
+                    trans_a=trans_a, trans_b=trans_b, activation=act, has_bias=use_bias,
+                    has_residual=use_res)
+        a32 = a.astype(jnp.float32).T if trans_a else a.astype(jnp.float32)
+        b32 = b.astype(jnp.float32).T if trans_b else b.astype(jnp.float32)
+        f32 = lambda x: None if x is None else x.astype(jnp.float32)
+        want = reference.matmul(a32, b32, bias=f32(bias), residual=f32(res), activation=act,
+                                out_dtype=jnp.float32, precision=lax.Precision.HIGHEST)
+        label = (f"check pingpong {act or 'plain'}{'+bias' if use_bias else ''}"
+                 f"{'+res' if use_res else ''}{' Aᵀ' if trans_a else ''}{' Bᵀ' if trans_b else ''}")
+        row = harness.Row("matmul", label, "mosaic_gpu", f"{m}x{n}x{k}", "bfloat16",
+                          tolerance=8e-3)
+        try:
+          got = jax.jit(lambda a, b, bias, res, p=p: mosaic_gpu.matmul(
+              a, b, bias=bias, residual=res, problem=p, config=config))(a, b, bias, res)
+          row.error = harness.relative_error(got, want)
+          if not row.error <= row.tolerance:
+            row.note = "WRONG"
+        except Exception as e:  # noqa: BLE001
+          row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+        session.add(row)
+  for s in (512,) if smoke else (8192, 4096, 2048):
+    gelu = s != 2048
+    fns = {"xla": lambda a, b, bias: a @ b,
+           "mosaic_gpu plain": lambda a, b, bias: jk.matmul(a, b, implementation="mosaic_gpu")}
+    plain_ref = jax.jit(lambda a, b, bias: _f32_product()(a, b))
+    gelu_ref = jax.jit(lambda a, b, bias: jax.nn.gelu(
+        _f32_product()(a, b) + bias.astype(jnp.float32), approximate=False))
+    refs = {"xla": plain_ref, "mosaic_gpu plain": plain_ref}
+    if gelu:
+      fns["mosaic_gpu bias+gelu"] = lambda a, b, bias: jk.matmul(
+          a, b, bias=bias, activation="gelu", implementation="mosaic_gpu")
+      refs["mosaic_gpu bias+gelu"] = gelu_ref
+    for label, fields in variants.items():
+      cfg = mosaic_gpu.Config(**fields)
+      fns[f"{label} plain"] = lambda a, b, bias, cfg=cfg: jk.matmul(
+          a, b, implementation="mosaic_gpu", config=cfg)
+      refs[f"{label} plain"] = plain_ref
+      if gelu:
+        fns[f"{label} bias+gelu"] = lambda a, b, bias, cfg=cfg: jk.matmul(
+            a, b, bias=bias, activation="gelu", implementation="mosaic_gpu", config=cfg)
+        refs[f"{label} bias+gelu"] = gelu_ref
+    interleaved(session, "schedules", s, fns, bias=True, refs=refs, rounds=2 * session.rounds)
+
+
 def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, refs=None,
                 flops=None, rounds=None, calls=None):
   """Checks each implementation, then times them round-robin: one round of each in turn (in
@@ -410,6 +486,8 @@ def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024,
     config_candidates(session, impls)
   if "clusters" in only:
     clusters(session, impls)
+  if "schedules" in only:
+    schedules(session, impls)
   if sweep and "sweep" in only:
     sweep_sizes(session, impls[:1], step if not session.smoke else 128, sweep_range)
 

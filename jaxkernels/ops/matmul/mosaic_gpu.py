@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,8 @@ from jaxkernels.ops.matmul.common import FLOAT8, Problem, pad_to, split_refs
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FLOAT8)
 SPLITS = ("m", "n")
+SCHEDULES = ("cooperative", "pingpong")
+PRODUCER_REGISTERS = 40  # the TMA warpgroup's; the two compute warpgroups share the rest
 SMEM_BYTES = 227 * 1024  # per CTA on Hopper
 
 
@@ -57,7 +60,11 @@ class Config:
   epi_tile_m: int = 64
   epi_tile_n: int = 64
   epi_slots: int = 2  # output buffers per warpgroup: 2 overlap a piece's store with the next
-
+  # "cooperative": both compute warpgroups work on one CTA tile, each on its half (``split``),
+  # and the tensor cores idle while they run the epilogue together. "pingpong": each
+  # warpgroup owns whole tiles (``tile_m x tile_n``), the two taking turns, so one's epilogue
+  # runs while the other's product keeps the tensor cores busy.
+  schedule: str = "cooperative"
 
   def __post_init__(self):
     check_fields(self, ("tile_m", "epi_tile_m"), lambda v: v % 64 == 0,
@@ -66,17 +73,22 @@ class Config:
                  "a multiple of 32, at most 256")
     check_fields(self, ("stages", "grid_tile_width", "epi_slots"), lambda v: v >= 1, ">= 1")
     check_fields(self, ("split", "grid_minor"), lambda v: v in SPLITS, "'m' or 'n'")
+    check_fields(self, ("schedule",), lambda v: v in SCHEDULES, f"one of {SCHEDULES}")
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
       raise ValueError(f"epilogue tile {self.epi_tile_m}x{self.epi_tile_n} must divide the "
                        f"warpgroup tile {self.tile_m}x{self.tile_n}")
 
   @property
+  def cooperative(self) -> bool:
+    return self.schedule == "cooperative"
+
+  @property
   def cta_m(self) -> int:
-    return self.tile_m * (2 if self.split == "m" else 1)
+    return self.tile_m * (2 if self.cooperative and self.split == "m" else 1)
 
   @property
   def cta_n(self) -> int:
-    return self.tile_n * (2 if self.split == "n" else 1)
+    return self.tile_n * (2 if self.cooperative and self.split == "n" else 1)
 
 
 def shared_bytes(problem: Problem, config: Config) -> int:
@@ -134,107 +146,273 @@ def _swizzled(minor: int, dtype):
   return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
 
 
+class _Epilogue(NamedTuple):
+  """Refs the epilogue reads and writes: outputs in gmem, their shared-memory buffers, vectors."""
+
+  y_smem: Any
+  z_smem: Any
+  bias_smem: Any
+  as_smem: Any
+  bs_smem: Any
+  vec_barrier: Any
+  res_barrier: Any
+  bias_gmem: Any
+  res_gmem: Any
+  as_gmem: Any
+  bs_gmem: Any
+  y_gmem: Any
+  z_gmem: Any
+
+  @staticmethod
+  def scratch(p: Problem, c: Config) -> dict:
+    """The shared-memory allocations behind the first seven fields."""
+    out_transforms = _swizzled(c.epi_tile_n, p.out_dtype)
+    out_buffers = lambda: plgpu.SMEM((2, c.epi_slots, c.epi_tile_m, c.epi_tile_n), p.out_dtype,
+                                     transforms=out_transforms)
+    return dict(
+        y_smem=out_buffers(),
+        z_smem=out_buffers() if p.save_preactivation else None,
+        # Epilogue vectors, per warpgroup and per tile parity (so that the next tile's load
+        # never lands while a lagging warp still reads this tile's).
+        bias_smem=plgpu.SMEM((2, 2, c.tile_n), jnp.float32) if p.has_bias else None,
+        as_smem=plgpu.SMEM((2, 2, c.tile_m), jnp.float32) if p.has_scales else None,
+        bs_smem=plgpu.SMEM((2, 2, c.tile_n), jnp.float32) if p.has_scales else None,
+        vec_barrier=(plgpu.Barrier(num_barriers=2 * 2 * 3)
+                     if p.has_bias or p.has_scales else None),
+        res_barrier=plgpu.Barrier(num_barriers=2 * c.epi_slots) if p.has_residual else None,
+    )
+
+  def load_vectors(self, p: Problem, wg, parity, rows, cols) -> list:
+    """Starts the TMA loads of this warpgroup's bias and scale pieces; returns their barriers."""
+    def load(gmem, smem, index, which):
+      barrier = self.vec_barrier.at[(wg * 2 + parity) * 3 + which]
+      plgpu.copy_gmem_to_smem(gmem.at[index], smem.at[wg, parity], barrier)
+      return barrier
+
+    waits = []
+    if p.has_bias:
+      waits.append(load(self.bias_gmem, self.bias_smem, cols, 0))
+    if p.has_scales:
+      waits.append(load(self.as_gmem, self.as_smem, rows, 1))
+      waits.append(load(self.bs_gmem, self.bs_smem, cols, 2))
+    return waits
+
+
 def _kernel(*refs, problem: Problem, config: Config):
   p, c = problem, config
   a_gmem, b_gmem, bias_gmem, res_gmem, as_gmem, bs_gmem, y_gmem, z_gmem = split_refs(p, refs)
-
-  m_tiles, n_tiles = cdiv(p.m, c.cta_m), cdiv(p.n, c.cta_n)
-  k_steps = cdiv(p.k, c.tile_k)
+  scratch, body = _SCHEDULES[c.schedule]
   a_block = (c.tile_k, c.cta_m) if p.trans_a else (c.cta_m, c.tile_k)
   b_block = (c.cta_n, c.tile_k) if p.trans_b else (c.tile_k, c.cta_n)
+
+  @functools.partial(pl.run_scoped, collective_axes="wg",
+                     **scratch(p, c, a_block, b_block, a_gmem, b_gmem), **_Epilogue.scratch(p, c))
+  def _scope(**allocs):
+    epilogue = _Epilogue(**{k: allocs.pop(k) for k in _Epilogue.scratch(p, c)},
+                         bias_gmem=bias_gmem, res_gmem=res_gmem, as_gmem=as_gmem,
+                         bs_gmem=bs_gmem, y_gmem=y_gmem, z_gmem=z_gmem)
+    body(a_gmem, b_gmem, epilogue, problem=p, config=c, a_block=a_block, b_block=b_block,
+         **allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _tile_slices(linear, p: Problem, c: Config):
+  """(rows, cols) of the CTA tile at position ``linear`` of the snake order."""
+  m_tiles, n_tiles = cdiv(p.m, c.cta_m), cdiv(p.n, c.cta_n)
+  minor = 1 if c.grid_minor == "n" else 0
+  m_idx, n_idx = plgpu.planar_snake(linear, (m_tiles, n_tiles), minor, c.grid_tile_width)
+  return pl.ds(m_idx * c.cta_m, c.cta_m), pl.ds(n_idx * c.cta_n, c.cta_n)
+
+
+def _num_tiles(p: Problem, c: Config) -> int:
+  return cdiv(p.m, c.cta_m) * cdiv(p.n, c.cta_n)
+
+
+def _cooperative_pipeline(p, c, a_block, b_block, body, compute_context):
+  """JAX's warp-specialized pipeline: both compute warpgroups read every slot."""
   in_specs = [
       plgpu.BlockSpec(a_block, (lambda k: (k, 0)) if p.trans_a else (lambda k: (0, k)),
                       transforms=_swizzled(a_block[1], p.dtype), memory_space=plgpu.SMEM),
       plgpu.BlockSpec(b_block, (lambda k: (0, k)) if p.trans_b else (lambda k: (k, 0)),
                       transforms=_swizzled(b_block[1], p.dtype), memory_space=plgpu.SMEM),
   ]
+  return plgpu.emit_pipeline_warp_specialized(
+      body, grid=(cdiv(p.k, c.tile_k),), memory_registers=PRODUCER_REGISTERS,
+      in_specs=in_specs, wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=c.stages,
+      compute_context=compute_context)
 
-  def pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
-        num_compute_wgs=2, max_concurrent_steps=c.stages, compute_context=compute_context)
 
-  out_transforms = _swizzled(c.epi_tile_n, p.out_dtype)
+def _cooperative_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
   ignore = lambda *_, **__: None
-  slots = c.epi_slots
-  scoped = dict(
-      pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
-      y_smem=plgpu.SMEM((2, slots, c.epi_tile_m, c.epi_tile_n), p.out_dtype,
-                        transforms=out_transforms),
-      z_smem=(plgpu.SMEM((2, slots, c.epi_tile_m, c.epi_tile_n), p.out_dtype,
-                         transforms=out_transforms) if z_gmem is not None else None),
-      # Epilogue vectors, per warpgroup and per tile parity (so that the next tile's load
-      # never lands while a lagging warp still reads this tile's).
-      bias_smem=plgpu.SMEM((2, 2, c.tile_n), jnp.float32) if p.has_bias else None,
-      as_smem=plgpu.SMEM((2, 2, c.tile_m), jnp.float32) if p.has_scales else None,
-      bs_smem=plgpu.SMEM((2, 2, c.tile_n), jnp.float32) if p.has_scales else None,
-      vec_barrier=(plgpu.Barrier(num_barriers=2 * 2 * 3)
-                   if p.has_bias or p.has_scales else None),
-      res_barrier=plgpu.Barrier(num_barriers=2 * slots) if p.has_residual else None,
+  pipeline = _cooperative_pipeline(p, c, a_block, b_block, ignore, ignore)
+  return dict(pipeline_allocs=pipeline.get_allocations(a_gmem, b_gmem))
+
+
+def _cooperative(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_block,
+               pipeline_allocs):
+  """Both compute warpgroups on one CTA tile, each on its half (``split``)."""
+  p, c = problem, config
+  wg = lax.axis_index("wg")
+
+  @plgpu.nd_loop((_num_tiles(p, c),), collective_axes="sm")
+  def _tiles(info: plgpu.NDLoopInfo):
+    (linear,) = info.index
+    parity = info.local_index % 2
+    cta_rows, cta_cols = _tile_slices(linear, p, c)
+    if c.split == "m":
+      wg_rows, wg_cols = pl.ds(wg * c.tile_m, c.tile_m), slice(None)
+    else:
+      wg_rows, wg_cols = slice(None), pl.ds(wg * c.tile_n, c.tile_n)
+
+    def compute_context(eval_pipeline):
+      # The epilogue's vectors load while the main loop runs.
+      waits = epilogue.load_vectors(p, wg, parity, _sub(cta_rows, wg_rows, c.tile_m),
+                                    _sub(cta_cols, wg_cols, c.tile_n))
+
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+      def _acc(acc_ref):
+        eval_pipeline(acc_ref)
+        acc = acc_ref[...]
+        for barrier in waits:
+          plgpu.barrier_wait(barrier)
+        _write_tile(acc, epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols,
+                    problem=p, config=c)
+
+    def mma(_, a_smem, b_smem, acc_ref):
+      # This warpgroup's half of the CTA's block, sliced before any transpose (a transposed
+      # view cannot be sliced).
+      a, b = a_smem, b_smem
+      if c.split == "m":
+        a = a.at[:, wg_rows] if p.trans_a else a.at[wg_rows]
+      else:
+        b = b.at[wg_cols] if p.trans_b else b.at[:, wg_cols]
+      plgpu.wgmma(acc_ref, *_operands(a, b, p))
+      plgpu.wgmma_wait(0)
+      return acc_ref
+
+    _cooperative_pipeline(p, c, a_block, b_block, mma, compute_context)(
+        a_gmem.at[:, cta_rows] if p.trans_a else a_gmem.at[cta_rows, :],
+        b_gmem.at[cta_cols, :] if p.trans_b else b_gmem.at[:, cta_cols],
+        allocations=pipeline_allocs)
+
+
+def _pingpong_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
+  del a_gmem, b_gmem
+  return dict(
+      a_ring=plgpu.SMEM((c.stages, *a_block), p.dtype, transforms=_swizzled(a_block[1], p.dtype)),
+      b_ring=plgpu.SMEM((c.stages, *b_block), p.dtype, transforms=_swizzled(b_block[1], p.dtype)),
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * c.stages),
+      free=plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
   )
 
-  @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-  def _scope(pipeline_allocs, y_smem, z_smem, bias_smem, as_smem, bs_smem, vec_barrier,
-             res_barrier):
-    wg = lax.axis_index("wg")
 
-    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
-    def _tiles(info: plgpu.NDLoopInfo):
-      (linear,) = info.index
-      parity = info.local_index % 2
-      minor = 1 if c.grid_minor == "n" else 0
-      m_idx, n_idx = plgpu.planar_snake(linear, (m_tiles, n_tiles), minor, c.grid_tile_width)
-      cta_rows = pl.ds(m_idx * c.cta_m, c.cta_m)
-      cta_cols = pl.ds(n_idx * c.cta_n, c.cta_n)
-      if c.split == "m":
-        wg_rows, wg_cols = pl.ds(wg * c.tile_m, c.tile_m), slice(None)
-      else:
-        wg_rows, wg_cols = slice(None), pl.ds(wg * c.tile_n, c.tile_n)
+def _pingpong(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_block,
+            a_ring, b_ring, full, free):
+  """Each compute warpgroup owns whole tiles, alternately (the CTA's even tiles go to
+  warpgroup 0, odd ones to 1); the TMA warpgroup fills one ring of ``stages`` slots in the
+  order the tiles' K steps are consumed.
 
-      def load_vector(gmem, smem, index, which):
-        barrier = vec_barrier.at[(wg * 2 + parity) * 3 + which]
-        plgpu.copy_gmem_to_smem(gmem.at[index], smem.at[wg, parity], barrier)
-        return barrier
+  The producer runs at most ``stages`` K steps ahead, so warpgroup 1's next tile starts
+  filling only once warpgroup 0's current one is filled: the two products overlap for at most
+  that many steps, and each epilogue runs while the other warpgroup's product proceeds. Every
+  slot has a "full" barrier per warpgroup (so that each warpgroup waits on every phase of its
+  own barriers: Mosaic GPU tracks barrier phases per thread) and one "free" barrier, which
+  only the producer waits on.
+  """
+  del a_block, b_block
+  p, c = problem, config
+  wg = lax.axis_index("wg")
+  k_steps = cdiv(p.k, c.tile_k)
+  tiles = lambda body: plgpu.nd_loop((_num_tiles(p, c),), collective_axes="sm")(body)
 
-      def compute_context(eval_pipeline):
-        # The epilogue's vectors load while the main loop runs.
-        waits = []
-        if p.has_bias:
-          waits.append(load_vector(bias_gmem, bias_smem, _sub(cta_cols, wg_cols, c.tile_n), 0))
-        if p.has_scales:
-          waits.append(load_vector(as_gmem, as_smem, _sub(cta_rows, wg_rows, c.tile_m), 1))
-          waits.append(load_vector(bs_gmem, bs_smem, _sub(cta_cols, wg_cols, c.tile_n), 2))
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+    @tiles
+    def _(info: plgpu.NDLoopInfo):
+      rows, cols = _tile_slices(info.index[0], p, c)
+      owner = info.local_index % 2
+      first = info.local_index * k_steps
+
+      @pl.loop(0, k_steps)
+      def _(step):
+        slot = lax.rem(first + step, c.stages)
+
+        @pl.when(first + step >= c.stages)
+        def _():
+          plgpu.barrier_wait(free.at[slot])
+
+        ks = pl.ds(step * c.tile_k, c.tile_k)
+        barrier = full.at[owner * c.stages + slot]
+        plgpu.copy_gmem_to_smem(a_gmem.at[ks, rows] if p.trans_a else a_gmem.at[rows, ks],
+                                a_ring.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(b_gmem.at[cols, ks] if p.trans_b else b_gmem.at[ks, cols],
+                                b_ring.at[slot], barrier)
+
+      # After the last fill, wait for the releases no fill waited for, so that every barrier
+      # ends with each of its phases observed.
+      @pl.when(info.local_index == info.num_local_steps - 1)
+      def _():
+        total = info.num_local_steps * k_steps
+
+        @pl.loop(lax.max(total - c.stages, 0), total)
+        def _(step):
+          plgpu.barrier_wait(free.at[lax.rem(step, c.stages)])
+
+  @pl.when(wg < 2)
+  def _consumers():
+    plgpu.set_max_registers(_compute_registers(), action="increase")
+
+    @tiles
+    def _(info: plgpu.NDLoopInfo):
+      @pl.when(info.local_index % 2 == wg)
+      def _():
+        rows, cols = _tile_slices(info.index[0], p, c)
+        parity = (info.local_index // 2) % 2
+        first = info.local_index * k_steps
+        waits = epilogue.load_vectors(p, wg, parity, rows, cols)
+
+        @functools.partial(pl.run_scoped,
+                           acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
         def _acc(acc_ref):
-          eval_pipeline(acc_ref)
+          @pl.loop(0, k_steps)
+          def _(step):
+            slot = lax.rem(first + step, c.stages)
+            plgpu.barrier_wait(full.at[wg * c.stages + slot])
+            plgpu.wgmma(acc_ref, *_operands(a_ring.at[slot], b_ring.at[slot], p))
+            # Two products in flight: the previous one has finished reading its slot.
+            plgpu.wgmma_wait(1)
+
+            @pl.when(step > 0)
+            def _():
+              plgpu.barrier_arrive(free.at[lax.rem(first + step - 1, c.stages)])
+
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(free.at[lax.rem(first + k_steps - 1, c.stages)])
           acc = acc_ref[...]
           for barrier in waits:
             plgpu.barrier_wait(barrier)
-          _epilogue(acc, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols,
-                    y_smem, z_smem, bias_smem, as_smem, bs_smem, res_barrier,
-                    res_gmem, y_gmem, z_gmem, problem=p, config=c)
+          _write_tile(acc, epilogue, wg, parity, rows, cols, slice(None), slice(None),
+                      problem=p, config=c)
 
-      def mma(_, a_smem, b_smem, acc_ref):
-        # This warpgroup's half of the CTA's block, sliced before any transpose (a transposed
-        # view cannot be sliced).
-        a, b = a_smem, b_smem
-        if c.split == "m":
-          a = a.at[:, wg_rows] if p.trans_a else a.at[wg_rows]
-        else:
-          b = b.at[wg_cols] if p.trans_b else b.at[:, wg_cols]
-        a = plgpu.transpose_ref(a, (1, 0)) if p.trans_a else a
-        b = plgpu.transpose_ref(b, (1, 0)) if p.trans_b else b
-        plgpu.wgmma(acc_ref, a, b)
-        plgpu.wgmma_wait(0)
-        return acc_ref
 
-      pipeline(mma, compute_context)(
-          a_gmem.at[:, cta_rows] if p.trans_a else a_gmem.at[cta_rows, :],
-          b_gmem.at[cta_cols, :] if p.trans_b else b_gmem.at[:, cta_cols],
-          allocations=pipeline_allocs)
+_SCHEDULES = {"cooperative": (_cooperative_scratch, _cooperative),
+              "pingpong": (_pingpong_scratch, _pingpong)}
 
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+def _compute_registers() -> int:
+  """Registers a thread of each compute warpgroup may take: the SM's 64K registers less the
+  producer's, split two ways, in multiples of 8 and at most 255 (as JAX's pipeline does)."""
+  return int(min(256, (512 - PRODUCER_REGISTERS) / 2) // 8 * 8)
+
+
+def _operands(a, b, p: Problem):
+  """wgmma's operands from shared-memory blocks, transposed where they are stored so."""
+  a = plgpu.transpose_ref(a, (1, 0)) if p.trans_a else a
+  b = plgpu.transpose_ref(b, (1, 0)) if p.trans_b else b
+  return a, b
 
 
 def _sub(cta_slice, wg_slice, size):
@@ -244,8 +422,9 @@ def _sub(cta_slice, wg_slice, size):
   return pl.ds(cta_slice.start + wg_slice.start, size)
 
 
-def _epilogue(acc, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols, y_smem, z_smem, bias_smem,
-              as_smem, bs_smem, res_barrier, res_gmem, y_gmem, z_gmem, *, problem, config):
+def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols, *,
+                problem, config):
+  """The epilogue on a warpgroup's float32 tile, written through shared memory by TMA."""
   p, c = problem, config
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   pieces_n = c.tile_n // c.epi_tile_n
@@ -260,24 +439,24 @@ def _epilogue(acc, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols, y_smem, z_s
       shape = (c.epi_tile_m, c.epi_tile_n)
       z = acc[rows, cols]
       if p.has_scales:
-        a_scale = as_smem[wg, parity, rows]
-        b_scale = bs_smem[wg, parity, cols]
+        a_scale = e.as_smem[wg, parity, rows]
+        b_scale = e.bs_smem[wg, parity, cols]
         z = z * lax.broadcast_in_dim(a_scale, shape, [0]) * lax.broadcast_in_dim(b_scale, shape, [1])
       if p.has_bias:
-        z = z + lax.broadcast_in_dim(bias_smem[wg, parity, cols], shape, [1])
+        z = z + lax.broadcast_in_dim(e.bias_smem[wg, parity, cols], shape, [1])
       y = z if p.activation is None else activation_apply(p.activation, z)
       if p.has_residual:
-        barrier = res_barrier.at[wg * c.epi_slots + slot]
-        plgpu.copy_gmem_to_smem(dest(res_gmem), y_smem.at[wg, slot], barrier)
+        barrier = e.res_barrier.at[wg * c.epi_slots + slot]
+        plgpu.copy_gmem_to_smem(dest(e.res_gmem), e.y_smem.at[wg, slot], barrier)
         plgpu.barrier_wait(barrier)
-        y = y + y_smem[wg, slot].astype(jnp.float32)
-      y_smem[wg, slot] = y.astype(p.out_dtype)
-      if z_smem is not None:
-        z_smem[wg, slot] = z.astype(p.out_dtype)
+        y = y + e.y_smem[wg, slot].astype(jnp.float32)
+      e.y_smem[wg, slot] = y.astype(p.out_dtype)
+      if e.z_smem is not None:
+        e.z_smem[wg, slot] = z.astype(p.out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(y_smem.at[wg, slot], dest(y_gmem))
-      if z_smem is not None:
-        plgpu.copy_smem_to_gmem(z_smem.at[wg, slot], dest(z_gmem))
+      plgpu.copy_smem_to_gmem(e.y_smem.at[wg, slot], dest(e.y_gmem))
+      if e.z_smem is not None:
+        plgpu.copy_smem_to_gmem(e.z_smem.at[wg, slot], dest(e.z_gmem))
 
 
 def _padded_extent(size: int, align: int, cta: int, step: int) -> int:
