@@ -1,0 +1,123 @@
+"""Is the fused epilogue's cost in cycles or in energy? (matmul, H200 at its 700 W cap)
+
+For the cooperative and ping-pong Mosaic GPU schedules, plain and with bias+gelu, this takes
+  * the kernel time on a cool card (CUPTI after 5 s idle), where the clock is at its boost;
+  * the host-clock time per product over 3 s of back-to-back products, with nvidia-smi
+    sampling SM clock and power meanwhile; time x clock is then the product's cycles.
+If ping-pong hides the epilogue in cycles, its bias+gelu and plain rows spend the same cycles
+and differ only by the clock the extra arithmetic's power leaves.
+
+  python -m bench.experiments.matmul_power [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jaxkernels as jk
+from bench import harness
+from jaxkernels import tuning
+from jaxkernels.ops.matmul import mosaic_gpu
+
+BF16 = jnp.bfloat16
+PINGPONG = mosaic_gpu.Config(schedule="pingpong", tile_m=128, tile_n=128, tile_k=64, stages=5,
+                             epi_slots=1, grid_minor="m", grid_tile_width=16)
+
+
+def _sets(s, n_sets=4):
+  out = []
+  for seed in range(n_sets):
+    ka, kb, kc = jax.random.split(jax.random.key(seed), 3)
+    out.append((jax.random.normal(ka, (s, s), BF16) / s ** 0.25,
+                jax.random.normal(kb, (s, s), BF16) / s ** 0.25,
+                jax.random.normal(kc, (s,), BF16)))
+  return out
+
+
+def _sample(proc):
+  proc.terminate()
+  text, _ = proc.communicate()
+  rows = []
+  for line in text.strip().splitlines():
+    parts = [p.strip() for p in line.split(",")]
+    try:
+      rows.append((time.time(), float(parts[0]), float(parts[1])))
+    except (ValueError, IndexError):
+      continue
+  return rows
+
+
+def measure(fn, sets, seconds=3.0):
+  batched = tuning.over_sets(fn)
+  harness.block(batched(sets))
+  time.sleep(5)
+  cool, _ = harness.kernel_seconds(fn, sets, iterations=3)
+  smi = subprocess.Popen(["nvidia-smi", "--query-gpu=power.draw,clocks.sm",
+                          "--format=csv,noheader,nounits", "-lms", "50"],
+                         stdout=subprocess.PIPE, text=True)
+  start = time.perf_counter()
+  marks = []
+  while time.perf_counter() - start < seconds:
+    t0 = time.perf_counter()
+    for _ in range(5):
+      out = batched(sets)
+    harness.block(out)
+    marks.append((t0, time.perf_counter(), 5 * len(sets)))
+  samples = _sample(smi)
+  # The last two thirds: the card has settled at its cap.
+  steady = marks[len(marks) // 3:]
+  hot = sum(t1 - t0 for t0, t1, _ in steady) / sum(n for *_, n in steady)
+  tail = samples[len(samples) // 3:] or samples
+  watts = statistics.mean(w for _, w, _ in tail) if tail else None
+  mhz = statistics.mean(m for *_, m in tail) if tail else None
+  return dict(cool_ms=cool and cool * 1e3, hot_ms=hot * 1e3, watts=watts, sm_mhz=mhz)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default=None)
+  parser.add_argument("--sizes", default="8192,4096")
+  args = parser.parse_args()
+  variants = {
+      "cooperative plain": lambda a, b, bias: jk.matmul(a, b, implementation="mosaic_gpu"),
+      "cooperative bias+gelu": lambda a, b, bias: jk.matmul(
+          a, b, bias=bias, activation="gelu", implementation="mosaic_gpu"),
+      "pingpong plain": lambda a, b, bias: jk.matmul(a, b, implementation="mosaic_gpu",
+                                                     config=PINGPONG),
+      "pingpong bias+gelu": lambda a, b, bias: jk.matmul(
+          a, b, bias=bias, activation="gelu", implementation="mosaic_gpu", config=PINGPONG),
+      "xla plain": lambda a, b, bias: a @ b,
+  }
+  rows = []
+  for s in (int(v) for v in args.sizes.split(",")):
+    sets = _sets(s)
+    for name, fn in variants.items():
+      r = dict(size=s, variant=name, **measure(fn, sets))
+      flops = 2.0 * s ** 3
+      r["hot_tflops"] = flops / (r["hot_ms"] * 1e-3) / 1e12
+      r["cool_tflops"] = r["cool_ms"] and flops / (r["cool_ms"] * 1e-3) / 1e12
+      r["hot_mcycles"] = r["sm_mhz"] and r["hot_ms"] * 1e-3 * r["sm_mhz"]
+      rows.append(r)
+      print(json.dumps(r), flush=True)
+  print(f"{'size':>5} {'variant':<24} {'cool ms':>8} {'hot ms':>8} {'hot TF':>7} {'MHz':>6} "
+        f"{'W':>5} {'Mcycles':>8}")
+  for r in rows:
+    print(f"{r['size']:>5} {r['variant']:<24} {r['cool_ms'] or 0:8.4f} {r['hot_ms']:8.4f} "
+          f"{r['hot_tflops']:7.0f} {r['sm_mhz'] or 0:6.0f} {r['watts'] or 0:5.0f} "
+          f"{r['hot_mcycles'] or 0:8.3f}")
+  if args.out:
+    with open(os.path.join(args.out, "matmul_power.json"), "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                     commit=os.environ.get("JAXKERNELS_COMMIT"), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
