@@ -186,6 +186,21 @@ class TestMosaicGpu(MatmulTest):
     pytest.skip("covered by test_low_precision's bfloat16 output; the interpreter is slow")
 
 
+class TestMosaicGpuPingpong(TestMosaicGpu):
+  """The ping-pong schedule, on two SMs so that every CTA walks several tiles, handed to its
+  two compute warpgroups in turn, through a ring whose slots wrap around mid-tile (K steps
+  not a multiple of ``stages``); the interpreter also fails a kernel that leaves a barrier
+  phase unobserved. Transposed operands (the backward's products) fail in the interpreter
+  for both schedules (jax 0.10.2: no TransposeTransform); they are checked on the GPU
+  machine (`python -m bench matmul --only schedules`)."""
+
+  CONFIG = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, stages=3, schedule="pingpong")
+
+  @pytest.fixture(autouse=True)
+  def _two_sms(self, monkeypatch):
+    monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 2)
+
+
 def test_fp8_triton_and_reference():
   gen = numerics.rng("fp8-triton")
   a = numerics.normal(gen, (3, 20, 70), jnp.float8_e5m2)

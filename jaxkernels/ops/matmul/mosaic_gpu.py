@@ -8,6 +8,12 @@ issue wgmma straight from shared memory. Together they cover a CTA tile of
 one CTA per SM walks output tiles in a snake order (``grid_minor``,
 ``grid_tile_width``) that keeps neighbouring CTAs on shared A and B blocks in L2.
 
+``schedule="pingpong"`` instead gives each compute warpgroup whole ``tile_m x tile_n`` tiles
+in turn, fed from one ring in the order they consume it, so that one warpgroup's epilogue
+could run under the other's product. On an H200 at its 700 W cap it is not faster: the same
+cycles as cooperative for the plain product at a 6% lower clock (128-wide tiles move more bytes
+per flop), and the exact-GELU epilogue's cycles were not hidden (bench/NOTES.md, matmul-18/19).
+
 The epilogue runs on the accumulator in registers (dequantization scales, bias,
 activation; the residual comes in by TMA through the output buffer), then
 writes C through shared memory by TMA in ``epi_tile_m x epi_tile_n`` pieces,
