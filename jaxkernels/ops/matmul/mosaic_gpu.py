@@ -51,6 +51,9 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FLOAT8)
 SPLITS = ("m", "n")
 SCHEDULES = ("cooperative", "pingpong")
 PRODUCER_REGISTERS = 40  # the TMA warpgroup's; the two compute warpgroups share the rest
+# Set to dict(profile_space=..., profile_dir=...) to have every kernel write a per-warpgroup
+# timeline of its "mainloop" and "epilogue" regions (bench/experiments/matmul_timeline.py).
+PROFILE: dict = {}
 SMEM_BYTES = 227 * 1024  # per CTA on Hopper
 
 
@@ -278,12 +281,14 @@ def _cooperative(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_bloc
 
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
       def _acc(acc_ref):
-        eval_pipeline(acc_ref)
-        acc = acc_ref[...]
-        for barrier in waits:
-          plgpu.barrier_wait(barrier)
-        _write_tile(acc, epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols,
-                    problem=p, config=c)
+        with jax.named_scope("mainloop"):  # regions of a Mosaic GPU profile (profile_space)
+          eval_pipeline(acc_ref)
+        with jax.named_scope("epilogue"):
+          acc = acc_ref[...]
+          for barrier in waits:
+            plgpu.barrier_wait(barrier)
+          _write_tile(acc, epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols,
+                      problem=p, config=c)
 
     def mma(_, a_smem, b_smem, acc_ref):
       # This warpgroup's half of the CTA's block, sliced before any transpose (a transposed
@@ -383,8 +388,7 @@ def _pingpong(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, 
         @functools.partial(pl.run_scoped,
                            acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
         def _acc(acc_ref):
-          @pl.loop(0, k_steps)
-          def _(step):
+          def step_body(step):
             slot = lax.rem(first + step, c.stages)
             plgpu.barrier_wait(full.at[wg * c.stages + slot])
             plgpu.wgmma(acc_ref, *_operands(a_ring.at[slot], b_ring.at[slot], p))
@@ -395,13 +399,17 @@ def _pingpong(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, 
             def _():
               plgpu.barrier_arrive(free.at[lax.rem(first + step - 1, c.stages)])
 
-          plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(free.at[lax.rem(first + k_steps - 1, c.stages)])
-          acc = acc_ref[...]
-          for barrier in waits:
-            plgpu.barrier_wait(barrier)
-          _write_tile(acc, epilogue, wg, parity, rows, cols, slice(None), slice(None),
-                      problem=p, config=c)
+          with jax.named_scope("mainloop"):  # regions of a Mosaic GPU profile (profile_space)
+            pl.loop(0, k_steps)(step_body)
+
+          with jax.named_scope("epilogue"):
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(free.at[lax.rem(first + k_steps - 1, c.stages)])
+            acc = acc_ref[...]
+            for barrier in waits:
+              plgpu.barrier_wait(barrier)
+            _write_tile(acc, epilogue, wg, parity, rows, cols, slice(None), slice(None),
+                        problem=p, config=c)
 
 
 _SCHEDULES = {"cooperative": (_cooperative_scratch, _cooperative),
@@ -521,7 +529,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
       # 1-2 ulp), as the Triton kernels do; nothing else in the kernel does either.
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-          approx_math=p.activation is not None),
+          approx_math=p.activation is not None, **PROFILE),
       **({"interpret": interpret} if interpret else {}),
   )
   outs = kernel(*operands)
