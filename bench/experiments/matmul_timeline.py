@@ -93,7 +93,7 @@ def main():
   rows = {}
   for name, v in variants.items():
     with tempfile.TemporaryDirectory() as tmp:
-      mosaic_gpu.PROFILE.update(profile_space=512, profile_dir=tmp)
+      mosaic_gpu.PROFILE.update(profile_space=64, profile_dir=tmp)
       try:
         fn = jax.jit(lambda a, b, bias, v=v: jk.matmul(
             a, b, bias=bias if v["gelu"] else None, activation="gelu" if v["gelu"] else None,
