@@ -78,6 +78,9 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--size", type=int, default=4096)
   parser.add_argument("--out", default=None)
+  parser.add_argument("--activations", default=None,
+                      help="comma-separated (none,relu,silu,gelu_tanh,gelu): time each one's "
+                           "epilogue under the default (cooperative) config instead")
   args = parser.parse_args()
   s = args.size
   ka, kb, kc = jax.random.split(jax.random.key(0), 3)
@@ -90,13 +93,17 @@ def main():
       "pingpong plain": dict(config=PINGPONG, gelu=False),
       "pingpong bias+gelu": dict(config=PINGPONG, gelu=True),
   }
+  if args.activations:
+    variants = {f"cooperative bias+{act}": dict(config=None, gelu=act != "none", act=act)
+                for act in args.activations.split(",")}
   rows = {}
   for name, v in variants.items():
     with tempfile.TemporaryDirectory() as tmp:
       mosaic_gpu.PROFILE.update(profile_space=64, profile_dir=tmp)
       try:
         fn = jax.jit(lambda a, b, bias, v=v: jk.matmul(
-            a, b, bias=bias if v["gelu"] else None, activation="gelu" if v["gelu"] else None,
+            a, b, bias=bias if v["gelu"] else None,
+            activation=v.get("act", "gelu") if v["gelu"] else None,
             implementation="mosaic_gpu", config=v["config"]))
         for _ in range(3):  # the last call's trace: a warm card and caches
           jax.block_until_ready(fn(a, b, bias))
