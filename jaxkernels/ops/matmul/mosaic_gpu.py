@@ -447,8 +447,6 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
       rows = slice(pm * c.epi_tile_m, (pm + 1) * c.epi_tile_m)
       cols = slice(pn * c.epi_tile_n, (pn + 1) * c.epi_tile_n)
       slot = (pm * pieces_n + pn) % c.epi_slots
-      # Buffer `slot` was last stored epi_slots pieces ago: wait until that store has read it.
-      plgpu.wait_smem_to_gmem(c.epi_slots - 1, wait_read_only=True)
       dest = lambda gmem: gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols].at[rows, cols]
       shape = (c.epi_tile_m, c.epi_tile_n)
       z = acc[rows, cols]
@@ -459,6 +457,10 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
       if p.has_bias:
         z = z + lax.broadcast_in_dim(e.bias_smem[wg, parity, cols], shape, [1])
       y = z if p.activation is None else activation_apply(p.activation, z)
+      # Buffer `slot` was last stored epi_slots pieces ago: wait until that store has read it.
+      # Only now, so that this piece's arithmetic runs while the earlier store drains (the
+      # wait is a barrier the compiler cannot hoist the arithmetic across).
+      plgpu.wait_smem_to_gmem(c.epi_slots - 1, wait_read_only=True)
       if p.has_residual:
         barrier = e.res_barrier.at[wg * c.epi_slots + slot]
         plgpu.copy_gmem_to_smem(dest(e.res_gmem), e.y_smem.at[wg, slot], barrier)
