@@ -262,6 +262,17 @@ def config_candidates(session, impls):
                 rounds=2 * session.rounds)
 
 
+def _check_row(session, row, want, run):
+  """``row`` with ``run()``'s relative error against ``want`` (or why it failed), added."""
+  try:
+    row.error = harness.relative_error(run(), want)
+    if not row.error <= row.tolerance:
+      row.note = "WRONG"
+  except Exception as e:  # noqa: BLE001
+    row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+  session.add(row)
+
+
 def schedules(session, impls):
   """Ping-pong warpgroups (each owns whole tiles, one's epilogue under the other's product)
   against the cooperative schedule: first checked on odd shapes, with transposed operands
@@ -305,15 +316,9 @@ def schedules(session, impls):
                  f"{'+res' if use_res else ''}{' Aᵀ' if trans_a else ''}{' Bᵀ' if trans_b else ''}")
         row = harness.Row("matmul", label, "mosaic_gpu", f"{m}x{n}x{k}", "bfloat16",
                           tolerance=8e-3)
-        try:
-          got = jax.jit(lambda a, b, bias, res, p=p: mosaic_gpu.matmul(
-              a, b, bias=bias, residual=res, problem=p, config=config))(a, b, bias, res)
-          row.error = harness.relative_error(got, want)
-          if not row.error <= row.tolerance:
-            row.note = "WRONG"
-        except Exception as e:  # noqa: BLE001
-          row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
-        session.add(row)
+        _check_row(session, row, want, lambda: jax.jit(
+            lambda a, b, bias, res, p=p: mosaic_gpu.matmul(
+                a, b, bias=bias, residual=res, problem=p, config=config))(a, b, bias, res))
   for s in (512,) if smoke else (8192, 4096, 2048):
     gelu = s != 2048
     fns = {"xla": lambda a, b, bias: a @ b,
@@ -563,12 +568,5 @@ def checks(session, impls):
           continue
         row = harness.Row("matmul", "check fp8 scaled", impl, f"{m}x{n}x{k}",
                           jnp.dtype(f8).name, tolerance=8e-3)
-        try:
-          got = jax.jit(lambda a, b: jk.matmul(a, b, a_scale=sa, b_scale=sb,
-                                               implementation=impl))(a, b)
-          row.error = harness.relative_error(got, want)
-          if not row.error <= row.tolerance:
-            row.note = "WRONG"
-        except Exception as e:  # noqa: BLE001
-          row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
-        session.add(row)
+        _check_row(session, row, want, lambda: jax.jit(
+            lambda a, b: jk.matmul(a, b, a_scale=sa, b_scale=sb, implementation=impl))(a, b))
