@@ -23,11 +23,10 @@ import jax
 import jax.numpy as jnp
 
 import jaxkernels as jk
+from bench.matmul import PINGPONG
 from jaxkernels.ops.matmul import mosaic_gpu
 
 BF16 = jnp.bfloat16
-PINGPONG = mosaic_gpu.Config(schedule="pingpong", tile_m=128, tile_n=128, tile_k=64, stages=5,
-                             epi_slots=1, grid_minor="m", grid_tile_width=16)
 WARPGROUPS = 3  # two compute, one TMA
 
 

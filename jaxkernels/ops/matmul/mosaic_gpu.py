@@ -214,10 +214,12 @@ def _kernel(*refs, problem: Problem, config: Config):
   a_block = (c.tile_k, c.cta_m) if p.trans_a else (c.cta_m, c.tile_k)
   b_block = (c.cta_n, c.tile_k) if p.trans_b else (c.tile_k, c.cta_n)
 
+  epilogue_scratch = _Epilogue.scratch(p, c)
+
   @functools.partial(pl.run_scoped, collective_axes="wg",
-                     **scratch(p, c, a_block, b_block, a_gmem, b_gmem), **_Epilogue.scratch(p, c))
+                     **scratch(p, c, a_block, b_block, a_gmem, b_gmem), **epilogue_scratch)
   def _scope(**allocs):
-    epilogue = _Epilogue(**{k: allocs.pop(k) for k in _Epilogue.scratch(p, c)},
+    epilogue = _Epilogue(**{k: allocs.pop(k) for k in epilogue_scratch},
                          bias_gmem=bias_gmem, res_gmem=res_gmem, as_gmem=as_gmem,
                          bs_gmem=bs_gmem, y_gmem=y_gmem, z_gmem=z_gmem)
     body(a_gmem, b_gmem, epilogue, problem=p, config=c, a_block=a_block, b_block=b_block,
@@ -259,7 +261,7 @@ def _cooperative_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
 
 
 def _cooperative(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_block,
-               pipeline_allocs):
+                 pipeline_allocs):
   """Both compute warpgroups on one CTA tile, each on its half (``split``)."""
   p, c = problem, config
   wg = lax.axis_index("wg")
@@ -319,7 +321,7 @@ def _pingpong_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
 
 
 def _pingpong(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_block,
-            a_ring, b_ring, full, free):
+              a_ring, b_ring, full, free):
   """Each compute warpgroup owns whole tiles, alternately (the CTA's even tiles go to
   warpgroup 0, odd ones to 1); the TMA warpgroup fills one ring of ``stages`` slots in the
   order the tiles' K steps are consumed.
