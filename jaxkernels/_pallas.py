@@ -68,6 +68,28 @@ def fast_reciprocal(x):
   return out
 
 
+def mosaic_gpu_fast_reciprocal(x):
+  """1/x by rcp.approx.ftz.f32 in a Mosaic GPU kernel of warpgroup semantics, for a float32
+  array in the WGMMA layout (a matmul epilogue's pieces). Compiled kernels only.
+
+  Pallas lowers 1/x under approx_math to rcp.approx.f32, whose subnormal and overflow range
+  fix-ups take six SASS instructions besides the one MUFU.RCP (the matmul epilogue's SASS,
+  bench/NOTES.md matmul-24). Mosaic GPU exposes no reciprocal, so this reaches FragmentedArray's
+  PTX helpers (jax 0.10-0.11); where a release lacks them, exact division.
+  """
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  if not all(hasattr(mgpu.FragmentedArray, f) for f in ("_pointwise", "_lift_fast_instr")):
+    return 1.0 / x
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(layout,),
+                     return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=layout))
+  def rcp(_, v):
+    return v._pointwise(v._lift_fast_instr("rcp.approx.ftz.f32"))
+  return rcp(x)
+
+
 def check_fields(config, names, ok, requirement: str) -> None:
   """Raises ValueError naming the first of ``names`` whose value fails ``ok``."""
   for name in names:

@@ -44,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import hardware
 from jaxkernels._activations import apply as activation_apply
-from jaxkernels._pallas import cdiv, check_fields, round_up
+from jaxkernels._pallas import cdiv, check_fields, mosaic_gpu_fast_reciprocal, round_up
 from jaxkernels.ops.matmul.common import FLOAT8, Problem, pad_to, split_refs
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FLOAT8)
@@ -156,7 +156,8 @@ def _swizzled(minor: int, dtype):
 
 
 class _Epilogue(NamedTuple):
-  """Refs the epilogue reads and writes: outputs in gmem, their shared-memory buffers, vectors."""
+  """Refs the epilogue reads and writes (outputs in gmem, their shared-memory buffers,
+  vectors) and the 1/x its activation takes (None: division)."""
 
   y_smem: Any
   z_smem: Any
@@ -171,6 +172,7 @@ class _Epilogue(NamedTuple):
   bs_gmem: Any
   y_gmem: Any
   z_gmem: Any
+  reciprocal: Any
 
   @staticmethod
   def scratch(p: Problem, c: Config) -> dict:
@@ -207,7 +209,7 @@ class _Epilogue(NamedTuple):
     return waits
 
 
-def _kernel(*refs, problem: Problem, config: Config):
+def _kernel(*refs, problem: Problem, config: Config, reciprocal):
   p, c = problem, config
   a_gmem, b_gmem, bias_gmem, res_gmem, as_gmem, bs_gmem, y_gmem, z_gmem = split_refs(p, refs)
   scratch, body = _SCHEDULES[c.schedule]
@@ -221,7 +223,7 @@ def _kernel(*refs, problem: Problem, config: Config):
   def _scope(**allocs):
     epilogue = _Epilogue(**{k: allocs.pop(k) for k in epilogue_scratch},
                          bias_gmem=bias_gmem, res_gmem=res_gmem, as_gmem=as_gmem,
-                         bs_gmem=bs_gmem, y_gmem=y_gmem, z_gmem=z_gmem)
+                         bs_gmem=bs_gmem, y_gmem=y_gmem, z_gmem=z_gmem, reciprocal=reciprocal)
     body(a_gmem, b_gmem, epilogue, problem=p, config=c, a_block=a_block, b_block=b_block,
          **allocs)
 
@@ -458,7 +460,7 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
         z = z * lax.broadcast_in_dim(a_scale, shape, [0]) * lax.broadcast_in_dim(b_scale, shape, [1])
       if p.has_bias:
         z = z + lax.broadcast_in_dim(e.bias_smem[wg, parity, cols], shape, [1])
-      y = z if p.activation is None else activation_apply(p.activation, z)
+      y = z if p.activation is None else activation_apply(p.activation, z, e.reciprocal)
       # Buffer `slot` was last stored epi_slots pieces ago: wait until that store has read it.
       # Only now, so that this piece's arithmetic runs while the earlier store drains (the
       # wait is a barrier the compiler cannot hoist the arithmetic across).
@@ -523,14 +525,15 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
     operands += [a_scale.astype(jnp.float32), b_scale.astype(jnp.float32)]
   out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)
   kernel = plgpu.kernel(
-      functools.partial(_kernel, problem=p, config=config),
+      functools.partial(_kernel, problem=p, config=config,
+                        reciprocal=None if interpret else mosaic_gpu_fast_reciprocal),
       out_type=[out] * p.outputs,
       grid=(min(_num_sms(), cdiv(p.m, config.cta_m) * cdiv(p.n, config.cta_n)),),
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
-      # approx_math: the activation's exp2 and divisions on the SFU (ex2.approx, rcp.approx:
-      # 1-2 ulp), as the Triton kernels do; nothing else in the kernel does either.
+      # approx_math: the activation's exp2 on the SFU (ex2.approx, 2 ulp), its reciprocal
+      # rcp.approx.ftz (1 ulp), as the Triton kernels do; nothing else in the kernel does either.
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
           approx_math=p.activation is not None, **PROFILE),
