@@ -7,12 +7,18 @@ For the cooperative and ping-pong Mosaic GPU schedules, plain and with bias+gelu
 If ping-pong hides the epilogue in cycles, its bias+gelu and plain rows spend the same cycles
 and differ only by the clock the extra arithmetic's power leaves.
 
-  python -m bench.experiments.matmul_power [--out DIR]
+``--variants epilogue`` instead takes the cooperative schedule's activation epilogues under the
+heuristic's config and under 64x64 pieces in 2 slots over 3 stages, against the plain product.
+
+  python -m bench.experiments.matmul_power [--sizes 8192,4096] [--variants schedules|epilogue]
+      [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -25,7 +31,9 @@ import jax.numpy as jnp
 import jaxkernels as jk
 from bench import harness
 from bench.matmul import PINGPONG
-from jaxkernels import tuning
+from jaxkernels import hardware, tuning
+from jaxkernels.ops.matmul import mosaic_gpu
+from jaxkernels.ops.matmul.common import Problem
 
 BF16 = jnp.bfloat16
 
@@ -79,12 +87,33 @@ def measure(fn, sets, seconds=3.0):
   return dict(cool_ms=cool and cool * 1e3, hot_ms=hot * 1e3, watts=watts, sm_mhz=mhz)
 
 
+def _epilogue_variants(s):
+  """Plain, and each activation epilogue with bias, under the heuristic's config and under
+  64x64 epilogue pieces in 2 slots over 3 stages (matmul-22/24's best-looking alternative)."""
+  chip = hardware.chip_for(jax.devices()[0].device_kind)
+  def config(act, **changes):
+    problem = Problem(m=s, n=s, k=s, dtype=jnp.dtype(BF16), out_dtype=jnp.dtype(BF16),
+                      activation=act, has_bias=act is not None)
+    return dataclasses.replace(mosaic_gpu.heuristic(problem, chip), **changes)
+  variants = {}
+  for act in (None, "silu", "gelu"):
+    for label, changes in (("", {}), (" epi 64x64x2 s3", dict(epi_tile_m=64, epi_tile_n=64,
+                                                             epi_slots=2, stages=3))):
+      variants[f"bias+{act or 'nothing'}{label}" if act else f"plain{label}"] = functools.partial(
+          lambda a, b, bias, act, c: jk.matmul(a, b, bias=bias if act else None, activation=act,
+                                               implementation="mosaic_gpu", config=c),
+          act=act, c=config(act, **changes))
+  variants["xla plain"] = lambda a, b, bias: a @ b
+  return variants
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", default=None)
   parser.add_argument("--sizes", default="8192,4096")
+  parser.add_argument("--variants", default="schedules", choices=("schedules", "epilogue"))
   args = parser.parse_args()
-  variants = {
+  schedules = {
       "cooperative plain": lambda a, b, bias: jk.matmul(a, b, implementation="mosaic_gpu"),
       "cooperative bias+gelu": lambda a, b, bias: jk.matmul(
           a, b, bias=bias, activation="gelu", implementation="mosaic_gpu"),
@@ -97,6 +126,7 @@ def main():
   rows = []
   for s in (int(v) for v in args.sizes.split(",")):
     sets = _sets(s)
+    variants = schedules if args.variants == "schedules" else _epilogue_variants(s)
     for name, fn in variants.items():
       r = dict(size=s, variant=name, **measure(fn, sets))
       flops = 2.0 * s ** 3
@@ -112,7 +142,7 @@ def main():
           f"{r['hot_tflops']:7.0f} {r['sm_mhz'] or 0:6.0f} {r['watts'] or 0:5.0f} "
           f"{r['hot_mcycles'] or 0:8.3f}")
   if args.out:
-    with open(os.path.join(args.out, "matmul_power.json"), "w") as f:
+    with open(os.path.join(args.out, f"matmul_power_{args.variants}.json"), "w") as f:
       json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                      commit=os.environ.get("JAXKERNELS_COMMIT"), rows=rows), f, indent=1)
 
