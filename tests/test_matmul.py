@@ -382,10 +382,14 @@ def test_shipped_table_and_ship(tmp_path):
     entry = table[tuning.key("mosaic_gpu", q, "NVIDIA H200", versioned=False)]
     assert tuning.config_for("mosaic_gpu", q, chip, device_kind="NVIDIA H200") == \
         mosaic_gpu.Config(**entry["config"])
-  # bias+gelu is not served by the plain 4096 entry: the heuristic runs it.
+  # bias+gelu is not served by the plain 4096 entry (its key names the epilogue): the heuristic
+  # runs it, with the 2 epilogue buffers over 3 stages it gives activation epilogues.
   act = dataclasses.replace(p, m=4096, n=4096, k=4096, activation="gelu", has_bias=True)
+  assert tuning.key("mosaic_gpu", act, "NVIDIA H200", versioned=False) not in table
   config = tuning.config_for("mosaic_gpu", act, chip, device_kind="NVIDIA H200")
-  assert config == mosaic_gpu.heuristic(act, chip) and config.stages == 4
+  assert config == mosaic_gpu.heuristic(act, chip)
+  assert (config.stages, config.epi_slots) == (3, 2)
+  assert (mosaic_gpu.heuristic(p, chip).stages, mosaic_gpu.heuristic(p, chip).epi_slots) == (4, 1)
   cache = tmp_path / "cache.json"
   cache.write_text(json.dumps({"triton|gpu x|jax9.9|bfloat16->bfloat16|nn|1024x1024x1024":
                                {"config": {}, "seconds": 1.0}}))
