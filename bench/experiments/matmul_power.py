@@ -7,8 +7,9 @@ For the cooperative and ping-pong Mosaic GPU schedules, plain and with bias+gelu
 If ping-pong hides the epilogue in cycles, its bias+gelu and plain rows spend the same cycles
 and differ only by the clock the extra arithmetic's power leaves.
 
-``--variants epilogue`` instead takes the cooperative schedule's activation epilogues under the
-heuristic's config and under 64x64 pieces in 2 slots over 3 stages, against the plain product.
+``--variants epilogue`` instead takes the cooperative schedule's plain product and activation
+epilogues under the heuristic's config and under two others (64x64 pieces in 2 slots, whole
+128x128 pieces in 1 slot, both over 3 stages).
 
   python -m bench.experiments.matmul_power [--sizes 8192,4096] [--variants schedules|epilogue]
       [--out DIR]
@@ -88,8 +89,8 @@ def measure(fn, sets, seconds=3.0):
 
 
 def _epilogue_variants(s):
-  """Plain, and each activation epilogue with bias, under the heuristic's config and under
-  64x64 epilogue pieces in 2 slots over 3 stages (matmul-22/24's best-looking alternative)."""
+  """Plain, and each activation epilogue with bias, under the heuristic's config, under 64x64
+  epilogue pieces in 2 slots and under whole-tile pieces in 1 slot, both over 3 stages."""
   chip = hardware.chip_for(jax.devices()[0].device_kind)
   def config(act, **changes):
     problem = Problem(m=s, n=s, k=s, dtype=jnp.dtype(BF16), out_dtype=jnp.dtype(BF16),
@@ -97,8 +98,11 @@ def _epilogue_variants(s):
     return dataclasses.replace(mosaic_gpu.heuristic(problem, chip), **changes)
   variants = {}
   for act in (None, "silu", "gelu"):
-    for label, changes in (("", {}), (" epi 64x64x2 s3", dict(epi_tile_m=64, epi_tile_n=64,
-                                                             epi_slots=2, stages=3))):
+    for label, changes in (("", {}),
+                           (" epi 64x64x2 s3", dict(epi_tile_m=64, epi_tile_n=64, epi_slots=2,
+                                                    stages=3)),
+                           (" epi 128x128x1 s3", dict(epi_tile_m=128, epi_tile_n=128,
+                                                      epi_slots=1, stages=3))):
       variants[f"bias+{act or 'nothing'}{label}" if act else f"plain{label}"] = functools.partial(
           lambda a, b, bias, act, c: jk.matmul(a, b, bias=bias if act else None, activation=act,
                                                implementation="mosaic_gpu", config=c),
