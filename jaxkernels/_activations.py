@@ -34,6 +34,7 @@ _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 _TANH_C = math.sqrt(2 / math.pi)
 _TANH_K = 0.044715
 _LOG2E = math.log2(math.e)
+_FLOAT32_MAX = 3.4028234663852886e38
 # The same fit for log2(erfc(z) / 2) + z^2 log2 e: scaled by log2 e, less 1 for the halving.
 _ERFC_LOG2 = tuple(c * _LOG2E for c in _ERFC[:-1]) + (_ERFC[-1] * _LOG2E - 1.0,)
 
@@ -78,7 +79,9 @@ def apply(name: str, x, reciprocal=None):
   """act(x) for float32 x; ``reciprocal`` may swap in a faster 1/x (a kernel's hardware one)."""
   if name == "gelu":
     # x * CDF(x) = max(x, 0) - |x| * CDF(-|x|): one max and one FMA, no select on the sign.
-    return jnp.maximum(x, 0.0) - jnp.abs(x) * _normal_tail(x, reciprocal)
+    # The min keeps gelu(+inf) = inf (inf * a zero tail is NaN), as the reference has it.
+    return (jnp.maximum(x, 0.0)
+            - jnp.abs(jnp.minimum(x, _FLOAT32_MAX)) * _normal_tail(x, reciprocal))
   if name == "gelu_tanh":
     # 0.5 * (1 + tanh(u)) == sigmoid(2u): the same function without 1 + tanh(u)'s
     # cancellation for x << 0, and an exp instead of a tanh.

@@ -37,3 +37,13 @@ def test_gelu_left_tail_keeps_relative_accuracy():
     want = np.asarray(_activations.reference("gelu", jnp.asarray(x, jnp.float64)))
   # Exponent rounding: relative error ~ x^2 * 2^-24 (see the module docstring).
   assert np.all(np.abs(got - want) / np.abs(want) <= 8 * x.astype(np.float64) ** 2 * 2.0**-24)
+
+
+@pytest.mark.parametrize("name", _activations.ACTIVATIONS)
+def test_non_finite_and_huge_inputs_match_the_reference(name):
+  """inf, -inf, NaN and values near float32's end give what the reference gives (NaN where it
+  does): no NaN from a formula's inf * 0 where the reference returns inf."""
+  x = jnp.asarray([np.inf, -np.inf, np.nan, 3e38, -3e38, 1e20, -1e20, -40.0, 40.0], jnp.float32)
+  want = np.asarray(_activations.reference(name, x))
+  for got in (_activations.apply(name, x), _activations.value_and_grad(name, x)[0]):
+    np.testing.assert_array_equal(np.asarray(got), want)
