@@ -4,6 +4,7 @@ TPU AOT compiles, CUDA lowering, and the tuning cache."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import pathlib
@@ -408,6 +409,10 @@ def test_heuristics_are_valid(module, size):
             mosaic_gpu: (jnp.bfloat16, jnp.float8_e4m3fn),
             mosaic_tpu: (jnp.bfloat16, jnp.float32, jnp.int8)}[module]
   chip = hardware.DEFAULT_GPU if module is not mosaic_tpu else hardware.SMALLEST_VMEM_TPU
-  for dtype in dtypes:
-    p = Problem(m=size, n=size, k=size, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(jnp.bfloat16))
-    assert module.config_error(p, module.heuristic(p, chip), chip) is None
+  for dtype, out_dtype, activation in itertools.product(
+      dtypes, (jnp.bfloat16, jnp.float32), (None, "gelu")):
+    # With an activation the training forward also saves the pre-activation: two outputs.
+    p = Problem(m=size, n=size, k=size, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
+                activation=activation, has_bias=activation is not None,
+                save_preactivation=activation is not None)
+    assert module.config_error(p, module.heuristic(p, chip), chip) is None, p

@@ -123,20 +123,19 @@ def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
   epilogue buffer per warpgroup (2 buffers leave room for only 3 stages), tiles visited in
   snakes 16 wide along M: the autotuner's pick at 8192^3 bf16 on an H200 (bench/NOTES.md).
   Small problems take 64-row warpgroup tiles so that more CTAs get work. Activation epilogues
-  take 2 epilogue buffers over 3 stages, so that a piece's arithmetic overlaps the previous
-  piece's store: at 8192^3 bias+gelu ran 2-3% faster so in three H200 runs (matmul-22, -24
+  take 2 epilogue buffers over 3 stages where they fit, so that a piece's arithmetic overlaps
+  the previous piece's store: at 8192^3 bias+gelu ran 2-3% faster so in three H200 runs (matmul-22, -24
   round-robin and -24 in cycles at the power cap), bias+silu 2%."""
   item = jnp.dtype(problem.dtype).itemsize
   tile_k = 128 // item
   small = cdiv(problem.m, 256) * cdiv(problem.n, 256) < chip.cores
   tile_m = 64 if small else 128
-  activation = problem.activation is not None
-  config = Config(tile_m=tile_m, tile_n=128, tile_k=tile_k, stages=3 if activation else 4,
-                  split="n", grid_minor="m", grid_tile_width=16, epi_tile_m=64, epi_tile_n=64,
-                  epi_slots=2 if activation else 1)
-  while config_error(problem, config, chip) and config.stages > 2:
-    config = dataclasses.replace(config, stages=config.stages - 1)
-  return config
+  base = Config(tile_m=tile_m, tile_n=128, tile_k=tile_k, stages=4, split="n", grid_minor="m",
+                grid_tile_width=16, epi_tile_m=64, epi_tile_n=64, epi_slots=1)
+  # Fewer stages or buffers where shared memory runs out (float32 outputs saved twice, say).
+  candidates = [dataclasses.replace(base, stages=3, epi_slots=2)] if problem.activation else []
+  candidates += [dataclasses.replace(base, stages=stages) for stages in (4, 3, 2)]
+  return next((c for c in candidates if config_error(problem, c, chip) is None), candidates[-1])
 
 
 def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
