@@ -124,8 +124,8 @@ def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
   snakes 16 wide along M: the autotuner's pick at 8192^3 bf16 on an H200 (bench/NOTES.md).
   Small problems take 64-row warpgroup tiles so that more CTAs get work. Activation epilogues
   take 2 epilogue buffers over 3 stages where they fit, so that a piece's arithmetic overlaps
-  the previous piece's store: at 8192^3 bias+gelu ran 2-3% faster so in three H200 runs (matmul-22, -24
-  round-robin and -24 in cycles at the power cap), bias+silu 2%."""
+  the previous piece's store: at 8192^3 bias+gelu ran 2-3% faster so in three H200 runs
+  (matmul-22, -24 round-robin and -24 in cycles at the power cap), bias+silu 2%."""
   item = jnp.dtype(problem.dtype).itemsize
   tile_k = 128 // item
   small = cdiv(problem.m, 256) * cdiv(problem.n, 256) < chip.cores
