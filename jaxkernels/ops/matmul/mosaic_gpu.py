@@ -529,12 +529,13 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
       functools.partial(_kernel, problem=p, config=config,
                         reciprocal=None if interpret else mosaic_gpu_fast_reciprocal),
       out_type=[out] * p.outputs,
-      grid=(min(_num_sms(), cdiv(p.m, config.cta_m) * cdiv(p.n, config.cta_n)),),
+      grid=(min(_num_sms(), _num_tiles(p, config)),),
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
-      # approx_math: the activation's exp2 on the SFU (ex2.approx, 2 ulp), its reciprocal
-      # rcp.approx.ftz (1 ulp), as the Triton kernels do; nothing else in the kernel does either.
+      # approx_math: the activation's exp2 on the SFU (ex2.approx.ftz, 2 ulp), as the Triton
+      # kernels do; its reciprocal is rcp.approx.ftz by inline PTX (mosaic_gpu_fast_reciprocal)
+      # wherever the kernel is compiled. Nothing else in the kernel takes either.
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
           approx_math=p.activation is not None, **PROFILE),
