@@ -14,6 +14,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from jaxkernels import _activations
+
+
 def mosaic_gpu_interpret_params() -> Any:
   """The Mosaic GPU interpreter's params (threads, barriers, TMA and wgmma run on the CPU).
 
@@ -57,15 +60,43 @@ def triton_params(num_warps: int, num_stages: int = 1) -> Any:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def fast_reciprocal(x):
-  """1/x by the SFU's rcp.approx.ftz.f32 (1 ulp; subnormals flushed): a division costs ~10 ops.
-
-  Inline PTX, so compiled kernels only: kernels use exact division in interpret mode.
-  """
+def _triton_asm(instruction: str, *args):
+  """One PTX instruction per element over float32 tiles (broadcast to a common shape)."""
+  args = jnp.broadcast_arrays(*(jnp.asarray(a, jnp.float32) for a in args))
   [out] = pltriton.elementwise_inline_asm(
-      "rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+      f"{instruction} $0, " + ", ".join(f"${i + 1}" for i in range(len(args))) + ";",
+      args=args, constraints=",".join(["=f"] + ["f"] * len(args)), pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
   return out
+
+
+def fast_reciprocal(x):
+  """1/x by the SFU's rcp.approx.ftz.f32 (1 ulp; subnormals flushed): a division costs ~10 ops."""
+  return _triton_asm("rcp.approx.ftz.f32", x)
+
+
+def fast_exp2(x):
+  """2**x by ex2.approx.ftz.f32 (2 ulp): one MUFU.EX2, where Pallas' exp2 lowers to the non-ftz
+  form and pays 3 more instructions an element to keep subnormal results. Results below
+  2**-126 flush to zero (GELU's tail past |x| ~ 13, where GELU itself is below float32's
+  normal range)."""
+  return _triton_asm("ex2.approx.ftz.f32", x)
+
+
+def triton_fma(a, b, c):
+  """a * b + c rounded once. XLA compiles Pallas Triton kernels without FMA contraction: their
+  SASS has FMUL and FADD only, so every Horner step cost two instructions (bench/NOTES.md
+  run 22)."""
+  return _triton_asm("fma.rn.f32", a, b, c)
+
+
+# A compiled Triton kernel's arithmetic for the activations (inline PTX: compiled kernels only;
+# interpreted, kernels use _activations.EXACT).
+TRITON_MATH = _activations.Math(reciprocal=fast_reciprocal, exp2=fast_exp2, fma=triton_fma)
+
+
+def triton_math(interpret) -> _activations.Math:
+  return _activations.EXACT if interpret else TRITON_MATH
 
 
 def mosaic_gpu_fast_reciprocal(x):
@@ -88,6 +119,14 @@ def mosaic_gpu_fast_reciprocal(x):
   def rcp(_, v):
     return v._pointwise(v._lift_fast_instr("rcp.approx.ftz.f32"))
   return rcp(x)
+
+
+def mosaic_gpu_math(interpret) -> _activations.Math:
+  """A Mosaic GPU matmul epilogue's arithmetic: its LLVM contracts FMAs and approx_math gives
+  ex2.approx.ftz; the reciprocal is inline PTX (compiled kernels only)."""
+  if interpret:
+    return _activations.EXACT
+  return _activations.Math(reciprocal=mosaic_gpu_fast_reciprocal)
 
 
 def check_fields(config, names, ok, requirement: str) -> None:

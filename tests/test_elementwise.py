@@ -112,6 +112,11 @@ class TestElementwiseTriton(ElementwiseTest):
       text = cuda_lowering(lambda x, b, dy: jax.vjp(self.bias_activation(activation), x, b)[1](dy),
                            x, b, x)
       assert f'name = "jk_bias_{activation}_bwd"' in text
+      # The kernels' arithmetic (_pallas.TRITON_MATH): without explicit FMAs XLA's Triton
+      # pipeline emits separate multiplies and adds.
+      if activation != "relu":
+        for instruction in ("fma.rn.f32", "ex2.approx.ftz.f32", "rcp.approx.ftz.f32"):
+          assert instruction in text, (activation, instruction)
       text = cuda_lowering(lambda g, u, dy: jax.vjp(self.glu(activation), g, u)[1](dy), x, x, x)
       assert f'name = "jk_glu_{activation}_bwd"' in text
 

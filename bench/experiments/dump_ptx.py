@@ -1,10 +1,14 @@
-"""Compile each memory-bound Triton kernel once at the headline shape so that XLA dumps its PTX.
+"""Compile each memory-bound Triton kernel at the headline shape and save the executables.
 
-The SASS then comes from ptxas on any machine (bench/NOTES.md matmul-24): per-element
-instruction counts say whether a kernel is issue-, SFU- or memory-bound before timing it.
-
-  XLA_FLAGS=--xla_dump_to=DIR python -m bench.experiments.dump_ptx
+XLA's dump holds no PTX for Pallas Triton kernels, but a serialized executable holds their
+cubins: `python -m bench.experiments.dump_ptx OUT.pkl` here, then on any machine with
+cuobjdump `python -m bench.experiments.dump_ptx --sass OUT.pkl DIR` writes each kernel's SASS.
+Per-element instruction counts say whether a kernel is issue-, SFU- or memory-bound before
+timing it.
 """
+import pickle
+import sys
+
 import jax
 import jax.numpy as jnp
 
@@ -13,7 +17,8 @@ import jaxkernels as jk
 SHAPE = (16384, 4096)
 
 
-def main():
+def main(out):
+  payloads = {}
   key = jax.random.split(jax.random.key(0), 4)
   x, r, g = (jax.random.normal(k, SHAPE, jnp.bfloat16) for k in key[:3])
   bias = jax.random.normal(key[3], SHAPE[-1:], jnp.bfloat16)
@@ -38,8 +43,30 @@ def main():
     grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args).compile()
     jax.block_until_ready(fwd(*args))
     jax.block_until_ready(grad(*args))
+    for suffix, compiled in (("fwd", fwd), ("grad", grad)):
+      payloads[f"{name}_{suffix}"] = serialize(compiled)[0]
     print(name, "compiled", flush=True)
+  with open(out, "wb") as f:
+    pickle.dump(payloads, f)
+
+
+def sass(path, out_dir):
+  """Each ELF (cubin) inside each saved executable -> OUT_DIR/<program>_<i>.cubin."""
+  import os
+  os.makedirs(out_dir, exist_ok=True)
+  with open(path, "rb") as f:
+    payloads = pickle.load(f)
+  for name, blob in payloads.items():
+    starts = [i for i in range(len(blob)) if blob.startswith(b"\x7fELF", i)]
+    for k, (a, b) in enumerate(zip(starts, starts[1:] + [len(blob)])):
+      with open(os.path.join(out_dir, f"{name}_{k}.cubin"), "wb") as f:
+        f.write(blob[a:b])
+    print(name, len(starts), "cubins")
 
 
 if __name__ == "__main__":
-  main()
+  if sys.argv[1] == "--sass":
+    sass(*sys.argv[2:])
+  else:
+    from jax.experimental.serialize_executable import serialize
+    main(sys.argv[1])

@@ -19,8 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import _activations, hardware, roofline
-from jaxkernels._pallas import (Tile, cdiv, check_fields, fast_reciprocal, is_pow2, next_pow2,
-                                store_vector, triton_params)
+from jaxkernels._pallas import (Tile, cdiv, check_fields, is_pow2, next_pow2, store_vector,
+                                triton_math, triton_params)
 
 # Elements per program. H200, (16384, 4096) bf16 (bench/NOTES.md, run 4): glu forward
 # 1 x 4096 on 4 warps 3965 GB/s, 2 x 4096 on 8 warps 3883; bias+gelu the same either way.
@@ -78,13 +78,13 @@ def _tile(row_block, col_block, *, n_rows, n_cols, block_rows, block_cols, mask_
 # --------------------------------------------------------------------------- #
 
 
-def _bias_act_fwd_kernel(x_ref, b_ref, y_ref, *, activation, reciprocal, **tiling):
+def _bias_act_fwd_kernel(x_ref, b_ref, y_ref, *, activation, math, **tiling):
   t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
   z = t.load(x_ref) + t.load_cols(b_ref)[None, :]
-  t.store(y_ref, _activations.apply(activation, z, reciprocal))
+  t.store(y_ref, _activations.apply(activation, z, math))
 
 
-def _bias_act_bwd_kernel(x_ref, b_ref, dy_ref, dx_ref, db_ref, *, activation, reciprocal, iters,
+def _bias_act_bwd_kernel(x_ref, b_ref, dy_ref, dx_ref, db_ref, *, activation, math, iters,
                          mask_rows, **tiling):
   pid, col_block, programs = pl.program_id(0), pl.program_id(1), pl.num_programs(0)
   n_cols, block_cols = tiling["n_cols"], tiling["block_cols"]
@@ -94,7 +94,7 @@ def _bias_act_bwd_kernel(x_ref, b_ref, dy_ref, dx_ref, db_ref, *, activation, re
 
   def body(i, db):
     t = _tile(pid + i * programs, col_block, mask_rows=mask_rows, **tiling)
-    _, slope = _activations.value_and_grad(activation, t.load(x_ref) + bias, reciprocal)
+    _, slope = _activations.value_and_grad(activation, t.load(x_ref) + bias, math)
     dx = t.load(dy_ref) * slope
     t.store(dx_ref, dx)
     return db + jnp.sum(dx, axis=0)  # masked rows loaded dy = 0: they add nothing
@@ -103,14 +103,14 @@ def _bias_act_bwd_kernel(x_ref, b_ref, dy_ref, dx_ref, db_ref, *, activation, re
   store_vector(db_ref, pid * n_cols + columns.cols, db, columns.col_mask)
 
 
-def _glu_fwd_kernel(g_ref, u_ref, y_ref, *, activation, reciprocal, **tiling):
+def _glu_fwd_kernel(g_ref, u_ref, y_ref, *, activation, math, **tiling):
   t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
-  t.store(y_ref, _activations.apply(activation, t.load(g_ref), reciprocal) * t.load(u_ref))
+  t.store(y_ref, _activations.apply(activation, t.load(g_ref), math) * t.load(u_ref))
 
 
-def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *, activation, reciprocal, **tiling):
+def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *, activation, math, **tiling):
   t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
-  value, slope = _activations.value_and_grad(activation, t.load(g_ref), reciprocal)
+  value, slope = _activations.value_and_grad(activation, t.load(g_ref), math)
   dy = t.load(dy_ref)
   t.store(dg_ref, dy * t.load(u_ref) * slope)
   t.store(du_ref, dy * value)
@@ -119,11 +119,6 @@ def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *, activation, recipro
 # --------------------------------------------------------------------------- #
 # Wrappers
 # --------------------------------------------------------------------------- #
-
-
-def _reciprocal(interpret):
-  """The hardware reciprocal when compiled; exact division when interpreted (no PTX on a CPU)."""
-  return None if interpret else fast_reciprocal
 
 
 def _tiling(x, block_rows, config):
@@ -141,7 +136,7 @@ def _tiled_call(kernel, operands, out_shape, *, backward, activation, config, co
   x = operands[0]
   block_rows = config.bwd_block_rows if backward else config.block_rows
   return pl.pallas_call(
-      functools.partial(kernel, activation=activation, reciprocal=_reciprocal(interpret),
+      functools.partial(kernel, activation=activation, math=triton_math(interpret),
                         **_tiling(x, block_rows, config), **static),
       out_shape=out_shape,
       grid=grid or _grid(x, block_rows, config),

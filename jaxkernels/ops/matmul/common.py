@@ -47,18 +47,18 @@ class Problem:
 
 
 def epilogue(acc, *, problem: Problem, bias=None, residual=None, a_scale=None, b_scale=None,
-             reciprocal=None):
+             math: _activations.Math = _activations.EXACT):
   """(y, z) from a float32 tile: z = scale * acc + bias; y = act(z) + residual.
 
   The operands are float32 tiles already broadcastable to acc (bias (1, n), scales (m, 1) and
-  (1, n), residual (m, n)). ``reciprocal`` swaps in a kernel's fast 1/x.
+  (1, n), residual (m, n)). ``math`` is the kernel's arithmetic for the activation.
   """
   z = acc
   if problem.has_scales:
     z = z * a_scale * b_scale
   if problem.has_bias:
     z = z + bias
-  y = z if problem.activation is None else _activations.apply(problem.activation, z, reciprocal)
+  y = z if problem.activation is None else _activations.apply(problem.activation, z, math)
   if problem.has_residual:
     y = y + residual
   return y, z

@@ -44,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import hardware
 from jaxkernels._activations import apply as activation_apply
-from jaxkernels._pallas import cdiv, check_fields, mosaic_gpu_fast_reciprocal, round_up
+from jaxkernels._pallas import cdiv, check_fields, mosaic_gpu_math, round_up
 from jaxkernels.ops.matmul.common import FLOAT8, Problem, pad_to, split_refs
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FLOAT8)
@@ -173,7 +173,7 @@ class _Epilogue(NamedTuple):
   bs_gmem: Any
   y_gmem: Any
   z_gmem: Any
-  reciprocal: Any
+  math: Any  # _activations.Math
 
   @staticmethod
   def scratch(p: Problem, c: Config) -> dict:
@@ -210,7 +210,7 @@ class _Epilogue(NamedTuple):
     return waits
 
 
-def _kernel(*refs, problem: Problem, config: Config, reciprocal):
+def _kernel(*refs, problem: Problem, config: Config, math):
   p, c = problem, config
   a_gmem, b_gmem, bias_gmem, res_gmem, as_gmem, bs_gmem, y_gmem, z_gmem = split_refs(p, refs)
   scratch, body = _SCHEDULES[c.schedule]
@@ -224,7 +224,7 @@ def _kernel(*refs, problem: Problem, config: Config, reciprocal):
   def _scope(**allocs):
     epilogue = _Epilogue(**{k: allocs.pop(k) for k in epilogue_scratch},
                          bias_gmem=bias_gmem, res_gmem=res_gmem, as_gmem=as_gmem,
-                         bs_gmem=bs_gmem, y_gmem=y_gmem, z_gmem=z_gmem, reciprocal=reciprocal)
+                         bs_gmem=bs_gmem, y_gmem=y_gmem, z_gmem=z_gmem, math=math)
     body(a_gmem, b_gmem, epilogue, problem=p, config=c, a_block=a_block, b_block=b_block,
          **allocs)
 
@@ -461,7 +461,7 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
         z = z * lax.broadcast_in_dim(a_scale, shape, [0]) * lax.broadcast_in_dim(b_scale, shape, [1])
       if p.has_bias:
         z = z + lax.broadcast_in_dim(e.bias_smem[wg, parity, cols], shape, [1])
-      y = z if p.activation is None else activation_apply(p.activation, z, e.reciprocal)
+      y = z if p.activation is None else activation_apply(p.activation, z, e.math)
       # Buffer `slot` was last stored epi_slots pieces ago: wait until that store has read it.
       # Only now, so that this piece's arithmetic runs while the earlier store drains (the
       # wait is a barrier the compiler cannot hoist the arithmetic across).
@@ -527,7 +527,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)
   kernel = plgpu.kernel(
       functools.partial(_kernel, problem=p, config=config,
-                        reciprocal=None if interpret else mosaic_gpu_fast_reciprocal),
+                        math=mosaic_gpu_math(interpret)),
       out_type=[out] * p.outputs,
       grid=(min(_num_sms(), _num_tiles(p, config)),),
       grid_names=("sm",),

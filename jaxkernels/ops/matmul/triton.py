@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import hardware
-from jaxkernels._pallas import (cdiv, check_fields, fast_reciprocal, is_pow2, next_pow2, round_up,
+from jaxkernels._pallas import (cdiv, check_fields, is_pow2, next_pow2, round_up, triton_math,
                                 triton_params)
 from jaxkernels.ops.matmul.common import FLOAT8, FLOATS, Problem, epilogue, pad_to, split_refs
 from jaxkernels.ops.matmul.common import cost as common_cost
@@ -74,7 +74,7 @@ def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
   return None
 
 
-def _kernel(*refs, problem: Problem, config: Config, reciprocal):
+def _kernel(*refs, problem: Problem, config: Config, math):
   p, c = problem, config
   a_ref, b_ref, bias_ref, res_ref, as_ref, bs_ref, y_ref, z_ref = split_refs(p, refs)
 
@@ -116,7 +116,7 @@ def _kernel(*refs, problem: Problem, config: Config, reciprocal):
 
   f32 = lambda ref, idx: pltriton.load(ref.at[idx]).astype(jnp.float32)
   y, z = epilogue(
-      acc, problem=p, reciprocal=reciprocal,
+      acc, problem=p, math=math,
       bias=f32(bias_ref, wrapped_cols)[None, :] if p.has_bias else None,
       residual=(f32(res_ref, (wrapped_rows[:, None], wrapped_cols[None, :]))
                 if p.has_residual else None),
@@ -168,7 +168,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   cost = common_cost(p, bias, residual, a_scale, b_scale)
   result = pl.pallas_call(
       functools.partial(_kernel, problem=p, config=config,
-                        reciprocal=None if interpret else fast_reciprocal),
+                        math=triton_math(interpret)),
       out_shape=[out] * p.outputs,
       grid=(cdiv(p.m, config.block_m) * cdiv(p.n, config.block_n),),
       compiler_params=triton_params(config.num_warps, config.num_stages),
