@@ -21,7 +21,8 @@ def _sweep(rows, cols):
                               (1, 2048, 2), (8, 1024, 8))],
       "fwd+bwd": [triton.Config(**{**fields, "bwd_block_rows": r, "bwd_num_warps": w,
                                    "bwd_programs": p})
-                  for r, w, p in ((4, 8, 264), (2, 8, 528))],
+                  for r, w, p in ((4, 8, 264), (2, 8, 528), (2, 16, 264), (1, 8, 528),
+                                  (1, 4, 1056), (4, 16, 264))],
   }
 
 
@@ -46,7 +47,8 @@ def cases(session):
             lambda x, b: reference.bias_activation(x, b, activation=a, compute_dtype=cd)),
         fwd_cost=roofline.bias_activation_fwd(x, b, activation),
         bwd_cost=roofline.bias_activation_bwd(x, b, activation),
-        grads=(0, 1), dtype=dtype, sweep=_sweep(rows, cols) if activation == "silu" else {}))
+        grads=(0, 1), dtype=dtype,
+        sweep=_sweep(rows, cols) if activation in ("silu", "gelu") else {}))
   for activation in ("silu", "gelu"):
     def draw(seed):
       k = jax.random.split(jax.random.key(seed), 3)
