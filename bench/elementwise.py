@@ -11,18 +11,17 @@ from jaxkernels import roofline
 from jaxkernels.ops.elementwise import reference, triton
 
 
-def _sweep(rows, cols):
+def _sweep(rows, cols, op, activation):
   base = triton.heuristic(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16),
-                          harness.hardware.chip("H200"))
+                          harness.hardware.chip("H200"), op=op, activation=activation)
   fields = dict(base.__dict__)
   return {
       "fwd": [triton.Config(**{**fields, "block_rows": r, "block_cols": c, "num_warps": w})
-              for r, c, w in ((2, 4096, 4), (1, 4096, 8), (2, 4096, 8), (4, 4096, 8),
-                              (1, 2048, 2), (8, 1024, 8))],
+              for r, c, w in ((1, 4096, 4), (2, 4096, 8), (8, 1024, 8), (4, 1024, 4),
+                              (16, 1024, 8), (4, 2048, 8))],
       "fwd+bwd": [triton.Config(**{**fields, "bwd_block_rows": r, "bwd_num_warps": w,
                                    "bwd_programs": p})
-                  for r, w, p in ((4, 8, 264), (2, 8, 528), (2, 16, 264), (1, 8, 528),
-                                  (1, 4, 1056), (4, 16, 264))],
+                  for r, w, p in ((2, 8, 264), (2, 16, 264), (4, 16, 264), (4, 8, 264))],
   }
 
 
@@ -48,7 +47,8 @@ def cases(session):
         fwd_cost=roofline.bias_activation_fwd(x, b, activation),
         bwd_cost=roofline.bias_activation_bwd(x, b, activation),
         grads=(0, 1), dtype=dtype,
-        sweep=_sweep(rows, cols) if activation in ("silu", "gelu") else {}))
+        sweep=_sweep(rows, cols, "bias_activation", activation)
+        if activation in ("silu", "gelu") else {}))
   for activation in ("silu", "gelu"):
     def draw(seed):
       k = jax.random.split(jax.random.key(seed), 3)
@@ -63,7 +63,8 @@ def cases(session):
         reference=lambda cd, a=activation: (
             lambda g, u: reference.glu(g, u, activation=a, compute_dtype=cd)),
         fwd_cost=roofline.glu_fwd(g, u, activation), bwd_cost=roofline.glu_bwd(g, u, activation),
-        grads=(0, 1), dtype=dtype, sweep=_sweep(rows, cols) if activation == "silu" else {}))
+        grads=(0, 1), dtype=dtype,
+        sweep=_sweep(rows, cols, "glu", activation) if activation == "silu" else {}))
   return out
 
 

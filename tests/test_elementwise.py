@@ -105,6 +105,13 @@ class TestElementwiseTriton(ElementwiseTest):
                                        bwd_block_rows=2, bwd_num_warps=4, bwd_programs=5)
     self.check_bias_activation((37, 300), jnp.float32, "gelu", "uneven", config=config)
 
+  def test_backward_tiles_apart_from_the_forward(self):
+    """The backward's own column block (the heuristic's forward tiles are narrower)."""
+    config = elementwise_triton.Config(block_rows=8, block_cols=64, num_warps=4,
+                                       bwd_block_rows=2, bwd_block_cols=256, bwd_num_warps=4,
+                                       bwd_programs=3)
+    self.check_bias_activation((37, 300), jnp.float32, "silu", "uneven", config=config)
+
   def test_lowers_for_cuda(self):
     x = jax.ShapeDtypeStruct((256, 1000), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((1000,), jnp.float32)

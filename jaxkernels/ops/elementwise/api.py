@@ -41,7 +41,8 @@ def _plan(op, implementation, config, activation, **named):
   target = backend.target_of(*named.values())
   return backend.plan(op, implementation, target, _kernel_reasons(target, first, named),
                       _KERNELS, config,
-                      lambda kernels, chip: kernels.heuristic(rows_view(first), chip),
+                      lambda kernels, chip: kernels.heuristic(rows_view(first), chip, op=op,
+                                                              activation=activation),
                       empty=first.size == 0, activation=activation)
 
 
