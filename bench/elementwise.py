@@ -48,7 +48,7 @@ def cases(session):
         bwd_cost=roofline.bias_activation_bwd(x, b, activation),
         grads=(0, 1), dtype=dtype,
         sweep=_sweep(rows, cols, "bias_activation", activation)
-        if activation in ("silu", "gelu") else {}))
+        if activation in ("silu", "gelu", "gelu_tanh") else {}))
   for activation in ("silu", "gelu"):
     def draw(seed):
       k = jax.random.split(jax.random.key(seed), 3)
