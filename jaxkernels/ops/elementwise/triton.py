@@ -33,9 +33,9 @@ BIAS_MAX_BLOCK_COLS = 1024
 # Backward: 2 x 4096 on 8 warps beat 1 x 4096 on 4 or 8 (bias+gelu fwd+bwd 0.271 vs 0.311 ms).
 TARGET_BWD_TILE = 8192
 BWD_PROGRAMS_PER_SM = 2
-# Elements a thread holds in the backward: 32, but 16 (twice the warps) for the GELUs, whose
-# derivatives hold 94-97 registers a thread at 32: bias+gelu backward 0.112 vs 0.134 ms,
-# bias+gelu_tanh 0.110 vs 0.121 (runs 23, 25). silu (80 registers) gains nothing.
+# Elements a thread holds in bias_activation's backward: 32, but 16 (twice the warps) for the
+# GELUs, whose derivatives hold 94-97 registers a thread at 32: bias+gelu backward 0.112 vs
+# 0.134 ms, bias+gelu_tanh 0.110 vs 0.121 (runs 23, 25). silu (80 registers) gains nothing.
 BWD_ELEMENTS_PER_THREAD = {"gelu": 16, "gelu_tanh": 16}
 
 
