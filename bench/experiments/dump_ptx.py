@@ -20,6 +20,7 @@ SHAPE = (16384, 4096)
 
 
 def main(out):
+  from jax.experimental.serialize_executable import serialize
   payloads = {}
   key = jax.random.split(jax.random.key(0), 4)
   x, r, g = (jax.random.normal(k, SHAPE, jnp.bfloat16) for k in key[:3])
@@ -41,7 +42,7 @@ def main(out):
       out = f(*args)
       out = out if isinstance(out, tuple) else (out,)
       return sum(jnp.sum(o.astype(jnp.float32) * o.astype(jnp.float32)) for o in out)
-    fwd = jax.jit(f, donate_argnums=()).lower(*args).compile()
+    fwd = jax.jit(f).lower(*args).compile()
     grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args).compile()
     jax.block_until_ready(fwd(*args))
     jax.block_until_ready(grad(*args))
@@ -148,5 +149,4 @@ if __name__ == "__main__":
   if sys.argv[1] == "--sass":
     sass(*sys.argv[2:])
   else:
-    from jax.experimental.serialize_executable import serialize
     main(sys.argv[1])
