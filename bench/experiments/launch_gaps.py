@@ -22,6 +22,7 @@ import tempfile
 FLAG_SETS = {
     "default": "",
     "no_command_buffers": "--xla_gpu_enable_command_buffer=",
+    "trace": "",
 }
 SHAPE = (16384, 4096)
 N_SETS = 16
@@ -83,26 +84,26 @@ def _trace_gaps(fn, sets):
   return {"events": {k: [c, round(t, 1)] for k, (c, t) in names.items()},
           "gap_us_median": gaps[len(gaps) // 2] if gaps else None,
           "gap_us_quartiles": [gaps[len(gaps) // 4], gaps[3 * len(gaps) // 4]] if gaps else None,
-          "gaps_over_20us": sum(g > 20 for g in gaps)}
+          "gaps_over_5us": [round(g, 1) for g in gaps if g > 5],
+          "span_us": round((events[-1][0] + events[-1][1] - events[0][0]) / 1e3, 1) if events else None,
+          "busy_us": round(sum(e[1] for e in events) / 1e3, 1)}
 
 
 def child(flags_name):
+  """Host clock and CUPTI kernel time of each op; with flags_name "trace", a profiler trace
+  instead (in its own process: CUPTI measurements after a trace abort the process)."""
   from bench import harness
   sets = _sets()
-  out = []
   for name, fn in _ops().items():
-    host = harness.time_sets(fn, sets, rounds=15, calls=10)
-    kernel, kernels = harness.kernel_seconds(fn, sets)
-    rec = {"flags": flags_name, "op": name, "host_us": host * 1e6,
-           "kernel_us": kernel and kernel * 1e6, "kernels": kernels,
-           "gap_us_per_kernel": kernel and (host - kernel) * 1e6 /
-           max(1, len((kernels or "x").split(";")))}
-    if flags_name == "default":
-      try:
-        rec["trace"] = _trace_gaps(fn, sets)
-      except Exception as e:  # noqa: BLE001 - the trace is extra
-        rec["trace"] = f"FAILED: {type(e).__name__}: {e}"[:300]
-    out.append(rec)
+    if flags_name == "trace":
+      rec = {"flags": flags_name, "op": name, "host_us": 0.0, "kernel_us": None,
+             "gap_us_per_set": None, "trace": _trace_gaps(fn, sets)}
+    else:
+      host = harness.time_sets(fn, sets, rounds=15, calls=10)
+      kernel, kernels = harness.kernel_seconds(fn, sets)
+      rec = {"flags": flags_name, "op": name, "host_us": host * 1e6,
+             "kernel_us": kernel and kernel * 1e6, "kernels": kernels,
+             "gap_us_per_set": kernel and (host - kernel) * 1e6}
     print("RECORD " + json.dumps(rec), flush=True)
 
 
@@ -119,14 +120,15 @@ def main(out_path=None):
   if out_path:
     with open(out_path, "w") as f:
       json.dump(records, f, indent=1)
-  print(f"{'flags':20s} {'op':24s} {'host us':>8s} {'kernel us':>9s} {'gap/kernel':>10s}")
+  print(f"{'flags':20s} {'op':24s} {'host us':>8s} {'kernel us':>9s} {'excess/set':>10s}")
   for r in records:
     print(f"{r['flags']:20s} {r['op']:24s} {r['host_us']:8.1f} {(r['kernel_us'] or 0):9.1f} "
-          f"{(r['gap_us_per_kernel'] or 0):10.2f}")
+          f"{(r['gap_us_per_set'] or 0):10.2f}")
     if isinstance(r.get("trace"), dict):
       t = r["trace"]
       print(f"    trace: median gap {t['gap_us_median']} us, quartiles {t['gap_us_quartiles']}, "
-            f">20us: {t['gaps_over_20us']}, events {t['events']}")
+            f"over 5 us: {t['gaps_over_5us']}, span {t['span_us']} us, busy {t['busy_us']} us, "
+            f"events {t['events']}")
 
 
 if __name__ == "__main__":
