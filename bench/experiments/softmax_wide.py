@@ -6,7 +6,7 @@ backward reads y and dy twice; at 4 programs an SM x 2 rows x 128 KiB the rows i
 (135 MB) outgrow the 50 MB L2, so the second read comes from HBM. Hypothesis: one row a program
 keeps the second read in L2; a one-pass row in registers avoids it altogether.
 
-  python -m bench.experiments.softmax_wide [OUT.json]
+  python -m bench.experiments.softmax_wide [OUT.json [OUT.pkl]]
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def _configs(cols):
   return out
 
 
-def main(out_path=None):
-  records = []
+def main(out_path=None, sass_path=None):
+  records, payloads = [], {}
   for rows, cols in SHAPES:
     keys = jax.random.split(jax.random.key(cols), N_SETS)
     xs = [3 * jax.random.normal(k, (rows, cols), jnp.bfloat16) for k in keys]
@@ -62,6 +62,10 @@ def main(out_path=None):
           kernel, _ = harness.kernel_seconds(fn, sets)
           rec.update(ms=seconds * 1e3, gbps=cost.bytes / seconds / 1e9,
                      kernel_gbps=kernel and cost.bytes / kernel / 1e9)
+          if sass_path:
+            from jax.experimental.serialize_executable import serialize
+            compiled = jax.jit(fn).lower(*sets[0]).compile()
+            payloads[f"{cols}_{name}_{label}".replace(" ", "_")] = serialize(compiled)[0]
         except Exception as e:  # noqa: BLE001 - a config that fails is a row
           rec["failed"] = f"{type(e).__name__}: {e}"[:200]
         records.append(rec)
@@ -69,6 +73,10 @@ def main(out_path=None):
   if out_path:
     with open(out_path, "w") as f:
       json.dump(records, f, indent=1)
+  if sass_path:
+    import pickle
+    with open(sass_path, "wb") as f:
+      pickle.dump(payloads, f)
   print(f"\n{'shape':12s} {'config':16s} {'pass':4s} {'host GB/s':>9s} {'kernel GB/s':>11s} error")
   for r in records:
     print(f"{r['shape']:12s} {r['config']:16s} {r['label']:4s} {r.get('gbps', np.nan):9.0f} "
