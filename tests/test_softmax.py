@@ -77,14 +77,23 @@ class TestSoftmaxXla(SoftmaxTest):
 class TestSoftmaxTriton(SoftmaxTest):
   IMPL = "triton"
 
-  def test_online_path(self):
-    """Rows wider than one register pass: the online softmax, with a fully masked row."""
+  @pytest.mark.parametrize("unroll", [1, 3])
+  def test_online_path(self, unroll):
+    """Rows wider than one register pass: the online softmax, with a fully masked row, a row
+    masked past its first chunk and a partial row block; unrolled 3 chunks a step, the last
+    step's third chunk lies wholly past the row's end."""
     x, ct = self.inputs((5, 300), jnp.float32, "online")
     x = x.at[2].set(-jnp.inf).at[3, 64:].set(-jnp.inf)
     config = softmax_triton.Config(block_rows=2, block_cols=64, num_warps=4, bwd_block_rows=2,
-                                   bwd_num_warps=4)
+                                   bwd_num_warps=4, unroll=unroll, bwd_unroll=unroll)
     y, (dx,) = self.check(x, ct, jnp.float32, config=config)
     assert np.all(np.asarray(y[2]) == 0) and np.all(np.isfinite(np.asarray(dx)))
+
+  def test_online_heuristic(self):
+    """Past MAX_ONE_PASS_COLS the heuristic takes one row a program, unrolled chunks."""
+    config = softmax_triton.heuristic(jax.ShapeDtypeStruct((1024, 65536), jnp.bfloat16), None)
+    assert config.block_cols < 65536 and config.block_rows == config.bwd_block_rows == 1
+    assert config.unroll > 1 and config.bwd_unroll > 1
 
   def test_lowers_for_cuda(self):
     x = jax.ShapeDtypeStruct((64, 70000), jnp.bfloat16)

@@ -3,8 +3,10 @@
 Run 26: 1024 x 65536 bf16 forward+backward at 2300 GB/s (54% of copy) with the heuristic's
 online path (2 rows x 4096-column chunks, 8 warps). The forward reads each row twice, the
 backward reads y and dy twice; at 4 programs an SM x 2 rows x 128 KiB the rows in flight
-(135 MB) outgrow the 50 MB L2, so the second read comes from HBM. Hypothesis: one row a program
-keeps the second read in L2; a one-pass row in registers avoids it altogether.
+(135 MB) outgrow the 50 MB L2, so the second read comes from HBM. Run 28 (this script, first
+version): one row a program and wider chunks gained at most 10%; one pass in registers spilled
+at 65536 and at 32768 fit one program an SM. Now the online kernels keep per-lane statistics
+(no cross-warp reduction in the loop) over ``unroll`` chunks a step: which sizes?
 
   python -m bench.experiments.softmax_wide [OUT.json [OUT.pkl]]
 """
@@ -30,9 +32,11 @@ N_SETS = 12
 def _configs(cols):
   base = triton.heuristic(jax.ShapeDtypeStruct((1024, cols), jnp.bfloat16), None)
   out = {"heuristic": base}
-  for bc, w in ((4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (cols, 16), (cols, 32)):
-    out[f"1x{bc} w{w}"] = triton.Config(block_rows=1, block_cols=bc, num_warps=w,
-                                        bwd_block_rows=1, bwd_num_warps=w)
+  for bc, w, u in ((4096, 16, 1), (4096, 16, 2), (4096, 8, 4), (4096, 32, 4), (2048, 8, 8),
+                   (8192, 16, 2), (8192, 32, 4)):
+    out[f"1x{bc} w{w} u{u}"] = triton.Config(block_rows=1, block_cols=bc, num_warps=w,
+                                             bwd_block_rows=1, bwd_num_warps=w, unroll=u,
+                                             bwd_unroll=u)
   return out
 
 

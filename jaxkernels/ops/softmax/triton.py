@@ -4,6 +4,12 @@ Rows up to ``MAX_ONE_PASS_COLS`` wide stay in registers: one read, one write.
 Wider rows (vocabularies) use the online softmax: one pass keeps a running
 maximum and a sum rescaled as the maximum grows, a second writes the output.
 The backward, dx = y * (dy - sum(dy * y)), is the same shape of work.
+
+Online, one program takes one row, ``unroll`` chunks a step, and keeps its
+running maximum and sum per lane (one value per column of a chunk), reducing
+across the row once at the end: the loop has no cross-warp reduction, so a
+step's loads are all in flight together, and few rows are in flight at once,
+so the second read of a row mostly hits the L2.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from jaxkernels._pallas import Tile, cdiv, check_fields, is_pow2, next_pow2, tri
 MAX_ONE_PASS_COLS = 16384
 CHUNK_COLS = 4096
 TARGET_TILE = 8192  # as for the norms (bench/NOTES.md)
+ONLINE_WARPS = 16
+ONLINE_UNROLL = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,20 +40,26 @@ class Config:
   num_warps: int
   bwd_block_rows: int
   bwd_num_warps: int
+  unroll: int = 1  # online path: chunks a loop step, forward
+  bwd_unroll: int = 1  # and backward
 
   def __post_init__(self):
     check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
                         "bwd_num_warps"), is_pow2, "a power of two (Triton tiles are)")
+    check_fields(self, ("unroll", "bwd_unroll"), lambda v: v >= 1, ">= 1")
 
 
 def heuristic(x, chip: hardware.Chip) -> Config:
   del chip
   n_rows, n_cols = x.shape
   padded = next_pow2(n_cols)
-  block_cols = padded if padded <= MAX_ONE_PASS_COLS else CHUNK_COLS
-  block_rows = max(1, min(TARGET_TILE // block_cols, next_pow2(n_rows)))
-  num_warps = max(4, min(16, block_rows * block_cols // 1024))
-  return Config(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
+  if padded > MAX_ONE_PASS_COLS:  # online: one row a program
+    return Config(block_rows=1, block_cols=CHUNK_COLS, num_warps=ONLINE_WARPS,
+                  bwd_block_rows=1, bwd_num_warps=ONLINE_WARPS, unroll=ONLINE_UNROLL,
+                  bwd_unroll=ONLINE_UNROLL)
+  block_rows = max(1, min(TARGET_TILE // padded, next_pow2(n_rows)))
+  num_warps = max(4, min(16, block_rows * padded // 1024))
+  return Config(block_rows=block_rows, block_cols=padded, num_warps=num_warps,
                 bwd_block_rows=block_rows, bwd_num_warps=num_warps)
 
 
@@ -59,74 +73,100 @@ def _finite(m):
   return jnp.where(m == -jnp.inf, 0.0, m)
 
 
-def _chunk(row0, c, *, n_rows, n_cols, block_rows, block_cols):
-  """Column chunk c of the row block starting at row0."""
-  return Tile.at(row0, block_rows, c * block_cols, block_cols,
-                 n_rows=n_rows, n_cols=n_cols, mask_rows=n_rows % block_rows != 0,
+class _Steps:
+  """The online path's walk over a row block: ``unroll`` chunks of ``block_cols`` a step."""
+
+  def __init__(self, *, n_rows, n_cols, block_rows, block_cols, unroll):
+    self.row0 = pl.program_id(0) * block_rows
+    self.n_rows, self.n_cols = n_rows, n_cols
+    self.block_rows, self.block_cols, self.unroll = block_rows, block_cols, unroll
+    self.count = cdiv(n_cols, block_cols * unroll)
+    # Chunks past the row's end (the last step's) are masked out whole.
+    self.mask_cols = n_cols % (block_cols * unroll) != 0
+
+  def tiles(self, step):
+    return [Tile.at(self.row0, self.block_rows, (step * self.unroll + u) * self.block_cols,
+                    self.block_cols, n_rows=self.n_rows, n_cols=self.n_cols,
+                    mask_rows=self.n_rows % self.block_rows != 0, mask_cols=self.mask_cols)
+            for u in range(self.unroll)]
+
+  def lanes(self, value):
+    return jnp.full((self.block_rows, self.block_cols), value, jnp.float32)
+
+
+def _one_pass_tile(n_rows, n_cols, block_rows, block_cols):
+  return Tile.at(pl.program_id(0) * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
+                 n_cols=n_cols, mask_rows=n_rows % block_rows != 0,
                  mask_cols=n_cols % block_cols != 0)
 
 
-def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols):
-  tile = functools.partial(_chunk, pl.program_id(0) * block_rows, n_rows=n_rows,
-                           n_cols=n_cols, block_rows=block_rows, block_cols=block_cols)
-
+def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll):
   if block_cols >= n_cols:
-    t = tile(0)
+    t = _one_pass_tile(n_rows, n_cols, block_rows, block_cols)
     x = t.load(x_ref, other=-jnp.inf)
     e = exp(x - _finite(jnp.max(x, axis=1))[:, None])
     total = jnp.sum(e, axis=1)
     t.store(y_ref, e * (1.0 / jnp.where(total == 0, 1.0, total))[:, None])
     return
 
-  def online(c, carry):
+  steps = _Steps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
+                 unroll=unroll)
+
+  def online(step, carry):  # per lane: the running maximum and the sum rescaled to it
     peak, total = carry
-    x = tile(c).load(x_ref, other=-jnp.inf)
-    new_peak = jnp.maximum(peak, jnp.max(x, axis=1))
+    xs = [t.load(x_ref, other=-jnp.inf) for t in steps.tiles(step)]
+    new_peak = functools.reduce(jnp.maximum, xs, peak)
     safe = _finite(new_peak)
-    total = total * exp(peak - safe) + jnp.sum(exp(x - safe[:, None]), axis=1)
+    total = total * exp(peak - safe)
+    for x in xs:
+      total = total + exp(x - safe)
     return new_peak, total
 
-  n_chunks = cdiv(n_cols, block_cols)
-  peak, total = lax.fori_loop(
-      0, n_chunks, online,
-      (jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32)))
-  peak, scale = _finite(peak), 1.0 / jnp.where(total == 0, 1.0, total)
+  peak, total = lax.fori_loop(0, steps.count, online,
+                              (steps.lanes(-jnp.inf), steps.lanes(0.0)))
+  row_peak = _finite(jnp.max(peak, axis=1))
+  row_total = jnp.sum(total * exp(peak - row_peak[:, None]), axis=1)
+  scale = 1.0 / jnp.where(row_total == 0, 1.0, row_total)
 
-  @pl.loop(0, n_chunks)
-  def _(c):
-    t = tile(c)
-    t.store(y_ref, exp(t.load(x_ref, other=-jnp.inf) - peak[:, None]) * scale[:, None])
+  @pl.loop(0, steps.count)
+  def _(step):
+    tiles = steps.tiles(step)
+    xs = [t.load(x_ref, other=-jnp.inf) for t in tiles]  # all in flight before any store
+    for t, x in zip(tiles, xs):
+      t.store(y_ref, exp(x - row_peak[:, None]) * scale[:, None])
 
 
-def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols):
-  tile = functools.partial(_chunk, pl.program_id(0) * block_rows, n_rows=n_rows,
-                           n_cols=n_cols, block_rows=block_rows, block_cols=block_cols)
-
+def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols, unroll):
   if block_cols >= n_cols:
-    t = tile(0)
+    t = _one_pass_tile(n_rows, n_cols, block_rows, block_cols)
     y, dy = t.load(y_ref), t.load(dy_ref)
     t.store(dx_ref, y * (dy - jnp.sum(y * dy, axis=1)[:, None]))
     return
 
-  n_chunks = cdiv(n_cols, block_cols)
+  steps = _Steps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
+                 unroll=unroll)
 
-  def dot(c, acc):
-    t = tile(c)
-    return acc + jnp.sum(t.load(y_ref) * t.load(dy_ref), axis=1)
+  def dot(step, acc):  # per lane, reduced across the row once after the loop
+    for t in steps.tiles(step):
+      acc = acc + t.load(y_ref) * t.load(dy_ref)
+    return acc
 
-  inner = lax.fori_loop(0, n_chunks, dot, jnp.zeros((block_rows,), jnp.float32))
+  inner = jnp.sum(lax.fori_loop(0, steps.count, dot, steps.lanes(0.0)), axis=1)
 
-  @pl.loop(0, n_chunks)
-  def _(c):
-    t = tile(c)
-    t.store(dx_ref, t.load(y_ref) * (t.load(dy_ref) - inner[:, None]))
+  @pl.loop(0, steps.count)
+  def _(step):
+    tiles = steps.tiles(step)
+    loaded = [(t.load(y_ref), t.load(dy_ref)) for t in tiles]
+    for t, (y, dy) in zip(tiles, loaded):
+      t.store(dx_ref, y * (dy - inner[:, None]))
 
 
-def _row_call(kernel, operands, out_dtype, block_rows, num_warps, config, cost, name, interpret):
+def _row_call(kernel, operands, out_dtype, block_rows, num_warps, unroll, config, cost, name,
+              interpret):
   n_rows, n_cols = operands[0].shape
   return pl.pallas_call(
       functools.partial(kernel, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
-                        block_cols=config.block_cols),
+                        block_cols=config.block_cols, unroll=unroll),
       out_shape=jax.ShapeDtypeStruct(operands[0].shape, out_dtype),
       grid=(cdiv(n_rows, block_rows),),
       compiler_params=triton_params(num_warps),
@@ -137,10 +177,11 @@ def _row_call(kernel, operands, out_dtype, block_rows, num_warps, config, cost, 
 
 
 def forward(x, *, config: Config, interpret=False):
-  return _row_call(_fwd_kernel, (x,), x.dtype, config.block_rows, config.num_warps, config,
-                   roofline.softmax_fwd(x), "jk_softmax_fwd", interpret)
+  return _row_call(_fwd_kernel, (x,), x.dtype, config.block_rows, config.num_warps,
+                   config.unroll, config, roofline.softmax_fwd(x), "jk_softmax_fwd", interpret)
 
 
 def backward(y, dy, *, config: Config, interpret=False):
   return _row_call(_bwd_kernel, (y, dy), dy.dtype, config.bwd_block_rows, config.bwd_num_warps,
-                   config, roofline.softmax_bwd(y), "jk_softmax_bwd", interpret)
+                   config.bwd_unroll, config, roofline.softmax_bwd(y), "jk_softmax_bwd",
+                   interpret)
