@@ -77,15 +77,16 @@ class TestSoftmaxXla(SoftmaxTest):
 class TestSoftmaxTriton(SoftmaxTest):
   IMPL = "triton"
 
-  @pytest.mark.parametrize("unroll", [1, 3])
-  def test_online_path(self, unroll):
+  @pytest.mark.parametrize("unroll,prefetch", [(1, False), (3, False), (3, True)])
+  def test_online_path(self, unroll, prefetch):
     """Rows wider than one register pass: the online softmax, with a fully masked row, a row
     masked past its first chunk and a partial row block; unrolled 3 chunks a step, the last
     step's third chunk lies wholly past the row's end."""
     x, ct = self.inputs((5, 300), jnp.float32, "online")
     x = x.at[2].set(-jnp.inf).at[3, 64:].set(-jnp.inf)
     config = softmax_triton.Config(block_rows=2, block_cols=64, num_warps=4, bwd_block_rows=2,
-                                   bwd_num_warps=4, unroll=unroll, bwd_unroll=unroll)
+                                   bwd_num_warps=4, unroll=unroll, bwd_unroll=unroll,
+                                   prefetch=prefetch)
     y, (dx,) = self.check(x, ct, jnp.float32, config=config)
     assert np.all(np.asarray(y[2]) == 0) and np.all(np.isfinite(np.asarray(dx)))
 

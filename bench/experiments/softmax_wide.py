@@ -6,7 +6,10 @@ backward reads y and dy twice; at 4 programs an SM x 2 rows x 128 KiB the rows i
 (135 MB) outgrow the 50 MB L2, so the second read comes from HBM. Run 28 (this script, first
 version): one row a program and wider chunks gained at most 10%; one pass in registers spilled
 at 65536 and at 32768 fit one program an SM. Now the online kernels keep per-lane statistics
-(no cross-warp reduction in the loop) over ``unroll`` chunks a step: which sizes?
+(no cross-warp reduction in the loop) over ``unroll`` chunks a step: which sizes? Run 29:
+32 warps (one program an SM, its rows' second read in L2) and 32768 columns a step were best,
+~2850 GB/s both ways at 65536; a program's loads still stop while it computes. Now: with the
+next step's loads issued before a step's math (prefetch)?
 
   python -m bench.experiments.softmax_wide [OUT.json [OUT.pkl]]
 """
@@ -25,18 +28,19 @@ from jaxkernels.ops.softmax import reference, triton
 
 import jaxkernels as jk
 
-SHAPES = ((1024, 65536), (2048, 32768))
+SHAPES = ((1024, 65536), (2048, 32768), (1024, 50257))
 N_SETS = 12
 
 
 def _configs(cols):
   base = triton.heuristic(jax.ShapeDtypeStruct((1024, cols), jnp.bfloat16), None)
   out = {"heuristic": base}
-  for bc, w, u in ((4096, 16, 1), (4096, 16, 2), (4096, 8, 4), (4096, 32, 4), (2048, 8, 8),
-                   (8192, 16, 2), (8192, 32, 4)):
-    out[f"1x{bc} w{w} u{u}"] = triton.Config(block_rows=1, block_cols=bc, num_warps=w,
-                                             bwd_block_rows=1, bwd_num_warps=w, unroll=u,
-                                             bwd_unroll=u)
+  for bc, w, u, pf in ((8192, 32, 4, False), (4096, 32, 4, False), (4096, 32, 4, True),
+                       (4096, 32, 2, True), (4096, 16, 4, True), (8192, 16, 2, True),
+                       (2048, 32, 4, True)):
+    out[f"1x{bc} w{w} u{u}{' pf' if pf else ''}"] = triton.Config(
+        block_rows=1, block_cols=bc, num_warps=w, bwd_block_rows=1, bwd_num_warps=w, unroll=u,
+        bwd_unroll=u, prefetch=pf)
   return out
 
 

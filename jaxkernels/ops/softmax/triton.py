@@ -42,6 +42,7 @@ class Config:
   bwd_num_warps: int
   unroll: int = 1  # online path: chunks a loop step, forward
   bwd_unroll: int = 1  # and backward
+  prefetch: bool = False  # online path: a step's loads issued before the previous step's math
 
   def __post_init__(self):
     check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
@@ -93,6 +94,20 @@ class _Steps:
   def lanes(self, value):
     return jnp.full((self.block_rows, self.block_cols), value, jnp.float32)
 
+  def walk(self, load, body, carry, prefetch: bool):
+    """carry = body(step, load(tiles(step)), carry) over the steps. With ``prefetch`` a step's
+    loads are issued before the previous step's body runs (the last step's are issued twice,
+    harmlessly, rather than past the row's end)."""
+    if not prefetch:
+      return lax.fori_loop(0, self.count, lambda s, c: body(s, load(self.tiles(s)), c), carry)
+
+    def step(s, state):
+      c, loaded = state
+      ahead = load(self.tiles(jnp.minimum(s + 1, self.count - 1)))
+      return body(s, loaded, c), ahead
+
+    return lax.fori_loop(0, self.count, step, (carry, load(self.tiles(0))))[0]
+
 
 def _one_pass_tile(n_rows, n_cols, block_rows, block_cols):
   return Tile.at(pl.program_id(0) * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
@@ -100,7 +115,7 @@ def _one_pass_tile(n_rows, n_cols, block_rows, block_cols):
                  mask_cols=n_cols % block_cols != 0)
 
 
-def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll):
+def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll, prefetch):
   if block_cols >= n_cols:
     t = _one_pass_tile(n_rows, n_cols, block_rows, block_cols)
     x = t.load(x_ref, other=-jnp.inf)
@@ -112,9 +127,12 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll)
   steps = _Steps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
                  unroll=unroll)
 
-  def online(step, carry):  # per lane: the running maximum and the sum rescaled to it
+  def load(tiles):  # a step's chunks, all in flight before any is used
+    return [t.load(x_ref, other=-jnp.inf) for t in tiles]
+
+  def online(step, xs, carry):  # per lane: the running maximum and the sum rescaled to it
+    del step
     peak, total = carry
-    xs = [t.load(x_ref, other=-jnp.inf) for t in steps.tiles(step)]
     new_peak = functools.reduce(jnp.maximum, xs, peak)
     safe = _finite(new_peak)
     total = total * exp(peak - safe)
@@ -122,21 +140,21 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll)
       total = total + exp(x - safe)
     return new_peak, total
 
-  peak, total = lax.fori_loop(0, steps.count, online,
-                              (steps.lanes(-jnp.inf), steps.lanes(0.0)))
+  peak, total = steps.walk(load, online, (steps.lanes(-jnp.inf), steps.lanes(0.0)), prefetch)
   row_peak = _finite(jnp.max(peak, axis=1))
   row_total = jnp.sum(total * exp(peak - row_peak[:, None]), axis=1)
   scale = 1.0 / jnp.where(row_total == 0, 1.0, row_total)
 
-  @pl.loop(0, steps.count)
-  def _(step):
-    tiles = steps.tiles(step)
-    xs = [t.load(x_ref, other=-jnp.inf) for t in tiles]  # all in flight before any store
-    for t, x in zip(tiles, xs):
+  def write(step, xs, carry):
+    for t, x in zip(steps.tiles(step), xs):
       t.store(y_ref, exp(x - row_peak[:, None]) * scale[:, None])
+    return carry
+
+  steps.walk(load, write, jnp.int32(0), prefetch)
 
 
-def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols, unroll):
+def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
+                prefetch):
   if block_cols >= n_cols:
     t = _one_pass_tile(n_rows, n_cols, block_rows, block_cols)
     y, dy = t.load(y_ref), t.load(dy_ref)
@@ -146,19 +164,23 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols
   steps = _Steps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
                  unroll=unroll)
 
-  def dot(step, acc):  # per lane, reduced across the row once after the loop
-    for t in steps.tiles(step):
-      acc = acc + t.load(y_ref) * t.load(dy_ref)
+  def load(tiles):
+    return [(t.load(y_ref), t.load(dy_ref)) for t in tiles]
+
+  def dot(step, loaded, acc):  # per lane, reduced across the row once after the loop
+    del step
+    for y, dy in loaded:
+      acc = acc + y * dy
     return acc
 
-  inner = jnp.sum(lax.fori_loop(0, steps.count, dot, steps.lanes(0.0)), axis=1)
+  inner = jnp.sum(steps.walk(load, dot, steps.lanes(0.0), prefetch), axis=1)
 
-  @pl.loop(0, steps.count)
-  def _(step):
-    tiles = steps.tiles(step)
-    loaded = [(t.load(y_ref), t.load(dy_ref)) for t in tiles]
-    for t, (y, dy) in zip(tiles, loaded):
+  def write(step, loaded, carry):
+    for t, (y, dy) in zip(steps.tiles(step), loaded):
       t.store(dx_ref, y * (dy - inner[:, None]))
+    return carry
+
+  steps.walk(load, write, jnp.int32(0), prefetch)
 
 
 def _row_call(kernel, operands, out_dtype, block_rows, num_warps, unroll, config, cost, name,
@@ -166,7 +188,8 @@ def _row_call(kernel, operands, out_dtype, block_rows, num_warps, unroll, config
   n_rows, n_cols = operands[0].shape
   return pl.pallas_call(
       functools.partial(kernel, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
-                        block_cols=config.block_cols, unroll=unroll),
+                        block_cols=config.block_cols, unroll=unroll,
+                        prefetch=config.prefetch),
       out_shape=jax.ShapeDtypeStruct(operands[0].shape, out_dtype),
       grid=(cdiv(n_rows, block_rows),),
       compiler_params=triton_params(num_warps),
