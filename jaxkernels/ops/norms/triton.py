@@ -38,8 +38,6 @@ TARGET_TILE = 8192
 TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
-# Temporary A/B switches for the device run (removed once measured).
-EXPERIMENT: dict = {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,11 +116,10 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
     h = t.load(x_ref)
     return h + t.load(r_ref) if has_residual else h
 
-  def write_y(t, h, mean, rstd, s=None, b=None):
-    s = t.load_cols(s_ref) if s is None else s
-    y = _centered(h, mean, t.col_mask) * rstd[:, None] * s[None, :]
+  def write_y(t, h, mean, rstd):
+    y = _centered(h, mean, t.col_mask) * rstd[:, None] * t.load_cols(s_ref)[None, :]
     if has_bias:
-      y = y + (t.load_cols(b_ref) if b is None else b)[None, :]
+      y = y + t.load_cols(b_ref)[None, :]
     t.store(y_ref, y)
 
   def write_stats(t, mean, rstd):
@@ -166,23 +163,17 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
   # One pass: the rows stay in registers.
   t = tile(pid)
   h = load_h(t)
-  late = EXPERIMENT.get("late_pivot", False)
   if layer:
     # Mean and variance in one pass, shifted by a pivot (each row's first value) so the two
     # sums are independent reductions instead of a chain of two. Cancellation is bounded:
     # (mean - pivot)^2 <= N * var for any pivot drawn from the row, so the variance loses at
-    # most ~N float32 ulps, and typically none.
+    # most ~N float32 ulps, and typically none. The pivot is loaded before h is stored (after
+    # the store, the SASS issued it only once the stores were: 0.7% on the kernel clock, run 27).
     first = Tile(t.rows, jnp.zeros((1,), jnp.int32), t.row_mask, None)
-    pivot = None if late else load_h(first)[:, 0]
-  s = b = None
-  if EXPERIMENT.get("early_scale", False):
-    s = t.load_cols(s_ref)
-    b = t.load_cols(b_ref) if has_bias else None
+    pivot = load_h(first)[:, 0]
   if has_residual:
     t.store(h_ref, h)
   if layer:
-    if late:
-      pivot = load_h(first)[:, 0]
     shifted = _centered(h, pivot, t.col_mask)
     s1 = jnp.sum(shifted, axis=1) / n_cols
     var = jnp.maximum(jnp.sum(shifted * shifted, axis=1) / n_cols - s1 * s1, 0.0)
@@ -190,12 +181,12 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
   else:
     mean, var = None, jnp.sum(h * h, axis=1) / n_cols
   rstd = lax.rsqrt(var + eps)
-  write_y(t, h, mean, rstd, s, b)
+  write_y(t, h, mean, rstd)
   write_stats(t, mean, rstd)
 
 
 def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols,
-                         block_rows, block_cols, iters, mask_rows, n_blocks=0):
+                         block_rows, block_cols, iters, mask_rows):
   refs = list(refs)
   h_ref, s_ref, dy_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   dh_ref = refs.pop(0) if has_dh else None
@@ -213,8 +204,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
 
   def body(i, carry):  # row blocks pid, pid + programs, ...: d(scale) stays in registers
     ds, db = carry
-    block = i if n_blocks else pid + i * programs
-    t = Tile.at(block * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
+    t = Tile.at((pid + i * programs) * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
                 n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
     # Every load of the block before the row reduction, so all three streams are in flight
     # together: dh loaded after it (where it is used) cost 4-6% (bench/NOTES.md, run 16).
@@ -239,14 +229,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
     return ds, db
 
   zeros = jnp.zeros((block_cols,), jnp.float32)
-  if n_blocks:  # contiguous: program p owns blocks [start, stop), no masked iterations
-    n_programs = iters
-    base, extra = divmod(n_blocks, n_programs)
-    start = pid * base + jnp.minimum(pid, extra)
-    stop = start + base + (pid < extra).astype(jnp.int32)
-    ds, db = lax.fori_loop(start, stop, body, (zeros, zeros))
-  else:
-    ds, db = lax.fori_loop(0, iters, body, (zeros, zeros))
+  ds, db = lax.fori_loop(0, iters, body, (zeros, zeros))
   offsets = pid * n_cols + scale.cols
   store_vector(ds_ref, offsets, ds, scale.col_mask)
   if has_bias:
@@ -374,18 +357,11 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
     n_blocks = cdiv(n_rows, block_rows)
     programs = min(config.bwd_programs, n_blocks)
     iters = cdiv(n_blocks, programs)
-    if EXPERIMENT.get("contiguous_bwd", False):
-      kernel = functools.partial(
-          _bwd_one_pass_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
-          dual_dx=dual_dx, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
-          block_cols=config.block_cols, iters=programs, n_blocks=n_blocks,
-          mask_rows=n_rows % block_rows != 0)
-    else:
-      kernel = functools.partial(
-          _bwd_one_pass_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
-          dual_dx=dual_dx, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
-          block_cols=config.block_cols, iters=iters,
-          mask_rows=iters * programs * block_rows != n_rows)
+    kernel = functools.partial(
+        _bwd_one_pass_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
+        dual_dx=dual_dx, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
+        block_cols=config.block_cols, iters=iters,
+        mask_rows=iters * programs * block_rows != n_rows)
     partial_sums = jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)
     dx, dr, sums = call(kernel, programs, [partial_sums] * (2 if bias is not None else 1))
     dscale = sums[0].reshape(programs, n_cols).sum(axis=0)

@@ -27,9 +27,14 @@ from jaxkernels._activations import exp
 from jaxkernels._pallas import Tile, cdiv, check_fields, is_pow2, next_pow2, triton_params
 
 MAX_ONE_PASS_COLS = 16384
-CHUNK_COLS = 4096
 TARGET_TILE = 8192  # as for the norms (bench/NOTES.md)
-ONLINE_WARPS = 16
+# Online path, from the H200 sweeps (bench/NOTES.md, runs 28-30): one program of 32 warps an SM
+# (64 registers a thread), so few rows are in flight (132 x 128 KiB at 65536 columns, under the
+# 50 MB L2: their second read can come from it, not measured); 4 chunks a step, a step at most
+# half the row: 16384 columns, 32768 from 65536 on. Against the former 2 rows x 4096 columns on
+# 8 warps with a reduction per chunk: 1024x65536 forward +16-23%, backward +25%; 2048x32768
+# forward +39%, backward +25%.
+ONLINE_WARPS = 32
 ONLINE_UNROLL = 4
 
 
@@ -42,7 +47,9 @@ class Config:
   bwd_num_warps: int
   unroll: int = 1  # online path: chunks a loop step, forward
   bwd_unroll: int = 1  # and backward
-  prefetch: bool = False  # online path: a step's loads issued before the previous step's math
+  # Online path: a step's loads issued before the previous step's math. Off by default: on the
+  # H200 it lifted the 65536-wide backward 2834 -> 3040 GB/s but spilled at 32768 (run 30).
+  prefetch: bool = False
 
   def __post_init__(self):
     check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
@@ -55,7 +62,8 @@ def heuristic(x, chip: hardware.Chip) -> Config:
   n_rows, n_cols = x.shape
   padded = next_pow2(n_cols)
   if padded > MAX_ONE_PASS_COLS:  # online: one row a program
-    return Config(block_rows=1, block_cols=CHUNK_COLS, num_warps=ONLINE_WARPS,
+    chunk = 8192 if n_cols >= 65536 else 4096
+    return Config(block_rows=1, block_cols=chunk, num_warps=ONLINE_WARPS,
                   bwd_block_rows=1, bwd_num_warps=ONLINE_WARPS, unroll=ONLINE_UNROLL,
                   bwd_unroll=ONLINE_UNROLL)
   block_rows = max(1, min(TARGET_TILE // padded, next_pow2(n_rows)))
