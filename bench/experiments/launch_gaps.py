@@ -8,6 +8,10 @@ with command buffers turned off (``--xla_gpu_enable_command_buffer=``): if XLA's
 ours, that is the difference. A profiler trace of our program lists whatever else runs between
 our kernels (memsets, copies).
 
+Outcome (bench/NOTES.md run 28): not the graphs (every row moved by under 1 us without them);
+the traces show the kernels of a program back to back for ours and XLA's alike, so the excess
+is spent between programs.
+
   python -m bench.experiments.launch_gaps [OUT.json]
 """
 from __future__ import annotations
