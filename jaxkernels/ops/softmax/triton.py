@@ -9,7 +9,7 @@ Online, one program takes one row, ``unroll`` chunks a step, and keeps its
 running maximum and sum per lane (one value per column of a chunk), reducing
 across the row once at the end: the loop has no cross-warp reduction, so a
 step's loads are all in flight together, and few rows are in flight at once,
-so the second read of a row mostly hits the L2.
+so the second read of a row can come from the L2 (not measured).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from jaxkernels._pallas import Tile, cdiv, check_fields, is_pow2, next_pow2, tri
 
 MAX_ONE_PASS_COLS = 16384
 TARGET_TILE = 8192  # as for the norms (bench/NOTES.md)
-# Online path, from the H200 sweeps (bench/NOTES.md, runs 28-30): one program of 32 warps an SM
+# Online path, from the H200 sweeps (bench/NOTES.md, runs 29-30): one program of 32 warps an SM
 # (64 registers a thread), so few rows are in flight (132 x 128 KiB at 65536 columns, under the
 # 50 MB L2: their second read can come from it, not measured); 4 chunks a step, a step at most
 # half the row: 16384 columns, 32768 from 65536 on. Against the former 2 rows x 4096 columns on
@@ -48,7 +48,8 @@ class Config:
   unroll: int = 1  # online path: chunks a loop step, forward
   bwd_unroll: int = 1  # and backward
   # Online path: a step's loads issued before the previous step's math. Off by default: on the
-  # H200 it lifted the 65536-wide backward 2834 -> 3040 GB/s but spilled at 32768 (run 30).
+  # H200 it took the 65536-wide backward to 3040 GB/s (2834 with the default config) but
+  # spilled registers at 32768 columns (run 30).
   prefetch: bool = False
 
   def __post_init__(self):
