@@ -3,13 +3,13 @@
 Run 26: 1024 x 65536 bf16 forward+backward at 2300 GB/s (54% of copy) with the heuristic's
 online path (2 rows x 4096-column chunks, 8 warps). The forward reads each row twice, the
 backward reads y and dy twice; at 4 programs an SM x 2 rows x 128 KiB the rows in flight
-(135 MB) outgrow the 50 MB L2, so the second read comes from HBM. Run 28 (this script, first
+(135 MB) outgrow the 50 MB L2, so the second read comes from HBM. Run 29 (this script, first
 version): one row a program and wider chunks gained at most 10%; one pass in registers spilled
 at 65536 and at 32768 fit one program an SM. Now the online kernels keep per-lane statistics
-(no cross-warp reduction in the loop) over ``unroll`` chunks a step: which sizes? Run 29:
-32 warps (one program an SM, its rows' second read in L2) and 32768 columns a step were best,
-~2850 GB/s both ways at 65536; a program's loads still stop while it computes. Now: with the
-next step's loads issued before a step's math (prefetch)?
+(no cross-warp reduction in the loop) over ``unroll`` chunks a step: which sizes? Run 30:
+32 warps (one program an SM, few rows in flight) and 32768 columns a step were best, ~2850 GB/s
+both ways at 65536; a program's loads still stop while it computes. Then: with the next step's
+loads issued before a step's math (prefetch)? (bench/NOTES.md runs 29-30.)
 
   python -m bench.experiments.softmax_wide [OUT.json [OUT.pkl]]
 """

@@ -104,16 +104,19 @@ class _Steps:
     return jnp.full((self.block_rows, self.block_cols), value, jnp.float32)
 
   def walk(self, load, body, carry, prefetch: bool):
-    """carry = body(step, load(tiles(step)), carry) over the steps. With ``prefetch`` a step's
+    """carry = body(tiles, load(tiles), carry) for each step's tiles. With ``prefetch`` a step's
     loads are issued before the previous step's body runs (the last step's are issued twice,
     harmlessly, rather than past the row's end)."""
     if not prefetch:
-      return lax.fori_loop(0, self.count, lambda s, c: body(s, load(self.tiles(s)), c), carry)
+      def step(s, c):
+        tiles = self.tiles(s)
+        return body(tiles, load(tiles), c)
+      return lax.fori_loop(0, self.count, step, carry)
 
     def step(s, state):
       c, loaded = state
       ahead = load(self.tiles(jnp.minimum(s + 1, self.count - 1)))
-      return body(s, loaded, c), ahead
+      return body(self.tiles(s), loaded, c), ahead
 
     return lax.fori_loop(0, self.count, step, (carry, load(self.tiles(0))))[0]
 
@@ -139,8 +142,8 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
   def load(tiles):  # a step's chunks, all in flight before any is used
     return [t.load(x_ref, other=-jnp.inf) for t in tiles]
 
-  def online(step, xs, carry):  # per lane: the running maximum and the sum rescaled to it
-    del step
+  def online(tiles, xs, carry):  # per lane: the running maximum and the sum rescaled to it
+    del tiles
     peak, total = carry
     new_peak = functools.reduce(jnp.maximum, xs, peak)
     safe = _finite(new_peak)
@@ -154,8 +157,8 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
   row_total = jnp.sum(total * exp(peak - row_peak[:, None]), axis=1)
   scale = 1.0 / jnp.where(row_total == 0, 1.0, row_total)
 
-  def write(step, xs, carry):
-    for t, x in zip(steps.tiles(step), xs):
+  def write(tiles, xs, carry):
+    for t, x in zip(tiles, xs):
       t.store(y_ref, exp(x - row_peak[:, None]) * scale[:, None])
     return carry
 
@@ -176,16 +179,16 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols
   def load(tiles):
     return [(t.load(y_ref), t.load(dy_ref)) for t in tiles]
 
-  def dot(step, loaded, acc):  # per lane, reduced across the row once after the loop
-    del step
+  def dot(tiles, loaded, acc):  # per lane, reduced across the row once after the loop
+    del tiles
     for y, dy in loaded:
       acc = acc + y * dy
     return acc
 
   inner = jnp.sum(steps.walk(load, dot, steps.lanes(0.0), prefetch), axis=1)
 
-  def write(step, loaded, carry):
-    for t, (y, dy) in zip(steps.tiles(step), loaded):
+  def write(tiles, loaded, carry):
+    for t, (y, dy) in zip(tiles, loaded):
       t.store(dx_ref, y * (dy - inner[:, None]))
     return carry
 
