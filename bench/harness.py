@@ -2,8 +2,11 @@
 
 Timing follows the device tool's METHOD.md: warm up (compile, autotune, first
 touch), then rounds of back-to-back asynchronous calls with one sync per round,
-and the median over rounds. Every timed function is checked against the
-reference before it is timed; a wrong kernel is reported, never timed.
+and the median over rounds. A round's fixed cost (the device idles while the host
+dispatches its first program, and again at the closing sync) is taken out by
+timing each round twice over, at ``calls`` and ``2 * calls`` programs
+(:func:`time_rounds`). Every timed function is checked against the reference
+before it is timed; a wrong kernel is reported, never timed.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class Row:
   impl: str  # "triton", "xla", "torch", "jax_pallas_triton", ...
   shape: str
   dtype: str
-  ms: float | None = None
+  ms: float | None = None  # host clock, steady state (time_rounds)
   gbps: float | None = None
   tflops: float | None = None
   pct_roofline: float | None = None
@@ -47,6 +50,9 @@ class Row:
   kernel_gbps: float | None = None
   kernel_vs_xla: float | None = None
   kernels: str | None = None  # "name time" for each kernel of one execution
+  # Host clock of a whole round of ``calls`` programs, its fixed cost included (the headline
+  # until run 32, bench/NOTES.md).
+  round_ms: float | None = None
   error: float | None = None  # max |out - ref| / max |ref| over outputs
   tolerance: float | None = None
   config: str | None = None
@@ -100,18 +106,60 @@ def time_call(fn: Callable, args: Sequence[Any], *, rounds: int, calls: int,
   return statistics.median(times)
 
 
+def time_rounds(run: Callable[[int], Any], *, rounds: int, calls: int,
+                warmup: int = 3) -> tuple[float, float]:
+  """(steady, whole-round) median host-clock seconds per program.
+
+  ``run(n)`` dispatches ``n`` programs back to back and returns the last one's outputs. Each
+  round, after a sync, times ``calls`` programs and then ``2 * calls``, each closed by a sync.
+  A round pays once for what passes before its first kernel starts (the host dispatching the
+  first program, the device idle: 0.4-0.8 ms for a program over 16 input sets) and for the
+  closing sync; spread over the round's programs that was 3-10 us a set of a ~0.1-0.3 ms op,
+  while the device ran the programs back to back (bench/NOTES.md, run 32). The difference of
+  the two timings cancels that fixed cost: what ``calls`` more programs take on a device that
+  is kept busy, as in a training loop. The whole-round figure keeps the fixed cost.
+  """
+  for _ in range(warmup):
+    block(run(1))
+  steady, whole = [], []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    block(run(calls))
+    middle = time.perf_counter()
+    block(run(2 * calls))
+    end = time.perf_counter()
+    whole.append((middle - start) / calls)
+    steady.append(((end - middle) - (middle - start)) / calls)
+  return statistics.median(steady), statistics.median(whole)
+
+
+def time_sets_rounds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds: int,
+                     calls: int) -> tuple[float, float]:
+  """(steady, whole-round) median host-clock seconds per execution of ``fn`` over several
+  distinct argument sets (:func:`time_rounds`).
+
+  One jitted program runs ``fn`` on every set back to back, so what a program costs beyond
+  its kernels is shared by ``len(arg_sets)`` executions (:func:`kernel_seconds` gives the
+  kernels alone). Distinct inputs keep XLA from merging the calls and the L2 from serving a
+  repeat read.
+  """
+  batched = tuning.over_sets(fn)
+  sets = [tuple(args) for args in arg_sets]
+
+  def run(n):
+    for _ in range(n):
+      out = batched(sets)
+    return out
+
+  steady, whole = time_rounds(run, rounds=rounds, calls=calls)
+  return steady / len(sets), whole / len(sets)
+
+
 def time_sets(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds: int,
               calls: int) -> float:
-  """Median host-clock seconds per execution of ``fn`` over several distinct argument sets.
-
-  One jitted program runs ``fn`` on every set back to back, so what a program
-  costs beyond its kernels (dispatch, the first launch, the sync: tens of
-  microseconds, as long as a small kernel) is shared by ``len(arg_sets)``
-  executions; the more sets, the closer to the time inside a training step
-  (:func:`kernel_seconds` gives the kernels alone). Distinct inputs keep XLA
-  from merging the calls and the L2 from serving a repeat read.
-  """
-  return tuning.time_on_device(fn, arg_sets, rounds=rounds, calls=calls, warmup=3)
+  """Steady-state seconds per execution of ``fn`` over several argument sets
+  (:func:`time_sets_rounds`)."""
+  return time_sets_rounds(fn, arg_sets, rounds=rounds, calls=calls)[0]
 
 
 def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *,
@@ -242,8 +290,11 @@ def save(session: Session, suites: Sequence[str], out_dir: str | None) -> pathli
       "python": platform_module.python_version(),
       "interpret_mode": session.interpret,
       "smoke": session.smoke,
-      "timing": (f"host clock: median of {session.rounds} rounds x {session.calls} back-to-back "
-                 "calls; kernel_ms (GPU): CUPTI sum of kernel durations, median of 10 runs"),
+      "timing": (f"ms: host clock, steady state: median over {session.rounds} rounds of (time of "
+                 f"{2 * session.calls} back-to-back calls - time of {session.calls}) / "
+                 f"{session.calls}; round_ms: the {session.calls}-call round alone, its start-up "
+                 "and sync included; kernel_ms (GPU): CUPTI sum of kernel durations, median of "
+                 "10 runs"),
       "suites": list(suites),
       "rows": [dataclasses.asdict(r) for r in session.rows],
   }
@@ -388,7 +439,9 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
               row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
               return session.add(row)
           program, arg_sets = timed.programs[label], timed.arg_sets(label, sets)
-          seconds = time_sets(program, arg_sets, rounds=session.rounds, calls=session.calls)
+          seconds, whole = time_sets_rounds(program, arg_sets, rounds=session.rounds,
+                                            calls=session.calls)
+          row.round_ms = whole * 1e3
           if session.platform == "gpu":
             kernel, row.kernels = kernel_seconds(program, arg_sets)
             if kernel:

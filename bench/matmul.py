@@ -22,7 +22,6 @@ import functools
 import os
 import random
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -382,11 +381,12 @@ def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, r
   calls = calls or session.calls
 
   def timed(fn):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(sets)
-    harness.block(out)
-    return (time.perf_counter() - start) / calls / len(sets)
+    def run(n):
+      for _ in range(n):
+        out = fn(sets)
+      return out
+    steady, _ = harness.time_rounds(run, rounds=1, calls=calls, warmup=0)
+    return steady / len(sets)
 
   timers = [(impl, functools.partial(timed, fn)) for impl, fn in batched.items()]
   if torch:

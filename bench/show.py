@@ -21,6 +21,8 @@ def main(path, pattern=""):
       kvs = "" if r.get("kernel_vs_xla") is None else f"{r['kernel_vs_xla']:.2f}"
       rate = r.get("kernel_gbps") or r.get("kernel_tflops") or 0
       kernel = f" | kernel {r['kernel_ms']:.4f} {rate:6.0f} {kvs:>5s}"
+    if r.get("round_ms") is not None:  # results from run 32 on: the whole-round host clock
+      kernel += f" | round {r['round_ms']:.4f}"
     print(f"{r['name']:28s} {r['impl']:18s} {ms:>8s} {gbps:>6s} {vs:>5s}{kernel} {config} "
           f"{r['note'][:90]}")
 

@@ -35,3 +35,18 @@ def test_plot_sweep_reads_logs_in_run_order(tmp_path):
   assert [s for s, _ in series["xla"]] == [128, 129, 256, 257]
   size, tflops = series["mosaic_gpu"][2]
   assert size == 256 and abs(tflops - 2 * 256 ** 3 / (1e-3 * 0.5 * 256 / 128) / 1e12) < 1e-6
+
+
+def test_time_rounds_cancels_a_rounds_fixed_cost(monkeypatch):
+  """A round that pays a fixed start-up F plus t a program: steady is t, whole-round t + F/calls."""
+  from bench import harness
+
+  fixed, per_program, clock = 0.8e-3, 0.3e-3, [0.0]
+  monkeypatch.setattr(harness.time, "perf_counter", lambda: clock[0])
+
+  def run(n):  # the device's work for n back-to-back programs, on the fake clock
+    clock[0] += fixed + n * per_program
+
+  steady, whole = harness.time_rounds(run, rounds=3, calls=10)
+  assert abs(steady - per_program) < 1e-12
+  assert abs(whole - (per_program + fixed / 10)) < 1e-12
