@@ -15,8 +15,10 @@ import pickle
 import sys
 
 SHAPE = tuple(int(v) for v in os.environ.get("NORM_CONFIGS_SHAPE", "16384x4096").split("x"))
-FWD = ((2, 8), (1, 8), (1, 4), (2, 16), (4, 16), (1, 2))  # (block_rows, num_warps)
-BWD = ((1, 8, 264), (1, 8, 256), (2, 16, 132), (1, 16, 132), (1, 4, 528))  # + programs
+# (block_rows, num_warps); run 33 (bench/NOTES.md) also timed (1, 4), (1, 2) forward and
+# backward (1 or 2 rows, 4-16 warps, 132-528 programs): none beat the shipped configs.
+FWD = ((2, 8), (2, 16), (1, 8), (4, 16), (4, 32))
+BWD = ((1, 8, 264),)  # (bwd_block_rows, bwd_num_warps, bwd_programs)
 
 
 def main(out_json, out_pkl=None):

@@ -163,21 +163,16 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
   # One pass: the rows stay in registers.
   t = tile(pid)
   h = load_h(t)
-  if layer:
-    # Mean and variance in one pass, shifted by a pivot (each row's first value) so the two
-    # sums are independent reductions instead of a chain of two. Cancellation is bounded:
-    # (mean - pivot)^2 <= N * var for any pivot drawn from the row, so the variance loses at
-    # most ~N float32 ulps, and typically none. The pivot is loaded before h is stored (after
-    # the store, the SASS issued it only once the stores were: 0.7% on the kernel clock, run 27).
-    first = Tile(t.rows, jnp.zeros((1,), jnp.int32), t.row_mask, None)
-    pivot = load_h(first)[:, 0]
   if has_residual:
     t.store(h_ref, h)
   if layer:
-    shifted = _centered(h, pivot, t.col_mask)
-    s1 = jnp.sum(shifted, axis=1) / n_cols
-    var = jnp.maximum(jnp.sum(shifted * shifted, axis=1) / n_cols - s1 * s1, 0.0)
-    mean = pivot + s1
+    # The mean, then the variance about it: two reductions in a chain, but nothing beyond h
+    # held a thread. A one-pass variant shifted by a pivot (each row's first value, two more
+    # loads a row) held 42 registers at 16 warps, one allocation step too many for three
+    # programs an SM (bench/NOTES.md, run 33).
+    mean = jnp.sum(h, axis=1) / n_cols  # padding columns were loaded as 0
+    centered = _centered(h, mean, t.col_mask)
+    var = jnp.sum(centered * centered, axis=1) / n_cols
   else:
     mean, var = None, jnp.sum(h * h, axis=1) / n_cols
   rstd = lax.rsqrt(var + eps)
