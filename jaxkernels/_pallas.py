@@ -137,6 +137,15 @@ def check_fields(config, names, ok, requirement: str) -> None:
       raise ValueError(f"{name}={value} must be {requirement}")
 
 
+def row_sums(a, b):
+  """(a.sum(axis=1), b.sum(axis=1)) of two (rows, cols) tiles in one reduction.
+
+  Triton reduces each sum across warps through shared memory, a store, a barrier, a load
+  and a barrier a sum; stacked on a last axis of two, both travel in one exchange.
+  """
+  return jnp.unstack(jnp.sum(jnp.stack([a, b], axis=-1), axis=1), axis=-1)
+
+
 def both(a, b):
   """Elementwise and of two optional masks (None means all true)."""
   if a is None:

@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import hardware, roofline
-from jaxkernels._pallas import (Tile, cdiv, check_fields, is_pow2, next_pow2, store_vector,
-                                triton_params)
+from jaxkernels._pallas import (Tile, cdiv, check_fields, is_pow2, next_pow2, row_sums,
+                                store_vector, triton_params)
 
 # Widest row (power-of-two padded) kept in registers in one pass; wider rows are chunked.
 MAX_ONE_PASS_COLS = 16384
@@ -38,6 +38,7 @@ TARGET_TILE = 8192
 TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
+MERGED = True  # TEMPORARY A/B switch for run 34
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,16 +164,22 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
   # One pass: the rows stay in registers.
   t = tile(pid)
   h = load_h(t)
+  if layer:
+    # Mean and variance in one pass, shifted by a pivot (each row's first value) so the two
+    # sums are independent reductions instead of a chain of two. Cancellation is bounded:
+    # (mean - pivot)^2 <= N * var for any pivot drawn from the row, so the variance loses at
+    # most ~N float32 ulps, and typically none. The pivot is loaded before h is stored (after
+    # the store, the SASS issued it only once the stores were: 0.7% on the kernel clock, run 27).
+    first = Tile(t.rows, jnp.zeros((1,), jnp.int32), t.row_mask, None)
+    pivot = load_h(first)[:, 0]
   if has_residual:
     t.store(h_ref, h)
   if layer:
-    # The mean, then the variance about it: two reductions in a chain, but nothing beyond h
-    # held a thread. A one-pass variant shifted by a pivot (each row's first value, two more
-    # loads a row) held 42 registers at 16 warps, one allocation step too many for three
-    # programs an SM (bench/NOTES.md, run 33).
-    mean = jnp.sum(h, axis=1) / n_cols  # padding columns were loaded as 0
-    centered = _centered(h, mean, t.col_mask)
-    var = jnp.sum(centered * centered, axis=1) / n_cols
+    shifted = _centered(h, pivot, t.col_mask)
+    s1, s2 = row_sums(shifted, shifted * shifted) if MERGED else (jnp.sum(shifted, axis=1), jnp.sum(shifted * shifted, axis=1))
+    s1 = s1 / n_cols
+    var = jnp.maximum(s2 / n_cols - s1 * s1, 0.0)
+    mean = pivot + s1
   else:
     mean, var = None, jnp.sum(h * h, axis=1) / n_cols
   rstd = lax.rsqrt(var + eps)
@@ -209,9 +216,11 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
     mean = t.load_rows(mean_ref) if layer else None
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
     g = dy * s[None, :]
-    dh = g - n * (jnp.sum(g * n, axis=1) / n_cols)[:, None]
     if layer:
-      dh = dh - (jnp.sum(g, axis=1) / n_cols)[:, None]
+      gn, g_sum = row_sums(g * n, g) if MERGED else (jnp.sum(g * n, axis=1), jnp.sum(g, axis=1))
+      dh = g - n * (gn / n_cols)[:, None] - (g_sum / n_cols)[:, None]
+    else:
+      dh = g - n * (jnp.sum(g * n, axis=1) / n_cols)[:, None]
     dh = dh * rstd[:, None]
     if has_dh:
       dh = dh + dh_in
@@ -259,7 +268,8 @@ def _bwd_chunked_kernel(*refs, layer, has_dh, dual_dx, n_rows, n_cols, block_row
   def sums(c, carry):
     gn, g_sum = carry
     n, g = n_and_g(tile(c))
-    return gn + jnp.sum(g * n, axis=1), g_sum + jnp.sum(g, axis=1)
+    chunk_gn, chunk_g = row_sums(g * n, g)
+    return gn + chunk_gn, g_sum + chunk_g
 
   zeros = jnp.zeros((block_rows,), jnp.float32)
   gn, g_sum = lax.fori_loop(0, n_chunks, sums, (zeros, zeros))
