@@ -1,11 +1,14 @@
-"""The layer_norm+residual forward runs ~5% behind rms_norm+residual's (run 32: 145 vs 138 us at
-16384x4096 bf16). Hypothesis: its 74 registers a thread (rms: 64) allow 3 programs of 8 warps
-an SM instead of 4; a tile of fewer elements a thread fits more. This times forward and
-backward configs of both norms (steady host clock, 16 input sets) and saves each compiled
-program, whose cubins give the register counts here:
+"""Forward and backward tile configs of both norms at 16384x4096 bf16 (steady host clock, 16
+input sets), each compiled program saved so that its cubins give register counts here:
 
   python -m bench.experiments.norm_configs OUT.json [OUT.pkl]
   python -m bench.experiments.dump_ptx --sass OUT.pkl DIR   # then cuobjdump -res-usage
+
+Run 33 (bench/NOTES.md) asked whether the layer_norm+residual forward's gap to rms_norm's
+(145 vs 138 us) is occupancy (74 registers a thread, three programs of 8 warps an SM, against
+64 and four). Partly for rms_norm: at 16 warps (40 registers, three programs of 16 warps) it ran
+134-136 us. For layer_norm, 16 warps held 42 registers, one allocation step over three programs,
+and ran 159-162 us; with 40 (a pivot-free variance) 148, no better than 8 warps.
 """
 from __future__ import annotations
 
@@ -15,10 +18,10 @@ import pickle
 import sys
 
 SHAPE = tuple(int(v) for v in os.environ.get("NORM_CONFIGS_SHAPE", "16384x4096").split("x"))
-# (block_rows, num_warps); run 33 (bench/NOTES.md) also timed (1, 4), (1, 2) forward and
-# backward (1 or 2 rows, 4-16 warps, 132-528 programs): none beat the shipped configs.
-FWD = ((2, 8), (2, 16))
-BWD = ((1, 8, 264),)  # (bwd_block_rows, bwd_num_warps, bwd_programs)
+# (block_rows, num_warps) and (bwd_block_rows, bwd_num_warps, bwd_programs), as in run 33
+# (bench/NOTES.md).
+FWD = ((2, 8), (2, 16), (1, 8), (1, 4), (4, 16), (4, 32))
+BWD = ((1, 8, 264), (1, 8, 256), (2, 16, 132), (1, 16, 132), (1, 4, 528))
 
 
 def main(out_json, out_pkl=None):
@@ -34,11 +37,7 @@ def main(out_json, out_pkl=None):
                           hardware.chip("H200")).__dict__
   on_gpu = jax.devices()[0].platform == "gpu"
   records, payloads = [], {}
-  for name, layer, merged in (("rms_norm+residual", False, True), ("layer_norm+residual", True, False),
-                              ("layer_norm+residual merged", True, True),
-                              ("layer_norm+residual", True, False),
-                              ("layer_norm+residual merged", True, True)):
-    triton.MERGED = merged
+  for name, layer in (("rms_norm+residual", False), ("layer_norm+residual", True)):
     draw = norms._inputs(*SHAPE, jnp.bfloat16, layer, True)
     sets = [draw(seed) for seed in range(16 if on_gpu else 1)]
     variants = [("fwd", r, w, base["bwd_programs"], {"block_rows": r, "num_warps": w})
@@ -62,7 +61,7 @@ def main(out_json, out_pkl=None):
         if on_gpu and out_pkl:
           from jax.experimental.serialize_executable import serialize
           compiled = program.lower(*arg_sets[0]).compile()
-          payloads[f"{name.replace('+', '_').replace(' ', '_')}_{label}_r{r}w{w}p{p}"] = serialize(compiled)[0]
+          payloads[f"{name.replace('+', '_')}_{label}_r{r}w{w}p{p}"] = serialize(compiled)[0]
       except Exception as e:  # noqa: BLE001 - a config that fails is a row
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       records.append(rec)

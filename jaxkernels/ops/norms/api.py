@@ -66,7 +66,8 @@ def _norm(op, layer, x, scale, bias, residual, eps, implementation, config):
   residual_rows = rows_view(residual) if residual is not None else None
   plan = backend.plan(
       op, implementation, target, _kernel_reasons(target, x, scale, bias, residual), _KERNELS,
-      config, lambda kernels, chip: kernels.heuristic(rows, scale, bias, residual_rows, chip),
+      config, lambda kernels, chip: kernels.heuristic(rows, scale, bias, residual_rows, chip,
+                                                      layer=layer),
       empty=x.size == 0, layer=layer, eps=eps)
   if plan is None:
     if layer:

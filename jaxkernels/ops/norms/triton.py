@@ -33,12 +33,15 @@ MAX_ONE_PASS_COLS = 16384
 # (bench/NOTES.md, run 3): 2 rows x 8 warps (32 elements a thread) 3464 GB/s, 1 x 4 3381,
 # 4 x 8 3416; a persistent grid and register prefetch were slower.
 TARGET_TILE = 8192
+# Forward elements a thread (runs 33-34, same shape): rms_norm at 16 (2 rows x 16 warps, 40
+# registers, three programs an SM) 134-136 us against 139 at 32; layer_norm at 16 holds 42-43
+# registers, two programs an SM, 160 us against 147 at 32.
+FWD_ELEMENTS_PER_THREAD = {False: 16, True: 32}  # by layer
 # The backward holds ~6 float32 values per element live: 1 row x 8 warps was best (bwd 0.155 ms);
 # 4 rows x 4 warps spilled (2-3 ms).
 TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
-MERGED = True  # TEMPORARY A/B switch for run 34
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,14 +62,15 @@ class Config:
     return self.block_cols >= n_cols
 
 
-def heuristic(x, scale, bias, residual, chip: hardware.Chip) -> Config:
+def heuristic(x, scale, bias, residual, chip: hardware.Chip, *, layer: bool = False) -> Config:
   """x, residual: the (M, N) views."""
   del scale, bias, residual
   n_rows, n_cols = x.shape
   padded = next_pow2(n_cols)
   block_cols = padded if padded <= MAX_ONE_PASS_COLS else 4096
   block_rows = max(1, min(TARGET_TILE // block_cols, next_pow2(n_rows)))
-  num_warps = max(4, min(16, block_rows * block_cols // 1024))
+  per_thread = 32 * FWD_ELEMENTS_PER_THREAD[layer]
+  num_warps = max(4, min(16, block_rows * block_cols // per_thread))
   bwd_block_rows = max(1, min(TARGET_BWD_TILE // block_cols, next_pow2(n_rows)))
   bwd_num_warps = max(4, min(16, bwd_block_rows * block_cols // 512))
   bwd_programs = max(1, min(cdiv(n_rows, bwd_block_rows), BWD_PROGRAMS_PER_SM * chip.cores))
@@ -176,7 +180,7 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
     t.store(h_ref, h)
   if layer:
     shifted = _centered(h, pivot, t.col_mask)
-    s1, s2 = row_sums(shifted, shifted * shifted) if MERGED else (jnp.sum(shifted, axis=1), jnp.sum(shifted * shifted, axis=1))
+    s1, s2 = row_sums(shifted, shifted * shifted)
     s1 = s1 / n_cols
     var = jnp.maximum(s2 / n_cols - s1 * s1, 0.0)
     mean = pivot + s1
@@ -217,7 +221,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
     g = dy * s[None, :]
     if layer:
-      gn, g_sum = row_sums(g * n, g) if MERGED else (jnp.sum(g * n, axis=1), jnp.sum(g, axis=1))
+      gn, g_sum = row_sums(g * n, g)
       dh = g - n * (gn / n_cols)[:, None] - (g_sum / n_cols)[:, None]
     else:
       dh = g - n * (jnp.sum(g * n, axis=1) / n_cols)[:, None]
