@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import hardware, roofline
 from jaxkernels._pallas import (Tile, cdiv, check_fields, is_pow2, next_pow2, row_sums,
@@ -42,6 +43,7 @@ FWD_ELEMENTS_PER_THREAD = {False: 16, True: 32}  # by layer
 TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
+SCALE_2D = False  # TEMPORARY run-36 switch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,10 +123,19 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
     h = t.load(x_ref)
     return h + t.load(r_ref) if has_residual else h
 
+  def vec(t, ref):  # TEMPORARY run-36 variants
+    if not SCALE_2D:
+      return t.load_cols(ref)[None, :]
+    idx = jnp.zeros((block_rows, 1), jnp.int32) + t.cols[None, :]
+    if t.col_mask is None:
+      return pltriton.load(ref.at[idx]).astype(jnp.float32)
+    mask = jnp.broadcast_to(t.col_mask[None, :], idx.shape)
+    return pltriton.load(ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+
   def write_y(t, h, mean, rstd):
-    y = _centered(h, mean, t.col_mask) * rstd[:, None] * t.load_cols(s_ref)[None, :]
+    y = _centered(h, mean, t.col_mask) * rstd[:, None] * vec(t, s_ref)
     if has_bias:
-      y = y + t.load_cols(b_ref)[None, :]
+      y = y + vec(t, b_ref)
     t.store(y_ref, y)
 
   def write_stats(t, mean, rstd):
