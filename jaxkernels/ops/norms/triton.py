@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import hardware, roofline
 from jaxkernels._pallas import (Tile, cdiv, check_fields, is_pow2, next_pow2, row_sums,
@@ -43,7 +42,6 @@ FWD_ELEMENTS_PER_THREAD = {False: 16, True: 32}  # by layer
 TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
-SCALE_2D = False  # TEMPORARY run-36 switch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,13 +52,11 @@ class Config:
   bwd_block_rows: int
   bwd_num_warps: int
   bwd_programs: int  # persistent backward grid size (one-pass rows)
-  programs: int = 0  # persistent forward grid size (one-pass rows); 0: a program a row block
 
   def __post_init__(self):
     check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
                         "bwd_num_warps"), is_pow2, "a power of two (Triton tiles are)")
     check_fields(self, ("bwd_programs",), lambda v: v >= 1, ">= 1")
-    check_fields(self, ("programs",), lambda v: v >= 0, ">= 0")
 
   def one_pass(self, n_cols: int) -> bool:
     return self.block_cols >= n_cols
@@ -102,7 +98,7 @@ def _centered(h, mean, col_mask):
 
 
 def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows,
-                block_cols, eps, programs, iters):
+                block_cols, eps):
   refs = list(refs)
   x_ref = refs.pop(0)
   r_ref = refs.pop(0) if has_residual else None
@@ -114,7 +110,7 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
   mean_ref = refs.pop(0) if layer else None
 
   pid = pl.program_id(0)
-  mask_rows = (iters * programs if programs else cdiv(n_rows, block_rows)) * block_rows != n_rows
+  mask_rows = n_rows % block_rows != 0
   mask_cols = n_cols % block_cols != 0
 
   def tile(block, col0=0):
@@ -125,20 +121,10 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
     h = t.load(x_ref)
     return h + t.load(r_ref) if has_residual else h
 
-  def vec(t, ref):  # TEMPORARY run-36 variants
-    if not SCALE_2D:
-      return t.load_cols(ref)[None, :]
-    idx = jnp.zeros((block_rows, 1), jnp.int32) + t.cols[None, :]
-    if t.col_mask is None:
-      return pltriton.load(ref.at[idx]).astype(jnp.float32)
-    mask = jnp.broadcast_to(t.col_mask[None, :], idx.shape)
-    return pltriton.load(ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-
-  def write_y(t, h, mean, rstd, scale=None, bias=None):
-    scale = vec(t, s_ref) if scale is None else scale
-    y = _centered(h, mean, t.col_mask) * rstd[:, None] * scale
+  def write_y(t, h, mean, rstd):
+    y = _centered(h, mean, t.col_mask) * rstd[:, None] * t.load_cols(s_ref)[None, :]
     if has_bias:
-      y = y + (vec(t, b_ref) if bias is None else bias)
+      y = y + t.load_cols(b_ref)[None, :]
     t.store(y_ref, y)
 
   def write_stats(t, mean, rstd):
@@ -180,41 +166,29 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
     return
 
   # One pass: the rows stay in registers.
-  def one_pass(t, scale=None, bias=None):
-    h = load_h(t)
-    if layer:
-      # Mean and variance in one pass, shifted by a pivot (each row's first value) so the two
-      # sums are independent reductions instead of a chain of two. Cancellation is bounded:
-      # (mean - pivot)^2 <= N * var for any pivot drawn from the row, so the variance loses at
-      # most ~N float32 ulps, and typically none. The pivot is loaded before h is stored (after
-      # the store, the SASS issued it only once the stores were: 0.7% on the kernel clock, run 27).
-      first = Tile(t.rows, jnp.zeros((1,), jnp.int32), t.row_mask, None)
-      pivot = load_h(first)[:, 0]
-    if has_residual:
-      t.store(h_ref, h)
-    if layer:
-      shifted = _centered(h, pivot, t.col_mask)
-      s1, s2 = row_sums(shifted, shifted * shifted)
-      s1 = s1 / n_cols
-      var = jnp.maximum(s2 / n_cols - s1 * s1, 0.0)
-      mean = pivot + s1
-    else:
-      mean, var = None, jnp.sum(h * h, axis=1) / n_cols
-    rstd = lax.rsqrt(var + eps)
-    write_y(t, h, mean, rstd, scale, bias)
-    write_stats(t, mean, rstd)
-
-  if not programs:
-    one_pass(tile(pid))
-    return
-  # Persistent: scale and bias loaded once a program, row blocks pid, pid + programs, ...
-  first = tile(pid)
-  scale = vec(first, s_ref)
-  bias = vec(first, b_ref) if has_bias else None
-
-  @pl.loop(0, iters)
-  def _(i):
-    one_pass(tile(pid + i * programs), scale, bias)
+  t = tile(pid)
+  h = load_h(t)
+  if layer:
+    # Mean and variance in one pass, shifted by a pivot (each row's first value) so the two
+    # sums are independent reductions instead of a chain of two. Cancellation is bounded:
+    # (mean - pivot)^2 <= N * var for any pivot drawn from the row, so the variance loses at
+    # most ~N float32 ulps, and typically none. The pivot is loaded before h is stored (after
+    # the store, the SASS issued it only once the stores were: 0.7% on the kernel clock, run 27).
+    first = Tile(t.rows, jnp.zeros((1,), jnp.int32), t.row_mask, None)
+    pivot = load_h(first)[:, 0]
+  if has_residual:
+    t.store(h_ref, h)
+  if layer:
+    shifted = _centered(h, pivot, t.col_mask)
+    s1, s2 = row_sums(shifted, shifted * shifted)
+    s1 = s1 / n_cols
+    var = jnp.maximum(s2 / n_cols - s1 * s1, 0.0)
+    mean = pivot + s1
+  else:
+    mean, var = None, jnp.sum(h * h, axis=1) / n_cols
+  rstd = lax.rsqrt(var + eps)
+  write_y(t, h, mean, rstd)
+  write_stats(t, mean, rstd)
 
 
 def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols,
@@ -329,13 +303,10 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
             interpret=False):
   """x, residual: (M, N). Returns (y, h or None, stats) with stats = (rstd,) or (rstd, mean)."""
   n_rows, n_cols = x.shape
-  n_blocks = cdiv(n_rows, config.block_rows)
-  programs = min(config.programs, n_blocks) if config.one_pass(n_cols) else 0
-  iters = cdiv(n_blocks, programs) if programs else 1
   kernel = functools.partial(
       _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
       n_rows=n_rows, n_cols=n_cols, block_rows=config.block_rows,
-      block_cols=config.block_cols, eps=eps, programs=programs, iters=iters)
+      block_cols=config.block_cols, eps=eps)
   stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
   if residual is not None:
@@ -346,7 +317,7 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(programs or n_blocks,),
+      grid=(cdiv(n_rows, config.block_rows),),
       compiler_params=triton_params(config.num_warps),
       cost_estimate=cost.estimate(),
       interpret=interpret,
