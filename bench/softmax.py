@@ -22,8 +22,10 @@ def _jax_pallas_example():
 def cases(session):
   rows, cols = shapes.SMOKE_ROWS if session.smoke else shapes.HEADLINE_ROWS
   out = []
-  # A model-width row, and a vocabulary-wide one (the online, chunked path on Triton).
-  for r, c in ((rows, cols), (rows // 16, cols * 16 if not session.smoke else 20000)):
+  # A model-width row, a vocabulary-wide one (the online, chunked path on Triton), and GPT-2's
+  # vocabulary, whose rows are not a whole number of 16-byte vectors.
+  for r, c in ((rows, cols), (rows // 16, cols * 16 if not session.smoke else 20000),
+               (rows // 16, 50257 if not session.smoke else 20001)):
     def draw(seed, r=r, c=c):
       k = jax.random.split(jax.random.key(seed), 2)
       return (3 * jax.random.normal(k[0], (r, c), jnp.bfloat16),), \
@@ -32,7 +34,8 @@ def cases(session):
     (x,), _ = draw(0)
     config = triton.heuristic(x, None)
     out.append(harness.Case(
-        suite="softmax", name=f"softmax {'online' if config.block_cols < c else 'one-pass'}",
+        suite="softmax", name="softmax " + ("one-pass" if config.block_cols >= c else
+                                            "online" if c % 8 == 0 else "online, odd width"),
         inputs=draw,
         op=lambda impl, cfg: (lambda x: jk.softmax(x, implementation=impl, config=cfg)),
         reference=lambda cd: (lambda x: reference.softmax(x, compute_dtype=cd)),

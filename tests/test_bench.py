@@ -16,7 +16,7 @@ def test_bench_smoke_softmax(tmp_path, capsys):
   assert record["interpret_mode"] and record["commit"] and record["command"].startswith(
       "python -m bench")
   kernel_rows = [r for r in record["rows"] if r["suite"] == "softmax" and r["impl"] == "triton"]
-  assert len(kernel_rows) == 6  # 2 shapes x (fwd, bwd, fwd+bwd)
+  assert len(kernel_rows) == 9  # 3 shapes x (fwd, bwd, fwd+bwd)
   for row in kernel_rows:
     assert row["note"] == "" and row["error"] <= row["tolerance"] and row["ms"] > 0
 

@@ -90,14 +90,39 @@ class TestSoftmaxTriton(SoftmaxTest):
     y, (dx,) = self.check(x, ct, jnp.float32, config=config)
     assert np.all(np.asarray(y[2]) == 0) and np.all(np.isfinite(np.asarray(dx)))
 
+  @pytest.mark.parametrize("dtype,shape,block_cols,unroll,prefetch", [
+      (jnp.float32, (5, 301), 64, 1, False),  # 301 = 75 vectors of 4 + 1: rows off alignment
+      (jnp.bfloat16, (5, 300), 64, 3, False),  # a multiple of 4, not of 8
+      (jnp.float16, (7, 257), 32, 2, True),
+      (jnp.bfloat16, (9, 13), 4, 1, False),  # bodies of one vector, edges on both sides
+      (jnp.bfloat16, (6, 5), 4, 2, False),  # rows shorter than a vector: no body at all
+  ])
+  def test_online_unaligned_rows(self, dtype, shape, block_cols, unroll, prefetch):
+    """Rows whose width is not a multiple of a 16-byte vector: each row's body is walked from a
+    vector boundary and its head and tail, under a vector each, are loaded apart; with a fully
+    masked row, a row masked from its middle and a partial row block."""
+    x, ct = self.inputs(shape, dtype, "unaligned")
+    x = x.at[1].set(-jnp.inf).at[shape[0] - 1, shape[1] // 2:].set(-jnp.inf)
+    config = softmax_triton.Config(block_rows=2, block_cols=block_cols, num_warps=4,
+                                   bwd_block_rows=2, bwd_num_warps=4, unroll=unroll,
+                                   bwd_unroll=unroll, prefetch=prefetch)
+    y, (dx,) = self.check(x, ct, dtype, config=config)
+    assert np.all(np.asarray(y[1]) == 0) and np.all(np.isfinite(np.asarray(dx, np.float32)))
+
+  def test_online_beyond_int32_offsets_is_refused(self):
+    x = jax.ShapeDtypeStruct((32768, 65536), jnp.bfloat16)  # 2**31 elements
+    support = jk.supports("softmax", "triton", x)
+    assert not support and "2**31" in support.reason
+
   def test_online_heuristic(self):
     """Past MAX_ONE_PASS_COLS the heuristic takes one row a program, unrolled chunks."""
     config = softmax_triton.heuristic(jax.ShapeDtypeStruct((1024, 65536), jnp.bfloat16), None)
     assert config.block_cols < 65536 and config.block_rows == config.bwd_block_rows == 1
     assert config.unroll > 1 and config.bwd_unroll > 1
 
-  def test_lowers_for_cuda(self):
-    x = jax.ShapeDtypeStruct((64, 70000), jnp.bfloat16)
+  @pytest.mark.parametrize("width", [70000, 50257])
+  def test_lowers_for_cuda(self, width):
+    x = jax.ShapeDtypeStruct((64, width), jnp.bfloat16)
     text = cuda_lowering(lambda x, dy: jax.vjp(self.op(), x)[1](dy), x, x)
     assert 'name = "jk_softmax_fwd"' in text and 'name = "jk_softmax_bwd"' in text
 

@@ -9,7 +9,9 @@ Online, one program takes one row, ``unroll`` chunks a step, and keeps its
 running maximum and sum per lane (one value per column of a chunk), reducing
 across the row once at the end: the loop has no cross-warp reduction, so a
 step's loads are all in flight together, and few rows are in flight at once,
-so the second read of a row can come from the L2 (not measured).
+so the second read of a row can come from the L2 (not measured). It reads the
+rows through a flat view, from 16-byte boundaries, whatever the width
+(``_Steps``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import hardware, roofline
 from jaxkernels._activations import exp
-from jaxkernels._pallas import Tile, cdiv, check_fields, is_pow2, next_pow2, triton_params
+from jaxkernels._pallas import (Tile, both, cdiv, check_fields, is_pow2, next_pow2,
+                                triton_params)
 
 MAX_ONE_PASS_COLS = 16384
 TARGET_TILE = 8192  # as for the norms (bench/NOTES.md)
@@ -74,7 +78,10 @@ def heuristic(x, chip: hardware.Chip) -> Config:
 
 
 def unsupported(x, chip) -> str | None:
-  del x, chip
+  del chip
+  if next_pow2(x.shape[-1]) > MAX_ONE_PASS_COLS and x.size >= 2**31:
+    return (f"rows of {x.shape[-1]} take the online path, whose int32 offsets into the "
+            f"flattened array reach 2**31 elements; got shape {x.shape}")
   return None
 
 
@@ -84,41 +91,95 @@ def _finite(m):
 
 
 class _Steps:
-  """The online path's walk over a row block: ``unroll`` chunks of ``block_cols`` a step."""
+  """The online path's walk over a row block of a flat view: ``unroll`` chunks of
+  ``block_cols`` a step.
 
-  def __init__(self, *, n_rows, n_cols, block_rows, block_cols, unroll):
-    self.row0 = pl.program_id(0) * block_rows
-    self.n_rows, self.n_cols = n_rows, n_cols
+  A row of the (M, N) array starts at element r * N of the flat view. Where N is not a multiple
+  of a 16-byte vector (``vec`` elements), most rows start and end off a vector boundary, and a
+  load whose columns might cross one is issued element by element (16-bit loads for bfloat16:
+  1.5-2.0 TB/s at N = 50257, run 30). So each row is split: a body from the first vector
+  boundary at or after its start to the last one at or before its end, walked in chunks that
+  start on a boundary and are masked at one (16-byte loads), and two edges of under ``vec``
+  elements each, loaded once. Rows of a multiple of ``vec`` are all body; rows shorter than
+  ``vec`` (only under a config's small ``block_cols``) are all head.
+  """
+
+  def __init__(self, *, n_rows, n_cols, block_rows, block_cols, unroll, vec):
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
+    self.start = rows * n_cols
+    self.end = self.start + n_cols
+    self.aligned = n_cols % vec == 0
+    self.vec = vec
+    # A row of at least vec elements holds a vector boundary; a shorter one may not, and is
+    # all head.
+    self.short = n_cols < vec
+    if self.aligned:
+      self.body0, self.body1 = self.start, self.end
+    elif self.short:
+      self.body0 = self.body1 = self.end
+    else:  # multiples of vec that Triton's alignment analysis can see through
+      self.body0 = (self.start + vec - 1) // vec * vec
+      self.body1 = self.end // vec * vec
+    self.row_mask = rows < n_rows if n_rows % block_rows else None
     self.block_rows, self.block_cols, self.unroll = block_rows, block_cols, unroll
     self.count = cdiv(n_cols, block_cols * unroll)
-    # Chunks past the row's end (the last step's) are masked out whole.
-    self.mask_cols = n_cols % (block_cols * unroll) != 0
+    # Chunks past the body's end (the last step's) are masked out whole.
+    self.mask_cols = not self.aligned or n_cols % (block_cols * unroll) != 0
 
-  def tiles(self, step):
-    return [Tile.at(self.row0, self.block_rows, (step * self.unroll + u) * self.block_cols,
-                    self.block_cols, n_rows=self.n_rows, n_cols=self.n_cols,
-                    mask_rows=self.n_rows % self.block_rows != 0, mask_cols=self.mask_cols)
-            for u in range(self.unroll)]
+  def _masked(self, mask):
+    return both(mask, None if self.row_mask is None else self.row_mask[:, None])
+
+  def chunks(self, step):
+    """(offsets, mask) of each of a step's body chunks, (block_rows, block_cols) each."""
+    out = []
+    for u in range(self.unroll):
+      offsets = self.body0[:, None] + ((step * self.unroll + u) * self.block_cols
+                                       + jnp.arange(self.block_cols))[None, :]
+      mask = offsets < self.body1[:, None] if self.mask_cols else None
+      out.append((offsets, self._masked(mask)))
+    return out
+
+  def edges(self):
+    """(offsets, mask) of the elements before the body and after it: none for aligned rows."""
+    if self.aligned:
+      return []
+    lane = jnp.arange(self.vec)[None, :]
+    head = self.start[:, None] + lane
+    edges = [(head, self._masked(head < self.body0[:, None]))]
+    if not self.short:
+      tail = self.body1[:, None] + lane
+      edges.append((tail, self._masked(tail < self.end[:, None])))
+    return edges
 
   def lanes(self, value):
     return jnp.full((self.block_rows, self.block_cols), value, jnp.float32)
 
   def walk(self, load, body, carry, prefetch: bool):
-    """carry = body(tiles, load(tiles), carry) for each step's tiles. With ``prefetch`` a step's
-    loads are issued before the previous step's body runs (the last step's are issued twice,
-    harmlessly, rather than past the row's end)."""
+    """carry = body(chunks, load(chunks), carry) for each step's chunks. With ``prefetch`` a
+    step's loads are issued before the previous step's body runs (the last step's are issued
+    twice, harmlessly, rather than past the row's end)."""
     if not prefetch:
       def step(s, c):
-        tiles = self.tiles(s)
-        return body(tiles, load(tiles), c)
+        chunks = self.chunks(s)
+        return body(chunks, load(chunks), c)
       return lax.fori_loop(0, self.count, step, carry)
 
     def step(s, state):
       c, loaded = state
-      ahead = load(self.tiles(jnp.minimum(s + 1, self.count - 1)))
-      return body(self.tiles(s), loaded, c), ahead
+      ahead = load(self.chunks(jnp.minimum(s + 1, self.count - 1)))
+      return body(self.chunks(s), loaded, c), ahead
 
-    return lax.fori_loop(0, self.count, step, (carry, load(self.tiles(0))))[0]
+    return lax.fori_loop(0, self.count, step, (carry, load(self.chunks(0))))[0]
+
+
+def _load(ref, offsets, mask, other=0.0):
+  if mask is None:
+    return pltriton.load(ref.at[offsets]).astype(jnp.float32)
+  return pltriton.load(ref.at[offsets], mask=mask, other=other).astype(jnp.float32)
+
+
+def _store(ref, offsets, mask, value):
+  pltriton.store(ref.at[offsets], value.astype(ref.dtype), mask=mask)
 
 
 def _one_pass_tile(n_rows, n_cols, block_rows, block_cols):
@@ -127,7 +188,7 @@ def _one_pass_tile(n_rows, n_cols, block_rows, block_cols):
                  mask_cols=n_cols % block_cols != 0)
 
 
-def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll, prefetch):
+def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll, prefetch, vec):
   if block_cols >= n_cols:
     t = _one_pass_tile(n_rows, n_cols, block_rows, block_cols)
     x = t.load(x_ref, other=-jnp.inf)
@@ -137,13 +198,13 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
     return
 
   steps = _Steps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
-                 unroll=unroll)
+                 unroll=unroll, vec=vec)
 
-  def load(tiles):  # a step's chunks, all in flight before any is used
-    return [t.load(x_ref, other=-jnp.inf) for t in tiles]
+  def load(chunks):  # a step's chunks, all in flight before any is used
+    return [_load(x_ref, o, m, -jnp.inf) for o, m in chunks]
 
-  def online(tiles, xs, carry):  # per lane: the running maximum and the sum rescaled to it
-    del tiles
+  def online(chunks, xs, carry):  # per lane: the running maximum and the sum rescaled to it
+    del chunks
     peak, total = carry
     new_peak = functools.reduce(jnp.maximum, xs, peak)
     safe = _finite(new_peak)
@@ -153,20 +214,27 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
     return new_peak, total
 
   peak, total = steps.walk(load, online, (steps.lanes(-jnp.inf), steps.lanes(0.0)), prefetch)
-  row_peak = _finite(jnp.max(peak, axis=1))
+  edges = steps.edges()
+  edge_xs = load(edges)
+  row_peak = functools.reduce(jnp.maximum, [jnp.max(e, axis=1) for e in edge_xs],
+                              jnp.max(peak, axis=1))
+  row_peak = _finite(row_peak)
   row_total = jnp.sum(total * exp(peak - row_peak[:, None]), axis=1)
+  for e in edge_xs:
+    row_total = row_total + jnp.sum(exp(e - row_peak[:, None]), axis=1)
   scale = 1.0 / jnp.where(row_total == 0, 1.0, row_total)
 
-  def write(tiles, xs, carry):
-    for t, x in zip(tiles, xs):
-      t.store(y_ref, exp(x - row_peak[:, None]) * scale[:, None])
+  def write(chunks, xs, carry):
+    for (o, m), x in zip(chunks, xs):
+      _store(y_ref, o, m, exp(x - row_peak[:, None]) * scale[:, None])
     return carry
 
   steps.walk(load, write, jnp.int32(0), prefetch)
+  write(edges, edge_xs, None)
 
 
 def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
-                prefetch):
+                prefetch, vec):
   if block_cols >= n_cols:
     t = _one_pass_tile(n_rows, n_cols, block_rows, block_cols)
     y, dy = t.load(y_ref), t.load(dy_ref)
@@ -174,41 +242,52 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols
     return
 
   steps = _Steps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
-                 unroll=unroll)
+                 unroll=unroll, vec=vec)
 
-  def load(tiles):
-    return [(t.load(y_ref), t.load(dy_ref)) for t in tiles]
+  def load(chunks):
+    return [(_load(y_ref, o, m), _load(dy_ref, o, m)) for o, m in chunks]
 
-  def dot(tiles, loaded, acc):  # per lane, reduced across the row once after the loop
-    del tiles
+  def dot(chunks, loaded, acc):  # per lane, reduced across the row once after the loop
+    del chunks
     for y, dy in loaded:
       acc = acc + y * dy
     return acc
 
+  edges = steps.edges()
+  edge_loaded = load(edges)
   inner = jnp.sum(steps.walk(load, dot, steps.lanes(0.0), prefetch), axis=1)
+  for y, dy in edge_loaded:
+    inner = inner + jnp.sum(y * dy, axis=1)
 
-  def write(tiles, loaded, carry):
-    for t, (y, dy) in zip(tiles, loaded):
-      t.store(dx_ref, y * (dy - inner[:, None]))
+  def write(chunks, loaded, carry):
+    for (o, m), (y, dy) in zip(chunks, loaded):
+      _store(dx_ref, o, m, y * (dy - inner[:, None]))
     return carry
 
   steps.walk(load, write, jnp.int32(0), prefetch)
+  write(edges, edge_loaded, None)
 
 
 def _row_call(kernel, operands, out_dtype, block_rows, num_warps, unroll, config, cost, name,
               interpret):
   n_rows, n_cols = operands[0].shape
-  return pl.pallas_call(
+  online = config.block_cols < n_cols
+  # The online path indexes rows in a flat view (_Steps); a 16-byte vector of the narrowest
+  # operand sets where its rows' bodies may start.
+  vec = 16 // min(jnp.dtype(a.dtype).itemsize for a in (*operands, jnp.empty(0, out_dtype)))
+  out = pl.pallas_call(
       functools.partial(kernel, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
                         block_cols=config.block_cols, unroll=unroll,
-                        prefetch=config.prefetch),
-      out_shape=jax.ShapeDtypeStruct(operands[0].shape, out_dtype),
+                        prefetch=config.prefetch, vec=vec),
+      out_shape=jax.ShapeDtypeStruct((n_rows * n_cols,) if online else (n_rows, n_cols),
+                                     out_dtype),
       grid=(cdiv(n_rows, block_rows),),
       compiler_params=triton_params(num_warps),
       cost_estimate=cost.estimate(),
       interpret=interpret,
       name=name,
-  )(*operands)
+  )(*[a.reshape(-1) if online else a for a in operands])
+  return out.reshape(n_rows, n_cols)
 
 
 def forward(x, *, config: Config, interpret=False):
