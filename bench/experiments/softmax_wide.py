@@ -11,11 +11,12 @@ at 65536 and at 32768 fit one program an SM. Now the online kernels keep per-lan
 both ways at 65536; a program's loads still stop while it computes. Then: with the next step's
 loads issued before a step's math (prefetch)? (bench/NOTES.md runs 29-30.)
 
-  python -m bench.experiments.softmax_wide [OUT.json [OUT.pkl]]
+  [SOFTMAX_WIDE_COLS=50257,...] python -m bench.experiments.softmax_wide [OUT.json [OUT.pkl]]
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax
@@ -28,7 +29,8 @@ from jaxkernels.ops.softmax import reference, triton
 
 import jaxkernels as jk
 
-SHAPES = ((1024, 65536), (2048, 32768), (1024, 50257))
+SHAPES = tuple(s for s in ((1024, 65536), (2048, 32768), (1024, 50257))
+               if str(s[1]) in os.environ.get("SOFTMAX_WIDE_COLS", str(s[1])).split(","))
 N_SETS = 12
 
 
