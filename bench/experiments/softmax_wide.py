@@ -9,7 +9,8 @@ at 65536 and at 32768 fit one program an SM. Now the online kernels keep per-lan
 (no cross-warp reduction in the loop) over ``unroll`` chunks a step: which sizes? Run 30:
 32 warps (one program an SM, few rows in flight) and 32768 columns a step were best, ~2850 GB/s
 both ways at 65536; a program's loads still stop while it computes. Then: with the next step's
-loads issued before a step's math (prefetch)? (bench/NOTES.md runs 29-30.)
+loads issued before a step's math (prefetch)? (bench/NOTES.md runs 29-30.) Run 38: the same
+configs at 50257 once rows were read from 16-byte boundaries.
 
   [SOFTMAX_WIDE_COLS=50257,...] python -m bench.experiments.softmax_wide [OUT.json [OUT.pkl]]
 """
