@@ -90,6 +90,7 @@ class TestSoftmaxTriton(SoftmaxTest):
     y, (dx,) = self.check(x, ct, jnp.float32, config=config)
     assert np.all(np.asarray(y[2]) == 0) and np.all(np.isfinite(np.asarray(dx)))
 
+  @pytest.mark.parametrize("flat", [True, False])
   @pytest.mark.parametrize("dtype,shape,block_cols,unroll,prefetch", [
       (jnp.float32, (5, 301), 64, 1, False),  # 301 = 75 vectors of 4 + 1: rows off alignment
       (jnp.bfloat16, (5, 300), 64, 3, False),  # a multiple of 4, not of 8
@@ -97,10 +98,14 @@ class TestSoftmaxTriton(SoftmaxTest):
       (jnp.bfloat16, (9, 13), 4, 1, False),  # bodies of one vector, edges on both sides
       (jnp.bfloat16, (6, 5), 4, 2, False),  # rows shorter than a vector: no body at all
   ])
-  def test_online_unaligned_rows(self, dtype, shape, block_cols, unroll, prefetch):
-    """Rows whose width is not a multiple of a 16-byte vector: each row's body is walked from a
-    vector boundary and its head and tail, under a vector each, are loaded apart; with a fully
-    masked row, a row masked from its middle and a partial row block."""
+  def test_online_unaligned_rows(self, dtype, shape, block_cols, unroll, prefetch, flat,
+                                 monkeypatch):
+    """Rows whose width is not a multiple of a 16-byte vector: through the flat view, each row's
+    body is walked from a vector boundary and its head and tail are loaded apart; past
+    FLAT_MAX_ELEMENTS (here lowered to the array's size), by (row, column) as aligned rows are.
+    With a fully masked row, a row masked from its middle and a partial row block."""
+    if not flat:
+      monkeypatch.setattr(softmax_triton, "FLAT_MAX_ELEMENTS", shape[0] * shape[1])
     x, ct = self.inputs(shape, dtype, "unaligned")
     x = x.at[1].set(-jnp.inf).at[shape[0] - 1, shape[1] // 2:].set(-jnp.inf)
     config = softmax_triton.Config(block_rows=2, block_cols=block_cols, num_warps=4,
@@ -108,11 +113,6 @@ class TestSoftmaxTriton(SoftmaxTest):
                                    bwd_unroll=unroll, prefetch=prefetch)
     y, (dx,) = self.check(x, ct, dtype, config=config)
     assert np.all(np.asarray(y[1]) == 0) and np.all(np.isfinite(np.asarray(dx, np.float32)))
-
-  def test_online_beyond_int32_offsets_is_refused(self):
-    x = jax.ShapeDtypeStruct((32768, 65536), jnp.bfloat16)  # 2**31 elements
-    support = jk.supports("softmax", "triton", x)
-    assert not support and "2**31" in support.reason
 
   def test_online_heuristic(self):
     """Past MAX_ONE_PASS_COLS the heuristic takes one row a program, unrolled chunks."""

@@ -9,9 +9,9 @@ Online, one program takes one row, ``unroll`` chunks a step, and keeps its
 running maximum and sum per lane (one value per column of a chunk), reducing
 across the row once at the end: the loop has no cross-warp reduction, so a
 step's loads are all in flight together, and few rows are in flight at once,
-so the second read of a row can come from the L2 (not measured). It reads the
-rows through a flat view, from 16-byte boundaries, whatever the width
-(``_Steps``).
+so the second read of a row can come from the L2 (not measured). Rows that
+are not a whole number of 16-byte vectors are read through a flat view, from
+vector boundaries (``_Steps``).
 """
 
 from __future__ import annotations
@@ -78,10 +78,7 @@ def heuristic(x, chip: hardware.Chip) -> Config:
 
 
 def unsupported(x, chip) -> str | None:
-  del chip
-  if next_pow2(x.shape[-1]) > MAX_ONE_PASS_COLS and x.size >= 2**31:
-    return (f"rows of {x.shape[-1]} take the online path, whose int32 offsets into the "
-            f"flattened array reach 2**31 elements; got shape {x.shape}")
+  del x, chip
   return None
 
 
@@ -90,58 +87,62 @@ def _finite(m):
   return jnp.where(m == -jnp.inf, 0.0, m)
 
 
-class _Steps:
-  """The online path's walk over a row block of a flat view: ``unroll`` chunks of
-  ``block_cols`` a step.
+# The flat view's offsets are int32 (Pallas kernels trace without 64-bit integers): arrays of
+# more elements take the 2-D indexing, whose offsets Pallas widens itself.
+FLAT_MAX_ELEMENTS = 2**31
 
-  A row of the (M, N) array starts at element r * N of the flat view. Where N is not a multiple
-  of a 16-byte vector (``vec`` elements), most rows start and end off a vector boundary, and a
-  load whose columns might cross one is issued element by element (16-bit loads for bfloat16:
-  1.5-2.0 TB/s at N = 50257, run 30). So each row is split: a body from the first vector
-  boundary at or after its start to the last one at or before its end, walked in chunks that
-  start on a boundary and are masked at one (16-byte loads), and two edges of under ``vec``
-  elements each, loaded once. Rows of a multiple of ``vec`` are all body; rows shorter than
-  ``vec`` (only under a config's small ``block_cols``) are all head.
+
+class _Steps:
+  """The online path's walk over a row block: ``unroll`` chunks of ``block_cols`` a step.
+
+  Rows of a whole number of 16-byte vectors (``vec`` elements) are indexed as (row, column) of
+  the (M, N) array. Other rows start and end off a vector boundary, and a load whose columns
+  might cross one is issued element by element (16-bit loads for bfloat16: 1.4-1.9 TB/s at
+  N = 50257, run 30). Those (``flat``) are read through the flat view of the array: each row's
+  body, from the first vector boundary at or after its start to the last one at or before its
+  end, is walked in chunks that start on a boundary and are masked at one (vector loads), and
+  its head and tail, under ``vec`` elements each, are loaded apart (run 38: 2.1-2.8 TB/s).
+  A row shorter than ``vec`` (only under a config's small ``block_cols``) is all head.
   """
 
-  def __init__(self, *, n_rows, n_cols, block_rows, block_cols, unroll, vec):
-    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
-    self.start = rows * n_cols
-    self.end = self.start + n_cols
-    self.aligned = n_cols % vec == 0
-    self.vec = vec
-    # A row of at least vec elements holds a vector boundary; a shorter one may not, and is
-    # all head.
-    self.short = n_cols < vec
-    if self.aligned:
-      self.body0, self.body1 = self.start, self.end
-    elif self.short:
-      self.body0 = self.body1 = self.end
-    else:  # multiples of vec that Triton's alignment analysis can see through
-      self.body0 = (self.start + vec - 1) // vec * vec
-      self.body1 = self.end // vec * vec
-    self.row_mask = rows < n_rows if n_rows % block_rows else None
+  def __init__(self, *, n_rows, n_cols, block_rows, block_cols, unroll, vec, flat):
+    self.rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
+    self.flat, self.vec = flat, vec
+    self.row_mask = self.rows < n_rows if n_rows % block_rows else None
     self.block_rows, self.block_cols, self.unroll = block_rows, block_cols, unroll
+    self.n_cols = n_cols
     self.count = cdiv(n_cols, block_cols * unroll)
-    # Chunks past the body's end (the last step's) are masked out whole.
-    self.mask_cols = not self.aligned or n_cols % (block_cols * unroll) != 0
+    # Chunks past the row's (the body's) end, the last step's, are masked out whole.
+    self.mask_cols = flat or n_cols % (block_cols * unroll) != 0
+    if flat:
+      self.start = self.rows * n_cols
+      self.end = self.start + n_cols
+      self.short = n_cols < vec  # no vector boundary need lie inside the row
+      if self.short:
+        self.body0 = self.body1 = self.end
+      else:  # multiples of vec that Triton's alignment analysis can see through
+        self.body0 = (self.start + vec - 1) // vec * vec
+        self.body1 = self.end // vec * vec
 
   def _masked(self, mask):
     return both(mask, None if self.row_mask is None else self.row_mask[:, None])
 
   def chunks(self, step):
-    """(offsets, mask) of each of a step's body chunks, (block_rows, block_cols) each."""
+    """(index, mask) of each of a step's chunks, (block_rows, block_cols) each."""
     out = []
     for u in range(self.unroll):
-      offsets = self.body0[:, None] + ((step * self.unroll + u) * self.block_cols
-                                       + jnp.arange(self.block_cols))[None, :]
-      mask = offsets < self.body1[:, None] if self.mask_cols else None
-      out.append((offsets, self._masked(mask)))
+      cols = (step * self.unroll + u) * self.block_cols + jnp.arange(self.block_cols)
+      if self.flat:
+        offsets = self.body0[:, None] + cols[None, :]
+        out.append((offsets, self._masked(offsets < self.body1[:, None])))
+      else:
+        mask = (cols < self.n_cols)[None, :] if self.mask_cols else None
+        out.append(((self.rows[:, None], cols[None, :]), self._masked(mask)))
     return out
 
   def edges(self):
-    """(offsets, mask) of the elements before the body and after it: none for aligned rows."""
-    if self.aligned:
+    """(index, mask) of the elements before the body and after it: none unless flat."""
+    if not self.flat:
       return []
     lane = jnp.arange(self.vec)[None, :]
     head = self.start[:, None] + lane
@@ -172,14 +173,14 @@ class _Steps:
     return lax.fori_loop(0, self.count, step, (carry, load(self.chunks(0))))[0]
 
 
-def _load(ref, offsets, mask, other=0.0):
+def _load(ref, index, mask, other=0.0):
   if mask is None:
-    return pltriton.load(ref.at[offsets]).astype(jnp.float32)
-  return pltriton.load(ref.at[offsets], mask=mask, other=other).astype(jnp.float32)
+    return pltriton.load(ref.at[index]).astype(jnp.float32)
+  return pltriton.load(ref.at[index], mask=mask, other=other).astype(jnp.float32)
 
 
-def _store(ref, offsets, mask, value):
-  pltriton.store(ref.at[offsets], value.astype(ref.dtype), mask=mask)
+def _store(ref, index, mask, value):
+  pltriton.store(ref.at[index], value.astype(ref.dtype), mask=mask)
 
 
 def _one_pass_tile(n_rows, n_cols, block_rows, block_cols):
@@ -188,7 +189,8 @@ def _one_pass_tile(n_rows, n_cols, block_rows, block_cols):
                  mask_cols=n_cols % block_cols != 0)
 
 
-def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll, prefetch, vec):
+def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll, prefetch, vec,
+                flat):
   if block_cols >= n_cols:
     t = _one_pass_tile(n_rows, n_cols, block_rows, block_cols)
     x = t.load(x_ref, other=-jnp.inf)
@@ -198,7 +200,7 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
     return
 
   steps = _Steps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
-                 unroll=unroll, vec=vec)
+                 unroll=unroll, vec=vec, flat=flat)
 
   def load(chunks):  # a step's chunks, all in flight before any is used
     return [_load(x_ref, o, m, -jnp.inf) for o, m in chunks]
@@ -234,7 +236,7 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
 
 
 def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
-                prefetch, vec):
+                prefetch, vec, flat):
   if block_cols >= n_cols:
     t = _one_pass_tile(n_rows, n_cols, block_rows, block_cols)
     y, dy = t.load(y_ref), t.load(dy_ref)
@@ -242,7 +244,7 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols
     return
 
   steps = _Steps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
-                 unroll=unroll, vec=vec)
+                 unroll=unroll, vec=vec, flat=flat)
 
   def load(chunks):
     return [(_load(y_ref, o, m), _load(dy_ref, o, m)) for o, m in chunks]
@@ -271,22 +273,22 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols
 def _row_call(kernel, operands, out_dtype, block_rows, num_warps, unroll, config, cost, name,
               interpret):
   n_rows, n_cols = operands[0].shape
-  online = config.block_cols < n_cols
-  # The online path indexes rows in a flat view (_Steps); a 16-byte vector of the narrowest
-  # operand sets where its rows' bodies may start.
-  vec = 16 // min(jnp.dtype(a.dtype).itemsize for a in (*operands, jnp.empty(0, out_dtype)))
+  # A 16-byte vector of the narrowest operand: rows of a multiple of it start on a boundary.
+  vec = 16 // min(jnp.dtype(d).itemsize for d in (*(a.dtype for a in operands), out_dtype))
+  flat = (config.block_cols < n_cols and n_cols % vec != 0
+          and n_rows * n_cols < FLAT_MAX_ELEMENTS)  # the online path's flat view (_Steps)
   out = pl.pallas_call(
       functools.partial(kernel, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
                         block_cols=config.block_cols, unroll=unroll,
-                        prefetch=config.prefetch, vec=vec),
-      out_shape=jax.ShapeDtypeStruct((n_rows * n_cols,) if online else (n_rows, n_cols),
+                        prefetch=config.prefetch, vec=vec, flat=flat),
+      out_shape=jax.ShapeDtypeStruct((n_rows * n_cols,) if flat else (n_rows, n_cols),
                                      out_dtype),
       grid=(cdiv(n_rows, block_rows),),
       compiler_params=triton_params(num_warps),
       cost_estimate=cost.estimate(),
       interpret=interpret,
       name=name,
-  )(*[a.reshape(-1) if online else a for a in operands])
+  )(*[a.reshape(-1) if flat else a for a in operands])
   return out.reshape(n_rows, n_cols)
 
 
