@@ -194,31 +194,33 @@ class Tile:
     No eviction hint: evict_first on these streamed loads cost 1-5% on an H200
     (bench/NOTES.md, run 5).
     """
-    if self.mask is None:
-      return pltriton.load(ref.at[self.index]).astype(jnp.float32)
-    return pltriton.load(ref.at[self.index], mask=self.mask, other=other).astype(jnp.float32)
+    return load_vector(ref, self.index, self.mask, other)
 
   def store(self, ref, value):
-    pltriton.store(ref.at[self.index], value.astype(ref.dtype), mask=self.mask)
+    store_vector(ref, self.index, value, self.mask)
 
   def load_cols(self, ref, other=0.0):
     """A row vector ref[cols] (e.g. a scale) as float32."""
-    if self.col_mask is None:
-      return pltriton.load(ref.at[self.cols]).astype(jnp.float32)
-    return pltriton.load(ref.at[self.cols], mask=self.col_mask, other=other).astype(jnp.float32)
+    return load_vector(ref, self.cols, self.col_mask, other)
 
   def load_rows(self, ref, other=0.0):
     """A column vector ref[rows] (e.g. per-row statistics) as float32."""
-    if self.row_mask is None:
-      return pltriton.load(ref.at[self.rows]).astype(jnp.float32)
-    return pltriton.load(ref.at[self.rows], mask=self.row_mask, other=other).astype(jnp.float32)
+    return load_vector(ref, self.rows, self.row_mask, other)
 
   def store_rows(self, ref, value):
-    pltriton.store(ref.at[self.rows], value.astype(ref.dtype), mask=self.row_mask)
+    store_vector(ref, self.rows, value, self.row_mask)
 
 
-def store_vector(ref, offsets, value, mask):
-  pltriton.store(ref.at[offsets], value.astype(ref.dtype), mask=mask)
+def load_vector(ref, index, mask, other=0.0):
+  """ref[index] as float32 (index: an integer array or a tuple of them), masked lanes read
+  ``other``; a None mask loads unmasked."""
+  if mask is None:
+    return pltriton.load(ref.at[index]).astype(jnp.float32)
+  return pltriton.load(ref.at[index], mask=mask, other=other).astype(jnp.float32)
+
+
+def store_vector(ref, index, value, mask):
+  pltriton.store(ref.at[index], value.astype(ref.dtype), mask=mask)
 
 
 # --------------------------------------------------------------------------- #

@@ -23,12 +23,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import hardware, roofline
 from jaxkernels._activations import exp
-from jaxkernels._pallas import (Tile, both, cdiv, check_fields, is_pow2, next_pow2,
-                                triton_params)
+from jaxkernels._pallas import (Tile, both, cdiv, check_fields, is_pow2, load_vector,
+                                next_pow2, store_vector, triton_params)
 
 MAX_ONE_PASS_COLS = 16384
 TARGET_TILE = 8192  # as for the norms (bench/NOTES.md)
@@ -173,16 +172,6 @@ class _Steps:
     return lax.fori_loop(0, self.count, step, (carry, load(self.chunks(0))))[0]
 
 
-def _load(ref, index, mask, other=0.0):
-  if mask is None:
-    return pltriton.load(ref.at[index]).astype(jnp.float32)
-  return pltriton.load(ref.at[index], mask=mask, other=other).astype(jnp.float32)
-
-
-def _store(ref, index, mask, value):
-  pltriton.store(ref.at[index], value.astype(ref.dtype), mask=mask)
-
-
 def _one_pass_tile(n_rows, n_cols, block_rows, block_cols):
   return Tile.at(pl.program_id(0) * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
                  n_cols=n_cols, mask_rows=n_rows % block_rows != 0,
@@ -203,7 +192,7 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
                  unroll=unroll, vec=vec, flat=flat)
 
   def load(chunks):  # a step's chunks, all in flight before any is used
-    return [_load(x_ref, o, m, -jnp.inf) for o, m in chunks]
+    return [load_vector(x_ref, o, m, -jnp.inf) for o, m in chunks]
 
   def online(chunks, xs, carry):  # per lane: the running maximum and the sum rescaled to it
     del chunks
@@ -228,7 +217,7 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
 
   def write(chunks, xs, carry):
     for (o, m), x in zip(chunks, xs):
-      _store(y_ref, o, m, exp(x - row_peak[:, None]) * scale[:, None])
+      store_vector(y_ref, o, exp(x - row_peak[:, None]) * scale[:, None], m)
     return carry
 
   steps.walk(load, write, jnp.int32(0), prefetch)
@@ -247,7 +236,7 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols
                  unroll=unroll, vec=vec, flat=flat)
 
   def load(chunks):
-    return [(_load(y_ref, o, m), _load(dy_ref, o, m)) for o, m in chunks]
+    return [(load_vector(y_ref, o, m), load_vector(dy_ref, o, m)) for o, m in chunks]
 
   def dot(chunks, loaded, acc):  # per lane, reduced across the row once after the loop
     del chunks
@@ -263,7 +252,7 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols
 
   def write(chunks, loaded, carry):
     for (o, m), (y, dy) in zip(chunks, loaded):
-      _store(dx_ref, o, m, y * (dy - inner[:, None]))
+      store_vector(dx_ref, o, y * (dy - inner[:, None]), m)
     return carry
 
   steps.walk(load, write, jnp.int32(0), prefetch)
