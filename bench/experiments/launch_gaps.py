@@ -53,30 +53,40 @@ def _sets():
           for k in keys]
 
 
+def device_events(run):
+  """(start_ns, duration_ns, name) of every event on the GPU's streams while ``run()`` runs under
+  a profiler trace, sorted by start."""
+  import jax
+  from jax.profiler import ProfileData
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      run()
+    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    data = ProfileData.from_file(path)
+  events = []
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "Stream" in line.name:
+        events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+  return sorted(events)
+
+
 def _trace_gaps(fn, sets):
   """Events on the GPU's streams during three runs of the batched program: per name, count
   and total time, and the idle time between consecutive events."""
   import jax
-  from jax.profiler import ProfileData
 
   from jaxkernels import tuning
   program = tuning.over_sets(fn)
   jax.block_until_ready(program(sets))
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      for _ in range(3):
-        jax.block_until_ready(program(sets))
-    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-    data = ProfileData.from_file(path)
-    events = []
-    for plane in data.planes:
-      if not plane.name.startswith("/device:GPU"):
-        continue
-      for line in plane.lines:
-        if "Stream" not in line.name:
-          continue
-        events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
-  events.sort()
+
+  def run():
+    for _ in range(3):
+      jax.block_until_ready(program(sets))
+
+  events = device_events(run)
   names, gaps = {}, []
   for i, (start, dur, name) in enumerate(events):
     count, total = names.get(name, (0, 0.0))

@@ -17,12 +17,10 @@ the gaps between the programs on the device.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 CALLS = (1, 3, 10, 30)
@@ -71,24 +69,20 @@ def _trace_round(program, sets, calls=10):
   """Device events of one round of ``calls`` programs: the gaps over 5 us between events, the
   span from the first event's start to the last one's end, and the busy time."""
   import jax
-  from jax.profiler import ProfileData
+
+  from bench.experiments.launch_gaps import device_events
   jax.block_until_ready(program(sets))
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      start = time.perf_counter()
-      for _ in range(calls):
-        out = program(sets)
-      jax.block_until_ready(out)
-      wall = (time.perf_counter() - start) * 1e6
-    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-    data = ProfileData.from_file(path)
-    events = []
-    for plane in data.planes:
-      if plane.name.startswith("/device:GPU"):
-        for line in plane.lines:
-          if "Stream" in line.name:
-            events += [(e.start_ns, e.duration_ns) for e in line.events]
-  events.sort()
+  walls = []
+
+  def run():
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = program(sets)
+    jax.block_until_ready(out)
+    walls.append((time.perf_counter() - start) * 1e6)
+
+  events = [(start, duration) for start, duration, _ in device_events(run)]
+  wall = walls[0]
   if not events:
     return {"wall_us": round(wall, 1), "events": 0, "span_us": 0, "busy_us": 0,
             "gaps_over_5us": []}
