@@ -1,43 +1,42 @@
 """python -m bench.profile: run each headline norm kernel a few times, for `ncu` to profile.
 
-Example (on the GPU machine). Without XLA_PYTHON_CLIENT_PREALLOCATE=false, JAX holds most of
-the GPU's memory and ncu saves and restores all of it for every replay pass (500 s for 14
-kernels, bench/NOTES.md run 3b); profile few kernels:
-  XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:jk_rms \\
-      --launch-skip 4 --launch-count 2 --section SpeedOfLight --section Occupancy \\
-      --section LaunchStats --section WarpStateStats python -m bench.profile
+Runs, at (16384, 4096) bf16 with the shipped heuristics, two forwards each of: rms_norm+residual,
+layer_norm+residual with a bias, and without one, in that order, then one forward+backward of
+each norm with residual. Example (on the GPU machine). Without
+XLA_PYTHON_CLIENT_PREALLOCATE=false, JAX holds most of the GPU's memory and ncu saves and
+restores all of it for every replay pass (500 s for 14 kernels, bench/NOTES.md run 3b):
+  XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:jk_ \\
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
+      --section Occupancy --section LaunchStats python -m bench.profile
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 
 import jaxkernels as jk
-from bench import ceilings, shapes
-from jaxkernels.ops.norms import triton as norms_triton
+from bench import shapes
 
 
 def main():
   rows, cols = shapes.HEADLINE_ROWS
-  keys = jax.random.split(jax.random.key(0), 4)
-  x, r, dy, dh = (jax.random.normal(k, (rows, cols), jnp.bfloat16) for k in keys)
-  s = jnp.ones((cols,), jnp.float32)
-  b = jnp.zeros((cols,), jnp.float32)
-  config = norms_triton.Config(block_rows=2, block_cols=cols, num_warps=8, bwd_block_rows=1,
-                               bwd_num_warps=8, bwd_programs=264)
-  stream = jax.jit(functools.partial(ceilings.stream, block_rows=2, num_warps=8))
-  rms = jax.jit(lambda x, r, s, dy, dh: jax.vjp(
-      lambda x, r: jk.rms_norm(x, s, residual=r, config=config), x, r)[1]((dy, dh)))
-  ln = jax.jit(lambda x, s, b: jk.layer_norm(x, s, b, config=config))
-  for _ in range(5):  # jk_stream x5, jk_rms_norm_fwd/bwd x5, jk_layer_norm_fwd x5
-    jax.block_until_ready(stream([x, r]))
-  for _ in range(5):
-    jax.block_until_ready(rms(x, r, s, dy, dh))
-  for _ in range(5):
-    jax.block_until_ready(ln(x, s, b))
+  keys = jax.random.split(jax.random.key(0), 6)
+  x, r, dy, dh = (jax.random.normal(k, (rows, cols), jnp.bfloat16) for k in keys[:4])
+  s = 1 + 0.1 * jax.random.normal(keys[4], (cols,), jnp.float32)
+  b = 0.1 * jax.random.normal(keys[5], (cols,), jnp.float32)
+  forwards = {
+      "rms": lambda x, r: jk.rms_norm(x, s, residual=r, implementation="triton"),
+      "layer+bias": lambda x, r: jk.layer_norm(x, s, b, residual=r, implementation="triton"),
+      "layer": lambda x, r: jk.layer_norm(x, s, None, residual=r, implementation="triton"),
+  }
+  for fn in forwards.values():
+    fn = jax.jit(fn)
+    for _ in range(2):
+      jax.block_until_ready(fn(x, r))
+  for name in ("rms", "layer+bias"):
+    fwd_bwd = jax.jit(lambda x, r, f=forwards[name]: jax.vjp(f, x, r)[1]((dy, dh)))
+    jax.block_until_ready(fwd_bwd(x, r))
 
 
 if __name__ == "__main__":
