@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import hardware, roofline
 from jaxkernels._pallas import (Tile, cdiv, check_fields, is_pow2, next_pow2, row_sums,
@@ -43,7 +42,6 @@ FWD_ELEMENTS_PER_THREAD = {False: 16, True: 32}  # by layer
 TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
-FWD_VECTORS = "late"  # TEMPORARY run-40 switch: late, paired, early, early_tile
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,7 +98,7 @@ def _centered(h, mean, col_mask):
 
 
 def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows,
-                block_cols, eps, vectors_mode="late"):
+                block_cols, eps):
   refs = list(refs)
   x_ref = refs.pop(0)
   r_ref = refs.pop(0) if has_residual else None
@@ -123,29 +121,10 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
     h = t.load(x_ref)
     return h + t.load(r_ref) if has_residual else h
 
-  def vec(t, ref, two_d):  # TEMPORARY run-40 variants
-    if not two_d:
-      return t.load_cols(ref)[None, :]
-    idx = jnp.zeros((block_rows, 1), jnp.int32) + t.cols[None, :]
-    if t.col_mask is None:
-      return pltriton.load(ref.at[idx]).astype(jnp.float32)
-    mask = jnp.broadcast_to(t.col_mask[None, :], idx.shape)
-    return pltriton.load(ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-
-  def vectors(t, two_d=False):
-    return vec(t, s_ref, two_d), (vec(t, b_ref, two_d) if has_bias else None)
-
-  def write_y(t, h, mean, rstd, vecs=None):
-    if vecs is None and vectors_mode == "paired":
-      vecs = vectors(t)
-    if vecs is None:
-      y = _centered(h, mean, t.col_mask) * rstd[:, None] * t.load_cols(s_ref)[None, :]
-      if has_bias:
-        y = y + t.load_cols(b_ref)[None, :]
-    else:
-      y = _centered(h, mean, t.col_mask) * rstd[:, None] * vecs[0]
-      if has_bias:
-        y = y + vecs[1]
+  def write_y(t, h, mean, rstd):
+    y = _centered(h, mean, t.col_mask) * rstd[:, None] * t.load_cols(s_ref)[None, :]
+    if has_bias:
+      y = y + t.load_cols(b_ref)[None, :]
     t.store(y_ref, y)
 
   def write_stats(t, mean, rstd):
@@ -197,8 +176,6 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
     # the store, the SASS issued it only once the stores were: 0.7% on the kernel clock, run 27).
     first = Tile(t.rows, jnp.zeros((1,), jnp.int32), t.row_mask, None)
     pivot = load_h(first)[:, 0]
-  vecs = (vectors(t, vectors_mode == "early_tile")
-          if vectors_mode in ("early", "early_tile") else None)
   if has_residual:
     t.store(h_ref, h)
   if layer:
@@ -210,7 +187,7 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
   else:
     mean, var = None, jnp.sum(h * h, axis=1) / n_cols
   rstd = lax.rsqrt(var + eps)
-  write_y(t, h, mean, rstd, vecs)
+  write_y(t, h, mean, rstd)
   write_stats(t, mean, rstd)
 
 
@@ -329,7 +306,7 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
   kernel = functools.partial(
       _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
       n_rows=n_rows, n_cols=n_cols, block_rows=config.block_rows,
-      block_cols=config.block_cols, eps=eps, vectors_mode=FWD_VECTORS)
+      block_cols=config.block_cols, eps=eps)
   stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
   if residual is not None:
