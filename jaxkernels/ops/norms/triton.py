@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 
 from jaxkernels import hardware, roofline
 from jaxkernels._pallas import (Tile, cdiv, check_fields, is_pow2, next_pow2, row_sums,
-                                store_vector, triton_params)
+                                store_vector, triton_math, triton_params)
 
 # Widest row (power-of-two padded) kept in registers in one pass; wider rows are chunked.
 MAX_ONE_PASS_COLS = 16384
@@ -98,7 +98,7 @@ def _centered(h, mean, col_mask):
 
 
 def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows,
-                block_cols, eps):
+                block_cols, eps, fma):
   refs = list(refs)
   x_ref = refs.pop(0)
   r_ref = refs.pop(0) if has_residual else None
@@ -122,10 +122,9 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
     return h + t.load(r_ref) if has_residual else h
 
   def write_y(t, h, mean, rstd):
-    y = _centered(h, mean, t.col_mask) * rstd[:, None] * t.load_cols(s_ref)[None, :]
-    if has_bias:
-      y = y + t.load_cols(b_ref)[None, :]
-    t.store(y_ref, y)
+    n = _centered(h, mean, t.col_mask) * rstd[:, None]
+    s = t.load_cols(s_ref)[None, :]
+    t.store(y_ref, fma(n, s, t.load_cols(b_ref)[None, :]) if has_bias else n * s)
 
   def write_stats(t, mean, rstd):
     t.store_rows(rstd_ref, rstd)
@@ -192,7 +191,7 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
 
 
 def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols,
-                         block_rows, block_cols, iters, mask_rows):
+                         block_rows, block_cols, iters, mask_rows, fma):
   refs = list(refs)
   h_ref, s_ref, dy_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   dh_ref = refs.pop(0) if has_dh else None
@@ -222,16 +221,17 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
     g = dy * s[None, :]
     if layer:
       gn, g_sum = row_sums(g * n, g)
-      dh = g - n * (gn / n_cols)[:, None] - (g_sum / n_cols)[:, None]
+      dh = fma(n, (-gn / n_cols)[:, None], g - (g_sum / n_cols)[:, None])
     else:
-      dh = g - n * (jnp.sum(g * n, axis=1) / n_cols)[:, None]
-    dh = dh * rstd[:, None]
-    if has_dh:
-      dh = dh + dh_in
+      dh = fma(n, (-jnp.sum(g * n, axis=1) / n_cols)[:, None], g)
+    dh = fma(dh, rstd[:, None], dh_in) if has_dh else dh * rstd[:, None]
     t.store(dx_ref, dh)
     if dual_dx:
       t.store(dr_ref, dh)
-    ds = ds + jnp.sum(dy * n, axis=0)
+    if block_rows == 1:  # the row is the partial sum's update: one FMA an element
+      ds = jnp.sum(fma(dy, n, ds[None, :]), axis=0)
+    else:
+      ds = ds + jnp.sum(dy * n, axis=0)
     if has_bias:
       db = db + jnp.sum(dy, axis=0)
     return ds, db
@@ -306,7 +306,7 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
   kernel = functools.partial(
       _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
       n_rows=n_rows, n_cols=n_cols, block_rows=config.block_rows,
-      block_cols=config.block_cols, eps=eps)
+      block_cols=config.block_cols, eps=eps, fma=triton_math(interpret).fma)
   stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
   if residual is not None:
@@ -370,7 +370,7 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
         _bwd_one_pass_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
         dual_dx=dual_dx, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
         block_cols=config.block_cols, iters=iters,
-        mask_rows=iters * programs * block_rows != n_rows)
+        mask_rows=iters * programs * block_rows != n_rows, fma=triton_math(interpret).fma)
     partial_sums = jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)
     dx, dr, sums = call(kernel, programs, [partial_sums] * (2 if bias is not None else 1))
     dscale = sums[0].reshape(programs, n_cols).sum(axis=0)
