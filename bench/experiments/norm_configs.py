@@ -18,10 +18,11 @@ import pickle
 import sys
 
 SHAPE = tuple(int(v) for v in os.environ.get("NORM_CONFIGS_SHAPE", "16384x4096").split("x"))
-# (block_rows, num_warps) and (bwd_block_rows, bwd_num_warps, bwd_programs), as in run 33
-# (bench/NOTES.md).
-FWD = ((2, 8), (2, 16), (1, 8), (1, 4), (4, 16), (4, 32))
-BWD = ((1, 8, 264), (1, 8, 256), (2, 16, 132), (1, 16, 132), (1, 4, 528))
+# (block_rows, num_warps) and (bwd_block_rows, bwd_num_warps, bwd_programs); run 33 timed
+# FWD (2, 8), (2, 16), (1, 8), (1, 4), (4, 16), (4, 32) and BWD (1, 8, 264), (1, 8, 256),
+# (2, 16, 132), (1, 16, 132), (1, 4, 528) (bench/NOTES.md); run 43 these, after the FMAs.
+FWD = ((2, 8), (2, 16), (2, 32), (1, 8), (1, 16), (4, 32))
+BWD = ((1, 8, 264), (1, 16, 264), (1, 16, 132), (1, 4, 528), (2, 8, 264), (1, 32, 132))
 
 
 def main(out_json, out_pkl=None):
