@@ -203,6 +203,14 @@ class Tile:
     """A row vector ref[cols] (e.g. a scale) as float32."""
     return load_vector(ref, self.cols, self.col_mask, other)
 
+  def load_cols_tiled(self, ref, other=0.0):
+    """ref[cols] broadcast over the tile's rows and loaded in the tile's own layout, so no
+    layout conversion through shared memory (and its barriers) follows the load."""
+    index = jnp.zeros((self.rows.shape[0], 1), jnp.int32) + self.cols[None, :]
+    mask = None if self.col_mask is None else jnp.broadcast_to(self.col_mask[None, :],
+                                                               index.shape)
+    return load_vector(ref, index, mask, other)
+
   def load_rows(self, ref, other=0.0):
     """A column vector ref[rows] (e.g. per-row statistics) as float32."""
     return load_vector(ref, self.rows, self.row_mask, other)

@@ -42,6 +42,7 @@ FWD_ELEMENTS_PER_THREAD = {False: 16, True: 32}  # by layer
 TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
+BWD_SCALE_PER_BLOCK = False  # TEMPORARY run-44 switch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -191,7 +192,7 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
 
 
 def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols,
-                         block_rows, block_cols, iters, mask_rows, fma):
+                         block_rows, block_cols, iters, mask_rows, fma, scale_per_block=False):
   refs = list(refs)
   h_ref, s_ref, dy_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   dh_ref = refs.pop(0) if has_dh else None
@@ -205,7 +206,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
   pid, programs = pl.program_id(0), pl.num_programs(0)
   mask_cols = n_cols % block_cols != 0
   scale = Tile.columns(0, block_cols, n_cols=n_cols, mask_cols=mask_cols)
-  s = scale.load_cols(s_ref)
+  s = None if scale_per_block else scale.load_cols(s_ref)[None, :]
 
   def body(i, carry):  # row blocks pid, pid + programs, ...: d(scale) stays in registers
     ds, db = carry
@@ -218,7 +219,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
     rstd = t.load_rows(rstd_ref)  # 0 for rows past the end: no inf, no NaN
     mean = t.load_rows(mean_ref) if layer else None
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
-    g = dy * s[None, :]
+    g = dy * (t.load_cols_tiled(s_ref) if scale_per_block else s)
     if layer:
       gn, g_sum = row_sums(g * n, g)
       dh = fma(n, (-gn / n_cols)[:, None], g - (g_sum / n_cols)[:, None])
@@ -370,7 +371,8 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
         _bwd_one_pass_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
         dual_dx=dual_dx, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
         block_cols=config.block_cols, iters=iters,
-        mask_rows=iters * programs * block_rows != n_rows, fma=triton_math(interpret).fma)
+        mask_rows=iters * programs * block_rows != n_rows, fma=triton_math(interpret).fma,
+        scale_per_block=BWD_SCALE_PER_BLOCK)
     partial_sums = jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)
     dx, dr, sums = call(kernel, programs, [partial_sums] * (2 if bias is not None else 1))
     dscale = sums[0].reshape(programs, n_cols).sum(axis=0)
