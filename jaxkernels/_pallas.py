@@ -188,13 +188,13 @@ class Tile:
   def index(self):
     return (self.rows[:, None], self.cols[None, :])
 
-  def load(self, ref, other=0.0):
+  def load(self, ref, other=0.0, cache_modifier=None):
     """ref[tile] as float32, masked lanes read ``other``.
 
     No eviction hint: evict_first on these streamed loads cost 1-5% on an H200
     (bench/NOTES.md, run 5).
     """
-    return load_vector(ref, self.index, self.mask, other)
+    return load_vector(ref, self.index, self.mask, other, cache_modifier)
 
   def store(self, ref, value):
     store_vector(ref, self.index, value, self.mask)
@@ -219,12 +219,13 @@ class Tile:
     store_vector(ref, self.rows, value, self.row_mask)
 
 
-def load_vector(ref, index, mask, other=0.0):
+def load_vector(ref, index, mask, other=0.0, cache_modifier=None):
   """ref[index] as float32 (index: an integer array or a tuple of them), masked lanes read
   ``other``; a None mask loads unmasked."""
   if mask is None:
-    return pltriton.load(ref.at[index]).astype(jnp.float32)
-  return pltriton.load(ref.at[index], mask=mask, other=other).astype(jnp.float32)
+    return pltriton.load(ref.at[index], cache_modifier=cache_modifier).astype(jnp.float32)
+  return pltriton.load(ref.at[index], mask=mask, other=other,
+                       cache_modifier=cache_modifier).astype(jnp.float32)
 
 
 def store_vector(ref, index, value, mask):

@@ -43,6 +43,7 @@ TARGET_BWD_TILE = 4096
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
 BWD_SCALE_PER_BLOCK = False  # TEMPORARY run-44 switch
+STREAM_CACHE = None  # TEMPORARY run-45 switch: ".cg" streams x, r, h, dy, dh past L1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,8 +120,8 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
                    n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
 
   def load_h(t):
-    h = t.load(x_ref)
-    return h + t.load(r_ref) if has_residual else h
+    h = t.load(x_ref, cache_modifier=STREAM_CACHE)
+    return h + t.load(r_ref, cache_modifier=STREAM_CACHE) if has_residual else h
 
   def write_y(t, h, mean, rstd):
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
@@ -214,8 +215,8 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
                 n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
     # Every load of the block before the row reduction, so all three streams are in flight
     # together: dh loaded after it (where it is used) cost 4-6% (bench/NOTES.md, run 16).
-    h, dy = t.load(h_ref), t.load(dy_ref)
-    dh_in = t.load(dh_ref) if has_dh else None
+    h, dy = t.load(h_ref, cache_modifier=STREAM_CACHE), t.load(dy_ref, cache_modifier=STREAM_CACHE)
+    dh_in = t.load(dh_ref, cache_modifier=STREAM_CACHE) if has_dh else None
     rstd = t.load_rows(rstd_ref)  # 0 for rows past the end: no inf, no NaN
     mean = t.load_rows(mean_ref) if layer else None
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
