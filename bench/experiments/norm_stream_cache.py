@@ -32,6 +32,11 @@ def main(out_json):
   from jaxkernels import hardware
   from jaxkernels.ops.norms import triton
 
+  # jax 0.11's Pallas Triton accepts ".cg" but looks it up in a table keyed by str() of the
+  # enum, which does not match: register the spelling it checks for.
+  from jax._src.pallas.triton import lowering
+  print("cache modifiers:", list(lowering._STR_TO_CACHE_MODIFIER), flush=True)
+  lowering._STR_TO_CACHE_MODIFIER.setdefault(".cg", lowering.tt_dialect.CacheModifier.CG)
   inputs = {layer: [norms._inputs(*SHAPE, jnp.bfloat16, layer, True)(seed) for seed in range(16)]
             for layer in (True, False)}
   records = []
