@@ -199,9 +199,9 @@ class Tile:
   def store(self, ref, value):
     store_vector(ref, self.index, value, self.mask)
 
-  def load_cols(self, ref, other=0.0):
+  def load_cols(self, ref, other=0.0, cache_modifier=None):
     """A row vector ref[cols] (e.g. a scale) as float32."""
-    return load_vector(ref, self.cols, self.col_mask, other)
+    return load_vector(ref, self.cols, self.col_mask, other, cache_modifier)
 
   def load_cols_tiled(self, ref, other=0.0):
     """ref[cols] broadcast over the tile's rows and loaded in the tile's own layout, so no

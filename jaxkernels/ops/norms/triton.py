@@ -44,6 +44,7 @@ TARGET_BWD_TILE = 4096
 BWD_PROGRAMS_PER_SM = 2
 BWD_SCALE_PER_BLOCK = False  # TEMPORARY run-44 switch
 STREAM_CACHE = None  # TEMPORARY run-45 switch: ".cg" streams x, r, h, dy, dh past L1
+BIAS_CACHE = None  # TEMPORARY run-46 switch: ".cg" reads the forward's bias past L1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,7 +127,8 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
   def write_y(t, h, mean, rstd):
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
     s = t.load_cols(s_ref)[None, :]
-    t.store(y_ref, fma(n, s, t.load_cols(b_ref)[None, :]) if has_bias else n * s)
+    t.store(y_ref, fma(n, s, t.load_cols(b_ref, cache_modifier=BIAS_CACHE)[None, :])
+            if has_bias else n * s)
 
   def write_stats(t, mean, rstd):
     t.store_rows(rstd_ref, rstd)
