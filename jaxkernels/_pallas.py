@@ -146,6 +146,28 @@ def row_sums(a, b):
   return jnp.unstack(jnp.sum(jnp.stack([a, b], axis=-1), axis=1), axis=-1)
 
 
+def _cache_modifier_shim() -> str | None:
+  """The cache modifier for streamed Triton loads: ".cg", or None where it cannot be asked for.
+
+  Pallas Triton (jax 0.10-0.11) accepts ``cache_modifier=".cg"`` and then looks it up in a
+  table keyed by the enum's own names ("cg"), so every use raises KeyError. This registers
+  the dotted spellings it checks for; where the table is gone or spelled otherwise, streamed
+  loads fall back to the default caching.
+  """
+  try:
+    from jax._src.pallas.triton import lowering
+    table = lowering._STR_TO_CACHE_MODIFIER
+  except (ImportError, AttributeError):
+    return None
+  for name in ("ca", "cg"):
+    if name in table:
+      table.setdefault("." + name, table[name])
+  return ".cg" if ".cg" in table else None
+
+
+STREAMED = _cache_modifier_shim()
+
+
 def both(a, b):
   """Elementwise and of two optional masks (None means all true)."""
   if a is None:
@@ -188,28 +210,22 @@ class Tile:
   def index(self):
     return (self.rows[:, None], self.cols[None, :])
 
-  def load(self, ref, other=0.0, cache_modifier=None):
+  def load(self, ref, other=0.0, *, streamed=False):
     """ref[tile] as float32, masked lanes read ``other``.
 
-    No eviction hint: evict_first on these streamed loads cost 1-5% on an H200
-    (bench/NOTES.md, run 5).
+    ``streamed``: the kernel reads these bytes once, so they are read past L1 (``.cg``),
+    leaving L1 to what every program rereads, a float32 scale row say: rms_norm's forward
+    ran 4 us faster and both norms' backwards 2.5 us faster of ~140 (bench/NOTES.md,
+    run 45). No eviction hint: evict_first on streamed loads cost 1-5% on an H200 (run 5).
     """
-    return load_vector(ref, self.index, self.mask, other, cache_modifier)
+    return load_vector(ref, self.index, self.mask, other, STREAMED if streamed else None)
 
   def store(self, ref, value):
     store_vector(ref, self.index, value, self.mask)
 
-  def load_cols(self, ref, other=0.0, cache_modifier=None):
+  def load_cols(self, ref, other=0.0):
     """A row vector ref[cols] (e.g. a scale) as float32."""
-    return load_vector(ref, self.cols, self.col_mask, other, cache_modifier)
-
-  def load_cols_tiled(self, ref, other=0.0):
-    """ref[cols] broadcast over the tile's rows and loaded in the tile's own layout, so no
-    layout conversion through shared memory (and its barriers) follows the load."""
-    index = jnp.zeros((self.rows.shape[0], 1), jnp.int32) + self.cols[None, :]
-    mask = None if self.col_mask is None else jnp.broadcast_to(self.col_mask[None, :],
-                                                               index.shape)
-    return load_vector(ref, index, mask, other)
+    return load_vector(ref, self.cols, self.col_mask, other)
 
   def load_rows(self, ref, other=0.0):
     """A column vector ref[rows] (e.g. per-row statistics) as float32."""

@@ -257,3 +257,10 @@ class TestNormErrors:
     with pytest.raises(ValueError, match="block_cols=100 must be a power of two"):
       norms_triton.Config(block_rows=1, block_cols=100, num_warps=4, bwd_block_rows=1,
                           bwd_num_warps=4, bwd_programs=1)
+
+
+def test_streamed_loads_ask_for_cg():
+  """Pallas Triton needs _pallas' shim to take cache_modifier=".cg" (jax 0.10-0.11); without
+  it, streamed loads fall back to default caching and the norms lose 2-4 us (run 45)."""
+  from jaxkernels import _pallas
+  assert _pallas.STREAMED == ".cg"

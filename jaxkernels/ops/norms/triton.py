@@ -40,11 +40,12 @@ FWD_ELEMENTS_PER_THREAD = {False: 16, True: 32}  # by layer
 # The backward holds ~6 float32 values per element live: 1 row x 8 warps was best (bwd 0.155 ms);
 # 4 rows x 4 warps spilled (2-3 ms).
 TARGET_BWD_TILE = 4096
+# Backward elements a thread (run 43, 4096 columns, after the FMAs): rms_norm at 8 (1 row x 16
+# warps, 64 registers, two programs an SM) 143.6 us against 147.8 at 16; layer_norm at 8 holds
+# 75 registers, one program of 16 warps an SM (199.7 us), so it keeps 16 (127 registers).
+BWD_ELEMENTS_PER_THREAD = {False: 8, True: 16}  # by layer
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
-BWD_SCALE_PER_BLOCK = False  # TEMPORARY run-44 switch
-STREAM_CACHE = None  # TEMPORARY run-45 switch: ".cg" streams x, r, h, dy, dh past L1
-BIAS_CACHE = None  # TEMPORARY run-46 switch: ".cg" reads the forward's bias past L1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,7 +76,8 @@ def heuristic(x, scale, bias, residual, chip: hardware.Chip, *, layer: bool = Fa
   per_thread = 32 * FWD_ELEMENTS_PER_THREAD[layer]
   num_warps = max(4, min(16, block_rows * block_cols // per_thread))
   bwd_block_rows = max(1, min(TARGET_BWD_TILE // block_cols, next_pow2(n_rows)))
-  bwd_num_warps = max(4, min(16, bwd_block_rows * block_cols // 512))
+  bwd_per_thread = 32 * BWD_ELEMENTS_PER_THREAD[layer]
+  bwd_num_warps = max(4, min(16, bwd_block_rows * block_cols // bwd_per_thread))
   bwd_programs = max(1, min(cdiv(n_rows, bwd_block_rows), BWD_PROGRAMS_PER_SM * chip.cores))
   return Config(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
                 bwd_block_rows=bwd_block_rows, bwd_num_warps=bwd_num_warps,
@@ -121,14 +123,13 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
                    n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
 
   def load_h(t):
-    h = t.load(x_ref, cache_modifier=STREAM_CACHE)
-    return h + t.load(r_ref, cache_modifier=STREAM_CACHE) if has_residual else h
+    h = t.load(x_ref, streamed=True)
+    return h + t.load(r_ref, streamed=True) if has_residual else h
 
   def write_y(t, h, mean, rstd):
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
     s = t.load_cols(s_ref)[None, :]
-    t.store(y_ref, fma(n, s, t.load_cols(b_ref, cache_modifier=BIAS_CACHE)[None, :])
-            if has_bias else n * s)
+    t.store(y_ref, fma(n, s, t.load_cols(b_ref)[None, :]) if has_bias else n * s)
 
   def write_stats(t, mean, rstd):
     t.store_rows(rstd_ref, rstd)
@@ -195,7 +196,7 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
 
 
 def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols,
-                         block_rows, block_cols, iters, mask_rows, fma, scale_per_block=False):
+                         block_rows, block_cols, iters, mask_rows, fma):
   refs = list(refs)
   h_ref, s_ref, dy_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   dh_ref = refs.pop(0) if has_dh else None
@@ -209,7 +210,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
   pid, programs = pl.program_id(0), pl.num_programs(0)
   mask_cols = n_cols % block_cols != 0
   scale = Tile.columns(0, block_cols, n_cols=n_cols, mask_cols=mask_cols)
-  s = None if scale_per_block else scale.load_cols(s_ref)[None, :]
+  s = scale.load_cols(s_ref)[None, :]
 
   def body(i, carry):  # row blocks pid, pid + programs, ...: d(scale) stays in registers
     ds, db = carry
@@ -217,12 +218,12 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
                 n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
     # Every load of the block before the row reduction, so all three streams are in flight
     # together: dh loaded after it (where it is used) cost 4-6% (bench/NOTES.md, run 16).
-    h, dy = t.load(h_ref, cache_modifier=STREAM_CACHE), t.load(dy_ref, cache_modifier=STREAM_CACHE)
-    dh_in = t.load(dh_ref, cache_modifier=STREAM_CACHE) if has_dh else None
+    h, dy = t.load(h_ref, streamed=True), t.load(dy_ref, streamed=True)
+    dh_in = t.load(dh_ref, streamed=True) if has_dh else None
     rstd = t.load_rows(rstd_ref)  # 0 for rows past the end: no inf, no NaN
     mean = t.load_rows(mean_ref) if layer else None
     n = _centered(h, mean, t.col_mask) * rstd[:, None]
-    g = dy * (t.load_cols_tiled(s_ref) if scale_per_block else s)
+    g = dy * s
     if layer:
       gn, g_sum = row_sums(g * n, g)
       dh = fma(n, (-gn / n_cols)[:, None], g - (g_sum / n_cols)[:, None])
@@ -270,8 +271,8 @@ def _bwd_chunked_kernel(*refs, layer, has_dh, dual_dx, n_rows, n_cols, block_row
   mean = t0.load_rows(mean_ref) if layer else None
 
   def n_and_g(t):
-    n = _centered(t.load(h_ref), mean, t.col_mask) * rstd[:, None]
-    return n, t.load(dy_ref) * t.load_cols(s_ref)[None, :]
+    n = _centered(t.load(h_ref, streamed=True), mean, t.col_mask) * rstd[:, None]
+    return n, t.load(dy_ref, streamed=True) * t.load_cols(s_ref)[None, :]
 
   def sums(c, carry):
     gn, g_sum = carry
@@ -292,7 +293,7 @@ def _bwd_chunked_kernel(*refs, layer, has_dh, dual_dx, n_rows, n_cols, block_row
       dh = dh - c2[:, None]
     dh = dh * rstd[:, None]
     if has_dh:
-      dh = dh + t.load(dh_ref)
+      dh = dh + t.load(dh_ref, streamed=True)
     t.store(dx_ref, dh)
     if dual_dx:
       t.store(dr_ref, dh)
@@ -374,8 +375,7 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
         _bwd_one_pass_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
         dual_dx=dual_dx, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
         block_cols=config.block_cols, iters=iters,
-        mask_rows=iters * programs * block_rows != n_rows, fma=triton_math(interpret).fma,
-        scale_per_block=BWD_SCALE_PER_BLOCK)
+        mask_rows=iters * programs * block_rows != n_rows, fma=triton_math(interpret).fma)
     partial_sums = jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)
     dx, dr, sums = call(kernel, programs, [partial_sums] * (2 if bias is not None else 1))
     dscale = sums[0].reshape(programs, n_cols).sum(axis=0)
