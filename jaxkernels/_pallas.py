@@ -223,9 +223,9 @@ class Tile:
   def store(self, ref, value):
     store_vector(ref, self.index, value, self.mask)
 
-  def load_cols(self, ref, other=0.0):
-    """A row vector ref[cols] (e.g. a scale) as float32."""
-    return load_vector(ref, self.cols, self.col_mask, other)
+  def load_cols(self, ref, other=0.0, *, streamed=False):
+    """A row vector ref[cols] (e.g. a scale) as float32; ``streamed`` as for :meth:`load`."""
+    return load_vector(ref, self.cols, self.col_mask, other, STREAMED if streamed else None)
 
   def load_rows(self, ref, other=0.0):
     """A column vector ref[rows] (e.g. per-row statistics) as float32."""
