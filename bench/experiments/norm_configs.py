@@ -34,17 +34,19 @@ def main(out_json, out_pkl=None):
   from jaxkernels import hardware
   from jaxkernels.ops.norms import triton
 
-  base = triton.heuristic(jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16), None, None, None,
-                          hardware.chip("H200")).__dict__
   on_gpu = jax.devices()[0].platform == "gpu"
   records, payloads = [], {}
   for name, layer in (("rms_norm+residual", False), ("layer_norm+residual", True)):
+    base = triton.heuristic(jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16), None, None, None,
+                            hardware.chip("H200"), layer=layer).__dict__
+    fwd = ((base["block_rows"], base["num_warps"]),) + FWD  # the heuristic's own first
+    bwd = ((base["bwd_block_rows"], base["bwd_num_warps"], base["bwd_programs"]),) + BWD
     draw = norms._inputs(*SHAPE, jnp.bfloat16, layer, True)
     sets = [draw(seed) for seed in range(16 if on_gpu else 1)]
     variants = [("fwd", r, w, base["bwd_programs"], {"block_rows": r, "num_warps": w})
-                for r, w in FWD]
+                for r, w in fwd]
     variants += [("bwd", r, w, p, {"bwd_block_rows": r, "bwd_num_warps": w,
-                                   "bwd_programs": p}) for r, w, p in BWD]
+                                   "bwd_programs": p}) for r, w, p in bwd]
     for label, r, w, p, fields in variants:
       config = triton.Config(**{**base, **fields})
 

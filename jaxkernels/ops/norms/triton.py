@@ -46,6 +46,11 @@ TARGET_BWD_TILE = 4096
 BWD_ELEMENTS_PER_THREAD = {False: 8, True: 16}  # by layer
 # Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
 BWD_PROGRAMS_PER_SM = 2
+# ... as long as they fit: the backward holds ~8 registers an element of its row block (64-127
+# a thread at 8-16 elements), so an SM's 64K registers hold 8192 elements, two 4096-wide row
+# blocks but one 8192-wide. At 4096x8192 a second program an SM ran as a second wave: 264
+# programs 81.9 / 90.2 us (rms / layer), 132 programs 77.5 / 83.1 (bench/NOTES.md, run 48).
+BWD_ELEMENTS_PER_SM = 8192
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,7 +83,8 @@ def heuristic(x, scale, bias, residual, chip: hardware.Chip, *, layer: bool = Fa
   bwd_block_rows = max(1, min(TARGET_BWD_TILE // block_cols, next_pow2(n_rows)))
   bwd_per_thread = 32 * BWD_ELEMENTS_PER_THREAD[layer]
   bwd_num_warps = max(4, min(16, bwd_block_rows * block_cols // bwd_per_thread))
-  bwd_programs = max(1, min(cdiv(n_rows, bwd_block_rows), BWD_PROGRAMS_PER_SM * chip.cores))
+  per_sm = max(1, min(BWD_PROGRAMS_PER_SM, BWD_ELEMENTS_PER_SM // (bwd_block_rows * block_cols)))
+  bwd_programs = max(1, min(cdiv(n_rows, bwd_block_rows), per_sm * chip.cores))
   return Config(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
                 bwd_block_rows=bwd_block_rows, bwd_num_warps=bwd_num_warps,
                 bwd_programs=bwd_programs)
