@@ -103,7 +103,7 @@ def _tile(row_block, col_block, *, n_rows, n_cols, block_rows, block_cols, mask_
 
 def _bias_act_fwd_kernel(x_ref, b_ref, y_ref, *, activation, math, **tiling):
   t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
-  z = t.load(x_ref) + t.load_cols(b_ref)[None, :]
+  z = t.load(x_ref, streamed=True) + t.load_cols(b_ref)[None, :]
   t.store(y_ref, _activations.apply(activation, z, math))
 
 
@@ -117,8 +117,9 @@ def _bias_act_bwd_kernel(x_ref, b_ref, dy_ref, dx_ref, db_ref, *, activation, ma
 
   def body(i, db):
     t = _tile(pid + i * programs, col_block, mask_rows=mask_rows, **tiling)
-    _, slope = _activations.value_and_grad(activation, t.load(x_ref) + bias, math)
-    dx = t.load(dy_ref) * slope
+    x = t.load(x_ref, streamed=True)
+    _, slope = _activations.value_and_grad(activation, x + bias, math)
+    dx = t.load(dy_ref, streamed=True) * slope
     t.store(dx_ref, dx)
     return db + jnp.sum(dx, axis=0)  # masked rows loaded dy = 0: they add nothing
 
@@ -128,14 +129,15 @@ def _bias_act_bwd_kernel(x_ref, b_ref, dy_ref, dx_ref, db_ref, *, activation, ma
 
 def _glu_fwd_kernel(g_ref, u_ref, y_ref, *, activation, math, **tiling):
   t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
-  t.store(y_ref, _activations.apply(activation, t.load(g_ref), math) * t.load(u_ref))
+  gate, up = t.load(g_ref, streamed=True), t.load(u_ref, streamed=True)
+  t.store(y_ref, _activations.apply(activation, gate, math) * up)
 
 
 def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *, activation, math, **tiling):
   t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
-  value, slope = _activations.value_and_grad(activation, t.load(g_ref), math)
-  dy = t.load(dy_ref)
-  t.store(dg_ref, dy * t.load(u_ref) * slope)
+  value, slope = _activations.value_and_grad(activation, t.load(g_ref, streamed=True), math)
+  dy = t.load(dy_ref, streamed=True)
+  t.store(dg_ref, dy * t.load(u_ref, streamed=True) * slope)
   t.store(du_ref, dy * value)
 
 

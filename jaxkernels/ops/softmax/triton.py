@@ -26,8 +26,8 @@ from jax.experimental import pallas as pl
 
 from jaxkernels import hardware, roofline
 from jaxkernels._activations import exp
-from jaxkernels._pallas import (Tile, both, cdiv, check_fields, is_pow2, load_vector,
-                                next_pow2, store_vector, triton_params)
+from jaxkernels._pallas import (STREAMED, Tile, both, cdiv, check_fields, is_pow2,
+                                load_vector, next_pow2, store_vector, triton_params)
 
 MAX_ONE_PASS_COLS = 16384
 TARGET_TILE = 8192  # as for the norms (bench/NOTES.md)
@@ -182,7 +182,7 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
                 flat):
   if block_cols >= n_cols:
     t = _one_pass_tile(n_rows, n_cols, block_rows, block_cols)
-    x = t.load(x_ref, other=-jnp.inf)
+    x = t.load(x_ref, other=-jnp.inf, streamed=True)
     e = exp(x - _finite(jnp.max(x, axis=1))[:, None])
     total = jnp.sum(e, axis=1)
     t.store(y_ref, e * (1.0 / jnp.where(total == 0, 1.0, total))[:, None])
@@ -192,7 +192,7 @@ def _fwd_kernel(x_ref, y_ref, *, n_rows, n_cols, block_rows, block_cols, unroll,
                  unroll=unroll, vec=vec, flat=flat)
 
   def load(chunks):  # a step's chunks, all in flight before any is used
-    return [load_vector(x_ref, o, m, -jnp.inf) for o, m in chunks]
+    return [load_vector(x_ref, o, m, -jnp.inf, STREAMED) for o, m in chunks]
 
   def online(chunks, xs, carry):  # per lane: the running maximum and the sum rescaled to it
     del chunks
@@ -228,7 +228,7 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols
                 prefetch, vec, flat):
   if block_cols >= n_cols:
     t = _one_pass_tile(n_rows, n_cols, block_rows, block_cols)
-    y, dy = t.load(y_ref), t.load(dy_ref)
+    y, dy = t.load(y_ref, streamed=True), t.load(dy_ref, streamed=True)
     t.store(dx_ref, y * (dy - jnp.sum(y * dy, axis=1)[:, None]))
     return
 
@@ -236,7 +236,8 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, n_rows, n_cols, block_rows, block_cols
                  unroll=unroll, vec=vec, flat=flat)
 
   def load(chunks):
-    return [(load_vector(y_ref, o, m), load_vector(dy_ref, o, m)) for o, m in chunks]
+    return [(load_vector(y_ref, o, m, 0.0, STREAMED), load_vector(dy_ref, o, m, 0.0, STREAMED))
+            for o, m in chunks]
 
   def dot(chunks, loaded, acc):  # per lane, reduced across the row once after the loop
     del chunks
