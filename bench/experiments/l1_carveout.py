@@ -1,6 +1,6 @@
 """Does the L1/shared-memory split change the norms' speed?
 
-ncu (bench/NOTES.md run 41) shows every jk_ norm kernel launched with a 233 KB shared-memory
+ncu (bench/NOTES.md run 40b) shows every jk_ norm kernel launched with a 233 KB shared-memory
 carve-out ("CachePreferShared") though each block uses 8-9 KB: L1 keeps ~23 KB, the L1 hit
 rate is 0-2%, and every program rereads its float32 scale (and bias) rows from L2, 16 KB each
 per row block, while L2 runs at 85-90% of its throughput. Each setting below runs in its own
