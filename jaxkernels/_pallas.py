@@ -151,13 +151,17 @@ def _cache_modifier_shim() -> str | None:
 
   Pallas Triton (jax 0.10-0.11) accepts ``cache_modifier=".cg"`` and then looks it up in a
   table keyed by the enum's own names ("cg"), so every use raises KeyError. This registers
-  the dotted spellings it checks for; where the table is gone or spelled otherwise, streamed
-  loads fall back to the default caching.
+  the dotted spellings its check lets through. Where the table is gone, or the check no
+  longer names ".cg" (a jax that spells it otherwise), streamed loads keep the default
+  caching rather than risk a load the lowering refuses.
   """
   try:
     from jax._src.pallas.triton import lowering
     table = lowering._STR_TO_CACHE_MODIFIER
+    checked = lowering._load.__code__.co_consts
   except (ImportError, AttributeError):
+    return None
+  if ".cg" not in checked:
     return None
   for name in ("ca", "cg"):
     if name in table:
