@@ -19,9 +19,15 @@ import jaxkernels as jk
 SHAPE = (16384, 4096)
 
 
-def main(out):
+def save(executables, path):
+  """Pickles {name: compiled executable} as ``--sass`` reads it (serialized executables)."""
   from jax.experimental.serialize_executable import serialize
-  payloads = {}
+  with open(path, "wb") as f:
+    pickle.dump({name: serialize(c)[0] for name, c in executables.items()}, f)
+
+
+def main(out):
+  executables = {}
   key = jax.random.split(jax.random.key(0), 4)
   x, r, g = (jax.random.normal(k, SHAPE, jnp.bfloat16) for k in key[:3])
   bias = jax.random.normal(key[3], SHAPE[-1:], jnp.bfloat16)
@@ -46,11 +52,9 @@ def main(out):
     grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args).compile()
     jax.block_until_ready(fwd(*args))
     jax.block_until_ready(grad(*args))
-    for suffix, compiled in (("fwd", fwd), ("grad", grad)):
-      payloads[f"{name}_{suffix}"] = serialize(compiled)[0]
+    executables[f"{name}_fwd"], executables[f"{name}_grad"] = fwd, grad
     print(name, "compiled", flush=True)
-  with open(out, "wb") as f:
-    pickle.dump(payloads, f)
+  save(executables, out)
 
 
 def _varint(b, i):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import sys
 
 SHAPE = tuple(int(v) for v in os.environ.get("NORM_CONFIGS_SHAPE", "16384x4096").split("x"))
@@ -31,11 +30,12 @@ def main(out_json, out_pkl=None):
 
   import jaxkernels as jk
   from bench import harness, norms
+  from bench.experiments import dump_ptx
   from jaxkernels import hardware
   from jaxkernels.ops.norms import triton
 
   on_gpu = jax.devices()[0].platform == "gpu"
-  records, payloads = [], {}
+  records, executables = [], {}
   for name, layer in (("rms_norm+residual", False), ("layer_norm+residual", True)):
     base = triton.heuristic(jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16), None, None, None,
                             hardware.chip("H200"), layer=layer).__dict__
@@ -62,9 +62,8 @@ def main(out_json, out_pkl=None):
         program = timed.programs[label]
         rec["us"] = harness.time_sets(program, arg_sets, rounds=15, calls=10) * 1e6
         if on_gpu and out_pkl:
-          from jax.experimental.serialize_executable import serialize
-          compiled = program.lower(*arg_sets[0]).compile()
-          payloads[f"{name.replace('+', '_')}_{label}_r{r}w{w}p{p}"] = serialize(compiled)[0]
+          executables[f"{name.replace('+', '_')}_{label}_r{r}w{w}p{p}"] = program.lower(
+              *arg_sets[0]).compile()
       except Exception as e:  # noqa: BLE001 - a config that fails is a row
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       records.append(rec)
@@ -72,8 +71,7 @@ def main(out_json, out_pkl=None):
   with open(out_json, "w") as fh:
     json.dump(records, fh, indent=1)
   if out_pkl:
-    with open(out_pkl, "wb") as fh:
-      pickle.dump(payloads, fh)
+    dump_ptx.save(executables, out_pkl)
   print(f"{'op':22s} {'pass':4s} {'rows':>4s} {'warps':>5s} {'progs':>5s} {'us':>8s}")
   for rec in records:
     print(f"{rec['op']:22s} {rec['pass']:4s} {rec['rows']:4d} {rec['warps']:5d} "

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import harness
+from bench.experiments import dump_ptx
 from jaxkernels import roofline
 from jaxkernels.ops.softmax import reference, triton
 
@@ -48,7 +49,7 @@ def _configs(cols):
 
 
 def main(out_path=None, sass_path=None):
-  records, payloads = [], {}
+  records, executables = [], {}
   for rows, cols in SHAPES:
     keys = jax.random.split(jax.random.key(cols), N_SETS)
     xs = [3 * jax.random.normal(k, (rows, cols), jnp.bfloat16) for k in keys]
@@ -74,9 +75,8 @@ def main(out_path=None, sass_path=None):
           rec.update(ms=seconds * 1e3, gbps=cost.bytes / seconds / 1e9,
                      kernel_gbps=kernel and cost.bytes / kernel / 1e9)
           if sass_path:
-            from jax.experimental.serialize_executable import serialize
-            compiled = jax.jit(fn).lower(*sets[0]).compile()
-            payloads[f"{cols}_{name}_{label}".replace(" ", "_")] = serialize(compiled)[0]
+            executables[f"{cols}_{name}_{label}".replace(" ", "_")] = jax.jit(fn).lower(
+                *sets[0]).compile()
         except Exception as e:  # noqa: BLE001 - a config that fails is a row
           rec["failed"] = f"{type(e).__name__}: {e}"[:200]
         records.append(rec)
@@ -85,9 +85,7 @@ def main(out_path=None, sass_path=None):
     with open(out_path, "w") as f:
       json.dump(records, f, indent=1)
   if sass_path:
-    import pickle
-    with open(sass_path, "wb") as f:
-      pickle.dump(payloads, f)
+    dump_ptx.save(executables, sass_path)
   print(f"\n{'shape':12s} {'config':16s} {'pass':4s} {'host GB/s':>9s} {'kernel GB/s':>11s} error")
   for r in records:
     print(f"{r['shape']:12s} {r['config']:16s} {r['label']:4s} {r.get('gbps', np.nan):9.0f} "
