@@ -68,7 +68,7 @@ def _time(session, fn, m, n, k, dtype, *, bias=False):
   return harness.time_sets(fn, sets, rounds=session.rounds, calls=session.calls)
 
 
-def _torch_seconds(session, m, n, k, dtype="bfloat16", rounds=None):
+def _torch_seconds(session, m, n, k, dtype="bfloat16", rounds=None, n_sets=None):
   import torch
 
   if not torch.cuda.is_available():
@@ -76,7 +76,7 @@ def _torch_seconds(session, m, n, k, dtype="bfloat16", rounds=None):
   tdtype = {"bfloat16": torch.bfloat16}[dtype]
   sets = [(torch.randn(m, k, device="cuda", dtype=tdtype), torch.randn(k, n, device="cuda",
                                                                        dtype=tdtype))
-          for _ in range(harness.sets_for((m * k + k * n) * 2, most=4))]
+          for _ in range(n_sets or harness.sets_for((m * k + k * n) * 2, most=4))]
   for a, b in sets:
     torch.matmul(a, b)
   torch.cuda.synchronize()
@@ -242,25 +242,25 @@ def epilogue_costs(session, impls):
 
 
 def config_candidates(session, impls):
-  """Mosaic GPU configs other than the heuristic's, round-robin against XLA and cuBLAS where the
-  heuristic trails them: 2048^3 (0.87x XLA), 4096^3 (0.97x); and 2049^3 beside 2048."""
+  """Mosaic GPU configs beside the shipped one, round-robin against XLA and cuBLAS: whole-tile
+  epilogue pieces (one tile_m x tile_n piece in one buffer, so its store is awaited only at the
+  next tile's epilogue; 3 stages fit beside it) at the sizes where each SM runs few tiles and
+  the exposed epilogue weighs most, and the heuristic's own config where a shipped entry
+  replaces it (4096^3)."""
   if impls[0] != "mosaic_gpu":
     return
-  variants = {
-      2048: [dict(tile_m=128), dict(tile_m=128, split="m"), dict(grid_tile_width=4),
-             dict(grid_minor="n"), dict(stages=3, epi_slots=2), dict(tile_m=128, stages=3)],
-      4096: [dict(grid_tile_width=8), dict(grid_minor="n", grid_tile_width=8),
-             dict(stages=3, epi_slots=2)],
-  }
-  variants[2049] = variants[2048][:2]
-  for s, changes in variants.items() if not session.smoke else ((256, [dict(tile_m=128)]),):
+  whole = lambda c: dict(epi_tile_m=c.tile_m, epi_tile_n=c.tile_n, epi_slots=1, stages=3)
+  heuristic = lambda c: {}
+  variants = {8192: [whole], 6144: [whole], 4096: [whole, heuristic], 2048: [whole]}
+  for s, changes in variants.items() if not session.smoke else ((256, [whole]),):
     base = mosaic_gpu.heuristic(Problem(m=s, n=s, k=s, dtype=jnp.dtype(BF16),
                                         out_dtype=jnp.dtype(BF16)), session.chip)
     fns = {"xla": lambda a, b: a @ b, "mosaic_gpu": _ours("mosaic_gpu")}
-    for v in changes:
+    for change in changes:
+      v = change(base)
       config = dataclasses.replace(base, **v)
-      fns["mosaic_gpu " + " ".join(f"{k}={x}" for k, x in v.items())] = _ours(
-          "mosaic_gpu", config)
+      label = " ".join(f"{k}={x}" for k, x in v.items()) or "heuristic"
+      fns[f"mosaic_gpu {label}"] = _ours("mosaic_gpu", config)
     interleaved(session, "configs bf16", s, fns, torch=session.platform == "gpu",
                 rounds=2 * session.rounds)
 
@@ -344,12 +344,13 @@ def schedules(session, impls):
 
 
 def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, refs=None,
-                flops=None, rounds=None, calls=None):
+                flops=None, rounds=None, calls=None, n_sets=None):
   """Checks each implementation, then times them round-robin: one round of each in turn (in
   a fresh random order every round), the median per implementation over the rounds. A GPU at
   its power limit clocks down as a run goes on; timed one after another, whichever ran first
   (on a cool chip) looked up to ~10% faster (run matmul-3, bench/NOTES.md). Round-robin gives
-  every implementation the same mix."""
+  every implementation the same mix. ``n_sets`` distinct input sets (default: up to 4) make
+  one timed program; cuBLAS rotates through as many."""
   rows, programs, wants = {}, {}, {}
   args = _inputs(s, s, s, dtype, 0, bias=bias)
   for impl, fn in fns.items():
@@ -368,7 +369,7 @@ def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, r
     except Exception as e:  # noqa: BLE001
       row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
     rows[impl] = row
-  n_sets = harness.sets_for((2 * s * s) * jnp.dtype(dtype).itemsize, most=4)
+  n_sets = n_sets or harness.sets_for((2 * s * s) * jnp.dtype(dtype).itemsize, most=4)
   sets = [_inputs(s, s, s, dtype, seed, bias=bias) for seed in range(n_sets)]
   batched = {impl: tuning.over_sets(fn) for impl, fn in programs.items()}
   for fn in batched.values():
@@ -390,7 +391,8 @@ def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, r
 
   timers = [(impl, functools.partial(timed, fn)) for impl, fn in batched.items()]
   if torch:
-    timers.append(("cublas(torch)", lambda: _torch_seconds(session, s, s, s, rounds=1)))
+    timers.append(("cublas(torch)", lambda: _torch_seconds(session, s, s, s, rounds=1,
+                                                           n_sets=n_sets)))
   order = random.Random(0)
   for _ in range(rounds or session.rounds):
     # A fresh order every round: with a fixed one, the same place ran ~2% slow whatever sat
@@ -448,6 +450,17 @@ def tune(session, impl, s=8192):
   return best, trials
 
 
+# A sweep program holds at least this much work (at ~650 TFLOP/s), in up to SWEEP_MOST_SETS
+# distinct input sets: at 1024^3 four products (~13 us) are less than the host takes to
+# dispatch their program, and the steady clock would time the dispatch.
+SWEEP_PROGRAM_S = 0.5e-3
+SWEEP_MOST_SETS = 24
+
+
+def sweep_sets(s: int) -> int:
+  return int(min(SWEEP_MOST_SETS, max(4, round(SWEEP_PROGRAM_S / (_flops(s, s, s) / 650e12)))))
+
+
 def sweep_sizes(session, impls, step, sweep_range):
   lo, hi = sweep_range
   sizes = []
@@ -457,7 +470,7 @@ def sweep_sizes(session, impls, step, sweep_range):
     fns = {"xla": lambda a, b: a @ b}
     fns.update({impl: _ours(impl) for impl in impls})
     interleaved(session, "sweep bf16", s, fns, torch=session.platform == "gpu",
-                rounds=3, calls=3)
+                rounds=3, calls=3, n_sets=sweep_sets(s))
 
 
 def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_first=False,

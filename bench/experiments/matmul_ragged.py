@@ -1,0 +1,119 @@
+"""Where does an 8193^3 product's time go? (matmul, Mosaic GPU, H200)
+
+The wrapper pads A and B (TMA needs 16-byte row strides; 8193 bf16 rows have 16386 bytes),
+runs the aligned kernel on 65 x 33 = 2145 CTA tiles where 8192^3 has 2048, and slices C.
+This times, round-robin on the steady clock (bench/harness.time_rounds), each piece alone:
+
+  xla 8193             XLA's a @ b
+  ours 8193            jk.matmul, everything included
+  pads                 the two jnp.pad copies the wrapper makes
+  kernel padded        the kernel on operands already padded as the wrapper pads them
+  slice                C's padded rows and columns cut off
+  kernel 8192x8192xK   the kernel with 8192 rows and columns over the padded K: no extra wave
+  ours 8192            jk.matmul at 8192^3
+
+so that ours 8193 ~ pads + kernel padded + slice, and kernel padded - kernel 8192x8192xK is the
+extra wave. The 4x bar at 8193^3 is 6.9 ms / 4 ~ 1.73 ms (bench/NOTES.md, matmul-30).
+
+  python -m bench.experiments.matmul_ragged [OUT.json]
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+
+S = 8193
+ROUNDS = 12
+CALLS = 5
+N_SETS = 3
+
+
+def main(out_path=None):
+  import jax
+  import jax.numpy as jnp
+
+  import jaxkernels as jk
+  from bench import harness
+  from jaxkernels import hardware, tuning
+  from jaxkernels.ops.matmul import mosaic_gpu
+  from jaxkernels.ops.matmul.common import Problem, pad_to
+
+  bf16 = jnp.dtype(jnp.bfloat16)
+  chip = hardware.chip_for(jax.devices()[0].device_kind)
+  problem = Problem(m=S, n=S, k=S, dtype=bf16, out_dtype=bf16)
+  config = tuning.config_for("mosaic_gpu", problem, chip)
+  c = config
+  # The wrapper's padding (mosaic_gpu.matmul): A's rows and K, B's columns; K to the larger.
+  m_pad = mosaic_gpu._padded_extent(S, 8, c.cta_m, min(c.tile_m, c.epi_tile_m))
+  n_pad = mosaic_gpu._padded_extent(S, 64, c.cta_n, min(c.tile_n, c.epi_tile_n))
+  k_pad = mosaic_gpu._padded_extent(S, 64, c.tile_k, c.tile_k)
+  print(f"config {config}\npadded: m {m_pad} n {n_pad} k {k_pad}", flush=True)
+
+  def kernel(m, n, k):
+    p = Problem(m=m, n=n, k=k, dtype=bf16, out_dtype=bf16)
+    return lambda a, b: mosaic_gpu.matmul(a, b, problem=p, config=config)
+
+  def draw(seed, m, k, n):
+    ka, kb = jax.random.split(jax.random.key(seed))
+    return (jax.random.normal(ka, (m, k), bf16), jax.random.normal(kb, (k, n), bf16))
+
+  raw = [draw(i, S, S, S) for i in range(N_SETS)]
+  padded = [(pad_to(a, (m_pad, k_pad)), pad_to(b, (k_pad, n_pad))) for a, b in raw]
+  out_padded = [(jnp.zeros((m_pad, n_pad), bf16),) for _ in range(N_SETS)]
+  aligned_rows = [(a[:8192], b[:, :8192]) for a, b in padded]
+  square = [draw(i, 8192, 8192, 8192) for i in range(N_SETS)]
+  cases = {
+      "xla 8193": (lambda a, b: a @ b, raw),
+      "ours 8193": (lambda a, b: jk.matmul(a, b, implementation="mosaic_gpu"), raw),
+      "pads": (lambda a, b: (pad_to(a, (m_pad, k_pad)), pad_to(b, (k_pad, n_pad))), raw),
+      "kernel padded": (kernel(m_pad, n_pad, k_pad), padded),
+      "slice": (lambda y: y[:S, :S], out_padded),
+      f"kernel 8192x8192x{k_pad}": (kernel(8192, 8192, k_pad), aligned_rows),
+      "ours 8192": (lambda a, b: jk.matmul(a, b, implementation="mosaic_gpu"), square),
+  }
+  want = jax.jit(lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                                      precision="highest"))(*raw[0])
+  for name in ("ours 8193", "xla 8193"):
+    err = harness.relative_error(jax.jit(cases[name][0])(*raw[0]), want)
+    print(f"{name}: error {err:.1e}", flush=True)
+    assert err < 8e-3, name
+  err = harness.relative_error(jax.jit(cases["kernel padded"][0])(*padded[0])[:S, :S], want)
+  print(f"kernel padded: error {err:.1e}", flush=True)
+  assert err < 8e-3
+
+  timers = {}
+  for name, (fn, sets) in cases.items():
+    batched = tuning.over_sets(fn)
+    harness.block(batched(sets))
+
+    def run(n, batched=batched, sets=sets):
+      for _ in range(n):
+        out = batched(sets)
+      return out
+
+    timers[name] = run
+  samples = {name: [] for name in timers}
+  order = random.Random(0)
+  for _ in range(ROUNDS):
+    for name in order.sample(list(timers), len(timers)):
+      steady, _ = harness.time_rounds(timers[name], rounds=1, calls=CALLS, warmup=0)
+      samples[name].append(steady / N_SETS)
+  ms = {name: statistics.median(t) * 1e3 for name, t in samples.items()}
+  records = [{"case": name, "ms": ms[name], "spread_ms": [min(t) * 1e3, max(t) * 1e3]}
+             for name, t in samples.items()]
+  if out_path:
+    with open(out_path, "w") as f:
+      json.dump({"config": str(config), "padded": [m_pad, n_pad, k_pad], "rounds": ROUNDS,
+                 "calls": CALLS, "sets": N_SETS, "records": records}, f, indent=1)
+  print(f"{'case':28s} {'ms':>8s} {'xla/this':>9s}")
+  for r in records:
+    print(f"{r['case']:28s} {r['ms']:8.4f} {ms['xla 8193'] / r['ms']:9.2f}")
+  parts = ms["pads"] + ms["kernel padded"] + ms["slice"]
+  print(f"pads + kernel padded + slice = {parts:.4f} ms (ours 8193: {ms['ours 8193']:.4f})")
+  print(f"4x XLA needs {ms['xla 8193'] / 4:.4f} ms")
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
