@@ -451,10 +451,15 @@ def tune(session, impl, s=8192):
 
 
 # A sweep program holds at least this much work (at ~650 TFLOP/s), in up to SWEEP_MOST_SETS
-# distinct input sets: at 1024^3 four products (~13 us) are less than the host takes to
-# dispatch their program, and the steady clock would time the dispatch.
+# distinct input sets: at 2048^3 four products (~0.1 ms) timed 1.3-2.2x apart between 4 sets
+# and 12 or 24 (which agreed). Below SWEEP_HOST_CLOCK_FROM even 24 sets (80 us at 1024^3) are
+# less than the host takes to dispatch a program: the steady clock read noise (1024^3 at
+# 1.7-10 us), so ours and XLA also get the device time of their kernels (CUPTI), which the
+# plot takes there; cuBLAS (torch, one launch a product) is launch-bound there and is not
+# plotted (bench/NOTES.md, matmul-30).
 SWEEP_PROGRAM_S = 0.5e-3
 SWEEP_MOST_SETS = 24
+SWEEP_HOST_CLOCK_FROM = 2048
 
 
 def sweep_sets(s: int) -> int:
@@ -469,8 +474,18 @@ def sweep_sizes(session, impls, step, sweep_range):
   for s in sizes:
     fns = {"xla": lambda a, b: a @ b}
     fns.update({impl: _ours(impl) for impl in impls})
-    interleaved(session, "sweep bf16", s, fns, torch=session.platform == "gpu",
-                rounds=3, calls=3, n_sets=sweep_sets(s))
+    rows = interleaved(session, "sweep bf16", s, fns, torch=session.platform == "gpu",
+                       rounds=3, calls=3, n_sets=sweep_sets(s))
+    if s < SWEEP_HOST_CLOCK_FROM and session.platform == "gpu":
+      sets = [_inputs(s, s, s, BF16, seed) for seed in range(sweep_sets(s))]
+      for impl, fn in fns.items():
+        if rows[impl].ms is None:
+          continue  # failed its check: not timed
+        seconds, kernels = harness.kernel_seconds(jax.jit(fn), sets)
+        if seconds:
+          rows[impl].kernel_ms = seconds * 1e3
+          rows[impl].kernels = kernels
+          print(f"  matmul sweep bf16 {impl} kernels: {seconds * 1e3:.4f} ms", flush=True)
 
 
 def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_first=False,

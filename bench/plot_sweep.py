@@ -1,6 +1,6 @@
 """Plots a matmul size sweep: TFLOP/s against M = N = K for ours, XLA and cuBLAS.
 
-    python -m bench.plot_sweep OUT.png LOG[:first:last:step] ...
+    python -m bench.plot_sweep OUT.png LOG[:first:last:step] | JSON[:host_clock_from] ...
 
 Reads the ``matmul sweep bf16 <impl>: <ms> ms`` lines that ``python -m bench matmul --sweep``
 prints, in the order it runs the sizes (each of first..last by step, then its odd neighbour),
@@ -27,11 +27,17 @@ def from_log(path: str, first: int, last: int, step: int) -> dict[str, list[tupl
   return series
 
 
-def from_json(path: str) -> dict[str, list[tuple[int, float]]]:
+def from_json(path: str, host_clock_from: int = 0) -> dict[str, list[tuple[int, float]]]:
+  """Rows below ``host_clock_from`` plot their kernels' device time (``kernel_ms``), and rows
+  without one are left out there (bench/matmul.py, SWEEP_HOST_CLOCK_FROM)."""
   series: dict[str, list[tuple[int, float]]] = {}
   for row in json.load(open(path))["rows"]:
-    if row["name"] == "sweep bf16" and row["tflops"]:
-      series.setdefault(row["impl"], []).append((int(row["shape"].split("x")[0]), row["tflops"]))
+    if row["name"] != "sweep bf16":
+      continue
+    size = int(row["shape"].split("x")[0])
+    ms = row.get("kernel_ms") if size < host_clock_from else row["ms"]
+    if ms:
+      series.setdefault(row["impl"], []).append((size, 2 * size ** 3 / (ms * 1e-3) / 1e12))
   return series
 
 
@@ -60,7 +66,10 @@ def main(argv: list[str]) -> None:
   series: dict[str, list[tuple[int, float]]] = {}
   for source in sources:
     path, *rng = source.split(":")
-    part = from_json(path) if path.endswith(".json") else from_log(path, *map(int, rng))
+    if path.endswith(".json"):
+      part = from_json(path, *map(int, rng))
+    else:
+      part = from_log(path, *map(int, rng))
     for impl, points in part.items():
       series.setdefault(impl, []).extend(points)
   plot(series, out)

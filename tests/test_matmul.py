@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ import pytest
 
 import jaxkernels as jk
 from jaxkernels import _activations, hardware, tuning
-from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, triton
+from jaxkernels.ops.matmul import crop, mosaic_gpu, mosaic_tpu, triton
 from jaxkernels.ops.matmul.common import Problem
 from tests import numerics
 from tests.conftest import aot_compile, cuda_lowering
@@ -202,6 +203,21 @@ class TestMosaicGpuPingpong(TestMosaicGpu):
     monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 2)
 
 
+@pytest.mark.parametrize("shape,padded", [((33, 1025), (40, 1100)), ((17, 513), (17, 520)),
+                                          ((1, 1), (8, 64)), ((40, 1100), (40, 1100))])
+def test_crop(shape, padded):
+  """The copy that cuts Mosaic GPU's padded C, odd rows and columns included, bit-exact."""
+  gen = np.random.default_rng(3)
+  y = numerics.normal(gen, padded, jnp.bfloat16)
+  got = crop.crop(y, *shape, interpret=True)
+  assert got.shape == shape
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(y[:shape[0], :shape[1]], np.float32))
+  too_many = (padded[0] + 1, 1)
+  with pytest.raises(ValueError, match=re.escape(f"at least {too_many}, got shape {padded}")):
+    crop.crop(y, *too_many)
+
+
 def test_fp8_triton_and_reference():
   gen = numerics.rng("fp8-triton")
   a = numerics.normal(gen, (3, 20, 70), jnp.float8_e5m2)
@@ -343,6 +359,7 @@ def test_cuda_lowering():
     assert text.count(marker) >= 3, impl
     if impl == "mosaic_gpu":  # the epilogue's 1/x: one MUFU.RCP, not rcp.approx's range fix-ups
       assert "rcp.approx.ftz.f32" in text and "rcp.approx.f32" not in text
+      assert "jk_crop" in text  # 1030 columns: C is padded, then cut by the copy kernel
   f8 = jax.ShapeDtypeStruct((256, 512), jnp.float8_e4m3fn)
   text = cuda_lowering(lambda a, b: jk.matmul(a, b, b_scale=jnp.float32(2),
                                               implementation="mosaic_gpu"), f8,

@@ -5,14 +5,16 @@ runs the aligned kernel on 65 x 33 = 2145 CTA tiles where 8192^3 has 2048, and s
 This times, round-robin on the steady clock (bench/harness.time_rounds), each piece alone:
 
   xla 8193             XLA's a @ b
-  ours 8193            jk.matmul, everything included
+  ours 8193            jk.matmul, everything included (C cut by crop.crop)
+  ours 8193 xla slice  the same with C cut by XLA's slice (mosaic_gpu.CROP = "xla")
   pads                 the two jnp.pad copies the wrapper makes
   kernel padded        the kernel on operands already padded as the wrapper pads them
-  slice                C's padded rows and columns cut off
+  slice xla / triton   C's padded rows and columns cut off, by XLA's slice or by crop.crop
   kernel 8192x8192xK   the kernel with 8192 rows and columns over the padded K: no extra wave
   ours 8192            jk.matmul at 8192^3
 
-so that ours 8193 ~ pads + kernel padded + slice, and kernel padded - kernel 8192x8192xK is the
+so that ours 8193 ~ pads + kernel padded + slice (at the power cap the memory-bound copies
+let the kernel run at a higher clock, so the parts need not add up), and kernel padded - kernel 8192x8192xK is the
 extra wave. The 4x bar at 8193^3 is 6.9 ms / 4 ~ 1.73 ms (bench/NOTES.md, matmul-30).
 
   python -m bench.experiments.matmul_ragged [OUT.json]
@@ -28,6 +30,8 @@ S = 8193
 ROUNDS = 12
 CALLS = 5
 N_SETS = 3
+# crop.crop's tile and warps, beside the shipped 16 x 512 on 4 warps.
+CROP_VARIANTS = ((8, 1024, 4), (32, 256, 4), (16, 512, 8), (64, 256, 8), (4, 2048, 4))
 
 
 def main(out_path=None):
@@ -37,7 +41,7 @@ def main(out_path=None):
   import jaxkernels as jk
   from bench import harness
   from jaxkernels import hardware, tuning
-  from jaxkernels.ops.matmul import mosaic_gpu
+  from jaxkernels.ops.matmul import crop, mosaic_gpu
   from jaxkernels.ops.matmul.common import Problem, pad_to
 
   bf16 = jnp.dtype(jnp.bfloat16)
@@ -64,18 +68,41 @@ def main(out_path=None):
   out_padded = [(jnp.zeros((m_pad, n_pad), bf16),) for _ in range(N_SETS)]
   aligned_rows = [(a[:8192], b[:, :8192]) for a, b in padded]
   square = [draw(i, 8192, 8192, 8192) for i in range(N_SETS)]
+  def ours(how):
+    def run(a, b):
+      was, mosaic_gpu.CROP = mosaic_gpu.CROP, how
+      try:
+        return jk.matmul(a, b, implementation="mosaic_gpu")
+      finally:
+        mosaic_gpu.CROP = was
+    return run
+
+  def crop_with(rows, cols, warps):
+    def run(y):
+      was = crop.BLOCK_ROWS, crop.BLOCK_COLS, crop.NUM_WARPS
+      crop.BLOCK_ROWS, crop.BLOCK_COLS, crop.NUM_WARPS = rows, cols, warps
+      try:
+        return crop.crop(y, S, S)
+      finally:
+        crop.BLOCK_ROWS, crop.BLOCK_COLS, crop.NUM_WARPS = was
+    return run
+
   cases = {
       "xla 8193": (lambda a, b: a @ b, raw),
-      "ours 8193": (lambda a, b: jk.matmul(a, b, implementation="mosaic_gpu"), raw),
+      "ours 8193": (ours("triton"), raw),
+      "ours 8193 xla slice": (ours("xla"), raw),
       "pads": (lambda a, b: (pad_to(a, (m_pad, k_pad)), pad_to(b, (k_pad, n_pad))), raw),
       "kernel padded": (kernel(m_pad, n_pad, k_pad), padded),
-      "slice": (lambda y: y[:S, :S], out_padded),
+      "slice xla": (lambda y: y[:S, :S], out_padded),
+      "slice triton": (lambda y: crop.crop(y, S, S), out_padded),
+      **{f"slice triton {r}x{c} {w} warps": (crop_with(r, c, w), out_padded)
+         for r, c, w in CROP_VARIANTS},
       f"kernel 8192x8192x{k_pad}": (kernel(8192, 8192, k_pad), aligned_rows),
       "ours 8192": (lambda a, b: jk.matmul(a, b, implementation="mosaic_gpu"), square),
   }
   want = jax.jit(lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
                                       precision="highest"))(*raw[0])
-  for name in ("ours 8193", "xla 8193"):
+  for name in ("ours 8193", "ours 8193 xla slice", "xla 8193"):
     err = harness.relative_error(jax.jit(cases[name][0])(*raw[0]), want)
     print(f"{name}: error {err:.1e}", flush=True)
     assert err < 8e-3, name
@@ -110,8 +137,9 @@ def main(out_path=None):
   print(f"{'case':28s} {'ms':>8s} {'xla/this':>9s}")
   for r in records:
     print(f"{r['case']:28s} {r['ms']:8.4f} {ms['xla 8193'] / r['ms']:9.2f}")
-  parts = ms["pads"] + ms["kernel padded"] + ms["slice"]
-  print(f"pads + kernel padded + slice = {parts:.4f} ms (ours 8193: {ms['ours 8193']:.4f})")
+  for how in ("xla", "triton"):
+    parts = ms["pads"] + ms["kernel padded"] + ms[f"slice {how}"]
+    print(f"pads + kernel padded + slice {how} = {parts:.4f} ms")
   print(f"4x XLA needs {ms['xla 8193'] / 4:.4f} ms")
 
 

@@ -22,9 +22,8 @@ double-buffered so the store of one piece overlaps the next one's math.
 Edges: TMA zero-fills loads that run past the array and clips stores, so M, N and
 K need not be multiples of the CTA tile. Swizzled TMA does need each array's rows
 to be a multiple of 8 and its row a multiple of 128 bytes, and a copy must not start
-past the array's end: where these fail, the wrapper zero-pads the operands (and
-slices the output), one extra pass over each padded array, ~15% of the time at
-8193^3.
+past the array's end: where these fail, the wrapper zero-pads the operands and
+cuts the padded output with a copy kernel (``crop``): one extra pass over each.
 
 fp8 wgmma reads both operands K-major: B must be stored (N, K). A (K, N) fp8 B is
 transposed by XLA first (one pass over B).
@@ -45,6 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkernels import hardware
 from jaxkernels._activations import apply as activation_apply
 from jaxkernels._pallas import cdiv, check_fields, mosaic_gpu_math, round_up
+from jaxkernels.ops.matmul import crop
 from jaxkernels.ops.matmul.common import FLOAT8, Problem, pad_to, split_refs
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FLOAT8)
@@ -55,6 +55,9 @@ PRODUCER_REGISTERS = 40  # the TMA warpgroup's; the two compute warpgroups share
 # timeline of its "mainloop" and "epilogue" regions (bench/experiments/matmul_timeline.py).
 PROFILE: dict = {}
 SMEM_BYTES = 227 * 1024  # per CTA on Hopper
+# How a padded C is cut to (m, n): "triton" (crop.crop, a copy kernel) or "xla" (a slice: 0.86
+# TB/s at 8193^3 bf16, bench/NOTES.md matmul-30). bench/experiments/matmul_ragged.py sets it.
+CROP = "triton"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -542,8 +545,14 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
       **({"interpret": interpret} if interpret else {}),
   )
   outs = kernel(*operands)
-  outs = [o[:p.m, :p.n] if out_shape != (p.m, p.n) else o for o in outs]
+  outs = [_crop(o, p.m, p.n, interpret) for o in outs]
   return tuple(outs) if p.save_preactivation else outs[0]
+
+
+def _crop(y, m: int, n: int, interpret):
+  if CROP == "xla" or tuple(y.shape) == (m, n):
+    return y[:m, :n]
+  return crop.crop(y, m, n, interpret=bool(interpret))
 
 
 def _num_sms() -> int:
