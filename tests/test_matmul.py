@@ -409,8 +409,10 @@ def test_shipped_table_and_ship(tmp_path):
   config = tuning.config_for("mosaic_gpu", act, chip, device_kind="NVIDIA H200")
   assert config == mosaic_gpu.heuristic(act, chip)
   assert (config.stages, config.epi_slots) == (3, 2)
-  plain = mosaic_gpu.heuristic(p, chip)
-  assert (plain.stages, plain.epi_slots) == (4, 1)
+  plain = mosaic_gpu.heuristic(p, chip)  # one whole-tile epilogue piece over 3 stages
+  assert (plain.stages, plain.epi_slots, plain.epi_tile_m, plain.epi_tile_n) == (3, 1, 128, 128)
+  small = mosaic_gpu.heuristic(dataclasses.replace(p, m=2048, n=2048, k=2048), chip)
+  assert (small.tile_m, small.stages, small.epi_tile_m, small.epi_tile_n) == (64, 4, 64, 64)
   cache = tmp_path / "cache.json"
   cache.write_text(json.dumps({"triton|gpu x|jax9.9|bfloat16->bfloat16|nn|1024x1024x1024":
                                {"config": {}, "seconds": 1.0}}))

@@ -22,7 +22,7 @@ from jaxkernels._pallas import STREAMED, cdiv, triton_params
 
 BLOCK_ROWS = 16
 BLOCK_COLS = 512
-NUM_WARPS = 4
+NUM_WARPS = 8  # 0.143 ms at 8193^3 bf16, against 0.152 on 4 (matmul-30)
 
 
 def _kernel(x_ref, o_ref, *, m: int, n: int):

@@ -122,13 +122,21 @@ def config_error(problem: Problem, config: Config, chip) -> str | None:
 
 def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
   """128 x 256 CTA tiles (two 128 x 128 warpgroup tiles side by side along N), 64-deep K
-  steps (128 for fp8: 128 bytes per row either way, the widest swizzle), 4 stages with one
-  epilogue buffer per warpgroup (2 buffers leave room for only 3 stages), tiles visited in
+  steps (128 for fp8: 128 bytes per row either way, the widest swizzle), tiles visited in
   snakes 16 wide along M: the autotuner's pick at 8192^3 bf16 on an H200 (bench/NOTES.md).
-  Small problems take 64-row warpgroup tiles so that more CTAs get work. Activation epilogues
-  take 2 epilogue buffers over 3 stages where they fit, so that a piece's arithmetic overlaps
-  the previous piece's store: at 8192^3 bias+gelu ran 2-3% faster so in three H200 runs
-  (matmul-22, -24 round-robin and -24 in cycles at the power cap), bias+silu 2%."""
+  Small problems take 64-row warpgroup tiles so that more CTAs get work.
+
+  The epilogue, by what it computes (H200, bench/NOTES.md):
+  * 16-bit products without an activation write each warpgroup's tile as one piece, stored
+    once and awaited only at the next tile's epilogue, over 3 stages: 1.0-4.9% faster than
+    64 x 64 pieces over 4 stages at 8192^3 in three runs (matmul-27, -30), 0.5-1.6% at 6144^3,
+    -1.6 to +1.4% at 4096^3. Small problems (64-row tiles) ran 15% slower so and keep pieces.
+  * Activation epilogues take 64 x 64 pieces in 2 buffers over 3 stages, so that a piece's
+    arithmetic overlaps the previous piece's store: 2-3% faster at 8192^3 bias+gelu in three
+    runs (matmul-22, -24), bias+silu 2%.
+  * fp8 keeps 64 x 64 pieces in one buffer over 4 stages (its 1.8x over bf16, matmul-25);
+    whole-tile pieces are not measured there.
+  """
   item = jnp.dtype(problem.dtype).itemsize
   tile_k = 128 // item
   small = cdiv(problem.m, 256) * cdiv(problem.n, 256) < chip.cores
@@ -136,7 +144,11 @@ def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
   base = Config(tile_m=tile_m, tile_n=128, tile_k=tile_k, stages=4, split="n", grid_minor="m",
                 grid_tile_width=16, epi_tile_m=64, epi_tile_n=64, epi_slots=1)
   # Fewer stages or buffers where shared memory runs out (float32 outputs saved twice, say).
-  candidates = [dataclasses.replace(base, stages=3, epi_slots=2)] if problem.activation else []
+  candidates = []
+  if problem.activation:
+    candidates.append(dataclasses.replace(base, stages=3, epi_slots=2))
+  elif item == 2 and not small:
+    candidates.append(dataclasses.replace(base, stages=3, epi_tile_m=tile_m, epi_tile_n=128))
   candidates += [dataclasses.replace(base, stages=stages) for stages in (4, 3, 2)]
   return next((c for c in candidates if config_error(problem, c, chip) is None), candidates[-1])
 
