@@ -1,6 +1,7 @@
 """Plots a matmul size sweep: TFLOP/s against M = N = K for ours, XLA and cuBLAS.
 
-    python -m bench.plot_sweep OUT.png LOG[:first:last:step] | JSON[:host_clock_from] ...
+    python -m bench.plot_sweep OUT.png LOG:first:last:step[:host_clock_from] ...
+    python -m bench.plot_sweep OUT.png JSON[:host_clock_from] ...
 
 Reads the ``matmul sweep bf16 <impl>: <ms> ms`` lines that ``python -m bench matmul --sweep``
 prints, in the order it runs the sizes (each of first..last by step, then its odd neighbour),
@@ -14,22 +15,38 @@ import re
 import sys
 
 LINE = re.compile(r"  matmul sweep bf16 (\S+?)(?:\(torch\))?: ([\d.]+) ms")
+KERNELS = re.compile(r"  matmul sweep bf16 (\S+) kernels: ([\d.]+) ms")
 
 
-def from_log(path: str, first: int, last: int, step: int) -> dict[str, list[tuple[int, float]]]:
+def _tflops(size: int, ms: float) -> float:
+  return 2 * size ** 3 / (ms * 1e-3) / 1e12
+
+
+def from_log(path: str, first: int, last: int, step: int,
+             host_clock_from: int = 0) -> dict[str, list[tuple[int, float]]]:
+  """Each size's block of lines opens with XLA's; below ``host_clock_from`` the kernels'
+  device time (the ``kernels:`` lines) is plotted, and implementations without one are left
+  out there (bench/matmul.py, SWEEP_HOST_CLOCK_FROM). A log cut short yields what it holds."""
   sizes = [s for base in range(first, last + 1, step) for s in (base, base + 1)]
-  times = [(m.group(1), float(m.group(2))) for m in map(LINE.match, open(path)) if m]
-  impls = list(dict.fromkeys(impl for impl, _ in times))
-  series: dict[str, list[tuple[int, float]]] = {impl: [] for impl in impls}
-  for i, (impl, ms) in enumerate(times):
-    size = sizes[i // len(impls)]
-    series[impl].append((size, 2 * size ** 3 / (ms * 1e-3) / 1e12))
+  host: list[dict[str, float]] = []
+  device: list[dict[str, float]] = []
+  for line in open(path):
+    if m := LINE.match(line):
+      if m.group(1) == "xla":
+        host.append({})
+        device.append({})
+      host[-1][m.group(1)] = float(m.group(2))
+    elif m := KERNELS.match(line):
+      device[-1][m.group(1)] = float(m.group(2))
+  series: dict[str, list[tuple[int, float]]] = {}
+  for size, on_host, on_device in zip(sizes, host, device):
+    for impl, ms in (on_device if size < host_clock_from else on_host).items():
+      series.setdefault(impl, []).append((size, _tflops(size, ms)))
   return series
 
 
 def from_json(path: str, host_clock_from: int = 0) -> dict[str, list[tuple[int, float]]]:
-  """Rows below ``host_clock_from`` plot their kernels' device time (``kernel_ms``), and rows
-  without one are left out there (bench/matmul.py, SWEEP_HOST_CLOCK_FROM)."""
+  """The rows of a results JSON, chosen as :func:`from_log` chooses."""
   series: dict[str, list[tuple[int, float]]] = {}
   for row in json.load(open(path))["rows"]:
     if row["name"] != "sweep bf16":
@@ -37,7 +54,8 @@ def from_json(path: str, host_clock_from: int = 0) -> dict[str, list[tuple[int, 
     size = int(row["shape"].split("x")[0])
     ms = row.get("kernel_ms") if size < host_clock_from else row["ms"]
     if ms:
-      series.setdefault(row["impl"], []).append((size, 2 * size ** 3 / (ms * 1e-3) / 1e12))
+      impl = row["impl"].removesuffix("(torch)")
+      series.setdefault(impl, []).append((size, _tflops(size, ms)))
   return series
 
 

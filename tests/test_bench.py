@@ -35,6 +35,18 @@ def test_plot_sweep_reads_logs_in_run_order(tmp_path):
   assert [s for s, _ in series["xla"]] == [128, 129, 256, 257]
   size, tflops = series["mosaic_gpu"][2]
   assert size == 256 and abs(tflops - 2 * 256 ** 3 / (1e-3 * 0.5 * 256 / 128) / 1e12) < 1e-6
+  # Below host_clock_from the kernels' device time is plotted, and cuBLAS (none) left out.
+  with_kernels = []
+  for line in lines:
+    with_kernels.append(line)
+    if "cublas" in line:
+      with_kernels += [f"  matmul sweep bf16 {impl} kernels: 0.2500 ms\n"
+                       for impl in ("xla", "mosaic_gpu")]
+  log.write_text("".join(with_kernels))
+  series = plot_sweep.from_log(str(log), 128, 256, 128, 256)
+  assert [s for s, _ in series["cublas"]] == [256, 257]
+  assert series["xla"][0] == (128, 2 * 128 ** 3 / 0.25e-3 / 1e12)
+  assert series["xla"][2][1] == 2 * 256 ** 3 / (1e-3 * 256 / 128) / 1e12
 
 
 def test_time_rounds_cancels_a_rounds_fixed_cost(monkeypatch):
