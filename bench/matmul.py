@@ -165,7 +165,8 @@ def headline(session, impls):
     fns.update({impl: _ours(impl) for impl in impls})
     if session.platform == "gpu" and s in (8192, 4096):
       fns["jax_pallas_mgpu_example"] = _jax_example
-    interleaved(session, "bf16", s, fns, torch=session.platform == "gpu")
+    interleaved(session, "bf16", s, fns, torch=session.platform == "gpu",
+                n_sets=sweep_sets(s))
   # fp8 e4m3, per-tensor scales, bf16 out.
   s = big
   f8_ref = jax.jit(lambda a, b: 0.75 * lax.dot(a.astype(jnp.float32), b.astype(jnp.float32),
@@ -450,7 +451,7 @@ def tune(session, impl, s=8192):
   return best, trials
 
 
-# A sweep program holds at least this much work (at ~650 TFLOP/s), in up to SWEEP_MOST_SETS
+# A timed program (sweep and headline) holds at least this much work (at ~650 TFLOP/s), in up to SWEEP_MOST_SETS
 # distinct input sets: at 2048^3 four products (~0.1 ms) timed 1.3-2.2x apart between 4 sets
 # and 12 or 24 (which agreed). Below SWEEP_HOST_CLOCK_FROM even 24 sets (80 us at 1024^3) are
 # less than the host takes to dispatch a program: the steady clock read noise (1024^3 at
