@@ -22,8 +22,9 @@ double-buffered so the store of one piece overlaps the next one's math.
 Edges: TMA zero-fills loads that run past the array and clips stores, so M, N and
 K need not be multiples of the CTA tile. Swizzled TMA does need each array's rows
 to be a multiple of 8 and its row a multiple of 128 bytes, and a copy must not start
-past the array's end: where these fail, the wrapper zero-pads the operands and
-cuts the padded output with a copy kernel (``crop``): one extra pass over each.
+past the array's end (the epilogue skips C's pieces that would). Where these fail, the
+wrapper zero-pads the operands and cuts the padded output with a copy kernel
+(``crop``): one extra pass over each.
 
 fp8 wgmma reads both operands K-major: B must be stored (N, K). A (K, N) fp8 B is
 transposed by XLA first (one pass over B).
@@ -458,10 +459,20 @@ def _sub(cta_slice, wg_slice, size):
 
 def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols, *,
                 problem, config):
-  """The epilogue on a warpgroup's float32 tile, written through shared memory by TMA."""
+  """The epilogue on a warpgroup's float32 tile, written through shared memory by TMA.
+
+  Where C is not a whole number of CTA tiles, pieces that would start past its end are not
+  stored (a TMA copy starting past an array's end came out wrong, ``_padded_extent``), so C
+  needs no padding to whole tiles; pieces that start inside and run past the end are clipped.
+  """
   p, c = problem, config
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   pieces_n = c.tile_n // c.epi_tile_n
+  c_rows, c_cols = e.y_gmem.shape
+  ragged = c_rows % c.cta_m != 0 or c_cols % c.cta_n != 0
+  start = lambda s: 0 if isinstance(s, slice) else s.start
+  row0 = start(cta_rows) + start(wg_rows)
+  col0 = start(cta_cols) + start(wg_cols)
   for pm in range(c.tile_m // c.epi_tile_m):
     for pn in range(pieces_n):
       rows = slice(pm * c.epi_tile_m, (pm + 1) * c.epi_tile_m)
@@ -490,9 +501,16 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
       if e.z_smem is not None:
         e.z_smem[wg, slot] = z.astype(p.out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(e.y_smem.at[wg, slot], dest(e.y_gmem))
-      if e.z_smem is not None:
-        plgpu.copy_smem_to_gmem(e.z_smem.at[wg, slot], dest(e.z_gmem))
+
+      def store(slot=slot, dest=dest):
+        plgpu.copy_smem_to_gmem(e.y_smem.at[wg, slot], dest(e.y_gmem))
+        if e.z_smem is not None:
+          plgpu.copy_smem_to_gmem(e.z_smem.at[wg, slot], dest(e.z_gmem))
+
+      if ragged:
+        pl.when((row0 + rows.start < c_rows) & (col0 + cols.start < c_cols))(store)
+      else:
+        store()
 
 
 def _padded_extent(size: int, align: int, cta: int, step: int) -> int:
@@ -521,24 +539,29 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   c = config
   lanes = 128 // jnp.dtype(p.dtype).itemsize
   out_lanes = 128 // jnp.dtype(p.out_dtype).itemsize
-  m_step = min(c.tile_m, c.epi_tile_m)
-  n_step = min(c.tile_n, c.epi_tile_n)
+  # A and B are read in whole CTA blocks, which start inside them. C's pieces past its end are
+  # not stored (_write_tile); the residual, read piece by piece, is padded so that none of its
+  # pieces starts past its end. The epilogue vectors, read per warpgroup, are padded to whole
+  # CTA tiles (a few KiB).
+  m_step = min(c.tile_m, c.epi_tile_m) if p.has_residual else c.cta_m
+  n_step = min(c.tile_n, c.epi_tile_n) if p.has_residual else c.cta_n
   m_rows = _padded_extent(p.m, 8, c.cta_m, m_step)
-  k_in = _padded_extent(p.k, lanes, c.tile_k, c.tile_k)
-  n_in = _padded_extent(p.n, lanes if not p.trans_b else 8, c.cta_n, n_step)
   n_out = _padded_extent(p.n, out_lanes, c.cta_n, n_step)
-  m_in = _padded_extent(p.m, lanes if p.trans_a else 8, c.cta_m, m_step)
+  k_in = _padded_extent(p.k, lanes, c.tile_k, c.tile_k)
+  n_in = _padded_extent(p.n, lanes if not p.trans_b else 8, c.cta_n, c.cta_n)
+  m_in = _padded_extent(p.m, lanes if p.trans_a else 8, c.cta_m, c.cta_m)
   k_rows = _padded_extent(p.k, 8, c.tile_k, c.tile_k)
   a = pad_to(a, (k_rows, m_in) if p.trans_a else (m_in, k_in))
   b = pad_to(b, (n_in, k_in) if p.trans_b else (k_rows, n_in))
   out_shape = (m_rows, n_out)
   operands = [a, b]
+  vector = lambda v, cta: pad_to(v.astype(jnp.float32), (round_up(v.shape[0], cta),))
   if p.has_bias:
-    operands.append(bias.astype(jnp.float32))
+    operands.append(vector(bias, c.cta_n))
   if p.has_residual:  # it comes in through the output's shared-memory buffer: same dtype
     operands.append(pad_to(residual.astype(p.out_dtype), out_shape))
   if p.has_scales:
-    operands += [a_scale.astype(jnp.float32), b_scale.astype(jnp.float32)]
+    operands += [vector(a_scale, c.cta_m), vector(b_scale, c.cta_n)]
   out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)
   kernel = plgpu.kernel(
       functools.partial(_kernel, problem=p, config=config,
