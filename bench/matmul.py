@@ -166,7 +166,7 @@ def headline(session, impls):
     if session.platform == "gpu" and s in (8192, 4096):
       fns["jax_pallas_mgpu_example"] = _jax_example
     interleaved(session, "bf16", s, fns, torch=session.platform == "gpu",
-                n_sets=sweep_sets(s))
+                n_sets=program_sets(s))
   # fp8 e4m3, per-tensor scales, bf16 out.
   s = big
   f8_ref = jax.jit(lambda a, b: 0.75 * lax.dot(a.astype(jnp.float32), b.astype(jnp.float32),
@@ -451,20 +451,20 @@ def tune(session, impl, s=8192):
   return best, trials
 
 
-# A timed program (sweep and headline) holds at least this much work (at ~650 TFLOP/s), in up to SWEEP_MOST_SETS
-# distinct input sets: at 2048^3 four products (~0.1 ms) timed 1.3-2.2x apart between 4 sets
-# and 12 or 24 (which agreed). Below SWEEP_HOST_CLOCK_FROM even 24 sets (80 us at 1024^3) are
-# less than the host takes to dispatch a program: the steady clock read noise (1024^3 at
-# 1.7-10 us), so ours and XLA also get the device time of their kernels (CUPTI), which the
-# plot takes there; cuBLAS (torch, one launch a product) is launch-bound there and is not
-# plotted (bench/NOTES.md, matmul-30).
-SWEEP_PROGRAM_S = 0.5e-3
-SWEEP_MOST_SETS = 24
+# A timed program (headline and sweep) holds at least this much work (at ~650 TFLOP/s), in up
+# to MOST_SETS distinct input sets. At 2048^3, programs of four products (~0.1 ms) read XLA at
+# 12.7 us and ours at 28.0, against 19.3-19.4 and 22.1-23.0 with 12 or 24 sets, which agreed.
+# Below SWEEP_HOST_CLOCK_FROM even 24 sets (80 us at 1024^3) are less than the host takes to
+# dispatch a program: the steady clock read noise (1024^3 at 1.7-10 us), so ours and XLA also
+# get the device time of their kernels (CUPTI), which the plot takes there; cuBLAS (torch, one
+# launch a product) is launch-bound there and is not plotted (bench/NOTES.md, matmul-30).
+PROGRAM_SECONDS = 0.5e-3
+MOST_SETS = 24
 SWEEP_HOST_CLOCK_FROM = 2048
 
 
-def sweep_sets(s: int) -> int:
-  return int(min(SWEEP_MOST_SETS, max(4, round(SWEEP_PROGRAM_S / (_flops(s, s, s) / 650e12)))))
+def program_sets(s: int) -> int:
+  return int(min(MOST_SETS, max(4, round(PROGRAM_SECONDS / (_flops(s, s, s) / 650e12)))))
 
 
 def sweep_sizes(session, impls, step, sweep_range):
@@ -476,9 +476,9 @@ def sweep_sizes(session, impls, step, sweep_range):
     fns = {"xla": lambda a, b: a @ b}
     fns.update({impl: _ours(impl) for impl in impls})
     rows = interleaved(session, "sweep bf16", s, fns, torch=session.platform == "gpu",
-                       rounds=3, calls=3, n_sets=sweep_sets(s))
+                       rounds=3, calls=3, n_sets=program_sets(s))
     if s < SWEEP_HOST_CLOCK_FROM and session.platform == "gpu":
-      sets = [_inputs(s, s, s, BF16, seed) for seed in range(sweep_sets(s))]
+      sets = [_inputs(s, s, s, BF16, seed) for seed in range(program_sets(s))]
       for impl, fn in fns.items():
         if rows[impl].ms is None:
           continue  # failed its check: not timed

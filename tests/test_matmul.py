@@ -218,6 +218,19 @@ def test_crop(shape, padded):
     crop.crop(y, *too_many)
 
 
+def test_mosaic_gpu_padding():
+  """Only TMA's alignment pads A, B and C; a residual, read piece by piece through C's
+  buffers, pads C so that no piece starts past its end."""
+  bf = jnp.dtype(jnp.bfloat16)
+  shapes = lambda size, **kw: mosaic_gpu.padded_shapes(
+      Problem(m=size, n=size, k=size, dtype=bf, out_dtype=bf, **kw), mosaic_gpu.Config())
+  assert shapes(4224) == ((4224, 4224),) * 3  # 16.5 CTA tiles of 256 columns: no padding
+  assert shapes(8193) == ((8200, 8256),) * 3  # rows to 8, rows of 128 bytes
+  # 64 x 64 pieces: the last CTA tile's would start past 8200 rows and 8256 columns.
+  assert shapes(8193, has_residual=True)[2] == (8320, 8448)
+  assert shapes(6, has_residual=True) == ((8, 64), (8, 64), (128, 256))
+
+
 def test_fp8_triton_and_reference():
   gen = numerics.rng("fp8-triton")
   a = numerics.normal(gen, (3, 20, 70), jnp.float8_e5m2)

@@ -13,9 +13,13 @@ This times, round-robin on the steady clock (bench/harness.time_rounds), each pi
   kernel 8192x8192xK   the kernel with 8192 rows and columns over the padded K: no extra wave
   ours 8192            jk.matmul at 8192^3
 
-so that ours 8193 ~ pads + kernel padded + slice (at the power cap the memory-bound copies
-let the kernel run at a higher clock, so the parts need not add up), and kernel padded - kernel 8192x8192xK is the
-extra wave. The 4x bar at 8193^3 is 6.9 ms / 4 ~ 1.73 ms (bench/NOTES.md, matmul-30).
+so that ours 8193 ~ pads + kernel padded + slice, and kernel padded - kernel 8192x8192xK is
+the extra wave. At the power cap the memory-bound copies let the kernel run at a higher clock,
+so the parts need not add up (they did not: bench/NOTES.md, matmul-30/31). The 4x bar at
+8193^3 is XLA's time / 4, 1.6-1.73 ms.
+
+Runs matmul-30/31 took the wrapper's padding before f705fcc, which padded A, B and C to whole
+CTA tiles (8320 x 8448 for C); it now pads rows to 8200 and columns to 8256.
 
   python -m bench.experiments.matmul_ragged [OUT.json]
 """
@@ -48,11 +52,9 @@ def main(out_path=None):
   chip = hardware.chip_for(jax.devices()[0].device_kind)
   problem = Problem(m=S, n=S, k=S, dtype=bf16, out_dtype=bf16)
   config = tuning.config_for("mosaic_gpu", problem, chip)
-  c = config
-  # The wrapper's padding (mosaic_gpu.matmul): A's rows and K, B's columns; K to the larger.
-  m_pad = mosaic_gpu._padded_extent(S, 8, c.cta_m, min(c.tile_m, c.epi_tile_m))
-  n_pad = mosaic_gpu._padded_extent(S, 64, c.cta_n, min(c.tile_n, c.epi_tile_n))
-  k_pad = mosaic_gpu._padded_extent(S, 64, c.tile_k, c.tile_k)
+  # The wrapper's padding (mosaic_gpu.padded_shapes): A's rows and K, B's columns, with B's
+  # rows padded as far as A's K so that the kernel on pre-padded operands runs unpadded.
+  (m_pad, k_pad), (_, n_pad), _ = mosaic_gpu.padded_shapes(problem, config)
   print(f"config {config}\npadded: m {m_pad} n {n_pad} k {k_pad}", flush=True)
 
   def kernel(m, n, k):

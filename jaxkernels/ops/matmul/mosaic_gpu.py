@@ -527,22 +527,19 @@ def _padded_extent(size: int, align: int, cta: int, step: int) -> int:
   return padded if last_piece < padded else round_up(size, cta)
 
 
-def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
-           config: Config, interpret=False):
-  p = problem
-  if jnp.dtype(p.dtype) in FLOAT8 and not p.trans_b:
-    b, p = b.T, dataclasses.replace(p, trans_b=True)
-  # The kernel reads only [0, m) x [0, k) of A and [0, k) x [0, n) of B whatever the padding;
-  # past those, TMA zero-fills (or reads the pad's zeros), so the K tail adds nothing.
-  # Swizzled TMA wants each array's rows in multiples of 8 and each row in multiples of 128
-  # bytes; and no block piece may start past an array's end.
-  c = config
+def padded_shapes(p: Problem, c: Config) -> tuple[tuple[int, int], ...]:
+  """The shapes A and B are zero-padded to, and the shape of the C the kernel writes.
+
+  The kernel reads only [0, m) x [0, k) of A and [0, k) x [0, n) of B whatever the padding;
+  past those, TMA zero-fills (or reads the pad's zeros), so the K tail adds nothing. Swizzled
+  TMA wants each array's rows in multiples of 8 and each row in multiples of 128 bytes, and no
+  copy may start past an array's end. A and B are read in whole CTA blocks, which start inside
+  them. C's pieces past its end are not stored (``_write_tile``); the residual, read piece by
+  piece through C's buffers, has C's shape, so C is padded so that none of them starts past
+  its end when there is one.
+  """
   lanes = 128 // jnp.dtype(p.dtype).itemsize
   out_lanes = 128 // jnp.dtype(p.out_dtype).itemsize
-  # A and B are read in whole CTA blocks, which start inside them. C's pieces past its end are
-  # not stored (_write_tile); the residual, read piece by piece, is padded so that none of its
-  # pieces starts past its end. The epilogue vectors, read per warpgroup, are padded to whole
-  # CTA tiles (a few KiB).
   m_step = min(c.tile_m, c.epi_tile_m) if p.has_residual else c.cta_m
   n_step = min(c.tile_n, c.epi_tile_n) if p.has_residual else c.cta_n
   m_rows = _padded_extent(p.m, 8, c.cta_m, m_step)
@@ -551,10 +548,21 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   n_in = _padded_extent(p.n, lanes if not p.trans_b else 8, c.cta_n, c.cta_n)
   m_in = _padded_extent(p.m, lanes if p.trans_a else 8, c.cta_m, c.cta_m)
   k_rows = _padded_extent(p.k, 8, c.tile_k, c.tile_k)
-  a = pad_to(a, (k_rows, m_in) if p.trans_a else (m_in, k_in))
-  b = pad_to(b, (n_in, k_in) if p.trans_b else (k_rows, n_in))
-  out_shape = (m_rows, n_out)
+  return ((k_rows, m_in) if p.trans_a else (m_in, k_in),
+          (n_in, k_in) if p.trans_b else (k_rows, n_in),
+          (m_rows, n_out))
+
+
+def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
+           config: Config, interpret=False):
+  p = problem
+  if jnp.dtype(p.dtype) in FLOAT8 and not p.trans_b:
+    b, p = b.T, dataclasses.replace(p, trans_b=True)
+  c = config
+  a_shape, b_shape, out_shape = padded_shapes(p, c)
+  a, b = pad_to(a, a_shape), pad_to(b, b_shape)
   operands = [a, b]
+  # The epilogue vectors, read per warpgroup, are padded to whole CTA tiles (a few KiB).
   vector = lambda v, cta: pad_to(v.astype(jnp.float32), (round_up(v.shape[0], cta),))
   if p.has_bias:
     operands.append(vector(bias, c.cta_n))
