@@ -130,7 +130,7 @@ def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
   The epilogue, by what it computes (H200, bench/NOTES.md):
   * 16-bit products without an activation write each warpgroup's tile as one piece, stored
     once and awaited only at the next tile's epilogue, over 3 stages: 1.0-4.9% faster than
-    64 x 64 pieces over 4 stages at 8192^3 in three runs (matmul-27, -30), 0.5-1.6% at 6144^3,
+    64 x 64 pieces over 4 stages at 8192^3 in three runs (matmul-27, -30, -31), 0.5-1.6% at 6144^3,
     -1.6 to +1.4% at 4096^3. Small problems (64-row tiles) ran 15% slower so and keep pieces.
   * Activation epilogues take 64 x 64 pieces in 2 buffers over 3 stages, so that a piece's
     arithmetic overlaps the previous piece's store: 2-3% faster at 8192^3 bias+gelu in three
@@ -470,9 +470,8 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
   pieces_n = c.tile_n // c.epi_tile_n
   c_rows, c_cols = e.y_gmem.shape
   ragged = c_rows % c.cta_m != 0 or c_cols % c.cta_n != 0
-  start = lambda s: 0 if isinstance(s, slice) else s.start
-  row0 = start(cta_rows) + start(wg_rows)
-  col0 = start(cta_cols) + start(wg_cols)
+  row0 = _sub(cta_rows, wg_rows, c.tile_m).start
+  col0 = _sub(cta_cols, wg_cols, c.tile_n).start
   for pm in range(c.tile_m // c.epi_tile_m):
     for pn in range(pieces_n):
       rows = slice(pm * c.epi_tile_m, (pm + 1) * c.epi_tile_m)
@@ -593,7 +592,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
 
 
 def _crop(y, m: int, n: int, interpret):
-  if CROP == "xla" or tuple(y.shape) == (m, n):
+  if CROP == "xla":
     return y[:m, :n]
   return crop.crop(y, m, n, interpret=bool(interpret))
 
