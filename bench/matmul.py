@@ -9,7 +9,8 @@ neighbour) for ours, XLA and cuBLAS; ``bench/plot_sweep.py`` plots them. ``--tun
 autotunes ours at 8192, 8193, 2049 and 4096 first (into the user's tuning cache). Parts run
 only when named in ``--only``: ``epilogue`` (each epilogue's cost over the plain product),
 ``configs`` (Mosaic GPU configs where the heuristic trails), ``clusters`` (JAX's example
-with a 2-CTA multicast cluster) and ``schedules`` (ping-pong against cooperative warpgroups).
+with a 2-CTA multicast cluster) and ``schedules`` (the kernel's own ring, cooperative or
+ping-pong, against JAX's pipeline).
 
 Every output is checked against an f32 product on the device before it is timed
 (tolerance: twice the error of XLA's own product in the same dtype).
@@ -277,10 +278,17 @@ def _check_row(session, row, want, run):
   session.add(row)
 
 
+def _ring(problem: Problem, chip, **changes) -> mosaic_gpu.Config:
+  """The heuristic's config for ``problem`` on the kernel's own ring (``ring=True``)."""
+  return dataclasses.replace(mosaic_gpu.heuristic(problem, chip), ring=True, **changes)
+
+
 def schedules(session, impls):
-  """Ping-pong warpgroups (each owns whole tiles, one's epilogue under the other's product)
-  against the cooperative schedule: first checked on odd shapes, with transposed operands
-  (the backward's) and every epilogue, then timed round-robin, plain and with bias+gelu."""
+  """The cooperative schedule on the kernel's own ring (each warpgroup keeps one K step's
+  wgmma in flight; the ring runs on across tiles) and ping-pong warpgroups (each owns whole
+  tiles, one's epilogue under the other's product), against the shipped cooperative schedule
+  on JAX's pipeline: first checked on odd shapes, with transposed operands (the backward's)
+  and every epilogue, then timed round-robin, plain and with bias+gelu."""
   if impls[0] != "mosaic_gpu":
     return
   import numpy as np
@@ -288,60 +296,64 @@ def schedules(session, impls):
   from jaxkernels.ops.matmul import reference
 
   smoke = session.smoke
-  variants = {"pp s4": dataclasses.replace(PINGPONG, stages=4), "pp s5": PINGPONG,
-              "pp s6": dataclasses.replace(PINGPONG, stages=6),
-              "pp s5 epi2": dataclasses.replace(PINGPONG, epi_slots=2)}
   gen = np.random.default_rng(1)
   draw = lambda shape: jnp.asarray(gen.standard_normal(shape), jnp.float32).astype(BF16)
   shapes = [(100, 130, 70), (257, 383, 129), (3, 2, 1027), (1024, 1024, 1024),
             (2049, 2049, 2049)]
-  config = PINGPONG
-  for (m, n, k) in shapes[:2] if smoke else shapes:
-    for trans_a, trans_b in ((False, False), (True, False), (False, True), (True, True)):
-      for act, use_bias, use_res in ((None, False, False), ("gelu", True, True),
-                                     ("silu", True, False)):
-        if (trans_a or trans_b) and act:
-          continue  # the backward's transposed products carry no epilogue
-        a = draw((k, m) if trans_a else (m, k))
-        b = draw((n, k) if trans_b else (k, n))
-        bias = draw((n,)) if use_bias else None
-        res = draw((m, n)) if use_res else None
-        p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(BF16), out_dtype=jnp.dtype(BF16),
-                    trans_a=trans_a, trans_b=trans_b, activation=act, has_bias=use_bias,
-                    has_residual=use_res)
-        a32 = a.astype(jnp.float32).T if trans_a else a.astype(jnp.float32)
-        b32 = b.astype(jnp.float32).T if trans_b else b.astype(jnp.float32)
-        f32 = lambda x: None if x is None else x.astype(jnp.float32)
-        want = reference.matmul(a32, b32, bias=f32(bias), residual=f32(res), activation=act,
-                                out_dtype=jnp.float32, precision=lax.Precision.HIGHEST)
-        label = (f"check pingpong {act or 'plain'}{'+bias' if use_bias else ''}"
-                 f"{'+res' if use_res else ''}{' Aᵀ' if trans_a else ''}{' Bᵀ' if trans_b else ''}")
-        row = harness.Row("matmul", label, "mosaic_gpu", f"{m}x{n}x{k}", "bfloat16",
-                          tolerance=8e-3)
-        _check_row(session, row, want, lambda: jax.jit(
-            lambda a, b, bias, res, p=p: mosaic_gpu.matmul(
-                a, b, bias=bias, residual=res, problem=p, config=config))(a, b, bias, res))
-  for s in (512,) if smoke else (8192, 4096, 2048):
-    gelu = s != 2048
+  for name in ("ring", "pingpong"):
+    for (m, n, k) in shapes[:2] if smoke else shapes:
+      for trans_a, trans_b in ((False, False), (True, False), (False, True), (True, True)):
+        for act, use_bias, use_res in ((None, False, False), ("gelu", True, True),
+                                       ("silu", True, False)):
+          if (trans_a or trans_b) and act:
+            continue  # the backward's transposed products carry no epilogue
+          a = draw((k, m) if trans_a else (m, k))
+          b = draw((n, k) if trans_b else (k, n))
+          bias = draw((n,)) if use_bias else None
+          res = draw((m, n)) if use_res else None
+          p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(BF16), out_dtype=jnp.dtype(BF16),
+                      trans_a=trans_a, trans_b=trans_b, activation=act, has_bias=use_bias,
+                      has_residual=use_res)
+          config = _ring(p, session.chip) if name == "ring" else PINGPONG
+          a32 = a.astype(jnp.float32).T if trans_a else a.astype(jnp.float32)
+          b32 = b.astype(jnp.float32).T if trans_b else b.astype(jnp.float32)
+          f32 = lambda x: None if x is None else x.astype(jnp.float32)
+          want = reference.matmul(a32, b32, bias=f32(bias), residual=f32(res), activation=act,
+                                  out_dtype=jnp.float32, precision=lax.Precision.HIGHEST)
+          label = (f"check {name} {act or 'plain'}{'+bias' if use_bias else ''}"
+                   f"{'+res' if use_res else ''}{' Aᵀ' if trans_a else ''}"
+                   f"{' Bᵀ' if trans_b else ''}")
+          row = harness.Row("matmul", label, "mosaic_gpu", f"{m}x{n}x{k}", "bfloat16",
+                            tolerance=8e-3)
+          _check_row(session, row, want, lambda: jax.jit(
+              lambda a, b, bias, res, p=p, config=config: mosaic_gpu.matmul(
+                  a, b, bias=bias, residual=res, problem=p, config=config))(a, b, bias, res))
+  for s in (512,) if smoke else (8192, 4096, 6144, 2048):
+    gelu = s == 8192
+    bf = jnp.dtype(BF16)
+    plain_p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
+    gelu_p = dataclasses.replace(plain_p, activation="gelu", has_bias=True)
+    plain = {"ring": _ring(plain_p, session.chip),
+             "ring 64x64 s4": _ring(plain_p, session.chip, epi_tile_m=64, epi_tile_n=64,
+                                    epi_slots=1, stages=4),
+             "pp s5": PINGPONG}
     fns = {"xla": lambda a, b, bias: a @ b,
            "mosaic_gpu plain": lambda a, b, bias: jk.matmul(a, b, implementation="mosaic_gpu")}
     plain_ref = jax.jit(lambda a, b, bias: _f32_product()(a, b))
     gelu_ref = jax.jit(lambda a, b, bias: jax.nn.gelu(
         _f32_product()(a, b) + bias.astype(jnp.float32), approximate=False))
     refs = {"xla": plain_ref, "mosaic_gpu plain": plain_ref}
-    if gelu:
-      fns["mosaic_gpu bias+gelu"] = lambda a, b, bias: jk.matmul(
-          a, b, bias=bias, activation="gelu", implementation="mosaic_gpu")
-      refs["mosaic_gpu bias+gelu"] = gelu_ref
-    for label, cfg in variants.items():
+    for label, cfg in plain.items():
       fns[f"{label} plain"] = lambda a, b, bias, cfg=cfg: jk.matmul(
           a, b, implementation="mosaic_gpu", config=cfg)
       refs[f"{label} plain"] = plain_ref
-      if gelu:
+    if gelu:
+      for label, cfg in {"mosaic_gpu": None, "ring": _ring(gelu_p, session.chip)}.items():
         fns[f"{label} bias+gelu"] = lambda a, b, bias, cfg=cfg: jk.matmul(
             a, b, bias=bias, activation="gelu", implementation="mosaic_gpu", config=cfg)
         refs[f"{label} bias+gelu"] = gelu_ref
-    interleaved(session, "schedules", s, fns, bias=True, refs=refs, rounds=2 * session.rounds)
+    interleaved(session, "schedules", s, fns, bias=True, refs=refs, rounds=2 * session.rounds,
+                torch=session.platform == "gpu", n_sets=program_sets(s))
 
 
 def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, refs=None,

@@ -202,6 +202,20 @@ class TestMosaicGpuPingpong(TestMosaicGpu):
   def _two_sms(self, monkeypatch):
     monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 2)
 
+  def test_several_tiles(self):
+    """4 or 8 tiles a CTA, 5 K steps each over 3 slots: the ring wraps mid-tile and runs on
+    from one tile into the next; bias+gelu+residual through the epilogue's per-parity
+    vectors and buffers."""
+    self.check((256, 256, 320), jnp.bfloat16, EPILOGUES[1], grads=False)
+
+
+class TestMosaicGpuRing(TestMosaicGpuPingpong):
+  """The cooperative schedule on the kernel's own ring (``ring=True``): both compute
+  warpgroups read every slot, each keeping one K step's wgmma in flight, and the ring runs on
+  across tiles and wraps mid-tile."""
+
+  CONFIG = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, stages=3, ring=True)
+
 
 @pytest.mark.parametrize("shape,padded", [((33, 1025), (40, 1100)), ((17, 513), (17, 520)),
                                           ((1, 1), (8, 64)), ((40, 1100), (40, 1100))])

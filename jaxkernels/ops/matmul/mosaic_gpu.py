@@ -78,6 +78,12 @@ class Config:
   # warpgroup owns whole tiles (``tile_m x tile_n``), the two taking turns, so one's epilogue
   # runs while the other's product keeps the tensor cores busy.
   schedule: str = "cooperative"
+  # Cooperative only (ping-pong always runs on the ring): False feeds the warpgroups through
+  # JAX's warp-specialized pipeline, which awaits each K step's wgmma before releasing its
+  # slot and drains the ring at each tile's end; True through the kernel's own ring, which
+  # runs on across tiles while each warpgroup keeps one step's wgmma in flight as it issues
+  # the next (a slot is released one step later, so ``stages - 1`` loads run ahead).
+  ring: bool = False
 
   def __post_init__(self):
     check_fields(self, ("tile_m", "epi_tile_m"), lambda v: v % 64 == 0,
@@ -87,6 +93,9 @@ class Config:
     check_fields(self, ("stages", "grid_tile_width", "epi_slots"), lambda v: v >= 1, ">= 1")
     check_fields(self, ("split", "grid_minor"), lambda v: v in SPLITS, "'m' or 'n'")
     check_fields(self, ("schedule",), lambda v: v in SCHEDULES, f"one of {SCHEDULES}")
+    if self.on_ring and self.stages < 2:
+      raise ValueError(f"the ring (ring=True or the ping-pong schedule) keeps a slot one step "
+                       f"longer: stages must be >= 2, got {self.stages}")
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
       raise ValueError(f"epilogue tile {self.epi_tile_m}x{self.epi_tile_n} must divide the "
                        f"warpgroup tile {self.tile_m}x{self.tile_n}")
@@ -94,6 +103,10 @@ class Config:
   @property
   def cooperative(self) -> bool:
     return self.schedule == "cooperative"
+
+  @property
+  def on_ring(self) -> bool:
+    return self.ring or not self.cooperative
 
   @property
   def cta_m(self) -> int:
@@ -229,7 +242,7 @@ class _Epilogue(NamedTuple):
 def _kernel(*refs, problem: Problem, config: Config, math):
   p, c = problem, config
   a_gmem, b_gmem, bias_gmem, res_gmem, as_gmem, bs_gmem, y_gmem, z_gmem = split_refs(p, refs)
-  scratch, body = _SCHEDULES[c.schedule]
+  scratch, body = _schedule(c)
   a_block = (c.tile_k, c.cta_m) if p.trans_a else (c.cta_m, c.tile_k)
   b_block = (c.cta_n, c.tile_k) if p.trans_b else (c.tile_k, c.cta_n)
 
@@ -290,10 +303,7 @@ def _cooperative(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_bloc
     (linear,) = info.index
     parity = info.local_index % 2
     cta_rows, cta_cols = _tile_slices(linear, p, c)
-    if c.split == "m":
-      wg_rows, wg_cols = pl.ds(wg * c.tile_m, c.tile_m), slice(None)
-    else:
-      wg_rows, wg_cols = slice(None), pl.ds(wg * c.tile_n, c.tile_n)
+    wg_rows, wg_cols = _halves(c, wg)
 
     def compute_context(eval_pipeline):
       # The epilogue's vectors load while the main loop runs.
@@ -312,13 +322,7 @@ def _cooperative(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_bloc
                       problem=p, config=c)
 
     def mma(_, a_smem, b_smem, acc_ref):
-      # This warpgroup's half of the CTA's block, sliced before any transpose (a transposed
-      # view cannot be sliced).
-      a, b = a_smem, b_smem
-      if c.split == "m":
-        a = a.at[:, wg_rows] if p.trans_a else a.at[wg_rows]
-      else:
-        b = b.at[wg_cols] if p.trans_b else b.at[:, wg_cols]
+      a, b = _my_part(a_smem, b_smem, p, c, wg_rows, wg_cols)
       plgpu.wgmma(acc_ref, *_operands(a, b, p))
       plgpu.wgmma_wait(0)
       return acc_ref
@@ -329,34 +333,41 @@ def _cooperative(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_bloc
         allocations=pipeline_allocs)
 
 
-def _pingpong_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
+def _ring_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
   del a_gmem, b_gmem
+  owners = 1 if c.cooperative else 2
   return dict(
       a_ring=plgpu.SMEM((c.stages, *a_block), p.dtype, transforms=_swizzled(a_block[1], p.dtype)),
       b_ring=plgpu.SMEM((c.stages, *b_block), p.dtype, transforms=_swizzled(b_block[1], p.dtype)),
-      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * c.stages),
-      free=plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
+      # Two TMA copies (A and B) arrive on a slot's "full" barrier; its readers on "free".
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=owners * c.stages),
+      free=plgpu.Barrier(num_arrivals=2 if c.cooperative else 1, num_barriers=c.stages),
   )
 
 
-def _pingpong(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_block,
-              a_ring, b_ring, full, free):
-  """Each compute warpgroup owns whole tiles, alternately (the CTA's even tiles go to
-  warpgroup 0, odd ones to 1); the TMA warpgroup fills one ring of ``stages`` slots in the
-  order the tiles' K steps are consumed.
+def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_block,
+          a_ring, b_ring, full, free):
+  """The kernel's own ring of ``stages`` slots, filled by the TMA warpgroup in the order the
+  compute warpgroups consume it, straight on across tiles (the next tile's first loads run
+  under this one's last steps and epilogue).
 
-  The producer runs at most ``stages`` K steps ahead, so warpgroup 1's next tile starts
-  filling only once warpgroup 0's current one is filled: the two products overlap for at most
-  that many steps, and each epilogue runs while the other warpgroup's product proceeds. Every
-  slot has a "full" barrier per warpgroup (so that each warpgroup waits on every phase of its
-  own barriers: Mosaic GPU tracks barrier phases per thread) and one "free" barrier, which
-  only the producer waits on.
+  Cooperative, both compute warpgroups read every slot, each for its half of the CTA tile.
+  Ping-pong, each owns whole tiles, alternately (the CTA's even tiles go to warpgroup 0, odd
+  ones to 1): the producer runs at most ``stages`` K steps ahead, so warpgroup 1's next tile
+  starts filling only once warpgroup 0's current one is filled, the two products overlap for
+  at most that many steps, and each epilogue runs while the other warpgroup's product
+  proceeds. Every slot has one "free" barrier, which only the producer waits on, and a "full"
+  barrier per owner (cooperative: one; ping-pong: one per warpgroup, so that each warpgroup
+  waits on every phase of its own barriers: Mosaic GPU tracks barrier phases per thread).
+  A compute warpgroup keeps one step's wgmma in flight while it issues the next, and releases
+  a slot once the product after it is issued.
   """
   del a_block, b_block
   p, c = problem, config
   wg = lax.axis_index("wg")
   k_steps = cdiv(p.k, c.tile_k)
   tiles = lambda body: plgpu.nd_loop((_num_tiles(p, c),), collective_axes="sm")(body)
+  owner_of = lambda local_index: 0 if c.cooperative else local_index % 2
 
   @pl.when(wg == 2)
   def _producer():
@@ -365,7 +376,7 @@ def _pingpong(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, 
     @tiles
     def _(info: plgpu.NDLoopInfo):
       rows, cols = _tile_slices(info.index[0], p, c)
-      owner = info.local_index % 2
+      owner = owner_of(info.local_index)
       first = info.local_index * k_steps
 
       @pl.loop(0, k_steps)
@@ -399,20 +410,27 @@ def _pingpong(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, 
 
     @tiles
     def _(info: plgpu.NDLoopInfo):
-      @pl.when(info.local_index % 2 == wg)
-      def _():
-        rows, cols = _tile_slices(info.index[0], p, c)
-        parity = (info.local_index // 2) % 2
+      def tile():
+        cta_rows, cta_cols = _tile_slices(info.index[0], p, c)
+        if c.cooperative:
+          wg_rows, wg_cols = _halves(c, wg)
+          parity = info.local_index % 2
+        else:
+          wg_rows, wg_cols = slice(None), slice(None)
+          parity = (info.local_index // 2) % 2
+        full_base = owner_of(info.local_index) * c.stages
         first = info.local_index * k_steps
-        waits = epilogue.load_vectors(p, wg, parity, rows, cols)
+        waits = epilogue.load_vectors(p, wg, parity, _sub(cta_rows, wg_rows, c.tile_m),
+                                      _sub(cta_cols, wg_cols, c.tile_n))
 
         @functools.partial(pl.run_scoped,
                            acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
         def _acc(acc_ref):
           def step_body(step):
             slot = lax.rem(first + step, c.stages)
-            plgpu.barrier_wait(full.at[wg * c.stages + slot])
-            plgpu.wgmma(acc_ref, *_operands(a_ring.at[slot], b_ring.at[slot], p))
+            plgpu.barrier_wait(full.at[full_base + slot])
+            a, b = _my_part(a_ring.at[slot], b_ring.at[slot], p, c, wg_rows, wg_cols)
+            plgpu.wgmma(acc_ref, *_operands(a, b, p))
             # Two products in flight: the previous one has finished reading its slot.
             plgpu.wgmma_wait(1)
 
@@ -429,18 +447,41 @@ def _pingpong(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, 
             acc = acc_ref[...]
             for barrier in waits:
               plgpu.barrier_wait(barrier)
-            _write_tile(acc, epilogue, wg, parity, rows, cols, slice(None), slice(None),
+            _write_tile(acc, epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols,
                         problem=p, config=c)
 
+      if c.cooperative:
+        tile()
+      else:
+        pl.when(info.local_index % 2 == wg)(tile)
 
-_SCHEDULES = {"cooperative": (_cooperative_scratch, _cooperative),
-              "pingpong": (_pingpong_scratch, _pingpong)}
+
+def _schedule(c: Config):
+  """(scratch, body) of the kernel's main loop: JAX's pipeline or the kernel's own ring."""
+  return (_ring_scratch, _ring) if c.on_ring else (_cooperative_scratch, _cooperative)
 
 
 def _compute_registers() -> int:
   """Registers a thread of each compute warpgroup may take: the SM's 64K registers less the
   producer's, split two ways, in multiples of 8 and at most 255 (as JAX's pipeline does)."""
   return int(min(256, (512 - PRODUCER_REGISTERS) / 2) // 8 * 8)
+
+
+def _halves(c: Config, wg):
+  """(rows, cols) of a cooperative warpgroup's half of the CTA tile, relative to it."""
+  if c.split == "m":
+    return pl.ds(wg * c.tile_m, c.tile_m), slice(None)
+  return slice(None), pl.ds(wg * c.tile_n, c.tile_n)
+
+
+def _my_part(a_smem, b_smem, p: Problem, c: Config, wg_rows, wg_cols):
+  """This warpgroup's part of the CTA's A and B blocks (all of them in ping-pong), sliced
+  before any transpose (a transposed view cannot be sliced)."""
+  if not c.cooperative:
+    return a_smem, b_smem
+  if c.split == "m":
+    return (a_smem.at[:, wg_rows] if p.trans_a else a_smem.at[wg_rows]), b_smem
+  return a_smem, (b_smem.at[wg_cols] if p.trans_b else b_smem.at[:, wg_cols])
 
 
 def _operands(a, b, p: Problem):
