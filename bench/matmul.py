@@ -9,8 +9,9 @@ neighbour) for ours, XLA and cuBLAS; ``bench/plot_sweep.py`` plots them. ``--tun
 autotunes ours at 8192, 8193, 2049 and 4096 first (into the user's tuning cache). Parts run
 only when named in ``--only``: ``epilogue`` (each epilogue's cost over the plain product),
 ``configs`` (Mosaic GPU configs where the heuristic trails), ``clusters`` (JAX's example
-with a 2-CTA multicast cluster) and ``schedules`` (the kernel's own ring, cooperative or
-ping-pong, against JAX's pipeline).
+with a 2-CTA multicast cluster), ``schedules`` (the kernel's own ring, cooperative or
+ping-pong, against JAX's pipeline) and ``waves`` (the wave model's CTA tiles against the
+previous heuristic's).
 
 Every output is checked against an f32 product on the device before it is timed
 (tolerance: twice the error of XLA's own product in the same dtype).
@@ -265,6 +266,38 @@ def config_candidates(session, impls):
       fns[f"mosaic_gpu {label}"] = _ours("mosaic_gpu", config)
     interleaved(session, "configs bf16", s, fns, torch=session.platform == "gpu",
                 rounds=2 * session.rounds)
+
+
+def _previous_heuristic(p: Problem, chip) -> mosaic_gpu.Config:
+  """The heuristic before the wave model (to 6f107af): 128 x 256 CTA tiles, or 64 x 256 where
+  fewer 256 x 256 tiles than SMs; whole-tile epilogue pieces over 3 stages for 16-bit plain
+  products in 128-row tiles."""
+  tile_m = 64 if -(-p.m // 256) * -(-p.n // 256) < chip.cores else 128
+  config = mosaic_gpu.Config(tile_m=tile_m, tile_n=128, tile_k=64, stages=4, split="n",
+                             grid_minor="m", grid_tile_width=16, epi_tile_m=64, epi_tile_n=64,
+                             epi_slots=1)
+  if tile_m == 128:
+    config = dataclasses.replace(config, stages=3, epi_tile_m=128, epi_tile_n=128)
+  return config
+
+
+WAVE_SIZES = (1152, 1536, 2048, 2049, 2176, 2560, 3072, 3073, 4224, 5888)
+
+
+def waves(session, impls):
+  """The wave model's CTA tiles against the previous heuristic's, round-robin with XLA and
+  cuBLAS, at sizes where the model changed the tile (and 2048, 2560: where it did not)."""
+  if impls[0] != "mosaic_gpu":
+    return
+  bf = jnp.dtype(BF16)
+  for s in WAVE_SIZES if not session.smoke else (512,):
+    p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
+    new, old = mosaic_gpu.heuristic(p, session.chip), _previous_heuristic(p, session.chip)
+    fns = {"xla": lambda a, b: a @ b, "mosaic_gpu": _ours("mosaic_gpu", new),
+           "mosaic_gpu previous": _ours("mosaic_gpu", old)}
+    interleaved(session, f"waves {new.cta_m}x{new.cta_n} vs {old.cta_m}x{old.cta_n}", s,
+                       fns, torch=session.platform == "gpu", rounds=2 * session.rounds,
+                       n_sets=program_sets(s))
 
 
 def _check_row(session, row, want, run):
@@ -535,6 +568,8 @@ def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024,
     clusters(session, impls)
   if "schedules" in only:
     schedules(session, impls)
+  if "waves" in only:
+    waves(session, impls)
   if sweep and "sweep" in only:
     sweep_sizes(session, impls[:1], step if not session.smoke else 128, sweep_range)
 

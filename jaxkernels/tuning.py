@@ -9,8 +9,11 @@
 
 Entries are keyed by implementation, device kind, jax version, operand and
 output dtypes, operand layout, and shape bucket (each dimension rounded up to a
-power of two up to 1024, to a multiple of 1024 past it), so one tuning run
-covers the neighbourhood of the shape it timed. Shipped tables are keyed
+power of two up to 1024, to a multiple of 128 past it), so one tuning run covers
+the neighbourhood of the shape it timed. The neighbourhood is narrow because a
+config's speed turns on the waves of tiles it makes: the CTA tile tuned at 4096^3
+(3.9 waves of 132 SMs on an H200) makes 4 waves at 3840^3 with the last 41% full
+(bench/NOTES.md, matmul-35). Shipped tables are keyed
 without the jax version: they are a better start than a heuristic on any.
 """
 
@@ -40,7 +43,7 @@ def cache_dir() -> pathlib.Path:
 
 
 def bucket(size: int) -> int:
-  return next_pow2(size) if size <= 1024 else round_up(size, 1024)
+  return next_pow2(size) if size <= 1024 else round_up(size, 128)
 
 
 def key(implementation: str, problem: Any, device_kind: str, *, versioned: bool = True) -> str:

@@ -187,6 +187,34 @@ class TestMosaicGpu(MatmulTest):
   def test_out_dtype(self):
     pytest.skip("covered by test_low_precision's bfloat16 output; the interpreter is slow")
 
+  @pytest.mark.parametrize("shape", mosaic_gpu.CTA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+  def test_cta_shapes(self, shape, monkeypatch):
+    """Each CTA tile the heuristic may choose, 2 x 2 tiles of it on two SMs, bias + residual."""
+    tile_m, tile_n, split = shape
+    config = mosaic_gpu.Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=2, split=split)
+    monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 2)
+    monkeypatch.setattr(self, "CONFIG", config)
+    self.check((2 * config.cta_m, 2 * config.cta_n, 128), jnp.bfloat16, EPILOGUES[-1],
+               grads=False)
+
+  def test_wave_model(self):
+    """The heuristic leaves 128 x 256 tiles where they fill their waves and takes fuller waves
+    where they do not (3072^3: 2.2 waves of 128 x 256 against 2.9 of 128 x 192)."""
+    chip = hardware.chip_for("NVIDIA H200")
+    bf = jnp.dtype(jnp.bfloat16)
+    problem = lambda m, n, k: Problem(m=m, n=n, k=k, dtype=bf, out_dtype=bf)
+    cta = lambda p: (lambda c: (c.cta_m, c.cta_n))(mosaic_gpu.heuristic(p, chip))
+    assert cta(problem(8192, 8192, 8192)) == cta(problem(4096, 4096, 4096)) == (128, 256)
+    assert cta(problem(3072, 3072, 3072)) == cta(problem(1536, 1536, 1536)) == (128, 192)
+    assert cta(problem(1024, 1024, 1024)) == (64, 128)  # 128 tiles: the most SMs at work
+    # 4224 x 640: 128 x 256 tiles make 33 x 3 = 99 (0.75 waves); 256 x 128 ones 17 x 5 = 85.
+    tall = problem(4224, 640, 4096)
+    chosen = mosaic_gpu.heuristic(tall, chip)
+    for tile_m, tile_n, split in mosaic_gpu.CTA_SHAPES:
+      other = mosaic_gpu.Config(tile_m=tile_m, tile_n=tile_n, split=split)
+      assert mosaic_gpu.predicted_seconds(tall, chosen, 132) <= \
+          mosaic_gpu.predicted_seconds(tall, other, 132) / (1 - mosaic_gpu.WAVE_MARGIN)
+
 
 class TestMosaicGpuPingpong(TestMosaicGpu):
   """The ping-pong schedule, on two SMs so that every CTA walks several tiles, handed to its
@@ -415,7 +443,7 @@ def test_tuning_cache_roundtrip(tmp_path, monkeypatch):
   tuning.record("triton", p, "NVIDIA H100 80GB HBM3", mine, 1e-3)
   assert tuning.config_for("triton", p, chip) == mine
   # A shape in the same bucket shares the entry; another bucket does not.
-  assert tuning.config_for("triton", Problem(**{**p.__dict__, "m": 2100}), chip) == mine
+  assert tuning.config_for("triton", Problem(**{**p.__dict__, "m": 2950}), chip) == mine
   assert tuning.config_for("triton", Problem(**{**p.__dict__, "m": 5000}), chip) != mine
   # An activation epilogue is tuned apart: the plain entry does not serve it.
   act = Problem(**{**p.__dict__, "activation": "gelu", "has_bias": True})
@@ -444,7 +472,8 @@ def test_shipped_table_and_ship(tmp_path):
   assert (config.stages, config.epi_slots) == (3, 2)
   plain = mosaic_gpu.heuristic(p, chip)  # one whole-tile epilogue piece over 3 stages
   assert (plain.stages, plain.epi_slots, plain.epi_tile_m, plain.epi_tile_n) == (3, 1, 128, 128)
-  small = mosaic_gpu.heuristic(dataclasses.replace(p, m=2048, n=2048, k=2048), chip)
+  # 64-row warpgroup tiles (1536^3: 128 x 192 CTA tiles) keep 64 x 64 pieces over 4 stages.
+  small = mosaic_gpu.heuristic(dataclasses.replace(p, m=1536, n=1536, k=1536), chip)
   assert (small.tile_m, small.stages, small.epi_tile_m, small.epi_tile_n) == (64, 4, 64, 64)
   cache = tmp_path / "cache.json"
   cache.write_text(json.dumps({"triton|gpu x|jax9.9|bfloat16->bfloat16|nn|1024x1024x1024":

@@ -134,17 +134,51 @@ def config_error(problem: Problem, config: Config, chip) -> str | None:
   return None
 
 
+# The CTA tiles the heuristic chooses among, as (tile_m, tile_n, split): 128 x 256 (two
+# 128 x 128 warpgroup tiles side by side along N; the autotuner's pick at 8192^3 bf16 on an
+# H200), 256 x 128, 128 x 192 (two 64 x 192 warpgroup tiles, one above the other), 64 x 256,
+# 128 x 128 and 64 x 128.
+CTA_SHAPES = ((128, 128, "n"), (128, 128, "m"), (64, 192, "m"), (64, 128, "n"), (64, 128, "m"),
+              (64, 64, "n"))
+# The wave model's constants, fitted to the H200 sweep of 128x256 and 64x256 CTA tiles over
+# square sizes 1024-4352 (bench/NOTES.md, matmul-35): an SM multiplies-and-adds 3.3e12 16-bit
+# products a second within a tile, a wave of tiles costs 2.65 us more to start and finish, and a
+# tile's rate falls with the bytes it loads per product, 1/cta_m + 1/cta_n, weighted so that
+# 128 x 128 tiles run ~6% behind 128 x 256 ones (the ping-pong schedule's 128 x 128 tiles at
+# the power cap, matmul-19).
+SM_PRODUCTS_PER_S = 3.3e12
+WAVE_SECONDS = 2.65e-6
+TILE_BYTES_WEIGHT = 16.0
+# A CTA tile must be predicted this much faster than the first of CTA_SHAPES to displace it:
+# the model's error on the sweep was ~7% RMS, and under the power cap larger tiles gain more.
+WAVE_MARGIN = 0.05
+
+
+def predicted_seconds(problem: Problem, config: Config, cores: int) -> float:
+  """The wave model: a persistent grid of ``cores`` CTAs runs ``ceil(tiles / cores)`` waves of
+  tiles, each wave as long as one tile's product plus a fixed start, however few SMs the last
+  wave keeps busy. It ranks CTA tiles for one problem; it is not a timing."""
+  c = config
+  tiles = cdiv(problem.m, c.cta_m) * cdiv(problem.n, c.cta_n)
+  rate = SM_PRODUCTS_PER_S * (2 if jnp.dtype(problem.dtype).itemsize == 1 else 1)
+  products = c.cta_m * c.cta_n * round_up(problem.k, c.tile_k)
+  tile = products / rate * (1 + TILE_BYTES_WEIGHT * (1 / c.cta_m + 1 / c.cta_n))
+  return cdiv(tiles, cores) * (tile + WAVE_SECONDS)
+
+
 def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
-  """128 x 256 CTA tiles (two 128 x 128 warpgroup tiles side by side along N), 64-deep K
-  steps (128 for fp8: 128 bytes per row either way, the widest swizzle), tiles visited in
-  snakes 16 wide along M: the autotuner's pick at 8192^3 bf16 on an H200 (bench/NOTES.md).
-  Small problems take 64-row warpgroup tiles so that more CTAs get work.
+  """The CTA tile from ``CTA_SHAPES`` that the wave model (``predicted_seconds``) gives the
+  fewest, fullest waves on ``chip``'s SMs, 64-deep K steps (128 for fp8: 128 bytes per row
+  either way, the widest swizzle), tiles visited in snakes 16 wide along M. 128 x 256 tiles
+  unless another is predicted ``WAVE_MARGIN`` faster: at 3072^3, say, they make 288 tiles,
+  2.2 waves of 132 SMs with the third 18% full, where 128 x 192 tiles make 384 (2.9 waves).
 
   The epilogue, by what it computes (H200, bench/NOTES.md):
-  * 16-bit products without an activation write each warpgroup's tile as one piece, stored
-    once and awaited only at the next tile's epilogue, over 3 stages: 1.0-4.9% faster than
-    64 x 64 pieces over 4 stages at 8192^3 in three runs (matmul-27, -30, -31), 0.5-1.6% at 6144^3,
-    -1.6 to +1.4% at 4096^3. Small problems (64-row tiles) ran 15% slower so and keep pieces.
+  * 16-bit products without an activation, in 128-row warpgroup tiles, write each
+    warpgroup's tile as one piece, stored once and awaited only at the next tile's epilogue,
+    over 3 stages: 1.0-4.9% faster than 64 x 64 pieces over 4 stages at 8192^3 in three runs
+    (matmul-27, -30, -31), 0.5-1.6% at 6144^3, -1.6 to +1.4% at 4096^3. 64-row tiles ran 15%
+    slower so (2048^3) and keep 64 x 64 pieces.
   * Activation epilogues take 64 x 64 pieces in 2 buffers over 3 stages, so that a piece's
     arithmetic overlaps the previous piece's store: 2-3% faster at 8192^3 bias+gelu in three
     runs (matmul-22, -24), bias+silu 2%.
@@ -152,17 +186,19 @@ def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
     whole-tile pieces are not measured there.
   """
   item = jnp.dtype(problem.dtype).itemsize
-  tile_k = 128 // item
-  small = cdiv(problem.m, 256) * cdiv(problem.n, 256) < chip.cores
-  tile_m = 64 if small else 128
-  base = Config(tile_m=tile_m, tile_n=128, tile_k=tile_k, stages=4, split="n", grid_minor="m",
-                grid_tile_width=16, epi_tile_m=64, epi_tile_n=64, epi_slots=1)
+  shapes = [Config(tile_m=tm, tile_n=tn, tile_k=128 // item, stages=4, split=split,
+                   grid_minor="m", grid_tile_width=16, epi_tile_m=64, epi_tile_n=64,
+                   epi_slots=1) for tm, tn, split in CTA_SHAPES]
+  seconds = [predicted_seconds(problem, c, chip.cores) for c in shapes]
+  best = min(range(len(shapes)), key=seconds.__getitem__)
+  base = shapes[best] if seconds[best] < (1 - WAVE_MARGIN) * seconds[0] else shapes[0]
   # Fewer stages or buffers where shared memory runs out (float32 outputs saved twice, say).
   candidates = []
   if problem.activation:
     candidates.append(dataclasses.replace(base, stages=3, epi_slots=2))
-  elif item == 2 and not small:
-    candidates.append(dataclasses.replace(base, stages=3, epi_tile_m=tile_m, epi_tile_n=128))
+  elif item == 2 and base.tile_m == 128:
+    candidates.append(dataclasses.replace(base, stages=3, epi_tile_m=base.tile_m,
+                                          epi_tile_n=base.tile_n))
   candidates += [dataclasses.replace(base, stages=stages) for stages in (4, 3, 2)]
   return next((c for c in candidates if config_error(problem, c, chip) is None), candidates[-1])
 
