@@ -1,11 +1,12 @@
 """Plots a matmul size sweep: TFLOP/s against M = N = K for ours, XLA and cuBLAS.
 
-    python -m bench.plot_sweep OUT.png LOG:first:last:step[:host_clock_from] ...
-    python -m bench.plot_sweep OUT.png JSON[:host_clock_from] ...
+    python -m bench.plot_sweep OUT.png LOG:first:last:step[:host_clock_from[:every]] ...
+    python -m bench.plot_sweep OUT.png JSON[:host_clock_from[:every]] ...
 
 Reads the ``matmul sweep bf16 <impl>: <ms> ms`` lines that ``python -m bench matmul --sweep``
 prints, in the order it runs the sizes (each of first..last by step, then its odd neighbour),
-or the rows of a results JSON.
+or the rows of a results JSON. ``every`` keeps only the sizes it divides (an older run's
+sizes that no change since has touched, say); where sources share a size, the later one wins.
 """
 
 from __future__ import annotations
@@ -81,16 +82,22 @@ def plot(series, out: str) -> None:
 
 def main(argv: list[str]) -> None:
   out, sources = argv[0], argv[1:]
-  series: dict[str, list[tuple[int, float]]] = {}
+  series: dict[str, dict[int, float]] = {}
   for source in sources:
     path, *rng = source.split(":")
+    fields = list(map(int, rng))
+    every = 1
     if path.endswith(".json"):
-      part = from_json(path, *map(int, rng))
+      if len(fields) > 1:
+        every = fields.pop()
+      part = from_json(path, *fields)
     else:
-      part = from_log(path, *map(int, rng))
+      if len(fields) > 4:
+        every = fields.pop()
+      part = from_log(path, *fields)
     for impl, points in part.items():
-      series.setdefault(impl, []).extend(points)
-  plot(series, out)
+      series.setdefault(impl, {}).update((s, v) for s, v in points if s % every == 0)
+  plot({impl: sorted(points.items()) for impl, points in series.items()}, out)
 
 
 if __name__ == "__main__":

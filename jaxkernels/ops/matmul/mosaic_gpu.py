@@ -82,7 +82,9 @@ class Config:
   # JAX's warp-specialized pipeline, which awaits each K step's wgmma before releasing its
   # slot and drains the ring at each tile's end; True through the kernel's own ring, which
   # runs on across tiles while each warpgroup keeps one step's wgmma in flight as it issues
-  # the next (a slot is released one step later, so ``stages - 1`` loads run ahead).
+  # the next (a slot is released one step later, so ``stages - 1`` loads run ahead). On the
+  # H200 it was no faster: +0.3-0.8% with 64 x 64 pieces over 4 stages (within the noise), 4%
+  # slower at 4096^3 with whole-tile pieces over 3 (bench/NOTES.md, matmul-34).
   ring: bool = False
 
   def __post_init__(self):
@@ -144,8 +146,8 @@ CTA_SHAPES = ((128, 128, "n"), (128, 128, "m"), (64, 192, "m"), (64, 128, "n"), 
 # square sizes 1024-4352 (bench/NOTES.md, matmul-35): an SM multiplies-and-adds 3.3e12 16-bit
 # products a second within a tile, a wave of tiles costs 2.65 us more to start and finish, and a
 # tile's rate falls with the bytes it loads per product, 1/cta_m + 1/cta_n, weighted so that
-# 128 x 128 tiles run ~6% behind 128 x 256 ones (the ping-pong schedule's 128 x 128 tiles at
-# the power cap, matmul-19).
+# 128 x 128 tiles run ~5% behind 128 x 256 ones (the ping-pong schedule's 128 x 128 tiles ran
+# at a 6% lower clock at the power cap, matmul-19).
 SM_PRODUCTS_PER_S = 3.3e12
 WAVE_SECONDS = 2.65e-6
 TILE_BYTES_WEIGHT = 16.0
