@@ -295,9 +295,9 @@ def waves(session, impls):
     new, old = mosaic_gpu.heuristic(p, session.chip), _previous_heuristic(p, session.chip)
     fns = {"xla": lambda a, b: a @ b, "mosaic_gpu": _ours("mosaic_gpu", new),
            "mosaic_gpu previous": _ours("mosaic_gpu", old)}
-    interleaved(session, f"waves {new.cta_m}x{new.cta_n} vs {old.cta_m}x{old.cta_n}", s,
-                       fns, torch=session.platform == "gpu", rounds=2 * session.rounds,
-                       n_sets=program_sets(s))
+    interleaved(session, f"waves {new.cta_m}x{new.cta_n} vs {old.cta_m}x{old.cta_n}", s, fns,
+                torch=session.platform == "gpu", rounds=2 * session.rounds,
+                n_sets=program_sets(s))
 
 
 def _check_row(session, row, want, run):
