@@ -1,12 +1,12 @@
 """Plots a matmul size sweep: TFLOP/s against M = N = K for ours, XLA and cuBLAS.
 
-    python -m bench.plot_sweep OUT.png LOG:first:last:step[:host_clock_from[:every]] ...
-    python -m bench.plot_sweep OUT.png JSON[:host_clock_from[:every]] ...
+    python -m bench.plot_sweep OUT.png LOG:first:last:step[:host_clock_from] ...
+    python -m bench.plot_sweep OUT.png JSON[:host_clock_from] ...
 
 Reads the ``matmul sweep bf16 <impl>: <ms> ms`` lines that ``python -m bench matmul --sweep``
 prints, in the order it runs the sizes (each of first..last by step, then its odd neighbour),
-or the rows of a results JSON. ``every`` keeps only the sizes it divides (an older run's
-sizes that no change since has touched, say); where sources share a size, the later one wins.
+or the rows of a results JSON. Where sources share a size (a run cut short and its
+completion), the later one wins.
 """
 
 from __future__ import annotations
@@ -85,18 +85,9 @@ def main(argv: list[str]) -> None:
   series: dict[str, dict[int, float]] = {}
   for source in sources:
     path, *rng = source.split(":")
-    fields = list(map(int, rng))
-    every = 1
-    if path.endswith(".json"):
-      if len(fields) > 1:
-        every = fields.pop()
-      part = from_json(path, *fields)
-    else:
-      if len(fields) > 4:
-        every = fields.pop()
-      part = from_log(path, *fields)
-    for impl, points in part.items():
-      series.setdefault(impl, {}).update((s, v) for s, v in points if s % every == 0)
+    read = from_json if path.endswith(".json") else from_log
+    for impl, points in read(path, *map(int, rng)).items():
+      series.setdefault(impl, {}).update(points)
   plot({impl: sorted(points.items()) for impl, points in series.items()}, out)
 
 

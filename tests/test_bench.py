@@ -49,6 +49,24 @@ def test_plot_sweep_reads_logs_in_run_order(tmp_path):
   assert series["xla"][2][1] == 2 * 256 ** 3 / (1e-3 * 256 / 128) / 1e12
 
 
+def test_plot_sweep_later_source_wins(tmp_path, monkeypatch):
+  """A run cut short and the run that completes it share a size: plotted once, from the later."""
+  from bench import plot_sweep
+
+  def log(name, sizes, ms):
+    path = tmp_path / name
+    path.write_text("".join(f"  matmul sweep bf16 {impl}: {ms:.4f} ms\n"
+                            for _ in sizes for impl in ("xla", "mosaic_gpu")))
+    return f"{path}:{sizes[0]}:{sizes[-2]}:128"
+
+  plotted = {}
+  monkeypatch.setattr(plot_sweep, "plot", lambda series, out: plotted.update(series))
+  plot_sweep.main(["out.png", log("a.txt", [128, 129, 256, 257], 1.0),
+                   log("b.txt", [256, 257, 384, 385], 2.0)])
+  assert [s for s, _ in plotted["xla"]] == [128, 129, 256, 257, 384, 385]
+  assert dict(plotted["xla"])[256] == plot_sweep._tflops(256, 2.0)
+
+
 def test_time_rounds_cancels_a_rounds_fixed_cost(monkeypatch):
   """A round that pays a fixed start-up F plus t a program: steady is t, whole-round t + F/calls."""
   from bench import harness
