@@ -265,6 +265,33 @@ def test_mosaic_gpu_wave_model():
         mosaic_gpu.predicted_seconds(tall, other, 132) / (1 - mosaic_gpu.WAVE_MARGIN)
 
 
+@pytest.mark.parametrize("shape", mosaic_gpu.CTA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mosaic_gpu_cta_shapes_lower(shape):
+  """Each CTA tile the heuristic may choose through Mosaic GPU's compiler passes (which the
+  interpreter skips), on a ragged shape: bf16 with gelu + bias + residual, and fp8 with
+  scales (128-deep K steps)."""
+  tile_m, tile_n, split = shape
+  m, n, k = 1000, 1030, 520
+  for dtype, act in ((jnp.bfloat16, "gelu"), (jnp.float8_e4m3fn, None)):
+    fp8 = act is None
+    p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(jnp.bfloat16),
+                activation=act, has_bias=not fp8, has_residual=not fp8, has_scales=fp8)
+    config = mosaic_gpu.Config(tile_m=tile_m, tile_n=tile_n, split=split,
+                               tile_k=128 if fp8 else 64, stages=3, epi_slots=2 - fp8)
+    assert mosaic_gpu.config_error(p, config, hardware.chip_for("NVIDIA H200")) is None
+
+    def fn(a, b, v, r, s, p=p, config=config, fp8=fp8):
+      return mosaic_gpu.matmul(a, b, bias=None if fp8 else v, residual=None if fp8 else r,
+                               a_scale=s if fp8 else None, b_scale=v if fp8 else None,
+                               problem=p, config=config)
+    text = cuda_lowering(fn, jax.ShapeDtypeStruct((m, k), dtype),
+                         jax.ShapeDtypeStruct((k, n), dtype),
+                         jax.ShapeDtypeStruct((n,), jnp.float32),
+                         jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((m,), jnp.float32))
+    assert "mosaic_gpu" in text
+
+
 def test_mosaic_gpu_padding():
   """Only TMA's alignment pads A, B and C; a residual, read piece by piece through C's
   buffers, pads C so that no piece starts past its end."""
@@ -353,6 +380,18 @@ def test_config_checks():
   p = Problem(m=4096, n=4096, k=4096, dtype=jnp.dtype(jnp.bfloat16),
               out_dtype=jnp.dtype(jnp.bfloat16))
   assert "shared memory" in mosaic_gpu.config_error(p, big, hardware.DEFAULT_GPU)
+  # Warpgroup halves of B's 192-wide block would start mid swizzle tile: named, not a
+  # compiler error, when a user hands the config in.
+  odd = mosaic_gpu.Config(tile_m=128, tile_n=96, epi_tile_n=32)
+  with pytest.raises(ValueError, match=re.escape(
+      "split='n' cuts the CTA's 192-wide block into warpgroup halves of 96, which must be a "
+      "multiple of its 64-element swizzle tile")):
+    jax.eval_shape(lambda a, b: jk.matmul(a, b, implementation="mosaic_gpu", config=odd),
+                   jax.ShapeDtypeStruct((256, 64), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((64, 384), jnp.bfloat16))
+  # B stored transposed is cut along its rows: any multiple of 32 will do.
+  q = dataclasses.replace(p, trans_b=True)
+  assert mosaic_gpu.config_error(q, odd, hardware.DEFAULT_GPU) is None
 
 
 def test_zero_sized():

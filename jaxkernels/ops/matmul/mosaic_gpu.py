@@ -131,8 +131,21 @@ def shared_bytes(problem: Problem, config: Config) -> int:
 
 def config_error(problem: Problem, config: Config, chip) -> str | None:
   del chip
-  if (need := shared_bytes(problem, config)) > SMEM_BYTES:
+  p, c = problem, config
+  if (need := shared_bytes(p, c)) > SMEM_BYTES:
     return f"needs {need} bytes of shared memory per CTA; Hopper has {SMEM_BYTES}"
+  # A cooperative warpgroup's half of a block cut along the block's minor dimension must
+  # start on a swizzle tile (``_my_part``): B's columns (split "n"), or A's stored transposed.
+  # fp8 B is always stored (N, K) (``matmul`` transposes it).
+  trans_b = p.trans_b or jnp.dtype(p.dtype) in FLOAT8
+  cut = {"n": (not trans_b, c.tile_n, c.cta_n), "m": (p.trans_a, c.tile_m, c.cta_m)}
+  along_minor, half, block = cut[c.split]
+  if c.cooperative and along_minor:
+    item = jnp.dtype(p.dtype).itemsize
+    lanes = plgpu.find_swizzle(block * item * 8) // item
+    if half % lanes:
+      return (f"split={c.split!r} cuts the CTA's {block}-wide block into warpgroup halves of "
+              f"{half}, which must be a multiple of its {lanes}-element swizzle tile")
   return None
 
 
@@ -637,6 +650,9 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   if jnp.dtype(p.dtype) in FLOAT8 and not p.trans_b:
     b, p = b.T, dataclasses.replace(p, trans_b=True)
   c = config
+  if (error := config_error(p, c, None)) is not None:
+    raise ValueError(f"mosaic_gpu cannot run {c} on {p.m}x{p.k} @ {p.k}x{p.n} "
+                     f"{jnp.dtype(p.dtype).name}: {error}")
   a_shape, b_shape, out_shape = padded_shapes(p, c)
   a, b = pad_to(a, a_shape), pad_to(b, b_shape)
   operands = [a, b]
