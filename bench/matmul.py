@@ -32,6 +32,7 @@ from jax import lax
 import jaxkernels as jk
 from bench import harness
 from jaxkernels import tuning
+from jaxkernels._pallas import cdiv
 from jaxkernels.ops.matmul import mosaic_gpu, triton
 from jaxkernels.ops.matmul.common import Problem
 
@@ -272,7 +273,7 @@ def _previous_heuristic(p: Problem, chip) -> mosaic_gpu.Config:
   """The heuristic before the wave model (to 6f107af): 128 x 256 CTA tiles, or 64 x 256 where
   fewer 256 x 256 tiles than SMs; whole-tile epilogue pieces over 3 stages for 16-bit plain
   products in 128-row tiles."""
-  tile_m = 64 if -(-p.m // 256) * -(-p.n // 256) < chip.cores else 128
+  tile_m = 64 if cdiv(p.m, 256) * cdiv(p.n, 256) < chip.cores else 128
   config = mosaic_gpu.Config(tile_m=tile_m, tile_n=128, tile_k=64, stages=4, split="n",
                              grid_minor="m", grid_tile_width=16, epi_tile_m=64, epi_tile_n=64,
                              epi_slots=1)

@@ -131,18 +131,15 @@ def shared_bytes(problem: Problem, config: Config) -> int:
 
 def config_error(problem: Problem, config: Config, chip) -> str | None:
   del chip
-  p, c = problem, config
+  p, c = _as_stored(problem), config
   if (need := shared_bytes(p, c)) > SMEM_BYTES:
     return f"needs {need} bytes of shared memory per CTA; Hopper has {SMEM_BYTES}"
   # A cooperative warpgroup's half of a block cut along the block's minor dimension must
   # start on a swizzle tile (``_my_part``): B's columns (split "n"), or A's stored transposed.
-  # fp8 B is always stored (N, K) (``matmul`` transposes it).
-  trans_b = p.trans_b or jnp.dtype(p.dtype) in FLOAT8
-  cut = {"n": (not trans_b, c.tile_n, c.cta_n), "m": (p.trans_a, c.tile_m, c.cta_m)}
+  cut = {"n": (not p.trans_b, c.tile_n, c.cta_n), "m": (p.trans_a, c.tile_m, c.cta_m)}
   along_minor, half, block = cut[c.split]
   if c.cooperative and along_minor:
-    item = jnp.dtype(p.dtype).itemsize
-    lanes = plgpu.find_swizzle(block * item * 8) // item
+    lanes = _swizzle_lanes(block, p.dtype)
     if half % lanes:
       return (f"split={c.split!r} cuts the CTA's {block}-wide block into warpgroup halves of "
               f"{half}, which must be a multiple of its {lanes}-element swizzle tile")
@@ -174,11 +171,10 @@ def predicted_seconds(problem: Problem, config: Config, cores: int) -> float:
   tiles, each wave as long as one tile's product plus a fixed start, however few SMs the last
   wave keeps busy. It ranks CTA tiles for one problem; it is not a timing."""
   c = config
-  tiles = cdiv(problem.m, c.cta_m) * cdiv(problem.n, c.cta_n)
   rate = SM_PRODUCTS_PER_S * (2 if jnp.dtype(problem.dtype).itemsize == 1 else 1)
   products = c.cta_m * c.cta_n * round_up(problem.k, c.tile_k)
   tile = products / rate * (1 + TILE_BYTES_WEIGHT * (1 / c.cta_m + 1 / c.cta_n))
-  return cdiv(tiles, cores) * (tile + WAVE_SECONDS)
+  return cdiv(_num_tiles(problem, c), cores) * (tile + WAVE_SECONDS)
 
 
 def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
@@ -229,11 +225,17 @@ def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
   return None
 
 
+def _swizzle_lanes(minor: int, dtype) -> int:
+  """Elements in a swizzle tile's row, for a shared-memory block whose minor dimension is
+  ``minor``: the widest swizzle its rows allow (at most 128 bytes)."""
+  return plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8) // jnp.dtype(dtype).itemsize
+
+
 def _swizzled(minor: int, dtype):
   """Tiling and swizzle transforms for a shared-memory block whose minor dimension is ``minor``."""
-  item = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(minor * item * 8)
-  return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
+  lanes = _swizzle_lanes(minor, dtype)
+  return (plgpu.TilingTransform((8, lanes)),
+          plgpu.SwizzleTransform(lanes * jnp.dtype(dtype).itemsize))
 
 
 class _Epilogue(NamedTuple):
@@ -618,6 +620,14 @@ def _padded_extent(size: int, align: int, cta: int, step: int) -> int:
   return padded if last_piece < padded else round_up(size, cta)
 
 
+def _as_stored(p: Problem) -> Problem:
+  """``p`` as the kernel runs it: fp8 wgmma reads both operands K-major, so an fp8 B is stored
+  (N, K) (``matmul`` transposes one that is not)."""
+  if jnp.dtype(p.dtype) in FLOAT8 and not p.trans_b:
+    return dataclasses.replace(p, trans_b=True)
+  return p
+
+
 def padded_shapes(p: Problem, c: Config) -> tuple[tuple[int, int], ...]:
   """The shapes A and B are zero-padded to, and the shape of the C the kernel writes.
 
@@ -646,9 +656,9 @@ def padded_shapes(p: Problem, c: Config) -> tuple[tuple[int, int], ...]:
 
 def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
            config: Config, interpret=False):
-  p = problem
-  if jnp.dtype(p.dtype) in FLOAT8 and not p.trans_b:
-    b, p = b.T, dataclasses.replace(p, trans_b=True)
+  p = _as_stored(problem)
+  if p.trans_b != problem.trans_b:
+    b = b.T
   c = config
   if (error := config_error(p, c, None)) is not None:
     raise ValueError(f"mosaic_gpu cannot run {c} on {p.m}x{p.k} @ {p.k}x{p.n} "
