@@ -10,8 +10,8 @@ autotunes ours at 8192, 8193, 2049 and 4096 first (into the user's tuning cache)
 only when named in ``--only``: ``epilogue`` (each epilogue's cost over the plain product),
 ``configs`` (Mosaic GPU configs where the heuristic trails), ``clusters`` (JAX's example
 with a 2-CTA multicast cluster), ``schedules`` (the kernel's own ring, cooperative or
-ping-pong, against JAX's pipeline) and ``waves`` (the wave model's CTA tiles against the
-previous heuristic's).
+ping-pong, against JAX's pipeline), ``waves`` (the wave model's CTA tiles against the
+previous heuristic's) and ``tiles`` (CTA tiles beyond the heuristic's, against its pick).
 
 Every output is checked against an f32 product on the device before it is timed
 (tolerance: twice the error of XLA's own product in the same dtype).
@@ -301,6 +301,37 @@ def waves(session, impls):
                 n_sets=program_sets(s))
 
 
+# CTA tiles beyond mosaic_gpu.CTA_SHAPES, as (tile_m, tile_n, split), and the sizes where the
+# wave model predicts them faster than its pick (6144: as many tile-products in whole waves as
+# 128 x 256, a probe of their rate). Tiles whose columns are not a multiple of 64 (160, 224)
+# take a 64-byte swizzle that Mosaic GPU's layout inference refuses (jax 0.10.2).
+EXTRA_TILES = ((128, 192, "m"), (128, 192, "n"))
+TILE_SIZES = (2176, 2304, 4224, 5504, 6144, 6528, 7552, 8192)
+
+
+def tiles(session, impls):
+  """EXTRA_TILES checked on odd shapes (every epilogue, transposed operands), then timed
+  round-robin against the heuristic's pick, with XLA and cuBLAS, at TILE_SIZES."""
+  if impls[0] != "mosaic_gpu":
+    return
+  chip = session.chip
+  for shape in EXTRA_TILES:
+    _check_configs(session, "x".join(map(str, shape)), lambda p, shape=shape: mosaic_gpu.fitted(
+        p, mosaic_gpu.tile_config(p, shape), chip))
+  bf = jnp.dtype(BF16)
+  for s in TILE_SIZES if not session.smoke else (512,):
+    p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
+    picked = mosaic_gpu.heuristic(p, chip)
+    fns = {"xla": lambda a, b: a @ b,
+           f"mosaic_gpu {picked.cta_m}x{picked.cta_n}": _ours("mosaic_gpu", picked)}
+    for shape in EXTRA_TILES:
+      config = mosaic_gpu.fitted(p, mosaic_gpu.tile_config(p, shape), chip)
+      fns[f"mosaic_gpu {config.cta_m}x{config.cta_n} s{config.stages}"] = _ours("mosaic_gpu",
+                                                                               config)
+    interleaved(session, "tiles", s, fns, torch=session.platform == "gpu",
+                rounds=2 * session.rounds, n_sets=program_sets(s))
+
+
 def _check_row(session, row, want, run):
   """``row`` with ``run()``'s relative error against ``want`` (or why it failed), added."""
   try:
@@ -317,6 +348,47 @@ def _ring(problem: Problem, chip, **changes) -> mosaic_gpu.Config:
   return dataclasses.replace(mosaic_gpu.heuristic(problem, chip), ring=True, **changes)
 
 
+def _check_configs(session, name, config_for):
+  """Mosaic GPU with ``config_for(problem)`` against the f32 spec on odd shapes (several
+  tiles a CTA, ragged edges, K not a multiple of the step), with A and/or B stored transposed
+  (the backward's products) and with gelu+bias+residual and silu+bias epilogues."""
+  import numpy as np
+
+  from jaxkernels.ops.matmul import reference
+
+  gen = np.random.default_rng(1)
+  draw = lambda shape: jnp.asarray(gen.standard_normal(shape), jnp.float32).astype(BF16)
+  shapes = [(100, 130, 70), (257, 383, 129), (3, 2, 1027), (1024, 1024, 1024),
+            (2049, 2049, 2049)]
+  for (m, n, k) in shapes[:2] if session.smoke else shapes:
+    for trans_a, trans_b in ((False, False), (True, False), (False, True), (True, True)):
+      for act, use_bias, use_res in ((None, False, False), ("gelu", True, True),
+                                     ("silu", True, False)):
+        if (trans_a or trans_b) and act:
+          continue  # the backward's transposed products carry no epilogue
+        a = draw((k, m) if trans_a else (m, k))
+        b = draw((n, k) if trans_b else (k, n))
+        bias = draw((n,)) if use_bias else None
+        res = draw((m, n)) if use_res else None
+        p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(BF16), out_dtype=jnp.dtype(BF16),
+                    trans_a=trans_a, trans_b=trans_b, activation=act, has_bias=use_bias,
+                    has_residual=use_res)
+        config = config_for(p)
+        a32 = a.astype(jnp.float32).T if trans_a else a.astype(jnp.float32)
+        b32 = b.astype(jnp.float32).T if trans_b else b.astype(jnp.float32)
+        f32 = lambda x: None if x is None else x.astype(jnp.float32)
+        want = reference.matmul(a32, b32, bias=f32(bias), residual=f32(res), activation=act,
+                                out_dtype=jnp.float32, precision=lax.Precision.HIGHEST)
+        label = (f"check {name} {act or 'plain'}{'+bias' if use_bias else ''}"
+                 f"{'+res' if use_res else ''}{' Aᵀ' if trans_a else ''}"
+                 f"{' Bᵀ' if trans_b else ''}")
+        row = harness.Row("matmul", label, "mosaic_gpu", f"{m}x{n}x{k}", "bfloat16",
+                          tolerance=8e-3)
+        _check_row(session, row, want, lambda: jax.jit(
+            lambda a, b, bias, res, p=p, config=config: mosaic_gpu.matmul(
+                a, b, bias=bias, residual=res, problem=p, config=config))(a, b, bias, res))
+
+
 def schedules(session, impls):
   """The cooperative schedule on the kernel's own ring (each warpgroup keeps one K step's
   wgmma in flight; the ring runs on across tiles) and ping-pong warpgroups (each owns whole
@@ -325,43 +397,9 @@ def schedules(session, impls):
   and every epilogue, then timed round-robin, plain and with bias+gelu."""
   if impls[0] != "mosaic_gpu":
     return
-  import numpy as np
-
-  from jaxkernels.ops.matmul import reference
-
   smoke = session.smoke
-  gen = np.random.default_rng(1)
-  draw = lambda shape: jnp.asarray(gen.standard_normal(shape), jnp.float32).astype(BF16)
-  shapes = [(100, 130, 70), (257, 383, 129), (3, 2, 1027), (1024, 1024, 1024),
-            (2049, 2049, 2049)]
-  for name in ("ring", "pingpong"):
-    for (m, n, k) in shapes[:2] if smoke else shapes:
-      for trans_a, trans_b in ((False, False), (True, False), (False, True), (True, True)):
-        for act, use_bias, use_res in ((None, False, False), ("gelu", True, True),
-                                       ("silu", True, False)):
-          if (trans_a or trans_b) and act:
-            continue  # the backward's transposed products carry no epilogue
-          a = draw((k, m) if trans_a else (m, k))
-          b = draw((n, k) if trans_b else (k, n))
-          bias = draw((n,)) if use_bias else None
-          res = draw((m, n)) if use_res else None
-          p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(BF16), out_dtype=jnp.dtype(BF16),
-                      trans_a=trans_a, trans_b=trans_b, activation=act, has_bias=use_bias,
-                      has_residual=use_res)
-          config = _ring(p, session.chip) if name == "ring" else PINGPONG
-          a32 = a.astype(jnp.float32).T if trans_a else a.astype(jnp.float32)
-          b32 = b.astype(jnp.float32).T if trans_b else b.astype(jnp.float32)
-          f32 = lambda x: None if x is None else x.astype(jnp.float32)
-          want = reference.matmul(a32, b32, bias=f32(bias), residual=f32(res), activation=act,
-                                  out_dtype=jnp.float32, precision=lax.Precision.HIGHEST)
-          label = (f"check {name} {act or 'plain'}{'+bias' if use_bias else ''}"
-                   f"{'+res' if use_res else ''}{' Aᵀ' if trans_a else ''}"
-                   f"{' Bᵀ' if trans_b else ''}")
-          row = harness.Row("matmul", label, "mosaic_gpu", f"{m}x{n}x{k}", "bfloat16",
-                            tolerance=8e-3)
-          _check_row(session, row, want, lambda: jax.jit(
-              lambda a, b, bias, res, p=p, config=config: mosaic_gpu.matmul(
-                  a, b, bias=bias, residual=res, problem=p, config=config))(a, b, bias, res))
+  _check_configs(session, "ring", lambda p: _ring(p, session.chip))
+  _check_configs(session, "pingpong", lambda p: PINGPONG)
   for s in (512,) if smoke else (8192, 4096, 6144, 2048):
     gelu = s == 8192
     bf = jnp.dtype(BF16)
@@ -571,6 +609,8 @@ def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024,
     schedules(session, impls)
   if "waves" in only:
     waves(session, impls)
+  if "tiles" in only:
+    tiles(session, impls)
   if sweep and "sweep" in only:
     sweep_sizes(session, impls[:1], step if not session.smoke else 128, sweep_range)
 

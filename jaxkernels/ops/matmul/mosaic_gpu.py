@@ -196,13 +196,24 @@ def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
   * fp8 keeps 64 x 64 pieces in one buffer over 4 stages (its 1.8x over bf16, matmul-25);
     whole-tile pieces are not measured there.
   """
-  item = jnp.dtype(problem.dtype).itemsize
-  shapes = [Config(tile_m=tm, tile_n=tn, tile_k=128 // item, stages=4, split=split,
-                   grid_minor="m", grid_tile_width=16, epi_tile_m=64, epi_tile_n=64,
-                   epi_slots=1) for tm, tn, split in CTA_SHAPES]
+  shapes = [tile_config(problem, shape) for shape in CTA_SHAPES]
   seconds = [predicted_seconds(problem, c, chip.cores) for c in shapes]
   best = min(range(len(shapes)), key=seconds.__getitem__)
   base = shapes[best] if seconds[best] < (1 - WAVE_MARGIN) * seconds[0] else shapes[0]
+  return fitted(problem, base, chip)
+
+
+def tile_config(problem: Problem, shape) -> Config:
+  tile_m, tile_n, split = shape
+  return Config(tile_m=tile_m, tile_n=tile_n, tile_k=128 // jnp.dtype(problem.dtype).itemsize,
+                stages=4, split=split, grid_minor="m", grid_tile_width=16, epi_tile_m=64,
+                epi_tile_n=64, epi_slots=1)
+
+
+def fitted(problem: Problem, base: Config, chip: hardware.Chip) -> Config:
+  """``base``'s CTA tile with the heuristic's epilogue pieces and stages for ``problem``
+  (see ``heuristic``), as many stages as shared memory holds."""
+  item = jnp.dtype(problem.dtype).itemsize
   # Fewer stages or buffers where shared memory runs out (float32 outputs saved twice, say).
   candidates = []
   if problem.activation:
