@@ -10,8 +10,8 @@ autotunes ours at 8192, 8193, 2049 and 4096 first (into the user's tuning cache)
 only when named in ``--only``: ``epilogue`` (each epilogue's cost over the plain product),
 ``configs`` (Mosaic GPU configs where the heuristic trails), ``clusters`` (JAX's example
 with a 2-CTA multicast cluster), ``schedules`` (the kernel's own ring, cooperative or
-ping-pong, against JAX's pipeline), ``waves`` (the wave model's CTA tiles against the
-previous heuristic's) and ``tiles`` (CTA tiles beyond the heuristic's, against its pick).
+ping-pong, against JAX's pipeline), ``waves`` (the heuristic's CTA tiles against the
+previous rule's) and ``tiles`` (CTA tiles beyond the heuristic's, against its pick).
 
 Every output is checked against an f32 product on the device before it is timed
 (tolerance: twice the error of XLA's own product in the same dtype).
@@ -32,7 +32,6 @@ from jax import lax
 import jaxkernels as jk
 from bench import harness
 from jaxkernels import tuning
-from jaxkernels._pallas import cdiv
 from jaxkernels.ops.matmul import mosaic_gpu, triton
 from jaxkernels.ops.matmul.common import Problem
 
@@ -269,31 +268,23 @@ def config_candidates(session, impls):
                 rounds=2 * session.rounds)
 
 
-def _previous_heuristic(p: Problem, chip) -> mosaic_gpu.Config:
-  """The heuristic before the wave model (to 6f107af): 128 x 256 CTA tiles, or 64 x 256 where
-  fewer 256 x 256 tiles than SMs; whole-tile epilogue pieces over 3 stages for 16-bit plain
-  products in 128-row tiles."""
-  tile_m = 64 if cdiv(p.m, 256) * cdiv(p.n, 256) < chip.cores else 128
-  config = mosaic_gpu.Config(tile_m=tile_m, tile_n=128, tile_k=64, stages=4, split="n",
-                             grid_minor="m", grid_tile_width=16, epi_tile_m=64, epi_tile_n=64,
-                             epi_slots=1)
-  if tile_m == 128:
-    config = dataclasses.replace(config, stages=3, epi_tile_m=128, epi_tile_n=128)
-  return config
-
-
-WAVE_SIZES = (1152, 1536, 2048, 2049, 2176, 2560, 3072, 3073, 4224, 5888)
+# The sizes where the heuristic's tile moved when CTA_SHAPES gained 256 x 192 and 128 x 384
+# (its first six are the rule from 743871a; the comparison before that one, against the rule
+# before the wave model, is bench/NOTES.md matmul-35).
+WAVE_SIZES = (2049, 2176, 2304, 3328, 4224, 4352, 5504, 6528, 7552, 8193)
+PREVIOUS_SHAPES = mosaic_gpu.CTA_SHAPES[:6]
 
 
 def waves(session, impls):
-  """The wave model's CTA tiles against the previous heuristic's, round-robin with XLA and
-  cuBLAS, at sizes where the model changed the tile (and 2048, 2560: where it did not)."""
+  """The heuristic's CTA tiles against those of the previous rule (``PREVIOUS_SHAPES``),
+  round-robin with XLA and cuBLAS, at sizes where its tile moved."""
   if impls[0] != "mosaic_gpu":
     return
   bf = jnp.dtype(BF16)
   for s in WAVE_SIZES if not session.smoke else (512,):
     p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
-    new, old = mosaic_gpu.heuristic(p, session.chip), _previous_heuristic(p, session.chip)
+    new = mosaic_gpu.heuristic(p, session.chip)
+    old = mosaic_gpu.heuristic(p, session.chip, shapes=PREVIOUS_SHAPES)
     fns = {"xla": lambda a, b: a @ b, "mosaic_gpu": _ours("mosaic_gpu", new),
            "mosaic_gpu previous": _ours("mosaic_gpu", old)}
     interleaved(session, f"waves {new.cta_m}x{new.cta_n} vs {old.cta_m}x{old.cta_n}", s, fns,
@@ -301,23 +292,23 @@ def waves(session, impls):
                 n_sets=program_sets(s))
 
 
-# CTA tiles beyond mosaic_gpu.CTA_SHAPES, as (tile_m, tile_n, split), and the sizes where the
-# wave model predicts them faster than its pick (6144: as many tile-products in whole waves as
-# 128 x 256, a probe of their rate). Tiles whose columns are not a multiple of 64 (160, 224)
-# take a 64-byte swizzle that Mosaic GPU's layout inference refuses (jax 0.10.2).
+# CTA tiles checked and timed by ``tiles``, as (tile_m, tile_n, split): the two that joined
+# mosaic_gpu.CTA_SHAPES in bench/NOTES.md matmul-37, and sizes where the wave model predicted
+# them faster than the rule before (6144: as many tile-products in whole waves as 128 x 256,
+# a probe of their rate).
 EXTRA_TILES = ((128, 192, "m"), (128, 192, "n"))
 TILE_SIZES = (2176, 2304, 4224, 5504, 6144, 6528, 7552, 8192)
 
 
 def tiles(session, impls):
-  """EXTRA_TILES checked on odd shapes (every epilogue, transposed operands), then timed
+  """EXTRA_TILES checked on odd shapes (every epilogue, transposed operands, fp8), then timed
   round-robin against the heuristic's pick, with XLA and cuBLAS, at TILE_SIZES."""
   if impls[0] != "mosaic_gpu":
     return
   chip = session.chip
   for shape in EXTRA_TILES:
     _check_configs(session, "x".join(map(str, shape)), lambda p, shape=shape: mosaic_gpu.fitted(
-        p, mosaic_gpu.tile_config(p, shape), chip))
+        p, mosaic_gpu.tile_config(p, shape), chip), fp8=True)
   bf = jnp.dtype(BF16)
   for s in TILE_SIZES if not session.smoke else (512,):
     p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
@@ -348,10 +339,11 @@ def _ring(problem: Problem, chip, **changes) -> mosaic_gpu.Config:
   return dataclasses.replace(mosaic_gpu.heuristic(problem, chip), ring=True, **changes)
 
 
-def _check_configs(session, name, config_for):
+def _check_configs(session, name, config_for, fp8=False):
   """Mosaic GPU with ``config_for(problem)`` against the f32 spec on odd shapes (several
   tiles a CTA, ragged edges, K not a multiple of the step), with A and/or B stored transposed
-  (the backward's products) and with gelu+bias+residual and silu+bias epilogues."""
+  (the backward's products) and with gelu+bias+residual and silu+bias epilogues; with
+  ``fp8``, also e4m3 operands with per-row and per-column scales."""
   import numpy as np
 
   from jaxkernels.ops.matmul import reference
@@ -387,6 +379,21 @@ def _check_configs(session, name, config_for):
         _check_row(session, row, want, lambda: jax.jit(
             lambda a, b, bias, res, p=p, config=config: mosaic_gpu.matmul(
                 a, b, bias=bias, residual=res, problem=p, config=config))(a, b, bias, res))
+    if not fp8:
+      continue
+    # B is stored (N, K) by the kernel's wrapper; K steps are 128 deep.
+    a8, b8 = draw((m, k)).astype(F8), draw((k, n)).astype(F8)
+    sa = jnp.asarray(gen.uniform(0.5, 2, m), jnp.float32)
+    sb = jnp.asarray(gen.uniform(0.5, 2, n), jnp.float32)
+    want = reference.matmul(a8, b8, a_scale=sa, b_scale=sb, out_dtype=jnp.float32,
+                            precision=lax.Precision.HIGHEST)
+    p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(F8), out_dtype=jnp.dtype(BF16), has_scales=True)
+    config = config_for(p)
+    row = harness.Row("matmul", f"check {name} fp8 scaled", "mosaic_gpu", f"{m}x{n}x{k}",
+                      "float8_e4m3fn", tolerance=8e-3)
+    _check_row(session, row, want, lambda: jax.jit(
+        lambda a, b, p=p, config=config: mosaic_gpu.matmul(
+            a, b, a_scale=sa, b_scale=sb, problem=p, config=config))(a8, b8))
 
 
 def schedules(session, impls):

@@ -196,10 +196,14 @@ class TestMosaicGpu(MatmulTest):
       pytest.skip("ping-pong tiles do not split: the 'n' case covers this tile")
     config = dataclasses.replace(self.CONFIG, tile_m=tile_m, tile_n=tile_n, tile_k=64,
                                  split=split)
+    shape = (2 * config.cta_m, 2 * config.cta_n, 128)
+    p = Problem(*shape, dtype=jnp.dtype(jnp.bfloat16), out_dtype=jnp.dtype(jnp.bfloat16),
+                activation="relu", has_bias=True, has_residual=True)  # EPILOGUES[-1]
+    if mosaic_gpu.config_error(p, config, None):  # 128 x 384 takes 2 stages here
+      config = dataclasses.replace(config, stages=2)
     monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 2)
     monkeypatch.setattr(self, "CONFIG", config)
-    self.check((2 * config.cta_m, 2 * config.cta_n, 128), jnp.bfloat16, EPILOGUES[-1],
-               grads=False)
+    self.check(shape, jnp.bfloat16, EPILOGUES[-1], grads=False)
 
 
 class TestMosaicGpuPingpong(TestMosaicGpu):
@@ -256,6 +260,8 @@ def test_mosaic_gpu_wave_model():
   assert cta(problem(8192, 8192, 8192)) == cta(problem(4096, 4096, 4096)) == (128, 256)
   assert cta(problem(3072, 3072, 3072)) == cta(problem(1536, 1536, 1536)) == (128, 192)
   assert cta(problem(1024, 1024, 1024)) == (64, 128)  # 128 tiles: the most SMs at work
+  # 6528^3: 128 x 256 tiles make 10.05 waves, 256 x 192 ones 6.7.
+  assert cta(problem(6528, 6528, 6528)) == (256, 192)
   # 4224 x 640: 128 x 256 tiles make 33 x 3 = 99 (0.75 waves); 256 x 128 ones 17 x 5 = 85.
   tall = problem(4224, 640, 4096)
   chosen = mosaic_gpu.heuristic(tall, chip)
@@ -276,9 +282,10 @@ def test_mosaic_gpu_cta_shapes_lower(shape):
     fp8 = act is None
     p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(jnp.bfloat16),
                 activation=act, has_bias=not fp8, has_residual=not fp8, has_scales=fp8)
-    config = mosaic_gpu.Config(tile_m=tile_m, tile_n=tile_n, split=split,
-                               tile_k=128 if fp8 else 64, stages=3, epi_slots=2 - fp8)
-    assert mosaic_gpu.config_error(p, config, hardware.chip_for("NVIDIA H200")) is None
+    chip = hardware.chip_for("NVIDIA H200")
+    config = mosaic_gpu.fitted(p, mosaic_gpu.tile_config(p, shape), chip)
+    assert (config.tile_m, config.tile_n, config.split, config.tile_k) == (*shape, 64 + 64 * fp8)
+    assert mosaic_gpu.config_error(p, config, chip) is None
 
     def fn(a, b, v, r, s, p=p, config=config, fp8=fp8):
       return mosaic_gpu.matmul(a, b, bias=None if fp8 else v, residual=None if fp8 else r,

@@ -149,9 +149,11 @@ def config_error(problem: Problem, config: Config, chip) -> str | None:
 # The CTA tiles the heuristic chooses among, as (tile_m, tile_n, split): 128 x 256 (two
 # 128 x 128 warpgroup tiles side by side along N; the autotuner's pick at 8192^3 bf16 on an
 # H200), 256 x 128, 128 x 192 (two 64 x 192 warpgroup tiles, one above the other), 64 x 256,
-# 128 x 128 and 64 x 128.
+# 128 x 128, 64 x 128, and two of 128 x 192 warpgroup tiles (192 accumulator registers a
+# thread): 256 x 192 and 128 x 384. Columns come in multiples of 64: a 160- or 224-column
+# block takes a 64-byte swizzle, which Mosaic GPU's layout inference refuses (jax 0.10.2).
 CTA_SHAPES = ((128, 128, "n"), (128, 128, "m"), (64, 192, "m"), (64, 128, "n"), (64, 128, "m"),
-              (64, 64, "n"))
+              (64, 64, "n"), (128, 192, "m"), (128, 192, "n"))
 # The wave model's constants, fitted to the H200 sweep of 128x256 and 64x256 CTA tiles over
 # square sizes 1024-4352 (bench/NOTES.md, matmul-35): an SM multiplies-and-adds 3.3e12 16-bit
 # products a second within a tile, a wave of tiles costs 2.65 us more to start and finish, and a
@@ -177,12 +179,13 @@ def predicted_seconds(problem: Problem, config: Config, cores: int) -> float:
   return cdiv(_num_tiles(problem, c), cores) * (tile + WAVE_SECONDS)
 
 
-def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
-  """The CTA tile from ``CTA_SHAPES`` that the wave model (``predicted_seconds``) gives the
+def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Config:
+  """The CTA tile from ``shapes`` that the wave model (``predicted_seconds``) gives the
   fewest, fullest waves on ``chip``'s SMs, 64-deep K steps (128 for fp8: 128 bytes per row
   either way, the widest swizzle), tiles visited in snakes 16 wide along M. 128 x 256 tiles
   unless another is predicted ``WAVE_MARGIN`` faster: at 3072^3, say, they make 288 tiles,
-  2.2 waves of 132 SMs with the third 18% full, where 128 x 192 tiles make 384 (2.9 waves).
+  2.2 waves of 132 SMs with the third 18% full, where 128 x 192 tiles make 384 (2.9 waves);
+  at 6528^3 they make 10.05 waves, where 256 x 192 tiles make 6.7 (the model: 10% faster).
 
   The epilogue, by what it computes (H200, bench/NOTES.md):
   * 16-bit products without an activation, in 128-row warpgroup tiles, write each
@@ -196,7 +199,7 @@ def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
   * fp8 keeps 64 x 64 pieces in one buffer over 4 stages (its 1.8x over bf16, matmul-25);
     whole-tile pieces are not measured there.
   """
-  shapes = [tile_config(problem, shape) for shape in CTA_SHAPES]
+  shapes = [tile_config(problem, shape) for shape in shapes]
   seconds = [predicted_seconds(problem, c, chip.cores) for c in shapes]
   best = min(range(len(shapes)), key=seconds.__getitem__)
   base = shapes[best] if seconds[best] < (1 - WAVE_MARGIN) * seconds[0] else shapes[0]
