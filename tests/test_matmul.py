@@ -152,7 +152,9 @@ class TestMosaicTpu(MatmulTest):
     bias = numerics.normal(gen, (200,), jnp.float32)
     with jk.interpret_mode():
       y = jk.matmul(a, b, a_scale=a_scale, b_scale=b_scale, bias=bias, activation="silu",
-                    out_dtype=jnp.float32, implementation="mosaic_tpu", config=self.CONFIG)
+                    out_dtype=jnp.float32, implementation="mosaic_tpu",
+                    # int8 packs 32 rows a sublane tile: blocks of M come in 32s
+                    config=dataclasses.replace(self.CONFIG, block_m=32))
     acc = np.asarray(a, np.int64) @ np.asarray(b, np.int64)  # exact in int32 as well
     z = acc * np.asarray(a_scale, np.float64)[:, None] * np.asarray(b_scale, np.float64) + \
         np.asarray(bias, np.float64)
@@ -399,6 +401,20 @@ def test_config_checks():
   # B stored transposed is cut along its rows: any multiple of 32 will do.
   q = dataclasses.replace(p, trans_b=True)
   assert mosaic_gpu.config_error(q, odd, hardware.DEFAULT_GPU) is None
+  # Every backend's user config is checked at the dispatch, before its compiler sees it.
+  a, b = jax.ShapeDtypeStruct((300, 200), jnp.bfloat16), jax.ShapeDtypeStruct((200, 260),
+                                                                               jnp.bfloat16)
+  deep = triton.Config(block_m=256, block_n=256, block_k=128, num_stages=8)
+  with jk.interpret_mode(), pytest.raises(ValueError, match=re.escape(
+      f"config={deep} cannot run 300x200 @ 200x260 bfloat16 on implementation='triton': 8 "
+      "stages of 256x128 and 128x256 blocks need 1048576 bytes of shared memory")):
+    jax.eval_shape(lambda a, b: jk.matmul(a, b, implementation="triton", config=deep), a, b)
+  ragged = mosaic_tpu.Config(block_m=100, block_n=256, block_k=200)
+  with jk.interpret_mode(), pytest.raises(ValueError, match=re.escape(
+      "on implementation='mosaic_tpu': block_m=100 must be a multiple of 16 or the whole "
+      "m=300")):
+    jax.eval_shape(lambda a, b: jk.matmul(a, b, implementation="mosaic_tpu", config=ragged),
+                   a, b)
 
 
 def test_zero_sized():

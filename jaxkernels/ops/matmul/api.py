@@ -35,6 +35,11 @@ class _Plan:
     module = _KERNELS[self.implementation]
     if config is None:
       config = tuning.config_for(self.implementation, problem, self.chip)
+    elif (error := module.config_error(problem, config, self.chip)) is not None:
+      # The user's config: named here, before any compiler sees it.
+      raise ValueError(f"config={config} cannot run {problem.m}x{problem.k} @ "
+                       f"{problem.k}x{problem.n} {jnp.dtype(problem.dtype).name} on "
+                       f"implementation={self.implementation!r}: {error}")
     return module.matmul(*operands, problem=problem, config=config,
                          interpret=backend.interpret_params(self.implementation, self.interpret),
                          **epilogue_operands)
