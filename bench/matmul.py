@@ -552,6 +552,12 @@ def tune(session, impl, s=8192):
 PROGRAM_SECONDS = 0.5e-3
 MOST_SETS = 24
 SWEEP_HOST_CLOCK_FROM = 2048
+# Rounds and programs a timing of the sweep. With 3 x 3 (to 9ce3759) one timing was the
+# difference of 3 and 6 programs, ~1.5 and 3 ms, and read 4096^3 from 0.115 to 0.172 ms (XLA,
+# 3 rounds): rows above the H200's peak (bench/NOTES.md, matmul-37). Compiling and checking
+# take ~10 s a size; 5 x 10 adds well under a second.
+SWEEP_ROUNDS = 5
+SWEEP_CALLS = 10
 
 
 def program_sets(s: int) -> int:
@@ -567,7 +573,7 @@ def sweep_sizes(session, impls, step, sweep_range):
     fns = {"xla": lambda a, b: a @ b}
     fns.update({impl: _ours(impl) for impl in impls})
     rows = interleaved(session, "sweep bf16", s, fns, torch=session.platform == "gpu",
-                       rounds=3, calls=3, n_sets=program_sets(s))
+                       rounds=SWEEP_ROUNDS, calls=SWEEP_CALLS, n_sets=program_sets(s))
     if s < SWEEP_HOST_CLOCK_FROM and session.platform == "gpu":
       sets = [_inputs(s, s, s, BF16, seed) for seed in range(program_sets(s))]
       for impl, fn in fns.items():
