@@ -207,6 +207,8 @@ def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Confi
 
 
 def tile_config(problem: Problem, shape) -> Config:
+  """The heuristic's starting Config for a CTA tile ``(tile_m, tile_n, split)``: 128-byte K
+  steps, 4 stages, 64 x 64 epilogue pieces (``fitted`` then sizes the pieces and stages)."""
   tile_m, tile_n, split = shape
   return Config(tile_m=tile_m, tile_n=tile_n, tile_k=128 // jnp.dtype(problem.dtype).itemsize,
                 stages=4, split=split, grid_minor="m", grid_tile_width=16, epi_tile_m=64,
