@@ -40,7 +40,7 @@ def main(argv=None) -> int:
   parser.add_argument("--tune", action="store_true", help="matmul: autotune ours first")
   parser.add_argument("--only", default=None,
                       help="matmul: run only these parts, comma-separated (checks,headline,sweep;"
-                           " epilogue,configs,clusters,schedules,waves,tiles run only when named)")
+                           " epilogue,configs,clusters,schedules,waves,tiles,streamk run only when named)")
   parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results/<device>)")
   args = parser.parse_args(argv)
 

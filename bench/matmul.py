@@ -11,7 +11,8 @@ only when named in ``--only``: ``epilogue`` (each epilogue's cost over the plain
 ``configs`` (Mosaic GPU configs where the heuristic trails), ``clusters`` (JAX's example
 with a 2-CTA multicast cluster), ``schedules`` (the kernel's own ring, cooperative or
 ping-pong, against JAX's pipeline), ``waves`` (the heuristic's CTA tiles against the
-previous rule's) and ``tiles`` (CTA tiles beyond the heuristic's, against its pick).
+previous rule's), ``tiles`` (CTA tiles beyond the heuristic's, against its pick) and
+``streamk`` (the last wave's tiles cut along K over all SMs, against the heuristic).
 
 Every output is checked against an f32 product on the device before it is timed
 (tolerance: twice the error of XLA's own product in the same dtype).
@@ -325,6 +326,35 @@ def tiles(session, impls):
                 rounds=2 * session.rounds, n_sets=program_sets(s))
 
 
+# Sizes where the heuristic's tiles leave the last wave part-empty (or, below 2048, leave SMs
+# idle), and aligned ones where they fill it (4096: 3.9 waves; 8192: 15.5).
+STREAM_K_SIZES = (1536, 2176, 3072, 4096, 4480, 4864, 5120, 6272, 8192)
+
+
+def stream_k(session, impls):
+  """Stream-K (``Config.stream_k``): checked on odd shapes (runs that end and begin tiles,
+  tiles cut into as many runs as K steps: every epilogue, transposed operands, fp8), then
+  timed round-robin against the heuristic's config (JAX's pipeline) and the kernel's own
+  ring without stream-K, with XLA and cuBLAS, at STREAM_K_SIZES."""
+  if impls[0] != "mosaic_gpu":
+    return
+  chip = session.chip
+  sk = lambda p, **kw: dataclasses.replace(mosaic_gpu.heuristic(p, chip), stream_k=True, **kw)
+  _check_configs(session, "stream-k", sk, fp8=True)
+  bf = jnp.dtype(BF16)
+  for s in STREAM_K_SIZES if not session.smoke else (512,):
+    p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
+    picked = mosaic_gpu.heuristic(p, chip)
+    pieces = dict(epi_tile_m=64, epi_tile_n=64, epi_slots=1, stages=4)
+    fns = {"xla": lambda a, b: a @ b,
+           f"mosaic_gpu {picked.cta_m}x{picked.cta_n}": _ours("mosaic_gpu", picked),
+           "ring 64x64 s4": _ours("mosaic_gpu", _ring(p, chip, **pieces)),
+           "stream-k": _ours("mosaic_gpu", sk(p)),
+           "stream-k 64x64 s4": _ours("mosaic_gpu", sk(p, **pieces))}
+    interleaved(session, "stream-k", s, fns, torch=session.platform == "gpu",
+                rounds=2 * session.rounds, n_sets=program_sets(s))
+
+
 def _check_row(session, row, want, run):
   """``row`` with ``run()``'s relative error against ``want`` (or why it failed), added."""
   try:
@@ -626,6 +656,8 @@ def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024,
     waves(session, impls)
   if "tiles" in only:
     tiles(session, impls)
+  if "streamk" in only:
+    stream_k(session, impls)
   if sweep and "sweep" in only:
     sweep_sizes(session, impls[:1], step if not session.smoke else 128, sweep_range)
 

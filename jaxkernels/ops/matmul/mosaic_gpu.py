@@ -86,6 +86,13 @@ class Config:
   # H200 it was no faster: +0.3-0.8% with 64 x 64 pieces over 4 stages (within the noise), 4%
   # slower at 4096^3 with whole-tile pieces over 3 (bench/NOTES.md, matmul-34).
   ring: bool = False
+  # Cooperative only, on the kernel's own ring: the last wave's tiles are not walked whole by
+  # some CTAs while the others idle, but cut along K into equal runs of K steps, one run per
+  # SM (stream-K). Each CTA first walks whole tiles, then its run, which may end a tile's K
+  # steps that another CTA began: the CTA that holds a tile's first K step ("owner") adds
+  # the others' float32 partial tiles, handed over through global memory and a semaphore, and
+  # runs the epilogue. With fewer tiles than SMs, every tile is cut so.
+  stream_k: bool = False
 
   def __post_init__(self):
     check_fields(self, ("tile_m", "epi_tile_m"), lambda v: v % 64 == 0,
@@ -95,6 +102,8 @@ class Config:
     check_fields(self, ("stages", "grid_tile_width", "epi_slots"), lambda v: v >= 1, ">= 1")
     check_fields(self, ("split", "grid_minor"), lambda v: v in SPLITS, "'m' or 'n'")
     check_fields(self, ("schedule",), lambda v: v in SCHEDULES, f"one of {SCHEDULES}")
+    if self.stream_k and not self.cooperative:
+      raise ValueError("stream_k=True needs the cooperative schedule, got schedule='pingpong'")
     if self.on_ring and self.stages < 2:
       raise ValueError(f"the ring (ring=True or the ping-pong schedule) keeps a slot one step "
                        f"longer: stages must be >= 2, got {self.stages}")
@@ -108,7 +117,7 @@ class Config:
 
   @property
   def on_ring(self) -> bool:
-    return self.ring or not self.cooperative
+    return self.ring or self.stream_k or not self.cooperative
 
   @property
   def cta_m(self) -> int:
@@ -292,24 +301,30 @@ class _Epilogue(NamedTuple):
         res_barrier=plgpu.Barrier(num_barriers=2 * c.epi_slots) if p.has_residual else None,
     )
 
-  def load_vectors(self, p: Problem, wg, parity, rows, cols) -> list:
-    """Starts the TMA loads of this warpgroup's bias and scale pieces; returns their barriers."""
-    def load(gmem, smem, index, which):
-      barrier = self.vec_barrier.at[(wg * 2 + parity) * 3 + which]
-      plgpu.copy_gmem_to_smem(gmem.at[index], smem.at[wg, parity], barrier)
-      return barrier
-
-    waits = []
+  def load_vectors(self, p: Problem, wg, parity, rows, cols, when=None) -> list:
+    """Starts the TMA loads of this warpgroup's bias and scale pieces (only where ``when``
+    holds, if given); returns their barriers."""
+    loads = []
     if p.has_bias:
-      waits.append(load(self.bias_gmem, self.bias_smem, cols, 0))
+      loads.append((self.bias_gmem, self.bias_smem, cols))
     if p.has_scales:
-      waits.append(load(self.as_gmem, self.as_smem, rows, 1))
-      waits.append(load(self.bs_gmem, self.bs_smem, cols, 2))
-    return waits
+      loads += [(self.as_gmem, self.as_smem, rows), (self.bs_gmem, self.bs_smem, cols)]
+    barriers = [self.vec_barrier.at[(wg * 2 + parity) * 3 + which] for which in range(len(loads))]
+
+    def start():
+      for (gmem, smem, index), barrier in zip(loads, barriers):
+        plgpu.copy_gmem_to_smem(gmem.at[index], smem.at[wg, parity], barrier)
+
+    if loads:
+      start() if when is None else pl.when(when)(start)
+    return barriers
 
 
 def _kernel(*refs, problem: Problem, config: Config, math):
   p, c = problem, config
+  extra = {}
+  if c.stream_k:  # the last output: the CTAs' float32 partial tiles
+    *refs, extra["partials"] = refs
   a_gmem, b_gmem, bias_gmem, res_gmem, as_gmem, bs_gmem, y_gmem, z_gmem = split_refs(p, refs)
   scratch, body = _schedule(c)
   a_block = (c.tile_k, c.cta_m) if p.trans_a else (c.cta_m, c.tile_k)
@@ -324,7 +339,7 @@ def _kernel(*refs, problem: Problem, config: Config, math):
                          bias_gmem=bias_gmem, res_gmem=res_gmem, as_gmem=as_gmem,
                          bs_gmem=bs_gmem, y_gmem=y_gmem, z_gmem=z_gmem, math=math)
     body(a_gmem, b_gmem, epilogue, problem=p, config=c, a_block=a_block, b_block=b_block,
-         **allocs)
+         **allocs, **extra)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -414,8 +429,116 @@ def _ring_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
   )
 
 
+class _StreamK(NamedTuple):
+  """How stream-K deals out the tiles. The first ``whole`` tiles of the snake order are
+  walked whole, ``whole / ctas`` a CTA. The K steps of the other ``cut`` tiles, tile after
+  tile (``steps`` in all), are cut into ``runs`` runs of consecutive steps as equal as
+  integers allow, run r for CTA r; a run may end one tile and begin the next. Where tiles
+  are left over after whole waves, one whole wave more is cut with them, so that a run is
+  one to two tiles long rather than a sliver of one; with no tiles left over nothing is cut.
+  """
+
+  whole: int
+  cut: int
+  k_steps: int
+  ctas: int
+  runs: int
+
+  @staticmethod
+  def plan(p: Problem, c: Config, ctas: int) -> _StreamK:
+    tiles, k_steps = _num_tiles(p, c), cdiv(p.k, c.tile_k)
+    if not c.stream_k:
+      return _StreamK(tiles, 0, k_steps, ctas, 0)
+    waves, left = divmod(tiles, ctas)
+    whole = tiles if not left else max(waves - 1, 0) * ctas
+    cut = tiles - whole
+    return _StreamK(whole, cut, k_steps, ctas, min(ctas, cut * k_steps))
+
+  @property
+  def steps(self) -> int:
+    return self.cut * self.k_steps
+
+  def start(self, run):
+    """The first of the cut tiles' K steps in ``run`` (a traced index; ``steps`` past the
+    last run)."""
+    return lax.div(lax.min(run, self.runs) * self.steps, self.runs)
+
+  def last_run(self, tile):
+    """The last run holding some of cut tile ``tile``'s K steps."""
+    return lax.min(self.runs - 1, lax.div((tile + 1) * self.k_steps * self.runs - 1, self.steps))
+
+  def walk(self, cta, body):
+    """Calls ``body(tile, k_begin, k_end, first, seq)`` for each piece of ``cta``'s run in
+    order: cut tile ``tile``'s K steps [k_begin, k_end), which take ring positions from
+    ``first`` on, the CTA's piece ``seq`` counting its whole tiles."""
+    start, end = self.start(cta), self.start(cta + 1)
+    k = self.k_steps
+    whole_steps = self.whole // self.ctas * k
+
+    @pl.when(start < end)
+    def _():
+      first_tile = lax.div(start, k)
+
+      @pl.loop(first_tile, lax.div(end - 1, k) + 1)
+      def _(tile):
+        k_begin = lax.max(start - tile * k, 0)
+        k_end = lax.min(end - tile * k, k)
+        body(tile, k_begin, k_end, whole_steps + tile * k + k_begin - start,
+             self.whole // self.ctas + tile - first_tile)
+
+  def positions(self, cta):
+    """Ring positions ``cta`` fills in all: its whole tiles' K steps and its run's."""
+    return self.whole // self.ctas * self.k_steps + self.start(cta + 1) - self.start(cta)
+
+
+def _fill(a_gmem, b_gmem, a_ring, b_ring, full, full_base, free, p: Problem, c: Config, rows,
+          cols, first, k_begin, k_end):
+  """TMA loads of K steps [k_begin, k_end) of the blocks at (rows, cols) into ring positions
+  ``first`` on (the owner's "full" barriers start at ``full_base``), each once its slot is
+  free."""
+
+  @pl.loop(k_begin, k_end)
+  def _(step):
+    position = first + step - k_begin
+    slot = lax.rem(position, c.stages)
+
+    @pl.when(position >= c.stages)
+    def _():
+      plgpu.barrier_wait(free.at[slot])
+
+    ks = pl.ds(step * c.tile_k, c.tile_k)
+    plgpu.copy_gmem_to_smem(a_gmem.at[ks, rows] if p.trans_a else a_gmem.at[rows, ks],
+                            a_ring.at[slot], full.at[full_base + slot])
+    plgpu.copy_gmem_to_smem(b_gmem.at[cols, ks] if p.trans_b else b_gmem.at[ks, cols],
+                            b_ring.at[slot], full.at[full_base + slot])
+
+
+def _multiply(acc_ref, a_ring, b_ring, full, full_base, free, p: Problem, c: Config, wg_rows,
+              wg_cols, first, k_begin, k_end):
+  """wgmma over the ring positions ``first`` on (K steps [k_begin, k_end)), one product in
+  flight while the next is issued, each slot released once the product after it is issued;
+  the last product is awaited and its slot released."""
+
+  def step_body(step):
+    slot = lax.rem(first + step - k_begin, c.stages)
+    plgpu.barrier_wait(full.at[full_base + slot])
+    a, b = _my_part(a_ring.at[slot], b_ring.at[slot], p, c, wg_rows, wg_cols)
+    plgpu.wgmma(acc_ref, *_operands(a, b, p))
+    # Two products in flight: the previous one has finished reading its slot.
+    plgpu.wgmma_wait(1)
+
+    @pl.when(step > k_begin)
+    def _():
+      plgpu.barrier_arrive(free.at[lax.rem(first + step - k_begin - 1, c.stages)])
+
+  with jax.named_scope("mainloop"):  # regions of a Mosaic GPU profile (profile_space)
+    pl.loop(k_begin, k_end)(step_body)
+  plgpu.wgmma_wait(0)
+  plgpu.barrier_arrive(free.at[lax.rem(first + k_end - k_begin - 1, c.stages)])
+
+
 def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_block,
-          a_ring, b_ring, full, free):
+          a_ring, b_ring, full, free, partials=None):
   """The kernel's own ring of ``stages`` slots, filled by the TMA warpgroup in the order the
   compute warpgroups consume it, straight on across tiles (the next tile's first loads run
   under this one's last steps and epilogue).
@@ -430,13 +553,26 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
   waits on every phase of its own barriers: Mosaic GPU tracks barrier phases per thread).
   A compute warpgroup keeps one step's wgmma in flight while it issues the next, and releases
   a slot once the product after it is issued.
+
+  Stream-K (``_StreamK``): after its whole tiles each CTA walks its run of the cut tiles'
+  K steps through the same ring. A piece that does not hold its tile's first K step is
+  stored, float32, to the CTA's slot of ``partials`` (in the accumulator's register layout,
+  by each warpgroup for its half), and the warpgroup signals its semaphore. The piece that
+  does is the last of its CTA's run, and the other pieces of its tile belong to the runs
+  after it, which store them first thing: its warpgroups wait on those semaphores, add the
+  partials in run order (the sum does not depend on timing) and run the epilogue. Every CTA
+  signals before it waits and all of them are resident (one per SM), so none waits forever.
   """
   del a_block, b_block
   p, c = problem, config
   wg = lax.axis_index("wg")
+  cta = lax.axis_index("sm")
+  ctas = lax.axis_size("sm")
   k_steps = cdiv(p.k, c.tile_k)
-  tiles = lambda body: plgpu.nd_loop((_num_tiles(p, c),), collective_axes="sm")(body)
+  plan = _StreamK.plan(p, c, ctas)
+  tiles = lambda body: plgpu.nd_loop((plan.whole,), collective_axes="sm")(body)
   owner_of = lambda local_index: 0 if c.cooperative else local_index % 2
+  sems = pl.get_global(plgpu.SemaphoreType.REGULAR((ctas * 2,))) if plan.cut else None
 
   @pl.when(wg == 2)
   def _producer():
@@ -445,84 +581,86 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
     @tiles
     def _(info: plgpu.NDLoopInfo):
       rows, cols = _tile_slices(info.index[0], p, c)
-      owner = owner_of(info.local_index)
-      first = info.local_index * k_steps
+      _fill(a_gmem, b_gmem, a_ring, b_ring, full, owner_of(info.local_index) * c.stages, free,
+            p, c, rows, cols, info.local_index * k_steps, 0, k_steps)
 
-      @pl.loop(0, k_steps)
-      def _(step):
-        slot = lax.rem(first + step, c.stages)
+    if plan.cut:
+      def piece(tile, k_begin, k_end, first, seq):
+        del seq
+        rows, cols = _tile_slices(plan.whole + tile, p, c)
+        _fill(a_gmem, b_gmem, a_ring, b_ring, full, 0, free, p, c, rows, cols, first, k_begin,
+              k_end)
 
-        @pl.when(first + step >= c.stages)
-        def _():
-          plgpu.barrier_wait(free.at[slot])
+      plan.walk(cta, piece)
+      total = plan.positions(cta)
+    else:  # the CTA's whole tiles, dealt round the SMs
+      total = lax.div(plan.whole - cta + ctas - 1, ctas) * k_steps
 
-        ks = pl.ds(step * c.tile_k, c.tile_k)
-        barrier = full.at[owner * c.stages + slot]
-        plgpu.copy_gmem_to_smem(a_gmem.at[ks, rows] if p.trans_a else a_gmem.at[rows, ks],
-                                a_ring.at[slot], barrier)
-        plgpu.copy_gmem_to_smem(b_gmem.at[cols, ks] if p.trans_b else b_gmem.at[ks, cols],
-                                b_ring.at[slot], barrier)
-
-      # After the last fill, wait for the releases no fill waited for, so that every barrier
-      # ends with each of its phases observed.
-      @pl.when(info.local_index == info.num_local_steps - 1)
-      def _():
-        total = info.num_local_steps * k_steps
-
-        @pl.loop(lax.max(total - c.stages, 0), total)
-        def _(step):
-          plgpu.barrier_wait(free.at[lax.rem(step, c.stages)])
+    # After the last fill, wait for the releases no fill waited for, so that every barrier
+    # ends with each of its phases observed.
+    @pl.loop(lax.max(total - c.stages, 0), total)
+    def _(position):
+      plgpu.barrier_wait(free.at[lax.rem(position, c.stages)])
 
   @pl.when(wg < 2)
   def _consumers():
     plgpu.set_max_registers(_compute_registers(), action="increase")
+    wg_rows, wg_cols = _halves(c, wg) if c.cooperative else (slice(None), slice(None))
+
+    def product(tile, parity, first, k_begin, k_end, full_base, finish, load_when=None):
+      """The product of K steps [k_begin, k_end) of ``tile`` into a fresh accumulator,
+      which ``finish(acc, cta_rows, cta_cols, waits)`` takes."""
+      cta_rows, cta_cols = _tile_slices(tile, p, c)
+      waits = epilogue.load_vectors(p, wg, parity, _sub(cta_rows, wg_rows, c.tile_m),
+                                    _sub(cta_cols, wg_cols, c.tile_n), when=load_when)
+
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+      def _acc(acc_ref):
+        _multiply(acc_ref, a_ring, b_ring, full, full_base, free, p, c, wg_rows, wg_cols, first,
+                  k_begin, k_end)
+        with jax.named_scope("epilogue"):
+          finish(acc_ref[...], cta_rows, cta_cols, waits, parity)
+
+    def write(acc, cta_rows, cta_cols, waits, parity):
+      for barrier in waits:
+        plgpu.barrier_wait(barrier)
+      _write_tile(acc, epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols,
+                  problem=p, config=c)
 
     @tiles
     def _(info: plgpu.NDLoopInfo):
-      def tile():
-        cta_rows, cta_cols = _tile_slices(info.index[0], p, c)
-        if c.cooperative:
-          wg_rows, wg_cols = _halves(c, wg)
-          parity = info.local_index % 2
-        else:
-          wg_rows, wg_cols = slice(None), slice(None)
-          parity = (info.local_index // 2) % 2
-        full_base = owner_of(info.local_index) * c.stages
-        first = info.local_index * k_steps
-        waits = epilogue.load_vectors(p, wg, parity, _sub(cta_rows, wg_rows, c.tile_m),
-                                      _sub(cta_cols, wg_cols, c.tile_n))
-
-        @functools.partial(pl.run_scoped,
-                           acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
-        def _acc(acc_ref):
-          def step_body(step):
-            slot = lax.rem(first + step, c.stages)
-            plgpu.barrier_wait(full.at[full_base + slot])
-            a, b = _my_part(a_ring.at[slot], b_ring.at[slot], p, c, wg_rows, wg_cols)
-            plgpu.wgmma(acc_ref, *_operands(a, b, p))
-            # Two products in flight: the previous one has finished reading its slot.
-            plgpu.wgmma_wait(1)
-
-            @pl.when(step > 0)
-            def _():
-              plgpu.barrier_arrive(free.at[lax.rem(first + step - 1, c.stages)])
-
-          with jax.named_scope("mainloop"):  # regions of a Mosaic GPU profile (profile_space)
-            pl.loop(0, k_steps)(step_body)
-
-          with jax.named_scope("epilogue"):
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[lax.rem(first + k_steps - 1, c.stages)])
-            acc = acc_ref[...]
-            for barrier in waits:
-              plgpu.barrier_wait(barrier)
-            _write_tile(acc, epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_cols,
-                        problem=p, config=c)
-
+      parity = info.local_index % 2 if c.cooperative else (info.local_index // 2) % 2
+      tile = functools.partial(product, info.index[0], parity, info.local_index * k_steps, 0,
+                               k_steps, owner_of(info.local_index) * c.stages, write)
       if c.cooperative:
         tile()
       else:
         pl.when(info.local_index % 2 == wg)(tile)
+
+    if plan.cut:
+      def piece(tile, k_begin, k_end, first, seq):
+        def finish(acc, cta_rows, cta_cols, waits, parity):
+          mine = partials.at[cta, wg]
+
+          @pl.when(k_begin > 0)
+          def _():
+            mine[...] = acc
+            pl.semaphore_signal(sems.at[cta * 2 + wg])
+
+          @pl.when(k_begin == 0)
+          def _():
+            def add(run, acc):
+              plgpu.semaphore_wait(sems.at[run * 2 + wg])
+              return acc + plgpu.load(partials, (run, wg), layout=plgpu.Layout.WGMMA,
+                                       optimized=False)
+
+            total = lax.fori_loop(cta + 1, plan.last_run(tile) + 1, add, acc)
+            write(total, cta_rows, cta_cols, waits, parity)
+
+        product(plan.whole + tile, seq % 2, first, k_begin, k_end, 0, finish,
+                load_when=k_begin == 0)
+
+      plan.walk(cta, piece)
 
 
 def _schedule(c: Config):
@@ -688,11 +826,15 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   if p.has_scales:
     operands += [vector(a_scale, c.cta_m), vector(b_scale, c.cta_n)]
   out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)
+  ctas = _num_sms() if c.stream_k else min(_num_sms(), _num_tiles(p, config))
+  # Stream-K's partial tiles: one per CTA, each warpgroup's half in its own slot.
+  partials = ([jax.ShapeDtypeStruct((ctas, 2, c.tile_m, c.tile_n), jnp.float32)]
+              if c.stream_k else [])
   kernel = plgpu.kernel(
       functools.partial(_kernel, problem=p, config=config,
                         math=mosaic_gpu_math(interpret)),
-      out_type=[out] * p.outputs,
-      grid=(min(_num_sms(), _num_tiles(p, config)),),
+      out_type=[out] * p.outputs + partials,
+      grid=(ctas,),
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
@@ -704,7 +846,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
           approx_math=p.activation is not None, **PROFILE),
       **({"interpret": interpret} if interpret else {}),
   )
-  outs = kernel(*operands)
+  outs = kernel(*operands)[:p.outputs]
   outs = [_crop(o, p.m, p.n, interpret) for o in outs]
   return tuple(outs) if p.save_preactivation else outs[0]
 
