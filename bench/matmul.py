@@ -326,31 +326,38 @@ def tiles(session, impls):
                 rounds=2 * session.rounds, n_sets=program_sets(s))
 
 
-# Sizes where the heuristic's tiles leave the last wave part-empty (or, below 2048, leave SMs
-# idle), and aligned ones where they fill it (4096: 3.9 waves; 8192: 15.5).
-STREAM_K_SIZES = (1536, 2176, 3072, 4096, 4480, 4864, 5120, 6272, 8192)
+# Sizes where the heuristic takes stream-K (its tile's last wave 4-41% full after whole waves),
+# and where it does not though the last wave is part-empty (4096: 3.9 waves of 128 x 256 tiles,
+# 4864: 5.5, 6272: 9.3, 8192: 15.5).
+STREAM_K_SIZES = (3712, 3840, 4736, 5120, 6912, 4096, 4864, 6272, 8192)
 
 
 def stream_k(session, impls):
   """Stream-K (``Config.stream_k``): checked on odd shapes (runs that end and begin tiles,
   tiles cut into as many runs as K steps: every epilogue, transposed operands, fp8), then
-  timed round-robin against the heuristic's config (JAX's pipeline) and the kernel's own
-  ring without stream-K, with XLA and cuBLAS, at STREAM_K_SIZES."""
+  timed round-robin at STREAM_K_SIZES: the heuristic's config, its tile walked whole on JAX's
+  pipeline and on the kernel's own ring, and cut by stream-K, with XLA and cuBLAS."""
   if impls[0] != "mosaic_gpu":
     return
   chip = session.chip
-  sk = lambda p, **kw: dataclasses.replace(mosaic_gpu.heuristic(p, chip), stream_k=True, **kw)
-  _check_configs(session, "stream-k", sk, fp8=True)
+  variant = lambda p, **kw: mosaic_gpu.fitted(
+      p, dataclasses.replace(mosaic_gpu.heuristic(p, chip), epi_tile_m=64, epi_tile_n=64,
+                             epi_slots=1, stages=4, **kw), chip)
+  _check_configs(session, "stream-k", lambda p: variant(p, stream_k=True), fp8=True)
   bf = jnp.dtype(BF16)
   for s in STREAM_K_SIZES if not session.smoke else (512,):
     p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
     picked = mosaic_gpu.heuristic(p, chip)
-    pieces = dict(epi_tile_m=64, epi_tile_n=64, epi_slots=1, stages=4)
+    whole = dataclasses.replace(picked, stream_k=False)
+    configs = {"pipeline": mosaic_gpu.fitted(p, dataclasses.replace(whole, ring=False), chip),
+               "ring 64x64": variant(p, ring=True, stream_k=False),
+               "stream-k 64x64": variant(p, ring=False, stream_k=True)}
     fns = {"xla": lambda a, b: a @ b,
-           f"mosaic_gpu {picked.cta_m}x{picked.cta_n}": _ours("mosaic_gpu", picked),
-           "ring 64x64 s4": _ours("mosaic_gpu", _ring(p, chip, **pieces)),
-           "stream-k": _ours("mosaic_gpu", sk(p)),
-           "stream-k 64x64 s4": _ours("mosaic_gpu", sk(p, **pieces))}
+           f"mosaic_gpu {picked.cta_m}x{picked.cta_n}{' stream-k' * picked.stream_k}":
+               _ours("mosaic_gpu", picked)}
+    for label, config in configs.items():
+      if config != picked:  # the heuristic's pick is timed once
+        fns[f"{label} s{config.stages}"] = _ours("mosaic_gpu", config)
     interleaved(session, "stream-k", s, fns, torch=session.platform == "gpu",
                 rounds=2 * session.rounds, n_sets=program_sets(s))
 

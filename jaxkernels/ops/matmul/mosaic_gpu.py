@@ -175,17 +175,26 @@ TILE_BYTES_WEIGHT = 16.0
 # A CTA tile must be predicted this much faster than the first of CTA_SHAPES to displace it:
 # the model's error on the sweep was ~7% RMS, and under the power cap larger tiles gain more.
 WAVE_MARGIN = 0.05
+# Stream-K's cut tiles ran this much slower a tile than whole ones on the H200 (fitted to
+# 4096^3, 5120^3 and 6272^3, bench/NOTES.md matmul-39): their runs hand over partial tiles, and
+# CTAs at different K steps share fewer A and B blocks in L2.
+STREAM_K_OVERHEAD = 0.25
 
 
 def predicted_seconds(problem: Problem, config: Config, cores: int) -> float:
   """The wave model: a persistent grid of ``cores`` CTAs runs ``ceil(tiles / cores)`` waves of
   tiles, each wave as long as one tile's product plus a fixed start, however few SMs the last
-  wave keeps busy. It ranks CTA tiles for one problem; it is not a timing."""
+  wave keeps busy. With stream-K the whole tiles take ``whole / cores`` waves and the cut ones
+  ``cut / cores`` waves ``STREAM_K_OVERHEAD`` slower. It ranks configs for one problem; it is
+  not a timing."""
   c = config
   rate = SM_PRODUCTS_PER_S * (2 if jnp.dtype(problem.dtype).itemsize == 1 else 1)
   products = c.cta_m * c.cta_n * round_up(problem.k, c.tile_k)
   tile = products / rate * (1 + TILE_BYTES_WEIGHT * (1 / c.cta_m + 1 / c.cta_n))
-  return cdiv(_num_tiles(problem, c), cores) * (tile + WAVE_SECONDS)
+  plan = _StreamK.plan(problem, c, cores)
+  if not plan.cut:
+    return cdiv(plan.whole, cores) * (tile + WAVE_SECONDS)
+  return (plan.whole + plan.cut * (1 + STREAM_K_OVERHEAD)) / cores * (tile + WAVE_SECONDS)
 
 
 def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Config:
@@ -212,6 +221,14 @@ def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Confi
   seconds = [predicted_seconds(problem, c, chip.cores) for c in shapes]
   best = min(range(len(shapes)), key=seconds.__getitem__)
   base = shapes[best] if seconds[best] < (1 - WAVE_MARGIN) * seconds[0] else shapes[0]
+  # Stream-K where the tile's last wave stays part-empty after at least one whole wave and
+  # the model predicts it WAVE_MARGIN faster (with fewer tiles than that, the hand-over's fixed
+  # costs outweighed the idle SMs: 1536^3 and 2176^3 ran 50% slower, matmul-39).
+  streamed = dataclasses.replace(base, stream_k=True)
+  if (_StreamK.plan(problem, streamed, chip.cores).whole
+      and predicted_seconds(problem, streamed, chip.cores)
+      < (1 - WAVE_MARGIN) * predicted_seconds(problem, base, chip.cores)):
+    base = streamed
   return fitted(problem, base, chip)
 
 
@@ -232,7 +249,7 @@ def fitted(problem: Problem, base: Config, chip: hardware.Chip) -> Config:
   candidates = []
   if problem.activation:
     candidates.append(dataclasses.replace(base, stages=3, epi_slots=2))
-  elif item == 2 and base.tile_m == 128:
+  elif item == 2 and base.tile_m == 128 and not base.on_ring:  # on the ring: 4% slower
     candidates.append(dataclasses.replace(base, stages=3, epi_tile_m=base.tile_m,
                                           epi_tile_n=base.tile_n))
   candidates += [dataclasses.replace(base, stages=stages) for stages in (4, 3, 2)]
@@ -645,12 +662,14 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
           @pl.when(k_begin > 0)
           def _():
             mine[...] = acc
-            pl.semaphore_signal(sems.at[cta * 2 + wg])
+            # GPU scope: release and acquire among this GPU's SMs (the default, system scope,
+            # also orders against the host and peer GPUs, which never read these).
+            plgpu.semaphore_signal(sems.at[cta * 2 + wg], memory_scope="gpu")
 
           @pl.when(k_begin == 0)
           def _():
             def add(run, acc):
-              plgpu.semaphore_wait(sems.at[run * 2 + wg])
+              plgpu.semaphore_wait(sems.at[run * 2 + wg], memory_scope="gpu")
               return acc + plgpu.load(partials, (run, wg), layout=plgpu.Layout.WGMMA,
                                        optimized=False)
 
