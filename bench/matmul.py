@@ -326,10 +326,10 @@ def tiles(session, impls):
                 rounds=2 * session.rounds, n_sets=program_sets(s))
 
 
-# Sizes where the heuristic takes stream-K (its tile's last wave 4-41% full after whole waves),
-# and where it does not though the last wave is part-empty (4096: 3.9 waves of 128 x 256 tiles,
-# 4864: 5.5, 6272: 9.3, 8192: 15.5).
-STREAM_K_SIZES = (3712, 3840, 4736, 5120, 6912, 4096, 4864, 6272, 8192)
+# Sizes where the heuristic takes stream-K (3.3, 3.4, 5.3 and 6.06 waves of 128 x 256 tiles),
+# and where it does not though the last wave is part-empty (4096: 3.9 waves, 4864: 5.5, 6272:
+# 9.3, 6912: 11.05, 8192: 15.5).
+STREAM_K_SIZES = (3712, 3840, 4736, 5120, 4096, 4864, 6272, 6912, 8192)
 
 
 def stream_k(session, impls):

@@ -301,6 +301,78 @@ def test_mosaic_gpu_cta_shapes_lower(shape):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("tiles,k_steps,ctas", [(3, 5, 2), (7, 4, 3), (1, 17, 132), (435, 58, 132),
+                                                  (5, 1, 4), (800, 80, 132)])
+def test_stream_k_plan(tiles, k_steps, ctas):
+  """Stream-K's runs (``_StreamK``) cover every K step of the cut tiles once; each tile's
+  first step lies in its owner's run, and the runs after the owner's that hold its other steps
+  are exactly ``cta + 1 .. last_run(tile)``, each beginning there (so each CTA hands over at
+  most one partial, first thing). Whole tiles fill whole waves, one wave fewer than there are
+  when tiles are left over."""
+  k = k_steps
+  problem = Problem(m=tiles * 64, n=64, k=k * 64, dtype=jnp.dtype(jnp.bfloat16),
+                    out_dtype=jnp.dtype(jnp.bfloat16))
+  config = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, split="m", stream_k=True)
+  plan = mosaic_gpu._StreamK.plan(problem, config, ctas)
+  assert config.cta_m == 128 and plan.whole + plan.cut == math.ceil(tiles / 2)
+  tiles = plan.whole + plan.cut
+  assert plan.whole % ctas == 0
+  assert plan.whole == (tiles if tiles % ctas == 0 else max(tiles // ctas - 1, 0) * ctas)
+  start = [int(plan.start(r)) for r in range(ctas + 1)]
+  owner_of, covered = {}, []
+  for r in range(ctas):
+    for step in range(start[r], start[r + 1]):
+      covered.append(step)
+      tile, k_step = divmod(step, k)
+      if k_step == 0:
+        owner_of[tile] = r
+      else:  # a run that does not begin the tile holds its steps only where the run begins
+        assert step == start[r] or (step - 1) // k == tile
+  assert covered == list(range(plan.steps))
+  for tile, owner in owner_of.items():
+    helpers = [r for r in range(ctas) if r != owner and
+               any(tile * k <= s < (tile + 1) * k for s in range(start[r], start[r + 1]))]
+    assert helpers == list(range(owner + 1, int(plan.last_run(tile)) + 1))
+    assert all(tile * k < start[r] < (tile + 1) * k for r in helpers)
+
+
+def test_stream_k_heuristic_and_lowering(monkeypatch):
+  """The heuristic cuts the last wave where it stays part-empty after whole waves and the
+  model, with cut tiles slower the larger the operands, predicts a gain: 3712^3 (3.3 waves of
+  128 x 256 tiles) and 5120^3 (6.06), not 4096^3 (3.9) or 8192^3 (15.5), nor below two waves
+  (1536^3, where the hand-over ran 50% slower). Stream-K then lowers for CUDA on a ragged
+  shape with gelu + bias + residual and for fp8 with scales. The interpreter has no
+  semaphores (jax 0.10.2), so its numerics are checked on the GPU machine (`python -m bench
+  matmul --only streamk`: 35 checks, bench/results/)."""
+  chip = hardware.chip_for("NVIDIA H200")
+  bf = jnp.dtype(jnp.bfloat16)
+  pick = lambda s: mosaic_gpu.heuristic(Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf), chip)
+  assert pick(3712).stream_k and pick(5120).stream_k
+  assert not any(pick(s).stream_k for s in (4096, 8192, 1536, 6144))
+  assert (pick(5120).epi_tile_m, pick(5120).stages) == (64, 4)  # whole-tile pieces: ring-slow
+  with pytest.raises(ValueError, match="stream_k=True needs the cooperative schedule"):
+    mosaic_gpu.Config(schedule="pingpong", stream_k=True)
+  monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 132)
+  m, n, k = 1000, 1030, 520  # 4 x 6 CTA tiles of 256 x 192, 9 K steps each: 132 runs of 1-2
+  for dtype, act in ((jnp.bfloat16, "gelu"), (jnp.float8_e4m3fn, None)):
+    fp8 = act is None
+    p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(dtype), out_dtype=bf, activation=act,
+                has_bias=not fp8, has_residual=not fp8, has_scales=fp8)
+    config = mosaic_gpu.fitted(p, dataclasses.replace(
+        mosaic_gpu.tile_config(p, (128, 192, "m")), stream_k=True), chip)
+
+    def fn(a, b, v, r, s, p=p, config=config, fp8=fp8):
+      return mosaic_gpu.matmul(a, b, bias=None if fp8 else v, residual=None if fp8 else r,
+                               a_scale=s if fp8 else None, b_scale=v if fp8 else None,
+                               problem=p, config=config)
+    text = cuda_lowering(fn, jax.ShapeDtypeStruct((m, k), dtype),
+                         jax.ShapeDtypeStruct((k, n), dtype),
+                         jax.ShapeDtypeStruct((n,), jnp.float32),
+                         jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((m,), jnp.float32))
+    assert "mosaic_gpu" in text
+
+
 def test_mosaic_gpu_padding():
   """Only TMA's alignment pads A, B and C; a residual, read piece by piece through C's
   buffers, pads C so that no piece starts past its end."""

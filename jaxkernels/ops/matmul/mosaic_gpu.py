@@ -175,18 +175,20 @@ TILE_BYTES_WEIGHT = 16.0
 # A CTA tile must be predicted this much faster than the first of CTA_SHAPES to displace it:
 # the model's error on the sweep was ~7% RMS, and under the power cap larger tiles gain more.
 WAVE_MARGIN = 0.05
-# Stream-K's cut tiles ran this much slower a tile than whole ones on the H200 (fitted to
-# 4096^3, 5120^3 and 6272^3, bench/NOTES.md matmul-39): their runs hand over partial tiles, and
-# CTAs at different K steps share fewer A and B blocks in L2.
-STREAM_K_OVERHEAD = 0.25
+# Stream-K's cut tiles ran slower a tile than whole ones on the H200, the more so the larger
+# A and B: 12-20% at 3712^3-4096^3 (55-67 MB of bf16 operands), 30-50% at 4864^3-6272^3,
+# 60-90% at 6912^3 and 8192^3 (bench/NOTES.md matmul-39). Runs at different K steps share few
+# A and B blocks in the 50 MB L2, where whole tiles of one wave walk K together. Modelled as
+# this fraction per GB of A and B.
+STREAM_K_OVERHEAD_PER_GB = 3.0
 
 
 def predicted_seconds(problem: Problem, config: Config, cores: int) -> float:
   """The wave model: a persistent grid of ``cores`` CTAs runs ``ceil(tiles / cores)`` waves of
   tiles, each wave as long as one tile's product plus a fixed start, however few SMs the last
   wave keeps busy. With stream-K the whole tiles take ``whole / cores`` waves and the cut ones
-  ``cut / cores`` waves ``STREAM_K_OVERHEAD`` slower. It ranks configs for one problem; it is
-  not a timing."""
+  ``cut / cores`` waves, slower by ``STREAM_K_OVERHEAD_PER_GB`` per GB of A and B. It ranks
+  configs for one problem; it is not a timing."""
   c = config
   rate = SM_PRODUCTS_PER_S * (2 if jnp.dtype(problem.dtype).itemsize == 1 else 1)
   products = c.cta_m * c.cta_n * round_up(problem.k, c.tile_k)
@@ -194,7 +196,9 @@ def predicted_seconds(problem: Problem, config: Config, cores: int) -> float:
   plan = _StreamK.plan(problem, c, cores)
   if not plan.cut:
     return cdiv(plan.whole, cores) * (tile + WAVE_SECONDS)
-  return (plan.whole + plan.cut * (1 + STREAM_K_OVERHEAD)) / cores * (tile + WAVE_SECONDS)
+  operands = (problem.m + problem.n) * problem.k * jnp.dtype(problem.dtype).itemsize
+  slower = 1 + STREAM_K_OVERHEAD_PER_GB * operands / 1e9
+  return (plan.whole + plan.cut * slower) / cores * (tile + WAVE_SECONDS)
 
 
 def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Config:
