@@ -609,8 +609,11 @@ def test_shipped_table_and_ship(tmp_path):
   config = tuning.config_for("mosaic_gpu", act, chip, device_kind="NVIDIA H200")
   assert config == mosaic_gpu.heuristic(act, chip)
   assert (config.stages, config.epi_slots) == (3, 2)
-  plain = mosaic_gpu.heuristic(p, chip)  # one whole-tile epilogue piece over 3 stages
-  assert (plain.stages, plain.epi_slots, plain.epi_tile_m, plain.epi_tile_n) == (3, 1, 128, 128)
+  plain = mosaic_gpu.heuristic(p, chip)  # 128 x 256 tiles: the ring, 64 x 64 pieces, 4 stages
+  assert (plain.ring, plain.stages, plain.epi_tile_m, plain.epi_tile_n) == (True, 4, 64, 64)
+  # Other 128-row warpgroup tiles (256 x 128): JAX's pipeline, one whole-tile piece, 3 stages.
+  tall = mosaic_gpu.fitted(p, mosaic_gpu.tile_config(p, (128, 128, "m")), chip)
+  assert (tall.ring, tall.stages, tall.epi_tile_m, tall.epi_tile_n) == (False, 3, 128, 128)
   # 64-row warpgroup tiles (1536^3: 128 x 192 CTA tiles) keep 64 x 64 pieces over 4 stages.
   small = mosaic_gpu.heuristic(dataclasses.replace(p, m=1536, n=1536, k=1536), chip)
   assert (small.tile_m, small.stages, small.epi_tile_m, small.epi_tile_n) == (64, 4, 64, 64)

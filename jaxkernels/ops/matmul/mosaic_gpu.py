@@ -83,8 +83,9 @@ class Config:
   # slot and drains the ring at each tile's end; True through the kernel's own ring, which
   # runs on across tiles while each warpgroup keeps one step's wgmma in flight as it issues
   # the next (a slot is released one step later, so ``stages - 1`` loads run ahead). On the
-  # H200 it was no faster: +0.3-0.8% with 64 x 64 pieces over 4 stages (within the noise), 4%
-  # slower at 4096^3 with whole-tile pieces over 3 (bench/NOTES.md, matmul-34).
+  # H200, with 64 x 64 pieces over 4 stages, 0.3-0.9% faster than JAX's pipeline with whole-
+  # tile pieces over 3 in 40 rounds (matmul-34), and 0-4% faster at most of nine sizes in each
+  # of three runs (matmul-39); with whole-tile pieces over 3 stages, 4% slower at 4096^3.
   ring: bool = False
   # Cooperative only, on the kernel's own ring: the last wave's tiles are not walked whole by
   # some CTAs while the others idle, but cut along K into equal runs of K steps, one run per
@@ -210,7 +211,11 @@ def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Confi
   at 6528^3 they make 10.05 waves, where 256 x 192 tiles make 6.7 (the model: 10% faster).
 
   The epilogue, by what it computes (H200, bench/NOTES.md):
-  * 16-bit products without an activation, in 128-row warpgroup tiles, write each
+  * 16-bit products without an activation in 128 x 256 tiles (or cut by stream-K) run on the
+    kernel's own ring (``ring``) with 64 x 64 pieces over 4 stages: against JAX's pipeline
+    with whole-tile pieces over 3, the same at 8192^3 and 4096^3 or 1-3% faster, and 1-5%
+    faster where the last wave is part-empty, in three runs (matmul-39).
+  * Other 16-bit products without an activation, in 128-row warpgroup tiles, write each
     warpgroup's tile as one piece, stored once and awaited only at the next tile's epilogue,
     over 3 stages: 1.0-4.9% faster than 64 x 64 pieces over 4 stages at 8192^3 in three runs
     (matmul-27, -30, -31), 0.5-1.6% at 6144^3, -1.6 to +1.4% at 4096^3. 64-row tiles ran 15%
@@ -233,6 +238,9 @@ def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Confi
       and predicted_seconds(problem, streamed, chip.cores)
       < (1 - WAVE_MARGIN) * predicted_seconds(problem, base, chip.cores)):
     base = streamed
+  elif (jnp.dtype(problem.dtype).itemsize == 2 and not problem.activation
+        and (base.tile_m, base.tile_n, base.split) == (128, 128, "n")):
+    base = dataclasses.replace(base, ring=True)
   return fitted(problem, base, chip)
 
 
