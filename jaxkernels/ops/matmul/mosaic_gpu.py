@@ -213,7 +213,7 @@ def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Confi
   The epilogue, by what it computes (H200, bench/NOTES.md):
   * 16-bit products without an activation in 128 x 256 tiles (or cut by stream-K) run on the
     kernel's own ring (``ring``) with 64 x 64 pieces over 4 stages: against JAX's pipeline
-    with whole-tile pieces over 3, the same at 8192^3 and 4096^3 or 1-3% faster, and 1-5%
+    with whole-tile pieces over 3, the same at 8192^3 and 4096^3 or 1-3% faster, and 2-6%
     faster where the last wave is part-empty, in three runs (matmul-39).
   * Other 16-bit products without an activation, in 128-row warpgroup tiles, write each
     warpgroup's tile as one piece, stored once and awaited only at the next tile's epilogue,
