@@ -344,6 +344,11 @@ def stream_k(session, impls):
       p, dataclasses.replace(mosaic_gpu.heuristic(p, chip), epi_tile_m=64, epi_tile_n=64,
                              epi_slots=1, stages=4, **kw), chip)
   _check_configs(session, "stream-k", lambda p: variant(p, stream_k=True), fp8=True)
+  # Cutting only the leftover tiles, past whole waves: 2.2 waves of 128 x 256 tiles (3000 x
+  # 3001), 4.6 of 256 x 192 (4097 x 2049); a tile's K steps cut into several runs.
+  _check_configs(session, "stream-k leftover",
+                 lambda p: variant(p, stream_k=True, stream_k_wave=False), fp8=True,
+                 shapes=[(3000, 3001, 1000), (4097, 2049, 520)])
   bf = jnp.dtype(BF16)
   for s in STREAM_K_SIZES if not session.smoke else (512,):
     p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
@@ -351,7 +356,9 @@ def stream_k(session, impls):
     whole = dataclasses.replace(picked, stream_k=False)
     configs = {"pipeline": mosaic_gpu.fitted(p, dataclasses.replace(whole, ring=False), chip),
                "ring 64x64": variant(p, ring=True, stream_k=False),
-               "stream-k 64x64": variant(p, ring=False, stream_k=True)}
+               "stream-k 64x64": variant(p, ring=False, stream_k=True),
+               "stream-k leftover 64x64": variant(p, ring=False, stream_k=True,
+                                                  stream_k_wave=False)}
     fns = {"xla": lambda a, b: a @ b,
            f"mosaic_gpu {picked.cta_m}x{picked.cta_n}{' stream-k' * picked.stream_k}":
                _ours("mosaic_gpu", picked)}
@@ -378,7 +385,7 @@ def _ring(problem: Problem, chip, **changes) -> mosaic_gpu.Config:
   return dataclasses.replace(mosaic_gpu.heuristic(problem, chip), ring=True, **changes)
 
 
-def _check_configs(session, name, config_for, fp8=False):
+def _check_configs(session, name, config_for, fp8=False, shapes=None):
   """Mosaic GPU with ``config_for(problem)`` against the f32 spec on odd shapes (several
   tiles a CTA, ragged edges, K not a multiple of the step), with A and/or B stored transposed
   (the backward's products) and with gelu+bias+residual and silu+bias epilogues; with
@@ -389,8 +396,8 @@ def _check_configs(session, name, config_for, fp8=False):
 
   gen = np.random.default_rng(1)
   draw = lambda shape: jnp.asarray(gen.standard_normal(shape), jnp.float32).astype(BF16)
-  shapes = [(100, 130, 70), (257, 383, 129), (3, 2, 1027), (1024, 1024, 1024),
-            (2049, 2049, 2049)]
+  shapes = shapes or [(100, 130, 70), (257, 383, 129), (3, 2, 1027), (1024, 1024, 1024),
+                      (2049, 2049, 2049)]
   for (m, n, k) in shapes[:2] if session.smoke else shapes:
     for trans_a, trans_b in ((False, False), (True, False), (False, True), (True, True)):
       for act, use_bias, use_res in ((None, False, False), ("gelu", True, True),

@@ -303,21 +303,23 @@ def test_mosaic_gpu_cta_shapes_lower(shape):
 
 @pytest.mark.parametrize("tiles,k_steps,ctas", [(3, 5, 2), (7, 4, 3), (1, 17, 132), (435, 58, 132),
                                                   (5, 1, 4), (800, 80, 132)])
-def test_stream_k_plan(tiles, k_steps, ctas):
+@pytest.mark.parametrize("wave", [True, False])
+def test_stream_k_plan(tiles, k_steps, ctas, wave):
   """Stream-K's runs (``_StreamK``) cover every K step of the cut tiles once; each tile's
   first step lies in its owner's run, and the runs after the owner's that hold its other steps
   are exactly ``cta + 1 .. last_run(tile)``, each beginning there (so each CTA hands over at
   most one partial, first thing). Whole tiles fill whole waves, one wave fewer than there are
-  when tiles are left over."""
+  when tiles are left over (``stream_k_wave``), or all of them."""
   k = k_steps
   problem = Problem(m=tiles * 64, n=64, k=k * 64, dtype=jnp.dtype(jnp.bfloat16),
                     out_dtype=jnp.dtype(jnp.bfloat16))
-  config = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, split="m", stream_k=True)
+  config = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, split="m", stream_k=True,
+                             stream_k_wave=wave)
   plan = mosaic_gpu._StreamK.plan(problem, config, ctas)
   assert config.cta_m == 128 and plan.whole + plan.cut == math.ceil(tiles / 2)
   tiles = plan.whole + plan.cut
   assert plan.whole % ctas == 0
-  assert plan.whole == (tiles if tiles % ctas == 0 else max(tiles // ctas - 1, 0) * ctas)
+  assert plan.whole == (tiles if tiles % ctas == 0 else max(tiles // ctas - wave, 0) * ctas)
   start = [int(plan.start(r)) for r in range(ctas + 1)]
   owner_of, covered = {}, []
   for r in range(ctas):

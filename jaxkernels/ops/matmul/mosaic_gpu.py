@@ -92,8 +92,12 @@ class Config:
   # SM (stream-K). Each CTA first walks whole tiles, then its run, which may end a tile's K
   # steps that another CTA began: the CTA that holds a tile's first K step ("owner") adds
   # the others' float32 partial tiles, handed over through global memory and a semaphore, and
-  # runs the epilogue. With fewer tiles than SMs, every tile is cut so.
+  # runs the epilogue. With fewer tiles than SMs, every tile is cut so. The hand-over takes a
+  # float32 workspace of one CTA tile per SM (17 MiB for 128 x 256 tiles on 132 SMs).
   stream_k: bool = False
+  # Stream-K: cut one whole wave more than the tiles left over (runs of one to two tiles), or
+  # only those (runs of under a tile; a tile may be cut into many runs).
+  stream_k_wave: bool = True
 
   def __post_init__(self):
     check_fields(self, ("tile_m", "epi_tile_m"), lambda v: v % 64 == 0,
@@ -463,8 +467,9 @@ class _StreamK(NamedTuple):
   walked whole, ``whole / ctas`` a CTA. The K steps of the other ``cut`` tiles, tile after
   tile (``steps`` in all), are cut into ``runs`` runs of consecutive steps as equal as
   integers allow, run r for CTA r; a run may end one tile and begin the next. Where tiles
-  are left over after whole waves, one whole wave more is cut with them, so that a run is
-  one to two tiles long rather than a sliver of one; with no tiles left over nothing is cut.
+  are left over after whole waves, they are cut, with one whole wave more where
+  ``stream_k_wave`` (so that a run is one to two tiles long rather than a sliver of one);
+  with no tiles left over nothing is cut.
   """
 
   whole: int
@@ -479,7 +484,7 @@ class _StreamK(NamedTuple):
     if not c.stream_k:
       return _StreamK(tiles, 0, k_steps, ctas, 0)
     waves, left = divmod(tiles, ctas)
-    whole = tiles if not left else max(waves - 1, 0) * ctas
+    whole = tiles if not left else max(waves - c.stream_k_wave, 0) * ctas
     cut = tiles - whole
     return _StreamK(whole, cut, k_steps, ctas, min(ctas, cut * k_steps))
 
@@ -638,7 +643,7 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
 
     def product(tile, parity, first, k_begin, k_end, full_base, finish, load_when=None):
       """The product of K steps [k_begin, k_end) of ``tile`` into a fresh accumulator,
-      which ``finish(acc, cta_rows, cta_cols, waits)`` takes."""
+      which ``finish(acc, cta_rows, cta_cols, waits, parity)`` takes."""
       cta_rows, cta_cols = _tile_slices(tile, p, c)
       waits = epilogue.load_vectors(p, wg, parity, _sub(cta_rows, wg_rows, c.tile_m),
                                     _sub(cta_cols, wg_cols, c.tile_n), when=load_when)
