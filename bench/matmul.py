@@ -336,7 +336,9 @@ def stream_k(session, impls):
   """Stream-K (``Config.stream_k``): checked on odd shapes (runs that end and begin tiles,
   tiles cut into as many runs as K steps: every epilogue, transposed operands, fp8), then
   timed round-robin at STREAM_K_SIZES: the heuristic's config, its tile walked whole on JAX's
-  pipeline and on the kernel's own ring, and cut by stream-K, with XLA and cuBLAS."""
+  pipeline and on the kernel's own ring, and cut by stream-K with a wave more than the
+  leftover tiles and with only those (``stream_k_wave``), with XLA and cuBLAS. The leftover-only
+  cut is also checked past whole waves."""
   if impls[0] != "mosaic_gpu":
     return
   chip = session.chip
