@@ -492,6 +492,10 @@ class _StreamK(NamedTuple):
   def steps(self) -> int:
     return self.cut * self.k_steps
 
+  @property
+  def whole_per_cta(self) -> int:
+    return self.whole // self.ctas
+
   def start(self, run):
     """The first of the cut tiles' K steps in ``run`` (a traced index; ``steps`` past the
     last run)."""
@@ -507,7 +511,6 @@ class _StreamK(NamedTuple):
     ``first`` on, the CTA's piece ``seq`` counting its whole tiles."""
     start, end = self.start(cta), self.start(cta + 1)
     k = self.k_steps
-    whole_steps = self.whole // self.ctas * k
 
     @pl.when(start < end)
     def _():
@@ -517,12 +520,12 @@ class _StreamK(NamedTuple):
       def _(tile):
         k_begin = lax.max(start - tile * k, 0)
         k_end = lax.min(end - tile * k, k)
-        body(tile, k_begin, k_end, whole_steps + tile * k + k_begin - start,
-             self.whole // self.ctas + tile - first_tile)
+        body(tile, k_begin, k_end, self.whole_per_cta * k + tile * k + k_begin - start,
+             self.whole_per_cta + tile - first_tile)
 
   def positions(self, cta):
     """Ring positions ``cta`` fills in all: its whole tiles' K steps and its run's."""
-    return self.whole // self.ctas * self.k_steps + self.start(cta + 1) - self.start(cta)
+    return self.whole_per_cta * self.k_steps + self.start(cta + 1) - self.start(cta)
 
 
 def _fill(a_gmem, b_gmem, a_ring, b_ring, full, full_base, free, p: Problem, c: Config, rows,
