@@ -276,13 +276,13 @@ WAVE_SIZES = (2049, 2176, 2304, 3328, 4224, 4352, 5504, 6528, 7552, 8193)
 PREVIOUS_SHAPES = mosaic_gpu.CTA_SHAPES[:6]
 
 
-def waves(session, impls):
+def waves(session, impls, sizes=None):
   """The heuristic's CTA tiles against those of the previous rule (``PREVIOUS_SHAPES``),
   round-robin with XLA and cuBLAS, at sizes where its tile moved."""
   if impls[0] != "mosaic_gpu":
     return
   bf = jnp.dtype(BF16)
-  for s in WAVE_SIZES if not session.smoke else (512,):
+  for s in (512,) if session.smoke else sizes or WAVE_SIZES:
     p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
     new = mosaic_gpu.heuristic(p, session.chip)
     old = mosaic_gpu.heuristic(p, session.chip, shapes=PREVIOUS_SHAPES)
@@ -301,7 +301,7 @@ EXTRA_TILES = ((128, 192, "m"), (128, 192, "n"))
 TILE_SIZES = (2176, 2304, 4224, 5504, 6144, 6528, 7552, 8192)
 
 
-def tiles(session, impls):
+def tiles(session, impls, sizes=None):
   """EXTRA_TILES checked on odd shapes (every epilogue, transposed operands, fp8), then timed
   round-robin against the heuristic's pick, with XLA and cuBLAS, at TILE_SIZES."""
   if impls[0] != "mosaic_gpu":
@@ -312,7 +312,7 @@ def tiles(session, impls):
   for shape in EXTRA_TILES:
     _check_configs(session, "x".join(map(str, shape)), config_for(shape), fp8=True)
   bf = jnp.dtype(BF16)
-  for s in TILE_SIZES if not session.smoke else (512,):
+  for s in (512,) if session.smoke else sizes or TILE_SIZES:
     p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
     picked = mosaic_gpu.heuristic(p, chip)
     fns = {"xla": lambda a, b: a @ b,
@@ -332,7 +332,7 @@ def tiles(session, impls):
 STREAM_K_SIZES = (3712, 3840, 4736, 5120, 4096, 4864, 6272, 6912, 8192)
 
 
-def stream_k(session, impls):
+def stream_k(session, impls, sizes=None):
   """Stream-K (``Config.stream_k``): checked on odd shapes (runs that end and begin tiles,
   tiles cut into as many runs as K steps: every epilogue, transposed operands, fp8), then
   timed round-robin at STREAM_K_SIZES: the heuristic's config, its tile walked whole on JAX's
@@ -352,7 +352,7 @@ def stream_k(session, impls):
                  lambda p: variant(p, stream_k=True, stream_k_wave=False), fp8=True,
                  shapes=[(3000, 3001, 1000), (4097, 2049, 520)])
   bf = jnp.dtype(BF16)
-  for s in STREAM_K_SIZES if not session.smoke else (512,):
+  for s in (512,) if session.smoke else sizes or STREAM_K_SIZES:
     p = Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf)
     picked = mosaic_gpu.heuristic(p, chip)
     configs = {"pipeline": _pipeline(p, chip),
@@ -642,7 +642,7 @@ def sweep_sizes(session, impls, step, sweep_range):
 
 
 def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_first=False,
-        only=None, sweep_range=(1024, 8192)) -> None:
+        only=None, sweep_range=(1024, 8192), sizes=None) -> None:
   if session.platform == "gpu":
     impls = ["mosaic_gpu", "triton"] if session.chip and session.chip.compute_capability == (9, 0) \
         else ["triton"]
@@ -655,10 +655,13 @@ def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_fir
   if session.interpret:  # on a CPU: the kernels interpreted, at the smoke sizes
     with jk.interpret_mode():
       return _run(session, impls, sweep, step, only, sweep_range=(128, 384))
-  return _run(session, impls, sweep, step, only, tune_first, sweep_range)
+  return _run(session, impls, sweep, step, only, tune_first, sweep_range, sizes)
 
 
-def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024, 8192)):
+def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024, 8192),
+         sizes=None):
+  """The parts named in ``only``; ``sizes`` replaces the sizes that waves, tiles and streamk
+  time (not on a smoke run, which times 512)."""
   only = set(only or ("checks", "headline", "sweep"))
   if "checks" in only:
     checks(session, impls)
@@ -676,11 +679,11 @@ def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024,
   if "schedules" in only:
     schedules(session, impls)
   if "waves" in only:
-    waves(session, impls)
+    waves(session, impls, sizes)
   if "tiles" in only:
-    tiles(session, impls)
+    tiles(session, impls, sizes)
   if "streamk" in only:
-    stream_k(session, impls)
+    stream_k(session, impls, sizes)
   if sweep and "sweep" in only:
     sweep_sizes(session, impls[:1], step if not session.smoke else 128, sweep_range)
 
