@@ -215,7 +215,8 @@ def headline(session, impls):
 
 def epilogue_costs(session, impls):
   """What each epilogue costs over the plain product at 8192^3, round-robin: bias alone, bias
-  with each activation, and bias+gelu under other epilogue piece sizes (the bar: <= 3%)."""
+  with each activation, and bias+gelu under other epilogue piece sizes and on the kernel's own
+  ring (the bar: <= 3%)."""
   s = 8192 if not session.smoke else 512
   impl = impls[0]
   f32_act = lambda act: jax.jit(lambda a, b, bias: jk.matmul(
@@ -241,6 +242,12 @@ def epilogue_costs(session, impls):
       fns[label] = lambda a, b, bias, config=config: jk.matmul(
           a, b, bias=bias, activation="gelu", implementation=impl, config=config)
       refs[label] = f32_act("gelu")
+    # The heuristic's bias+gelu config on the kernel's own ring, which runs on into the next
+    # tile's loads under the epilogue (plain 128 x 256 products take it by default).
+    fns[f"{impl} bias+gelu ring"] = lambda a, b, bias: jk.matmul(
+        a, b, bias=bias, activation="gelu", implementation=impl,
+        config=dataclasses.replace(base, ring=True))
+    refs[f"{impl} bias+gelu ring"] = f32_act("gelu")
   interleaved(session, "epilogue costs", s, fns, bias=True, refs=refs,
               rounds=2 * session.rounds)
 
