@@ -618,12 +618,14 @@ def test_shipped_table_and_ship(tmp_path):
     assert tuning.config_for("mosaic_gpu", q, chip, device_kind="NVIDIA H200") == \
         mosaic_gpu.Config(**entry["config"])
   # bias+gelu is not served by the plain 4096 entry (its key names the epilogue): the heuristic
-  # runs it, with the 2 epilogue buffers over 3 stages it gives activation epilogues.
+  # runs it, with the 2 epilogue buffers over 3 stages it gives activation epilogues, on the
+  # ring in 128 x 256 tiles.
   act = dataclasses.replace(p, m=4096, n=4096, k=4096, activation="gelu", has_bias=True)
   assert tuning.key("mosaic_gpu", act, "NVIDIA H200", versioned=False) not in table
   config = tuning.config_for("mosaic_gpu", act, chip, device_kind="NVIDIA H200")
   assert config == mosaic_gpu.heuristic(act, chip)
-  assert (config.stages, config.epi_slots) == (3, 2)
+  assert (config.cta_m, config.cta_n, config.ring, config.stages, config.epi_slots,
+          config.epi_tile_m, config.epi_tile_n) == (128, 256, True, 3, 2, 64, 64)
   plain = mosaic_gpu.heuristic(p, chip)  # 128 x 256 tiles: the ring, 64 x 64 pieces, 4 stages
   assert (plain.ring, plain.stages, plain.epi_tile_m, plain.epi_tile_n) == (True, 4, 64, 64)
   # Other 128-row warpgroup tiles (256 x 128): JAX's pipeline, one whole-tile piece, 3 stages.
