@@ -285,7 +285,7 @@ PREVIOUS_SHAPES = mosaic_gpu.CTA_SHAPES[:6]
 
 def waves(session, impls, sizes=None):
   """The heuristic's CTA tiles against those of the previous rule (``PREVIOUS_SHAPES``),
-  round-robin with XLA and cuBLAS, at sizes where its tile moved."""
+  round-robin with XLA and cuBLAS, at sizes where its tile moved (or at ``sizes``)."""
   if impls[0] != "mosaic_gpu":
     return
   bf = jnp.dtype(BF16)
@@ -310,7 +310,8 @@ TILE_SIZES = (2176, 2304, 4224, 5504, 6144, 6528, 7552, 8192)
 
 def tiles(session, impls, sizes=None):
   """EXTRA_TILES checked on odd shapes (every epilogue, transposed operands, fp8), then timed
-  round-robin against the heuristic's pick, with XLA and cuBLAS, at TILE_SIZES."""
+  round-robin against the heuristic's pick, with XLA and cuBLAS, at TILE_SIZES (or
+  ``sizes``)."""
   if impls[0] != "mosaic_gpu":
     return
   chip = session.chip
@@ -342,10 +343,10 @@ STREAM_K_SIZES = (3712, 3840, 4736, 5120, 4096, 4864, 6272, 6912, 8192)
 def stream_k(session, impls, sizes=None):
   """Stream-K (``Config.stream_k``): checked on odd shapes (runs that end and begin tiles,
   tiles cut into as many runs as K steps: every epilogue, transposed operands, fp8), then
-  timed round-robin at STREAM_K_SIZES: the heuristic's config, its tile walked whole on JAX's
-  pipeline and on the kernel's own ring, and cut by stream-K with a wave more than the
-  leftover tiles and with only those (``stream_k_wave``), with XLA and cuBLAS. The leftover-only
-  cut is also checked past whole waves."""
+  timed round-robin at STREAM_K_SIZES (or ``sizes``): the heuristic's config, its tile walked
+  whole on JAX's pipeline and on the kernel's own ring, and cut by stream-K with a wave more
+  than the leftover tiles and with only those (``stream_k_wave``), with XLA and cuBLAS. The
+  leftover-only cut is also checked past whole waves."""
   if impls[0] != "mosaic_gpu":
     return
   chip = session.chip
