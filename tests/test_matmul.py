@@ -353,7 +353,7 @@ def test_stream_k_heuristic_and_lowering(monkeypatch):
   (1536^3, where the hand-over ran 50% slower). Stream-K then lowers for CUDA on a ragged
   shape with gelu + bias + residual and for fp8 with scales. The interpreter has no
   semaphores (jax 0.10.2), so its numerics are checked on the GPU machine (`python -m bench
-  matmul --only streamk`: 35 checks, bench/results/)."""
+  matmul --only streamk`: 49 checks, bench/results/)."""
   chip = hardware.chip_for("NVIDIA H200")
   bf = jnp.dtype(jnp.bfloat16)
   pick = lambda s: mosaic_gpu.heuristic(Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf), chip)
