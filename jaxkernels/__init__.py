@@ -6,7 +6,7 @@ from jaxkernels.backend import (
     interpret_mode as interpret_mode,
     supports as supports,
 )
-from jaxkernels import tuning as tuning
+from jaxkernels import timing as timing, tuning as tuning
 from jaxkernels.ops.matmul.api import matmul as matmul
 from jaxkernels.ops.elementwise.api import bias_activation as bias_activation, glu as glu
 from jaxkernels.ops.norms.api import layer_norm as layer_norm, rms_norm as rms_norm

@@ -48,7 +48,7 @@ _ERFC_LOG2 = tuple(c * _LOG2E for c in _ERFC[:-1]) + (_ERFC[-1] * _LOG2E - 1.0,)
 @dataclasses.dataclass(frozen=True)
 class Math:
   """The arithmetic the activations are built from. The default is plain jnp (any backend,
-  interpret mode); a compiled kernel swaps in its hardware's forms (``_pallas.TRITON_MATH``)."""
+  interpret mode); a compiled kernel swaps in its hardware's forms (``_triton.MATH``)."""
   reciprocal: Callable = lambda x: 1.0 / x
   exp2: Callable = jnp.exp2
   fma: Callable = lambda a, b, c: a * b + c  # a * b + c, rounded once where the hardware can

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import jax
 
-from jaxkernels import _checks, hardware
+from jaxkernels import _checks, _mosaic_gpu, _mosaic_tpu, hardware, tuning
 
 Implementation = Literal["xla", "triton", "mosaic_gpu", "mosaic_tpu"]
 IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "mosaic_gpu", "mosaic_tpu")
@@ -111,13 +111,9 @@ def interpret_params(implementation: str, on: bool | None = None) -> Any:
   if not (interpreting() if on is None else on):
     return False
   if implementation == "mosaic_tpu":
-    from jax.experimental.pallas import tpu as pltpu
-
-    return pltpu.InterpretParams()
+    return _mosaic_tpu.interpret_params()
   if implementation == "mosaic_gpu":
-    from jaxkernels._pallas import mosaic_gpu_interpret_params
-
-    return mosaic_gpu_interpret_params()
+    return _mosaic_gpu.interpret_params()
   return True
 
 
@@ -198,14 +194,63 @@ class Support:
     return self.ok
 
 
-# op name -> function(*args, **kwargs) returning {kernel: reason or None}
-_REGISTRY: dict[str, Callable[..., Mapping[str, str | None]]] = {}
+def _no_error(problem: Any, config: Any, chip: hardware.Chip) -> str | None:
+  del problem, config, chip
+  return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Kernels:
+  """One op's kernels on one implementation, wired by name: what dispatch, tuning and the
+  custom_vjp call. An op's api lists one per implementation, e.g. for softmax on Triton
+  ``Kernels(op="softmax", implementation="triton", Config=triton.Config,
+  heuristic=triton.heuristic, unsupported=triton.unsupported, forward=triton.forward,
+  backward=triton.backward)``, and registers them with :func:`register`.
+
+  The ``problem`` every function here takes is the op's description of one call (its
+  ``Problem``: shapes, dtypes, static options), hashable, with ``key()`` for the tuning
+  tables and ``reason()`` for why no kernel can take it (or None).
+  """
+
+  op: str
+  implementation: str
+  Config: type  # noqa: N815 - the backend's Config class, named as in its module
+  heuristic: Callable[[Any, hardware.Chip], Any]  # (problem, chip) -> Config
+  unsupported: Callable[[Any, hardware.Chip], str | None]  # (problem, chip) -> why not
+  forward: Callable[..., Any]
+  backward: Callable[..., Any] | None = None  # None where the op's backward is not a kernel
+  config_error: Callable[[Any, Any, hardware.Chip], str | None] = _no_error
+
+
+# op name -> (its kernels by implementation, (*args, **kwargs) -> (problem, arrays))
+_REGISTRY: dict[str, tuple[Mapping[str, Kernels], Callable[..., tuple[Any, tuple]]]] = {}
 _WARNED: set[tuple[str, str]] = set()
 
 
-def register(op: str, kernel_reasons: Callable[..., Mapping[str, str | None]]) -> None:
-  """Registers how ``op`` answers which of its kernels can serve a call."""
-  _REGISTRY[op] = kernel_reasons
+def register(op: str, kernels: Mapping[str, Kernels],
+             problem_of: Callable[..., tuple[Any, tuple]]) -> Mapping[str, Kernels]:
+  """Registers ``op``'s kernels (with tuning too) and how a call's arguments become its
+  problem: ``problem_of(*args, **kwargs)`` validates them as the op does and returns
+  ``(problem, arrays)``, the arrays telling where the call runs. Returns ``kernels``."""
+  for k in kernels.values():
+    tuning.register(k)
+  _REGISTRY[op] = (kernels, problem_of)
+  return kernels
+
+
+def kernels(op: str) -> Mapping[str, Kernels]:
+  """``op``'s registered kernels by implementation (for tuning a config by hand, say)."""
+  if op not in _REGISTRY:
+    raise ValueError(f"unknown op {op!r}; known: {sorted(_REGISTRY)}")
+  return _REGISTRY[op][0]
+
+
+def kernel_reasons(problem: Any, target: Target,
+                   kernels: Mapping[str, Kernels]) -> dict[str, str | None]:
+  """For each kernel of an op: None if it can serve ``problem`` on ``target``, else why not."""
+  common = problem.reason()
+  return {name: common or k.unsupported(problem, target.chip_for(name))
+          for name, k in kernels.items()}
 
 
 def _platform_reason(implementation: str, target: Target) -> str | None:
@@ -303,47 +348,66 @@ def select(
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What one kernel call fixes when it is traced: the implementation and its module of
-  kernels, the config, the static keyword options every kernel of the call takes, and whether
-  interpret mode was on. Ops' custom_vjps close over it (it is hashable), so the backward,
-  traced later, runs the same kernels the same way.
+  """What one call fixes when it is traced: the kernels that serve it and their config, the
+  chip the configs are chosen for, the static keyword options every kernel of the call takes,
+  and whether interpret mode was on. An op's custom_vjp closes over it (it is hashable), so the
+  backward, traced later, runs the same kernels the same way.
   """
 
-  implementation: str
-  kernels: Any  # the implementation's module: its kernel functions, Config, heuristic
-  config: Any
-  options: tuple[tuple[str, Any], ...]
+  kernels: Kernels
+  config: Any  # the call's problem's: the caller's, the tuned table's or the heuristic's
+  chip: hardware.Chip
   interpret: bool
+  options: tuple[tuple[str, Any], ...] = ()
+  explicit: bool = False  # the caller gave the config
 
-  def __call__(self, kernel: str, *args: Any, **kwargs: Any) -> Any:
-    """Runs ``kernels.<kernel>(*args, **kwargs)`` with the options, config and interpret mode."""
-    return getattr(self.kernels, kernel)(
-        *args, **kwargs, **dict(self.options), config=self.config,
-        interpret=interpret_params(self.implementation, self.interpret))
+  @property
+  def implementation(self) -> str:
+    return self.kernels.implementation
+
+  def config_for(self, problem: Any) -> Any:
+    """The config for another problem of the same call (a backward pass's own product, say):
+    the tuned table's for this chip, else the heuristic's."""
+    return tuning.config_for(self.kernels, problem, self.chip)
+
+  def run(self, kernel: Callable[..., Any], *args: Any, config: Any = None,
+          **kwargs: Any) -> Any:
+    """``kernel(*args, **kwargs)`` (one of ``self.kernels``' entry points) with the call's
+    options, ``config`` (default: the plan's) and interpret mode."""
+    return kernel(*args, **kwargs, **dict(self.options),
+                  config=self.config if config is None else config,
+                  interpret=interpret_params(self.implementation, self.interpret))
 
 
-def plan(op: str, implementation: str | None, target: Target,
-         kernel_reasons: Mapping[str, str | None], modules: Mapping[str, Any], config: Any,
-         heuristic: Callable[[Any, Any], Any], *, empty: bool = False,
+def plan(op: str, implementation: str | None, target: Target, problem: Any,
+         kernels: Mapping[str, Kernels], config: Any, *, empty: bool = False,
          **options: Any) -> Plan | None:
   """The kernel plan for one call of ``op``, or None where the XLA reference serves it.
 
+  The config is the caller's (checked against the chosen kernels' ``Config`` and
+  ``config_error``), else the tuned table's for the chip, else the heuristic's.
+
   Args:
-    op, implementation, target, kernel_reasons: as for :func:`select`.
-    modules: the op's kernel modules by implementation name.
-    config: the caller's config (checked against the chosen module's ``Config``), or None.
-    heuristic: (module, chip) -> the config to use when the caller gave none.
+    op, implementation, target: as for :func:`select`.
+    problem: the op's description of the call (see :class:`Kernels`).
+    kernels: the op's kernels by implementation name.
+    config: the caller's config, or None.
     empty: the call has no elements (the reference serves it, whatever was chosen).
     options: static keyword arguments for every kernel of the call.
   """
-  chosen = select(op, implementation, target, kernel_reasons)
-  kernels = modules.get(chosen)
-  _checks.config_type(op, chosen, config, kernels.Config if kernels else None)
-  if kernels is None or empty:
+  chosen = select(op, implementation, target, kernel_reasons(problem, target, kernels))
+  k = kernels.get(chosen)
+  _checks.config_type(op, chosen, config, k.Config if k else None)
+  if k is None or empty:
     return None
+  chip = target.chip_for(chosen)
+  explicit = config is not None
   if config is None:
-    config = heuristic(kernels, target.chip_for(chosen))
-  return Plan(chosen, kernels, config, tuple(sorted(options.items())), interpreting())
+    config = tuning.config_for(k, problem, chip)
+  elif (error := k.config_error(problem, config, chip)) is not None:
+    raise ValueError(f"{op}: config={config} cannot run {problem} on "
+                     f"implementation={chosen!r}: {error}")
+  return Plan(k, config, chip, interpreting(), tuple(sorted(options.items())), explicit)
 
 
 def supports(op: str, implementation: str, *args: Any, **kwargs: Any) -> Support:
@@ -358,6 +422,8 @@ def supports(op: str, implementation: str, *args: Any, **kwargs: Any) -> Support
     raise ValueError(
         f"supports: implementation={implementation!r} is not one of {IMPLEMENTATIONS}"
     )
-  target = target_of(args, kwargs)
-  reason = _reasons(implementation, target, _REGISTRY[op](*args, **kwargs))
+  kernels, problem_of = _REGISTRY[op]
+  problem, arrays = problem_of(*args, **kwargs)
+  target = target_of(*arrays)
+  reason = _reasons(implementation, target, kernel_reasons(problem, target, kernels))
   return Support(reason is None, reason or "")

@@ -34,6 +34,7 @@ class Chip:
   hbm_bandwidth: float  # bytes/s, datasheet
   hbm_bytes: int
   onchip_bytes: int  # TPU: VMEM per TensorCore; GPU: shared memory per SM
+  block_onchip_bytes: int | None = None  # GPU: shared memory one CTA may take
   cores: int  # TPU: TensorCores per chip (megacore); GPU: SMs
   mxu: int | None = None  # TPU: MXU edge (128 or 256)
   l2_bytes: int | None = None
@@ -69,6 +70,7 @@ CHIPS: tuple[Chip, ...] = (
         hbm_bandwidth=3.35 * TB,
         hbm_bytes=80 * GiB,
         onchip_bytes=228 * 1024,
+        block_onchip_bytes=227 * 1024,  # [nv-hopper-tuning]
         cores=132,
         l2_bytes=50 * MiB,
         compute_capability=(9, 0),
@@ -84,6 +86,7 @@ CHIPS: tuple[Chip, ...] = (
         hbm_bandwidth=4.8 * TB,
         hbm_bytes=141 * 10**9,
         onchip_bytes=228 * 1024,
+        block_onchip_bytes=227 * 1024,  # [nv-hopper-tuning]
         cores=132,
         l2_bytes=60 * 10**6,  # [kinds] torch reported 60 MB of L2
         compute_capability=(9, 0),
@@ -105,6 +108,7 @@ CHIPS: tuple[Chip, ...] = (
         hbm_bandwidth=2.039 * TB,
         hbm_bytes=80 * GiB,
         onchip_bytes=164 * 1024,
+        block_onchip_bytes=163 * 1024,  # CUDA programming guide, compute capability 8.0
         cores=108,
         l2_bytes=40 * MiB,
         compute_capability=(8, 0),

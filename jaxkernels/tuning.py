@@ -1,20 +1,23 @@
-"""Kernel configs: tuned tables, an on-device autotuner, and its cache on disk.
+"""Kernel configs for every op: tuned tables, an on-device autotuner, and its cache on disk.
 
-``config_for`` answers which Config a kernel runs a problem with, in this order:
+``config_for`` answers which Config an op's kernel runs a problem with, in this order:
 
 1. the user's cache (``$JAXKERNELS_CACHE_DIR``, default ``~/.cache/jaxkernels``),
    filled by :func:`autotune` on their own device;
-2. the tables we tuned on our GPUs, shipped in ``jaxkernels/data/tuned/``;
-3. the kernel's heuristic for the device kind.
+2. the tables we tuned on our GPUs, shipped in ``jaxkernels/data/tuned/<device>/<op>.json``;
+3. the kernel's heuristic for the chip.
 
-Entries are keyed by implementation, device kind, jax version, operand and
-output dtypes, operand layout, and shape bucket (each dimension rounded up to a
-power of two up to 1024, to a multiple of 128 past it), so one tuning run covers
-the neighbourhood of the shape it timed. The neighbourhood is narrow because a
-config's speed turns on the waves of tiles it makes: the CTA tile tuned at 4096^3
-(3.9 waves of 132 SMs on an H200) makes 4 waves at 3840^3 with the last 41% full
-(bench/NOTES.md, matmul-35). Shipped tables are keyed
-without the jax version: they are a better start than a heuristic on any.
+An op's kernels reach this module by registration (``backend.Kernels``, registered by the op's
+api): this module imports no op. Entries are keyed by op, implementation, device kind, jax
+version and the problem's own key (``problem.key()``: for the matmul, operand and output
+dtypes, operand layout, epilogue and shape bucket). A dimension's bucket is the next power of
+two up to 1024, a multiple of 128 past it (``_tiling.bucket``), so one tuning run covers the
+neighbourhood of the shape it timed. The neighbourhood is narrow because a config's speed
+turns on the waves of tiles it makes: the CTA tile tuned at 4096^3 (3.9 waves of 132 SMs on an
+H200) makes 4 waves at 3840^3 with the last 41% full (bench/NOTES.md, matmul-35). Shipped
+tables are keyed without the jax version: they are a better start than a heuristic on any.
+
+The autotuner times with ``jaxkernels.timing``, the timer the benchmarks judge configs by.
 """
 
 from __future__ import annotations
@@ -24,17 +27,27 @@ import functools
 import json
 import os
 import pathlib
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jaxkernels._pallas import next_pow2, round_up
+from jaxkernels import timing
 
 _DATA = pathlib.Path(__file__).parent / "data" / "tuned"
+# (op, implementation) -> the registered kernels (``backend.Kernels``): what a cached or
+# shipped entry decodes into and is checked against.
+_REGISTERED: dict[tuple[str, str], Any] = {}
+
+
+def register(kernels: Any) -> None:
+  """Makes ``kernels`` (op, implementation, Config, heuristic, config_error) tunable."""
+  _REGISTERED[(kernels.op, kernels.implementation)] = kernels
+
+
+def registered() -> list[tuple[str, str]]:
+  """The (op, implementation) pairs that can be tuned."""
+  return sorted(_REGISTERED)
 
 
 def cache_dir() -> pathlib.Path:
@@ -42,37 +55,17 @@ def cache_dir() -> pathlib.Path:
                                      pathlib.Path.home() / ".cache" / "jaxkernels"))
 
 
-def bucket(size: int) -> int:
-  return next_pow2(size) if size <= 1024 else round_up(size, 128)
-
-
-def key(implementation: str, problem: Any, device_kind: str, *, versioned: bool = True) -> str:
-  p = problem
-  layout = ("t" if p.trans_a else "n") + ("t" if p.trans_b else "n")
-  # Problems with an activation are tuned apart from plain and bias/residual-only ones: the
-  # epilogue's arithmetic is part of what a config is timed on.
-  epilogue = "act" if getattr(p, "activation", None) else "plain"
-  dims = "x".join(str(bucket(d)) for d in (p.m, p.n, p.k))
-  parts = [implementation, device_kind.lower(), f"{jnp.dtype(p.dtype)}->{jnp.dtype(p.out_dtype)}",
-           layout, epilogue, dims]
+def key(kernels: Any, problem: Any, device_kind: str, *, versioned: bool = True) -> str:
+  parts = [kernels.op, kernels.implementation, device_kind.lower(), problem.key()]
   if versioned:
-    parts.insert(2, f"jax{jax.__version__}")
+    parts.insert(3, f"jax{jax.__version__}")
   return "|".join(parts)
-
-
-def _module(implementation: str):
-  from jaxkernels.ops.matmul.api import _KERNELS
-  return _KERNELS[implementation]
-
-
-def _decode(implementation: str, fields: dict[str, Any]):
-  return _module(implementation).Config(**fields)
 
 
 @functools.cache
 def _shipped() -> dict[str, dict[str, Any]]:
   table: dict[str, dict[str, Any]] = {}
-  for path in sorted(_DATA.glob("*.json")):
+  for path in sorted(_DATA.glob("*/*.json")):
     table.update(json.loads(path.read_text())["entries"])
   return table
 
@@ -100,19 +93,19 @@ def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, dict[str, Any]]:
     return {}  # a damaged cache is a miss, not a crash; the next autotune rewrites it
 
 
-def config_for(implementation: str, problem: Any, chip: Any, device_kind: str | None = None):
-  """The Config ``implementation`` runs ``problem`` with on ``chip``: cached, shipped, or heuristic."""
+def config_for(kernels: Any, problem: Any, chip: Any, device_kind: str | None = None):
+  """The Config ``kernels`` run ``problem`` with on ``chip``: cached, shipped, or heuristic."""
   kind = device_kind or (chip.device_kinds[0] if chip.device_kinds else chip.name)
   for table, versioned in ((_user_cache(), True), (_shipped(), False)):
-    entry = table.get(key(implementation, problem, kind, versioned=versioned))
+    entry = table.get(key(kernels, problem, kind, versioned=versioned))
     if entry is not None:
       try:
-        config = _decode(implementation, entry["config"])
-        if _module(implementation).config_error(problem, config, chip) is None:
+        config = kernels.Config(**entry["config"])
+        if kernels.config_error(problem, config, chip) is None:
           return config
       except (TypeError, ValueError):
         pass  # a stale entry (fields renamed): fall through to the heuristic
-  return _module(implementation).heuristic(problem, chip)
+  return kernels.heuristic(problem, chip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,55 +115,32 @@ class Trial:
   error: str = ""
 
 
-def over_sets(fn: Callable[..., Any]) -> Callable[[Sequence[tuple]], list[Any]]:
-  """One jitted program that runs ``fn(*args)`` for every ``args`` in its list of input sets."""
-  return jax.jit(lambda sets: [fn(*args) for args in sets])
-
-
-def time_on_device(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, rounds: int = 5,
-                   calls: int = 1, warmup: int = 1) -> float:
-  """Median seconds per call of ``fn`` on the device: one jitted program runs it on every
-  input set back to back, so a host dispatch is paid once per ``len(arg_sets)`` calls (a 0.2 ms
-  product timed one dispatch at a time measured the dispatch). Each round times ``calls`` such
-  programs after ``warmup`` untimed ones; distinct sets keep the L2 from serving repeats."""
-  batched = over_sets(fn)
-  sets = [tuple(args) for args in arg_sets]
-  for _ in range(warmup):
-    jax.block_until_ready(batched(sets))
-  samples = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = batched(sets)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) / calls / len(sets))
-  return float(np.median(samples))
-
-
-def autotune(implementation: str, problem: Any, candidates: Iterable[Any], *, chip: Any,
+def autotune(kernels: Any, problem: Any, candidates: Iterable[Any], *, chip: Any,
              make_inputs: Callable[[int], tuple], run: Callable[..., Any],
              check: Callable[[Any, tuple], bool] | None = None, save: bool = True,
-             rounds: int = 5) -> tuple[Any, list[Trial]]:
+             rounds: int = 5, calls: int = 2) -> tuple[Any, list[Trial]]:
   """Times each candidate config on the default device; caches and returns the fastest.
 
   Args:
+    kernels: the op's registered kernels for one implementation (``backend.Kernels``).
     make_inputs: seed -> operands tuple (distinct sets defeat the L2 cache).
     run: (config, *operands) -> output, the kernel call to time.
     check: optional (output, operands) -> bool; a config whose output fails is skipped.
+    rounds, calls: as for :func:`jaxkernels.timing.time_sets`.
   """
   device_kind = jax.devices()[0].device_kind
   arg_sets = [make_inputs(seed) for seed in range(4)]
   trials = []
   for config in candidates:
-    if (error := _module(implementation).config_error(problem, config, chip)) is not None:
+    if (error := kernels.config_error(problem, config, chip)) is not None:
       trials.append(Trial(config, None, error))
       continue
-    fn = jax.jit(functools.partial(run, config))
+    fn = functools.partial(run, config)
     try:
-      if check is not None and not check(fn(*arg_sets[0]), arg_sets[0]):
+      if check is not None and not check(jax.jit(fn)(*arg_sets[0]), arg_sets[0]):
         trials.append(Trial(config, None, "wrong result"))
         continue
-      trials.append(Trial(config, time_on_device(fn, arg_sets, rounds=rounds)))
+      trials.append(Trial(config, timing.time_sets(fn, arg_sets, rounds=rounds, calls=calls)))
     except Exception as e:  # noqa: BLE001 - a config the compiler rejects is just a loser
       trials.append(Trial(config, None, f"{type(e).__name__}: {str(e)[:200]}"))
   timed = [t for t in trials if t.seconds is not None]
@@ -179,36 +149,39 @@ def autotune(implementation: str, problem: Any, candidates: Iterable[Any], *, ch
                        + "; ".join(t.error for t in trials[:3]))
   best = min(timed, key=lambda t: t.seconds)
   if save:
-    record(implementation, problem, device_kind, best.config, best.seconds)
+    record(kernels, problem, device_kind, best.config, best.seconds)
   return best.config, trials
 
 
-def record(implementation: str, problem: Any, device_kind: str, config: Any,
-           seconds: float) -> None:
+def record(kernels: Any, problem: Any, device_kind: str, config: Any, seconds: float) -> None:
   """Writes one winner into the user's cache (atomically: a reader never sees half a file)."""
   path = _cache_file()
   path.parent.mkdir(parents=True, exist_ok=True)
   table = _user_cache()
-  table[key(implementation, problem, device_kind)] = {
+  table[key(kernels, problem, device_kind)] = {
       "config": dataclasses.asdict(config), "seconds": seconds}
   tmp = path.with_suffix(f".{os.getpid()}.tmp")
   tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
   tmp.replace(path)
 
 
-def ship(cache_file: str | os.PathLike, out_file: str | os.PathLike, note: str = "") -> int:
-  """Copies an autotune cache's entries into a shipped table (keys without the jax version).
+def ship(cache_file: str | os.PathLike, out_dir: str | os.PathLike = _DATA, note: str = "") -> int:
+  """Copies an autotune cache's entries into the shipped tables (keys without the jax version),
+  one file per device kind and op: ``out_dir/<device>/<op>.json``.
 
   Run on what a tuning run on our GPU machine brought back; returns the number of entries.
   """
   entries = json.loads(pathlib.Path(cache_file).read_text())
-  out_path = pathlib.Path(out_file)
-  table = json.loads(out_path.read_text()) if out_path.exists() else {"note": note, "entries": {}}
   for k, v in entries.items():
-    parts = k.split("|")
-    table["entries"]["|".join(p for p in parts if not p.startswith("jax"))] = v
-  if note:
-    table["note"] = note
-  out_path.parent.mkdir(parents=True, exist_ok=True)
-  out_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    op, implementation, device_kind, *rest = k.split("|")
+    parts = [op, implementation, device_kind, *(p for p in rest if not p.startswith("jax"))]
+    out_path = pathlib.Path(out_dir) / device_kind.replace(" ", "_") / f"{op}.json"
+    table = (json.loads(out_path.read_text()) if out_path.exists()
+             else {"note": note, "entries": {}})
+    table["entries"]["|".join(parts)] = v
+    if note:
+      table["note"] = note
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+  _shipped.cache_clear()
   return len(entries)

@@ -11,7 +11,23 @@ TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 
 
 def pytest_report_header(config):
-  return f"jaxkernels test seed: {numerics.SEED} (set JAXKERNELS_TEST_SEED to replay)"
+  mode = "compiled on the default device" if numerics.COMPILED else "interpreted on the CPU"
+  return (f"jaxkernels test seed: {numerics.SEED} (set JAXKERNELS_TEST_SEED to replay); "
+          f"kernels {mode} (JAXKERNELS_TEST_COMPILED)")
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "cpu_only: asserts what happens to arrays on a CPU (dispatch, fallback, the "
+      "bench's interpret mode); skipped where the kernels compile (JAXKERNELS_TEST_COMPILED)")
+
+
+def pytest_collection_modifyitems(config, items):
+  if numerics.COMPILED:
+    skip = pytest.mark.skip(reason="cpu_only: the arrays live on an accelerator here")
+    for item in items:
+      if "cpu_only" in item.keywords:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", params=sorted(TPU_TOPOLOGIES))
@@ -45,7 +61,7 @@ def cuda_lowering(fn, *shapes) -> str:
   import jax
   from jax import export
 
-  from jaxkernels._pallas import TRITON_CUSTOM_CALL
+  from jaxkernels._triton import CUSTOM_CALL as TRITON_CUSTOM_CALL
 
   exported = export.export(
       jax.jit(fn), platforms=["cuda"],

@@ -10,6 +10,7 @@ baseline happened to get.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import zlib
@@ -18,7 +19,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxkernels as jk
+
 F32_EPS = float(np.finfo(np.float32).eps)
+# JAXKERNELS_TEST_COMPILED=1 (on the GPU machine): the test bases' kernels compile for the
+# device the arrays live on instead of running interpreted on the CPU, under the same cases and
+# the same derived tolerances; kernels for another platform (Mosaic TPU there) skip with the
+# reason ``jk.supports`` gives.
+COMPILED = os.environ.get("JAXKERNELS_TEST_COMPILED", "0") not in ("", "0")
+
+
+def kernel_mode():
+  """Where a test runs the kernels it checks: interpreted on the CPU (CI), or compiled
+  (``COMPILED``)."""
+  return contextlib.nullcontext() if COMPILED else jk.interpret_mode()
+
 SEED = int(os.environ.get("JAXKERNELS_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 
 

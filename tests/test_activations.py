@@ -12,7 +12,7 @@ from jaxkernels import _activations
 
 def _fma_rounded_once(a, b, c):
   """A hardware FMA's result (the float32 product is exact in float64), as compiled Triton
-  kernels compute it (_pallas.TRITON_MATH); needs x64 enabled."""
+  kernels compute it (_triton.MATH); needs x64 enabled."""
   f64 = lambda v: jnp.asarray(v).astype(jnp.float64)
   return (f64(a) * f64(b) + f64(c)).astype(jnp.float32)
 

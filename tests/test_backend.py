@@ -32,6 +32,7 @@ def test_auto_on_cpu_falls_back_once_with_the_reason():
     assert backend.select("op", None, CPU, BOTH) == "xla"  # one time only
 
 
+@pytest.mark.cpu_only
 def test_fallback_warning_names_the_callers_line(monkeypatch):
   # However deep the op's own frames go (select < plan < the op's helpers < the op), the
   # warning points at the line that called the public op.
@@ -89,6 +90,7 @@ def test_interpret_environment_variable(monkeypatch):
     backend.interpreting()
 
 
+@pytest.mark.cpu_only
 def test_target_of_concrete_traced_and_mesh(tpu_mesh):
   x = jnp.ones(3)
   assert backend.target_of(x) == Target("cpu", "cpu", True)
@@ -108,6 +110,7 @@ def test_auto_dispatch_picks_the_tpu_kernel_for_a_tpu_mesh(tpu_mesh):
   assert "jk_rms_norm_fwd" in aot_compile(tpu_mesh, lambda x, s: jk.rms_norm(x, s), x, s)
 
 
+@pytest.mark.cpu_only
 def test_supports():
   verdict = jk.supports("rms_norm", "triton", jnp.ones((2, 8)), jnp.ones(8))
   assert not verdict and "interpret_mode" in verdict.reason

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import __main__ as bench_main
 
 
+@pytest.mark.cpu_only
 def test_bench_smoke_softmax(tmp_path, capsys):
   assert bench_main.main(["softmax", "--out", str(tmp_path)]) == 0
   printed = capsys.readouterr().out
@@ -69,14 +72,14 @@ def test_plot_sweep_later_source_wins(tmp_path, monkeypatch):
 
 def test_time_rounds_cancels_a_rounds_fixed_cost(monkeypatch):
   """A round that pays a fixed start-up F plus t a program: steady is t, whole-round t + F/calls."""
-  from bench import harness
+  from jaxkernels import timing  # the one timer the benchmarks and tuning share
 
   fixed, per_program, clock = 0.8e-3, 0.3e-3, [0.0]
-  monkeypatch.setattr(harness.time, "perf_counter", lambda: clock[0])
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
 
   def run(n):  # the device's work for n back-to-back programs, on the fake clock
     clock[0] += fixed + n * per_program
 
-  steady, whole = harness.time_rounds(run, rounds=3, calls=10)
+  steady, whole = timing.time_rounds(run, rounds=3, calls=10)
   assert abs(steady - per_program) < 1e-12
   assert abs(whole - (per_program + fixed / 10)) < 1e-12

@@ -30,7 +30,7 @@ class ElementwiseTest:
                                config=config)
 
   def check(self, op_name, fn, reference_fn, primals, ct, dtype):
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       support = jk.supports(op_name, self.IMPL, *primals)
       if not support:
         pytest.skip(support.reason)
@@ -86,7 +86,7 @@ class ElementwiseTest:
 
   def test_jit_vmap(self):
     (x, b), _ = self.bias_inputs((4, 6, 40), jnp.float32, "vmap")
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       got = jax.jit(jax.vmap(self.bias_activation("silu"), in_axes=(1, None), out_axes=1))(x, b)
     want = reference.bias_activation(x, b, activation="silu")
     assert max(numerics.errors(got, want)) < 16 * numerics.F32_EPS
@@ -119,7 +119,7 @@ class TestElementwiseTriton(ElementwiseTest):
       text = cuda_lowering(lambda x, b, dy: jax.vjp(self.bias_activation(activation), x, b)[1](dy),
                            x, b, x)
       assert f'name = "jk_bias_{activation}_bwd"' in text
-      # The kernels' arithmetic (_pallas.TRITON_MATH): without explicit FMAs XLA's Triton
+      # The kernels' arithmetic (_triton.MATH): without explicit FMAs XLA's Triton
       # pipeline emits separate multiplies and adds.
       if activation != "relu":
         for instruction in ("fma.rn.f32", "ex2.approx.ftz.f32", "rcp.approx.ftz.f32"):

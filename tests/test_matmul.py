@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import jaxkernels as jk
-from jaxkernels import _activations, hardware, tuning
-from jaxkernels.ops.matmul import crop, mosaic_gpu, mosaic_tpu, triton
+from jaxkernels import _activations, _mosaic_gpu, backend, hardware, tuning
+from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, triton
 from jaxkernels.ops.matmul.common import Problem
 from tests import numerics
 from tests.conftest import aot_compile, cuda_lowering
@@ -76,7 +76,7 @@ class MatmulTest:
   def check(self, shape, dtype, epilogue, grads=True):
     activation, has_bias, has_residual = epilogue
     primals, ct = inputs(shape, dtype, has_bias, has_residual, activation)
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       support = jk.supports("matmul", self.IMPL, primals[0], primals[1])
       if not support:
         pytest.skip(support.reason)
@@ -104,7 +104,7 @@ class MatmulTest:
 
   def test_out_dtype(self):
     primals, _ = inputs((40, 50, 60), jnp.bfloat16, False, False)
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       if not jk.supports("matmul", self.IMPL, *primals, out_dtype=jnp.float32):
         pytest.skip("not served")
       y = jk.matmul(*primals, out_dtype=jnp.float32, implementation=self.IMPL,
@@ -150,7 +150,7 @@ class TestMosaicTpu(MatmulTest):
     a_scale = jnp.asarray(gen.uniform(0.5, 2, 40), jnp.float32) / 127
     b_scale = jnp.asarray(gen.uniform(0.5, 2, 200), jnp.float32) / 127
     bias = numerics.normal(gen, (200,), jnp.float32)
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       y = jk.matmul(a, b, a_scale=a_scale, b_scale=b_scale, bias=bias, activation="silu",
                     out_dtype=jnp.float32, implementation="mosaic_tpu",
                     # int8 packs 32 rows a sublane tile: blocks of M come in 32s
@@ -203,7 +203,7 @@ class TestMosaicGpu(MatmulTest):
                 activation="relu", has_bias=True, has_residual=True)  # EPILOGUES[-1]
     if mosaic_gpu.config_error(p, config, None):  # 128 x 384 takes 2 stages here
       config = dataclasses.replace(config, stages=2)
-    monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 2)
+    monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 2)
     monkeypatch.setattr(self, "CONFIG", config)
     self.check(shape, jnp.bfloat16, EPILOGUES[-1], grads=False)
 
@@ -220,7 +220,7 @@ class TestMosaicGpuPingpong(TestMosaicGpu):
 
   @pytest.fixture(autouse=True)
   def _two_sms(self, monkeypatch):
-    monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 2)
+    monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 2)
 
   def test_several_tiles(self):
     """4 or 8 tiles a CTA, 5 K steps each over 3 slots: the ring wraps mid-tile and runs on
@@ -243,13 +243,13 @@ def test_crop(shape, padded):
   """The copy that cuts Mosaic GPU's padded C, odd rows and columns included, bit-exact."""
   gen = np.random.default_rng(3)
   y = numerics.normal(gen, padded, jnp.bfloat16)
-  got = crop.crop(y, *shape, interpret=True)
+  got = mosaic_gpu.crop(y, *shape, interpret=True)
   assert got.shape == shape
   np.testing.assert_array_equal(np.asarray(got, np.float32),
                                 np.asarray(y[:shape[0], :shape[1]], np.float32))
   too_many = (padded[0] + 1, 1)
   with pytest.raises(ValueError, match=re.escape(f"at least {too_many}, got shape {padded}")):
-    crop.crop(y, *too_many)
+    mosaic_gpu.crop(y, *too_many)
 
 
 def test_mosaic_gpu_wave_model():
@@ -313,7 +313,7 @@ def test_mosaic_gpu_cta_shapes_lower(shape):
                                                   (5, 1, 4), (800, 80, 132)])
 @pytest.mark.parametrize("wave", [True, False])
 def test_stream_k_plan(tiles, k_steps, ctas, wave):
-  """Stream-K's runs (``_StreamK``) cover every K step of the cut tiles once; each tile's
+  """Stream-K's runs (``StreamK``) cover every K step of the cut tiles once; each tile's
   first step lies in its owner's run, and the runs after the owner's that hold its other steps
   are exactly ``cta + 1 .. last_run(tile)``, each beginning there (so each CTA hands over at
   most one partial, first thing). Whole tiles fill whole waves, one wave fewer than there are
@@ -323,7 +323,7 @@ def test_stream_k_plan(tiles, k_steps, ctas, wave):
                     out_dtype=jnp.dtype(jnp.bfloat16))
   config = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, split="m", stream_k=True,
                              stream_k_wave=wave)
-  plan = mosaic_gpu._StreamK.plan(problem, config, ctas)
+  plan = mosaic_gpu.StreamK.plan(problem, config, ctas)
   assert config.cta_m == 128 and plan.whole + plan.cut == math.ceil(tiles / 2)
   tiles = plan.whole + plan.cut
   assert plan.whole % ctas == 0
@@ -362,7 +362,7 @@ def test_stream_k_heuristic_and_lowering(monkeypatch):
   assert (pick(5120).epi_tile_m, pick(5120).stages) == (64, 4)  # whole-tile pieces: ring-slow
   with pytest.raises(ValueError, match="stream_k=True needs the cooperative schedule"):
     mosaic_gpu.Config(schedule="pingpong", stream_k=True)
-  monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 132)
+  monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 132)
   m, n, k = 1000, 1030, 520  # 4 x 6 CTA tiles of 256 x 192, 9 K steps each: 132 runs of 1-2
   for dtype, act in ((jnp.bfloat16, "gelu"), (jnp.float8_e4m3fn, None)):
     fp8 = act is None
@@ -374,15 +374,16 @@ def test_stream_k_heuristic_and_lowering(monkeypatch):
     assert "mosaic_gpu" in _lowered(p, config)
 
 
-def test_stream_k_interpreted(monkeypatch):
-  """Under the interpreter, which has no semaphores, a stream-K config walks the same tiles
-  whole on the same ring: the product is still right (bf16 output: within its rounding)."""
-  monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 2)
+def test_stream_k(monkeypatch):
+  """Stream-K on two SMs: runs that end one tile and begin the next, owners adding partials.
+  Under the interpreter, which has no semaphores, a stream-K config walks the same tiles whole
+  on the same ring: the product is still right either way (bf16 output: within its rounding)."""
+  monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 2)
   gen = numerics.rng("stream-k-interpreted")
   a = numerics.normal(gen, (192, 320), jnp.bfloat16)
   b = numerics.normal(gen, (320, 128), jnp.bfloat16)
   config = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, stages=3, stream_k=True)
-  with jk.interpret_mode():
+  with numerics.kernel_mode():
     y = jk.matmul(a, b, implementation="mosaic_gpu", config=config)
   want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
   assert np.abs(np.asarray(y, np.float64) - want).max() <= 2 ** -8 * np.abs(want).max()
@@ -409,7 +410,7 @@ def test_fp8_triton_and_reference():
   want = np.einsum("bmk,kn->bmn", np.asarray(a, np.float64), np.asarray(b, np.float64)) * \
       np.asarray(a_scale, np.float64)[..., None]
   for impl in ("xla", "triton"):
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       y = jk.matmul(a, b, a_scale=a_scale, implementation=impl,
                     config=triton.Config(block_m=16, block_n=32, block_k=32, num_warps=4,
                                          num_stages=2) if impl == "triton" else None)
@@ -505,7 +506,7 @@ def test_config_checks():
 
 
 def test_zero_sized():
-  with jk.interpret_mode():
+  with numerics.kernel_mode():
     y = jk.matmul(jnp.zeros((0, 8), jnp.float32), jnp.ones((8, 3), jnp.float32),
                   implementation="triton")
   assert y.shape == (0, 3)
@@ -516,7 +517,7 @@ def test_jit_vmap_checkpoint():
   fn = lambda a, b, bias: jk.matmul(a, b, bias=bias, activation="silu", implementation="triton",
                                     config=TestTriton.CONFIG)
   want = reference("silu", True, False)(jnp.float32)(*primals)
-  with jk.interpret_mode():
+  with numerics.kernel_mode():
     got = jax.jit(fn)(*primals)
     batched = jax.vmap(fn, in_axes=(0, None, None))(jnp.stack([primals[0]] * 2), *primals[1:])
     g1 = jax.grad(lambda *p: jnp.sum(jax.checkpoint(fn)(*p) * ct))(*primals)
@@ -592,37 +593,42 @@ def test_tuning_cache_roundtrip(tmp_path, monkeypatch):
   p = Problem(m=3000, n=3000, k=3000, dtype=jnp.dtype(jnp.bfloat16),
               out_dtype=jnp.dtype(jnp.bfloat16))
   chip = hardware.chip_for("NVIDIA H100 80GB HBM3")
-  assert tuning.config_for("triton", p, chip) == triton.heuristic(p, chip)
+  kernels = backend.kernels("matmul")["triton"]
+  assert tuning.config_for(kernels, p, chip) == triton.heuristic(p, chip)
   mine = triton.Config(block_m=64, block_n=64, block_k=32, group_m=4, num_warps=4, num_stages=2)
-  tuning.record("triton", p, "NVIDIA H100 80GB HBM3", mine, 1e-3)
-  assert tuning.config_for("triton", p, chip) == mine
+  tuning.record(kernels, p, "NVIDIA H100 80GB HBM3", mine, 1e-3)
+  assert tuning.config_for(kernels, p, chip) == mine
   # A shape in the same bucket shares the entry; another bucket does not.
-  assert tuning.config_for("triton", Problem(**{**p.__dict__, "m": 2950}), chip) == mine
-  assert tuning.config_for("triton", Problem(**{**p.__dict__, "m": 5000}), chip) != mine
+  assert tuning.config_for(kernels, Problem(**{**p.__dict__, "m": 2950}), chip) == mine
+  assert tuning.config_for(kernels, Problem(**{**p.__dict__, "m": 5000}), chip) != mine
   # An activation epilogue is tuned apart: the plain entry does not serve it.
   act = Problem(**{**p.__dict__, "activation": "gelu", "has_bias": True})
-  assert tuning.config_for("triton", act, chip) == triton.heuristic(act, chip)
+  assert tuning.config_for(kernels, act, chip) == triton.heuristic(act, chip)
+  # The op is part of the key: another op's kernels never read the matmul's entry.
+  assert all(k.startswith("matmul|triton|nvidia h100 80gb hbm3|jax")
+             for k in json.loads((tmp_path / "tuning.json").read_text()))
   (tmp_path / "tuning.json").write_text("{not json")
-  assert tuning.config_for("triton", p, chip) == triton.heuristic(p, chip)
+  assert tuning.config_for(kernels, p, chip) == triton.heuristic(p, chip)
 
 
 def test_shipped_table_and_ship(tmp_path):
   p = Problem(m=8192, n=8192, k=8192, dtype=jnp.dtype(jnp.bfloat16),
               out_dtype=jnp.dtype(jnp.bfloat16))
   chip = hardware.chip_for("NVIDIA H200")
-  table = json.loads((pathlib.Path(tuning.__file__).parent / "data" / "tuned" /
-                      "nvidia_h200.json").read_text())["entries"]
+  kernels = backend.kernels("matmul")["mosaic_gpu"]
+  table = json.loads((pathlib.Path(tuning.__file__).parent / "data" / "tuned" / "nvidia_h200" /
+                      "matmul.json").read_text())["entries"]
   for size in (8192, 4096):
     q = dataclasses.replace(p, m=size, n=size, k=size)
-    entry = table[tuning.key("mosaic_gpu", q, "NVIDIA H200", versioned=False)]
-    assert tuning.config_for("mosaic_gpu", q, chip, device_kind="NVIDIA H200") == \
+    entry = table[tuning.key(kernels, q, "NVIDIA H200", versioned=False)]
+    assert tuning.config_for(kernels, q, chip, device_kind="NVIDIA H200") == \
         mosaic_gpu.Config(**entry["config"])
   # bias+gelu is not served by the plain 4096 entry (its key names the epilogue): the heuristic
   # runs it, with the 2 epilogue buffers over 3 stages it gives activation epilogues, on the
   # ring in 128 x 256 tiles.
   act = dataclasses.replace(p, m=4096, n=4096, k=4096, activation="gelu", has_bias=True)
-  assert tuning.key("mosaic_gpu", act, "NVIDIA H200", versioned=False) not in table
-  config = tuning.config_for("mosaic_gpu", act, chip, device_kind="NVIDIA H200")
+  assert tuning.key(kernels, act, "NVIDIA H200", versioned=False) not in table
+  config = tuning.config_for(kernels, act, chip, device_kind="NVIDIA H200")
   assert config == mosaic_gpu.heuristic(act, chip)
   assert (config.cta_m, config.cta_n, config.ring, config.stages, config.epi_slots,
           config.epi_tile_m, config.epi_tile_n) == (128, 256, True, 3, 2, 64, 64)
@@ -635,12 +641,11 @@ def test_shipped_table_and_ship(tmp_path):
   small = mosaic_gpu.heuristic(dataclasses.replace(p, m=1536, n=1536, k=1536), chip)
   assert (small.tile_m, small.stages, small.epi_tile_m, small.epi_tile_n) == (64, 4, 64, 64)
   cache = tmp_path / "cache.json"
-  cache.write_text(json.dumps({"triton|gpu x|jax9.9|bfloat16->bfloat16|nn|1024x1024x1024":
+  cache.write_text(json.dumps({"matmul|triton|gpu x|jax9.9|bfloat16->bfloat16|nn|1024x1024x1024":
                                {"config": {}, "seconds": 1.0}}))
-  out = tmp_path / "table.json"
-  assert tuning.ship(cache, out, note="test") == 1
-  assert list(json.loads(out.read_text())["entries"]) == [
-      "triton|gpu x|bfloat16->bfloat16|nn|1024x1024x1024"]
+  assert tuning.ship(cache, tmp_path, note="test") == 1
+  assert list(json.loads((tmp_path / "gpu_x" / "matmul.json").read_text())["entries"]) == [
+      "matmul|triton|gpu x|bfloat16->bfloat16|nn|1024x1024x1024"]
 
 
 @pytest.mark.parametrize("module", [triton, mosaic_gpu, mosaic_tpu])

@@ -35,9 +35,10 @@ def test_kernels_match_the_xla_path():
   # Float32 throughout: each of the 2 * depth + 1 fused norm/glu ops may differ from XLA's
   # by its reduction's rounding, ~4 eps sqrt(width); errors pass through, they do not grow.
   tolerance = 4 * numerics.F32_EPS * cfg.width**0.5 * (2 * cfg.depth + 1)
-  for implementation in ("triton", "mosaic_tpu"):
+  # Compiled (on a GPU), the model's Triton kernels; interpreted, both kernel families.
+  for implementation in ("triton",) if numerics.COMPILED else ("triton", "mosaic_tpu"):
     model, _ = transformer.make(dataclasses.replace(cfg, implementation=implementation), seed=3)
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       loss, grads = nnx.value_and_grad(transformer.loss_fn)(model, tokens)
     assert abs(float(loss) - float(want_loss)) <= tolerance * abs(float(want_loss))
     errors = numerics.errors(jax.tree.leaves(nnx.state(grads)),

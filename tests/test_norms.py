@@ -54,7 +54,7 @@ class NormTest:
 
   def check(self, layer, primals, ct, dtype, config=None):
     x, s, b, r = primals
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       support = jk.supports("layer_norm" if layer else "rms_norm", self.IMPL, x, s, b, residual=r)
       if not support:
         pytest.skip(support.reason)
@@ -101,7 +101,7 @@ class NormTest:
 
   def test_jit_vmap_over_inner_axis(self):
     (x, s, _, _), _ = self.inputs((5, 3, 40), jnp.float32, False, False)
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       got = jax.jit(jax.vmap(lambda a: jk.rms_norm(a, s, eps=EPS, implementation=self.IMPL),
                              in_axes=1, out_axes=1))(x)
     want = reference.rms_norm(x, s, eps=EPS)
@@ -114,7 +114,7 @@ class NormTest:
       y, h = self.op(True)(x, s, b, r)
       return jnp.sum(y * ct[0]) + jnp.sum(h * ct[1])
 
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       got = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3)))(*primals)
     want = jax.grad(lambda *a: jnp.sum(_reference(True)(jnp.float32)(*a)[0] * ct[0]) +
                     jnp.sum(_reference(True)(jnp.float32)(*a)[1] * ct[1]),
@@ -123,7 +123,7 @@ class NormTest:
 
   def test_empty(self):
     x = jnp.zeros((0, 8), jnp.float32)
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       y, h = jk.rms_norm(x, jnp.ones(8), residual=x, implementation=self.IMPL)
     assert y.shape == h.shape == (0, 8)
 
@@ -239,6 +239,7 @@ class TestNormErrors:
     with pytest.raises(ValueError, match="implementation='cuda' is not one of"):
       jk.rms_norm(jnp.ones((2, 8)), jnp.ones(8), implementation="cuda")
 
+  @pytest.mark.cpu_only
   def test_kernel_on_cpu_arrays_outside_interpret_mode(self):
     with pytest.raises(ValueError, match="triton compiles for GPUs.*interpret_mode"):
       jk.rms_norm(jnp.ones((2, 8)), jnp.ones(8), implementation="triton")
@@ -260,7 +261,7 @@ class TestNormErrors:
 
 
 def test_streamed_loads_ask_for_cg():
-  """Pallas Triton needs _pallas' shim to take cache_modifier=".cg" (jax 0.10-0.11); without
+  """Pallas Triton needs _triton's shim to take cache_modifier=".cg" (jax 0.10-0.11); without
   it, streamed loads fall back to default caching and the norms lose 2-4 us (run 45)."""
-  from jaxkernels import _pallas
-  assert _pallas.STREAMED == ".cg"
+  from jaxkernels import _triton
+  assert _triton.stream_cache_modifier() == ".cg"

@@ -11,6 +11,7 @@ import jaxkernels as jk
 from bench import shapes
 from jaxkernels.ops.softmax import reference
 from jaxkernels.ops.softmax import triton as softmax_triton
+from jaxkernels.ops.softmax.api import Problem
 from tests import numerics
 from tests.conftest import aot_compile, cuda_lowering
 
@@ -32,7 +33,7 @@ class SoftmaxTest:
     return numerics.normal(gen, shape, dtype, 3.0), numerics.normal(gen, shape, dtype)
 
   def check(self, x, ct, dtype, axis=-1, config=None):
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       support = jk.supports("softmax", self.IMPL, x, axis=axis)
       if not support:
         pytest.skip(support.reason)
@@ -56,7 +57,7 @@ class SoftmaxTest:
 
   def test_jit_vmap(self):
     x, _ = self.inputs((4, 6, 40), jnp.float32, "vmap")
-    with jk.interpret_mode():
+    with numerics.kernel_mode():
       got = jax.jit(jax.vmap(self.op(), in_axes=1, out_axes=1))(x)
     assert max(numerics.errors(got, reference.softmax(x))) < 8 * numerics.F32_EPS
 
@@ -116,7 +117,8 @@ class TestSoftmaxTriton(SoftmaxTest):
 
   def test_online_heuristic(self):
     """Past MAX_ONE_PASS_COLS the heuristic takes one row a program, unrolled chunks."""
-    config = softmax_triton.heuristic(jax.ShapeDtypeStruct((1024, 65536), jnp.bfloat16), None)
+    x = jax.ShapeDtypeStruct((1024, 65536), jnp.bfloat16)
+    config = softmax_triton.heuristic(Problem.of(x, -1), None)
     assert config.block_cols < 65536 and config.block_rows == config.bwd_block_rows == 1
     assert config.unroll > 1 and config.bwd_unroll > 1
 

@@ -2,48 +2,68 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 
 from jaxkernels import _activations, _checks, backend
-from jaxkernels._pallas import rows_view
+from jaxkernels._tiling import bucket, rows_view
 from jaxkernels.ops.elementwise import mosaic_tpu, reference, triton
 
-_KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One bias_activation or glu call as its kernels see it: x, the first operand's (M, N)
+  rows; the operands by name (for the dtype check); the op and activation."""
+
+  x: jax.ShapeDtypeStruct
+  operands: tuple[tuple[str, jax.ShapeDtypeStruct], ...]
+  op: str
+  activation: str
+
+  @classmethod
+  def of(cls, op: str, activation: str, **named) -> Problem:
+    first = next(iter(named.values()))
+    x = jax.ShapeDtypeStruct((math.prod(first.shape[:-1]), first.shape[-1]), first.dtype)
+    return cls(x, tuple((k, jax.ShapeDtypeStruct(v.shape, v.dtype)) for k, v in named.items()),
+               op, activation)
+
+  def key(self) -> str:
+    rows, cols = self.x.shape
+    return f"{self.x.dtype}|{self.activation}|{bucket(rows)}x{cols}"
+
+  def reason(self) -> str | None:
+    return _checks.kernel_dtype_reason(**dict(self.operands))
+
+  def __str__(self) -> str:
+    return f"{self.op}({self.activation}) of {self.x.shape} {self.x.dtype}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused(plan, op, a, b):
-  return plan(f"{op}_fwd", a, b)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(plan, a, b):
+  return plan.run(plan.kernels.forward, a, b)
 
 
-def _fused_fwd(plan, op, a, b):
-  return plan(f"{op}_fwd", a, b), (a, b)  # the backward recomputes the activation from these
+def _fused_fwd(plan, a, b):
+  # The backward recomputes the activation from the inputs.
+  return plan.run(plan.kernels.forward, a, b), (a, b)
 
 
-def _fused_bwd(plan, op, saved, dy):
-  return plan(f"{op}_bwd", *saved, dy)
+def _fused_bwd(plan, saved, dy):
+  return plan.run(plan.kernels.backward, *saved, dy)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
-
-
-def _kernel_reasons(target, first, named):
-  dtypes = _checks.kernel_dtype_reason(**named)
-  return {name: dtypes or module.unsupported(first, target.chip_for(name))
-          for name, module in _KERNELS.items()}
 
 
 def _plan(op, implementation, config, activation, **named):
   """The kernel plan for this call, or None for the XLA reference."""
   first = next(iter(named.values()))
   target = backend.target_of(*named.values())
-  return backend.plan(op, implementation, target, _kernel_reasons(target, first, named),
-                      _KERNELS, config,
-                      lambda kernels, chip: kernels.heuristic(rows_view(first), chip, op=op,
-                                                              activation=activation),
-                      empty=first.size == 0, activation=activation)
+  return backend.plan(op, implementation, target, Problem.of(op, activation, **named),
+                      _KERNELS[op], config, empty=first.size == 0, activation=activation)
 
 
 def _validate_bias_activation(x, bias, activation):
@@ -80,7 +100,7 @@ def bias_activation(x, bias, *, activation: str, implementation=None, config=Non
   plan = _plan("bias_activation", implementation, config, activation, x=x, bias=bias)
   if plan is None:
     return reference.bias_activation(x, bias, activation=activation)
-  return _fused(plan, "bias_activation", rows_view(x), bias).reshape(x.shape)
+  return _fused(plan, rows_view(x), bias).reshape(x.shape)
 
 
 def glu(gate, up, *, activation: str = "silu", implementation=None, config=None):
@@ -95,15 +115,35 @@ def glu(gate, up, *, activation: str = "silu", implementation=None, config=None)
   plan = _plan("glu", implementation, config, activation, gate=gate, up=up)
   if plan is None:
     return reference.glu(gate, up, activation=activation)
-  return _fused(plan, "glu", rows_view(gate), rows_view(up)).reshape(gate.shape)
+  return _fused(plan, rows_view(gate), rows_view(up)).reshape(gate.shape)
 
 
-def _registered(validate, names):
-  def reasons(a, b, *, activation="silu", **unused):
-    a, b, _ = validate(a, b, activation)
-    return _kernel_reasons(backend.target_of(a, b), a, dict(zip(names, (a, b))))
-  return reasons
+def _problem_of(op, validate, names):
+  def problem_of(a, b, *, activation="silu", **unused):
+    a, b, activation = validate(a, b, activation)
+    return Problem.of(op, activation, **dict(zip(names, (a, b)))), (a, b)
+  return problem_of
 
 
-backend.register("bias_activation", _registered(_validate_bias_activation, ("x", "bias")))
-backend.register("glu", _registered(_validate_glu, ("gate", "up")))
+_KERNELS = {
+    "bias_activation": backend.register("bias_activation", {
+        "triton": backend.Kernels(
+            op="bias_activation", implementation="triton", Config=triton.Config,
+            heuristic=triton.heuristic, unsupported=triton.unsupported,
+            forward=triton.bias_activation_fwd, backward=triton.bias_activation_bwd),
+        "mosaic_tpu": backend.Kernels(
+            op="bias_activation", implementation="mosaic_tpu", Config=mosaic_tpu.Config,
+            heuristic=mosaic_tpu.heuristic, unsupported=mosaic_tpu.unsupported,
+            forward=mosaic_tpu.bias_activation_fwd, backward=mosaic_tpu.bias_activation_bwd),
+    }, _problem_of("bias_activation", _validate_bias_activation, ("x", "bias"))),
+    "glu": backend.register("glu", {
+        "triton": backend.Kernels(
+            op="glu", implementation="triton", Config=triton.Config,
+            heuristic=triton.heuristic, unsupported=triton.unsupported,
+            forward=triton.glu_fwd, backward=triton.glu_bwd),
+        "mosaic_tpu": backend.Kernels(
+            op="glu", implementation="mosaic_tpu", Config=mosaic_tpu.Config,
+            heuristic=mosaic_tpu.heuristic, unsupported=mosaic_tpu.unsupported,
+            forward=mosaic_tpu.glu_fwd, backward=mosaic_tpu.glu_bwd),
+    }, _problem_of("glu", _validate_glu, ("gate", "up"))),
+}

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxkernels import _activations, hardware, roofline
-from jaxkernels._pallas import cdiv, check_fields, sublanes, tpu_params, tpu_row_mask
-from jaxkernels.ops.norms.mosaic_tpu import MAX_BLOCK_ROWS, vmem_limit
+from jaxkernels import _activations, _mosaic_tpu, hardware, roofline
+from jaxkernels._mosaic_tpu import MAX_BLOCK_ROWS, sublanes, vmem_limit
+from jaxkernels._tiling import cdiv, check_fields
 
 # Widest block: rows up to this wide are whole; wider ones are cut into lane-aligned blocks.
 MAX_BLOCK_COLS = 4096
@@ -44,11 +44,15 @@ class Config:
     return rows, cols
 
 
-def heuristic(x, chip: hardware.Chip, streams: int = 5, op: str | None = None,
-              activation: str | None = None) -> Config:
-  """x: the (M, N) view; ``streams`` arrays of x's size move per step (glu backward: 5). One
-  tiling serves every op and activation here."""
-  del op, activation
+# Arrays of x's size that move per step, the most of any pass (glu's backward: gate, up, dy in;
+# dgate, dup out): the rows of a block are sized for it.
+STREAMS = 5
+
+
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """problem: the call's ``elementwise.api.Problem`` (x the (M, N) view of its first operand).
+  One tiling serves every op and activation here."""
+  x, streams = problem.x, STREAMS
   n_rows, n_cols = x.shape
   cols = n_cols if n_cols <= MAX_BLOCK_COLS else MAX_BLOCK_COLS
   lanes = -(-cols // 128) * 128
@@ -60,9 +64,9 @@ def heuristic(x, chip: hardware.Chip, streams: int = 5, op: str | None = None,
   return Config(block_rows=rows, block_cols=cols, vmem_limit_bytes=vmem_limit(chip))
 
 
-def unsupported(x, chip) -> str | None:
+def unsupported(problem, chip) -> str | None:
   del chip  # blocks are cut to fit any width
-  if jnp.dtype(x.dtype) == jnp.float16:
+  if jnp.dtype(problem.x.dtype) == jnp.float16:
     return "float16 is not a TPU dtype (use bfloat16 or float32)"
   return None
 
@@ -85,7 +89,7 @@ def _bias_act_bwd_kernel(x_ref, b_ref, dy_ref, dx_ref, db_ref, *, activation, n_
   dx = dy_ref[...].astype(jnp.float32) * slope
   dx_ref[...] = dx.astype(dx_ref.dtype)
   if mask_rows:  # rows past the end hold stale VMEM: keep them out of the column sum
-    dx = jnp.where(tpu_row_mask(row_block, block_rows, n_rows), dx, 0.0)
+    dx = jnp.where(_mosaic_tpu.row_mask(row_block, block_rows, n_rows), dx, 0.0)
 
   @pl.when(row_block == 0)
   def _():
@@ -121,7 +125,7 @@ def _call(kernel, inputs, outputs, x, config, *, cost, name, interpret):
       grid=(cdiv(x.shape[0], rows), cdiv(x.shape[1], cols)),
       in_specs=[block] * len(inputs),
       out_specs=[block] * len(outputs) if isinstance(outputs, list) else block,
-      compiler_params=tpu_params(("parallel", "parallel"), config.vmem_limit_bytes, interpret),
+      compiler_params=_mosaic_tpu.params(("parallel", "parallel"), config.vmem_limit_bytes, interpret),
       cost_estimate=cost.estimate(),
       interpret=interpret,
       name=name,
@@ -137,7 +141,7 @@ def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False)
       in_specs=[pl.BlockSpec((rows, cols), lambda i, j: (i, j)),
                 pl.BlockSpec((1, cols), lambda i, j: (0, j))],
       out_specs=pl.BlockSpec((rows, cols), lambda i, j: (i, j)),
-      compiler_params=tpu_params(("parallel", "parallel"), config.vmem_limit_bytes, interpret),
+      compiler_params=_mosaic_tpu.params(("parallel", "parallel"), config.vmem_limit_bytes, interpret),
       cost_estimate=roofline.bias_activation_fwd(x, bias, activation).estimate(),
       interpret=interpret,
       name=f"jk_bias_{activation}_fwd",
@@ -157,7 +161,7 @@ def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=Fa
       grid=(cdiv(n_cols, cols), cdiv(n_rows, rows)),  # column blocks outer: d(bias) stays put
       in_specs=[block, vector, block],
       out_specs=[block, vector],
-      compiler_params=tpu_params(("parallel", "arbitrary"), config.vmem_limit_bytes, interpret),
+      compiler_params=_mosaic_tpu.params(("parallel", "arbitrary"), config.vmem_limit_bytes, interpret),
       cost_estimate=roofline.bias_activation_bwd(x, bias, activation).estimate(),
       interpret=interpret,
       name=f"jk_bias_{activation}_bwd",

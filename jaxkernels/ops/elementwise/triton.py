@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkernels import _activations, hardware, roofline
-from jaxkernels._pallas import (Tile, cdiv, check_fields, is_pow2, next_pow2, store_vector,
-                                triton_math, triton_params)
+from jaxkernels import _activations, _triton, hardware, roofline
+from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
+from jaxkernels._triton import Tile, store_vector
 
 # Elements per program. H200, (16384, 4096) bf16 (bench/NOTES.md, run 4): glu forward
 # 1 x 4096 on 4 warps 3965 GB/s, 2 x 4096 on 8 warps 3883.
@@ -63,11 +63,11 @@ class Config:
     return self.block_rows, self.block_cols
 
 
-def heuristic(x, chip: hardware.Chip, op: str = "bias_activation",
-              activation: str | None = None) -> Config:
-  """x: the (M, N) view of the first operand."""
-  n_rows, n_cols = x.shape
-  bias = op == "bias_activation"
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """problem: the call's ``elementwise.api.Problem`` (x the (M, N) view of its first operand)."""
+  n_rows, n_cols = problem.x.shape
+  activation = problem.activation
+  bias = problem.op == "bias_activation"
   target = BIAS_TARGET_TILE if bias else TARGET_TILE
   block_cols = min(next_pow2(n_cols), BIAS_MAX_BLOCK_COLS if bias else MAX_BLOCK_COLS)
   block_rows = max(1, min(target // block_cols, next_pow2(n_rows)))
@@ -84,8 +84,8 @@ def heuristic(x, chip: hardware.Chip, op: str = "bias_activation",
                               or 1)))
 
 
-def unsupported(x, chip) -> str | None:
-  del x, chip
+def unsupported(problem, chip) -> str | None:
+  del problem, chip
   return None
 
 
@@ -155,12 +155,12 @@ def _tiled_call(kernel, operands, out_shape, *, backward, activation, config, co
   """A pallas_call over (row block, column block) tiles of the first operand."""
   (n_rows, n_cols), block = operands[0].shape, config.block(backward)
   return pl.pallas_call(
-      functools.partial(kernel, activation=activation, math=triton_math(interpret),
+      functools.partial(kernel, activation=activation, math=_triton.math(interpret),
                         n_rows=n_rows, n_cols=n_cols, block_rows=block[0], block_cols=block[1],
                         **static),
       out_shape=out_shape,
       grid=grid or _grid(operands[0], block),
-      compiler_params=triton_params(config.bwd_num_warps if backward else config.num_warps),
+      compiler_params=_triton.params(config.bwd_num_warps if backward else config.num_warps),
       cost_estimate=cost.estimate(),
       interpret=interpret,
       name=name,

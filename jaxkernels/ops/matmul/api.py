@@ -11,38 +11,40 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkernels import _activations, _checks, backend, tuning
+from jaxkernels import _activations, _checks, backend
 from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, reference, triton
 from jaxkernels.ops.matmul.common import (FLOAT8, FLOATS, INT8, NEEDS_PREACTIVATION, Problem,
                                           is_quantized)
 
-_KERNELS = {"triton": triton, "mosaic_gpu": mosaic_gpu, "mosaic_tpu": mosaic_tpu}
 OP = "matmul"
 OPERAND_DTYPES = (*FLOATS, *FLOAT8, INT8)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  """Everything static about one call; the custom_vjp closes over it."""
+_KERNELS = {
+    "triton": backend.Kernels(
+        op=OP, implementation="triton", Config=triton.Config, heuristic=triton.heuristic,
+        unsupported=triton.unsupported, config_error=triton.config_error,
+        forward=triton.matmul),
+    "mosaic_gpu": backend.Kernels(
+        op=OP, implementation="mosaic_gpu", Config=mosaic_gpu.Config,
+        heuristic=mosaic_gpu.heuristic, unsupported=mosaic_gpu.unsupported,
+        config_error=mosaic_gpu.config_error, forward=mosaic_gpu.matmul),
+    "mosaic_tpu": backend.Kernels(
+        op=OP, implementation="mosaic_tpu", Config=mosaic_tpu.Config,
+        heuristic=mosaic_tpu.heuristic, unsupported=mosaic_tpu.unsupported,
+        config_error=mosaic_tpu.config_error, forward=mosaic_tpu.matmul),
+}
 
-  implementation: str
-  config: Any  # the forward's; the backward's two products pick their own
-  problem: Problem
-  chip: Any  # what the configs are chosen for
-  interpret: bool
 
-  def run(self, problem: Problem, *operands, config=None, **epilogue_operands):
-    module = _KERNELS[self.implementation]
-    if config is None:
-      config = tuning.config_for(self.implementation, problem, self.chip)
-    elif (error := module.config_error(problem, config, self.chip)) is not None:
-      # The user's config: named here, before any compiler sees it.
-      raise ValueError(f"config={config} cannot run {problem.m}x{problem.k} @ "
-                       f"{problem.k}x{problem.n} {jnp.dtype(problem.dtype).name} on "
-                       f"implementation={self.implementation!r}: {error}")
-    return module.matmul(*operands, problem=problem, config=config,
-                         interpret=backend.interpret_params(self.implementation, self.interpret),
-                         **epilogue_operands)
+def _run(plan: backend.Plan, problem: Problem, *operands, forward: bool = False,
+         **epilogue_operands):
+  """The product ``problem`` on the plan's kernel, with its own config: the caller's for the
+  forward (whether it saves the pre-activation or not), else the tuned table's or the
+  heuristic's for this very problem (the backward's two products are problems of their own,
+  and saving z takes shared memory that the plain forward's config may have spent)."""
+  config = plan.config if forward and plan.explicit else plan.config_for(problem)
+  return plan.run(plan.kernels.forward, *operands, problem=problem, config=config,
+                  **epilogue_operands)
 
 
 def _saves_preactivation(p: Problem) -> bool:
@@ -52,24 +54,22 @@ def _saves_preactivation(p: Problem) -> bool:
   return p.activation in NEEDS_PREACTIVATION or p.has_residual
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _differentiable(plan, a, b, bias, residual):
-  return plan.run(plan.problem, a, b, bias=bias, residual=residual, config=plan.config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _differentiable(plan, p, a, b, bias, residual):
+  return _run(plan, p, a, b, bias=bias, residual=residual, forward=True)
 
 
-def _differentiable_fwd(plan, a, b, bias, residual):
-  p = plan.problem
+def _differentiable_fwd(plan, p, a, b, bias, residual):
   if _saves_preactivation(p):
-    p = dataclasses.replace(p, save_preactivation=True)
-    y, z = plan.run(p, a, b, bias=bias, residual=residual, config=plan.config)
+    y, z = _run(plan, dataclasses.replace(p, save_preactivation=True), a, b, bias=bias,
+                residual=residual, forward=True)
     return y, (a, b, bias, residual, z)
-  y = plan.run(p, a, b, bias=bias, residual=residual, config=plan.config)
+  y = _run(plan, p, a, b, bias=bias, residual=residual, forward=True)
   return y, (a, b, bias, residual, y if p.activation == "relu" else None)
 
 
-def _differentiable_bwd(plan, saved, dy):
+def _differentiable_bwd(plan, p, saved, dy):
   a, b, bias, residual, z = saved
-  p = plan.problem
   # dz = dy * act'(z): one elementwise pass (XLA fuses it with d(bias)'s row sum). The Mosaic GPU
   # kernel feeds the tensor cores from shared memory, so there is no register stage to apply it
   # on the way in; one pass over M x N costs ~3% of the two products at 8192^2.
@@ -82,30 +82,30 @@ def _differentiable_bwd(plan, saved, dy):
   base = dict(activation=None, has_bias=False, has_residual=False, has_scales=False,
               save_preactivation=False, precision=p.precision)
   # dA (m, k) = dZ (m, n) @ B^T, B stored (k, n): the kernel reads it transposed in place.
-  da = plan.run(dataclasses.replace(p, m=p.m, n=p.k, k=p.n, trans_a=False, trans_b=True,
-                                    out_dtype=a.dtype, **base), dz, b)
+  da = _run(plan, dataclasses.replace(p, m=p.m, n=p.k, k=p.n, trans_a=False, trans_b=True,
+                                      out_dtype=a.dtype, **base), dz, b)
   # dB (k, n) = A^T @ dZ, A stored (m, k).
-  db = plan.run(dataclasses.replace(p, m=p.k, n=p.n, k=p.m, trans_a=True, trans_b=False,
-                                    out_dtype=b.dtype, **base), a, dz)
+  db = _run(plan, dataclasses.replace(p, m=p.k, n=p.n, k=p.m, trans_a=True, trans_b=False,
+                                      out_dtype=b.dtype, **base), a, dz)
   return da, db, dbias, dres
 
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _quantized(plan, a, b, a_scale, b_scale, bias, residual):
-  return plan.run(plan.problem, a, b, a_scale=a_scale, b_scale=b_scale, bias=bias,
-                  residual=residual, config=plan.config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _quantized(plan, p, a, b, a_scale, b_scale, bias, residual):
+  return _run(plan, p, a, b, a_scale=a_scale, b_scale=b_scale, bias=bias, residual=residual,
+              forward=True)
 
 
-def _quantized_fwd(plan, *operands):
-  return _quantized(plan, *operands), None
+def _quantized_fwd(plan, p, *operands):
+  return _quantized(plan, p, *operands), None
 
 
-def _quantized_bwd(plan, saved, dy):
+def _quantized_bwd(plan, p, saved, dy):
   raise TypeError(
-      f"{OP}: no gradient through a {jnp.dtype(plan.problem.dtype)} matmul; differentiate a "
+      f"{OP}: no gradient through a {jnp.dtype(p.dtype)} matmul; differentiate a "
       "bfloat16/float32 matmul and quantize its operands outside the differentiated function")
 
 
@@ -172,11 +172,6 @@ def _problem(a, b, bias, activation, residual, out_dtype, precision, quantized):
                  has_residual=residual is not None, has_scales=quantized, precision=precision)
 
 
-def _kernel_reasons(target, problem):
-  return {name: module.unsupported(problem, target.chip_for(name))
-          for name, module in _KERNELS.items()}
-
-
 def matmul(a, b, *, bias=None, activation=None, residual=None, out_dtype=None, precision=None,
            a_scale=None, b_scale=None, implementation=None, config=None):
   """y = activation(a @ b + bias) + residual, with the epilogue fused: C is written once.
@@ -213,33 +208,31 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, out_dtype=None, p
   quantized = is_quantized(a.dtype)
   problem = _problem(a, b, bias, activation, residual, out_dtype, precision, quantized)
   target = backend.target_of(a, b, bias, residual)
-  chosen = backend.select(OP, implementation, target, _kernel_reasons(target, problem))
-  kernels = _KERNELS.get(chosen)
-  _checks.config_type(OP, chosen, config, kernels.Config if kernels else None)
+  plan = backend.plan(OP, implementation, target, problem, _KERNELS, config,
+                      empty=0 in (problem.m, problem.n, problem.k))
   out_shape = (*a.shape[:-1], problem.n)
-  if kernels is None or 0 in (problem.m, problem.n, problem.k):
+  if plan is None:
     return reference.matmul(a, b, bias=bias, activation=activation, residual=residual,
                             a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
                             precision=precision)
-  plan = _Plan(chosen, config, problem, target.chip_for(chosen), backend.interpreting())
   a2 = a.reshape(problem.m, problem.k)
   r2 = None if residual is None else residual.reshape(problem.m, problem.n)
   if not quantized:
-    return _differentiable(plan, a2, b, bias, r2).reshape(out_shape)
+    return _differentiable(plan, problem, a2, b, bias, r2).reshape(out_shape)
   as2 = jnp.broadcast_to(jnp.float32(1) if a_scale is None else a_scale.astype(jnp.float32),
                          a.shape[:-1]).reshape(problem.m)
   bs2 = jnp.broadcast_to(jnp.float32(1) if b_scale is None else b_scale.astype(jnp.float32),
                          (problem.n,))
-  return _quantized(plan, a2, b, as2, bs2, bias, r2).reshape(out_shape)
+  return _quantized(plan, problem, a2, b, as2, bs2, bias, r2).reshape(out_shape)
 
 
-def _reasons(a, b, *, bias=None, activation=None, residual=None, out_dtype=None, precision=None,
-             a_scale=None, b_scale=None, **unused):
+def _problem_of(a, b, *, bias=None, activation=None, residual=None, out_dtype=None,
+                precision=None, a_scale=None, b_scale=None, **unused):
   a, b, bias, residual, out_dtype = _validate(a, b, bias, activation, residual, out_dtype,
                                               precision, a_scale, b_scale)
   problem = _problem(a, b, bias, activation, residual, out_dtype, precision,
                      is_quantized(a.dtype))
-  return _kernel_reasons(backend.target_of(a, b), problem)
+  return problem, (a, b)
 
 
-backend.register(OP, _reasons)
+backend.register(OP, _KERNELS, _problem_of)

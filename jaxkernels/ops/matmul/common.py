@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxkernels import _activations, roofline
+from jaxkernels._tiling import bucket
 
 FLOAT8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 INT8 = jnp.dtype(jnp.int8)
@@ -44,6 +45,23 @@ class Problem:
   @property
   def outputs(self) -> int:
     return 2 if self.save_preactivation else 1
+
+  def key(self) -> str:
+    """The tuning tables' key: dtypes, layout, epilogue and shape bucket. Problems with an
+    activation are tuned apart from plain and bias/residual-only ones: the epilogue's
+    arithmetic is part of what a config is timed on."""
+    layout = ("t" if self.trans_a else "n") + ("t" if self.trans_b else "n")
+    epilogue = "act" if self.activation else "plain"
+    dims = "x".join(str(bucket(d)) for d in (self.m, self.n, self.k))
+    return "|".join([f"{jnp.dtype(self.dtype)}->{jnp.dtype(self.out_dtype)}", layout, epilogue,
+                     dims])
+
+  def reason(self) -> str | None:
+    """Why no kernel can take the problem: every kernel says for itself (``unsupported``)."""
+    return None
+
+  def __str__(self) -> str:
+    return f"{self.m}x{self.k} @ {self.k}x{self.n} {jnp.dtype(self.dtype).name}"
 
 
 def epilogue(acc, *, problem: Problem, bias=None, residual=None, a_scale=None, b_scale=None,

@@ -23,8 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkernels import hardware
-from jaxkernels._pallas import cdiv, check_fields, sublanes, tpu_params
+from jaxkernels import _mosaic_tpu, hardware
+from jaxkernels._mosaic_tpu import sublanes
+from jaxkernels._tiling import cdiv, check_fields
 from jaxkernels.ops.matmul.common import INT8, Problem, epilogue, split_refs
 from jaxkernels.ops.matmul.common import cost as common_cost
 from jaxkernels.ops.matmul.reference import accumulator_dtype
@@ -143,7 +144,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=0, grid=grid, in_specs=specs, out_specs=[tile] * p.outputs,
           scratch_shapes=[pltpu.VMEM((c.block_m, c.block_n), accumulator_dtype(p.dtype))]),
-      compiler_params=tpu_params(("parallel", "parallel", "arbitrary"), c.vmem_limit_bytes,
+      compiler_params=_mosaic_tpu.params(("parallel", "parallel", "arbitrary"), c.vmem_limit_bytes,
                                  interpret),
       cost_estimate=cost.estimate(),
       interpret=interpret,

@@ -23,9 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkernels import hardware
-from jaxkernels._pallas import (cdiv, check_fields, is_pow2, next_pow2, round_up, triton_math,
-                                triton_params)
+from jaxkernels import _triton, hardware
+from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2, round_up
 from jaxkernels.ops.matmul.common import FLOAT8, FLOATS, Problem, epilogue, pad_to, split_refs
 from jaxkernels.ops.matmul.common import cost as common_cost
 
@@ -168,10 +167,10 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   cost = common_cost(p, bias, residual, a_scale, b_scale)
   result = pl.pallas_call(
       functools.partial(_kernel, problem=p, config=config,
-                        math=triton_math(interpret)),
+                        math=_triton.math(interpret)),
       out_shape=[out] * p.outputs,
       grid=(cdiv(p.m, config.block_m) * cdiv(p.n, config.block_n),),
-      compiler_params=triton_params(config.num_warps, config.num_stages),
+      compiler_params=_triton.params(config.num_warps, config.num_stages),
       cost_estimate=cost.estimate(),
       interpret=interpret,
       name=f"jk_matmul_{config.block_m}x{config.block_n}x{config.block_k}",

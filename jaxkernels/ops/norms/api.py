@@ -2,15 +2,64 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 
 from jaxkernels import _checks, backend
-from jaxkernels._pallas import rows_view
+from jaxkernels._tiling import bucket, rows_view
 from jaxkernels.ops.norms import mosaic_tpu, reference, triton
 
-_KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+
+def _rows(a):
+  """a's (M, N) rows view as a shape and dtype (None for None)."""
+  if a is None:
+    return None
+  return jax.ShapeDtypeStruct((math.prod(a.shape[:-1]), a.shape[-1]), a.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One norm call as its kernels see it: x and the residual as (M, N) rows, scale and bias as
+  (N,), and which norm."""
+
+  x: jax.ShapeDtypeStruct
+  scale: jax.ShapeDtypeStruct
+  bias: jax.ShapeDtypeStruct | None
+  residual: jax.ShapeDtypeStruct | None
+  layer: bool
+
+  @classmethod
+  def of(cls, x, scale, bias, residual, layer: bool) -> Problem:
+    vector = lambda v: None if v is None else jax.ShapeDtypeStruct(v.shape, v.dtype)
+    return cls(_rows(x), vector(scale), vector(bias), _rows(residual), layer)
+
+  def key(self) -> str:
+    rows, cols = self.x.shape
+    residual = self.residual.dtype if self.residual is not None else "none"
+    return (f"{self.x.dtype}|residual:{residual}|bias:{self.bias is not None}|"
+            f"{bucket(rows)}x{cols}")
+
+  def reason(self) -> str | None:
+    return _checks.kernel_dtype_reason(x=self.x, scale=self.scale, bias=self.bias,
+                                       residual=self.residual)
+
+  def __str__(self) -> str:
+    return f"{'layer' if self.layer else 'rms'}_norm of {self.x.shape} {self.x.dtype}"
+
+
+def _kernels(op):
+  return {
+      "triton": backend.Kernels(
+          op=op, implementation="triton", Config=triton.Config, heuristic=triton.heuristic,
+          unsupported=triton.unsupported, forward=triton.forward, backward=triton.backward),
+      "mosaic_tpu": backend.Kernels(
+          op=op, implementation="mosaic_tpu", Config=mosaic_tpu.Config,
+          heuristic=mosaic_tpu.heuristic, unsupported=mosaic_tpu.unsupported,
+          forward=mosaic_tpu.forward, backward=mosaic_tpu.backward),
+  }
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -19,7 +68,7 @@ def _fused(plan, x, scale, bias, residual):
 
 
 def _fused_fwd(plan, x, scale, bias, residual):
-  y, h, stats = plan("forward", x, scale, bias, residual)
+  y, h, stats = plan.run(plan.kernels.forward, x, scale, bias, residual)
   if residual is not None:
     return (y, h), (h, scale, bias, stats)
   return y, (x, scale, bias, stats)
@@ -29,8 +78,8 @@ def _fused_bwd(plan, saved, cotangent):
   h, scale, bias, stats = saved
   has_residual = isinstance(cotangent, tuple)  # (dy, dh) for the outputs (y, h)
   dy, dh = cotangent if has_residual else (cotangent, None)
-  dx, dr, dscale, dbias = plan("backward", h, scale, bias, stats, dy, dh,
-                               residual_dtype=dh.dtype if has_residual else None)
+  dx, dr, dscale, dbias = plan.run(plan.kernels.backward, h, scale, bias, stats, dy, dh,
+                                   residual_dtype=dh.dtype if has_residual else None)
   if has_residual and dr is None:
     dr = dx  # same dtype: one array serves both gradients, written once
   return dx, dscale, dbias, dr
@@ -51,29 +100,17 @@ def _validate(op, x, scale, bias, residual, eps):
   return x, scale, bias, residual, _checks.positive_float(op, "eps", eps)
 
 
-def _kernel_reasons(target, x, scale, bias, residual):
-  dtypes = _checks.kernel_dtype_reason(x=x, scale=scale, bias=bias, residual=residual)
-  return {
-      name: dtypes or module.unsupported(x, scale, bias, residual, target.chip_for(name))
-      for name, module in _KERNELS.items()
-  }
-
-
 def _norm(op, layer, x, scale, bias, residual, eps, implementation, config):
   x, scale, bias, residual, eps = _validate(op, x, scale, bias, residual, eps)
   target = backend.target_of(x, scale, bias, residual)
-  rows = rows_view(x)
-  residual_rows = rows_view(residual) if residual is not None else None
-  plan = backend.plan(
-      op, implementation, target, _kernel_reasons(target, x, scale, bias, residual), _KERNELS,
-      config, lambda kernels, chip: kernels.heuristic(rows, scale, bias, residual_rows, chip,
-                                                      layer=layer),
-      empty=x.size == 0, layer=layer, eps=eps)
+  plan = backend.plan(op, implementation, target, Problem.of(x, scale, bias, residual, layer),
+                      _KERNELS[op], config, empty=x.size == 0, layer=layer, eps=eps)
   if plan is None:
     if layer:
       return reference.layer_norm(x, scale, bias, eps=eps, residual=residual)
     return reference.rms_norm(x, scale, eps=eps, residual=residual)
-  out = _fused(plan, rows, scale, bias, residual_rows)
+  out = _fused(plan, rows_view(x), scale, bias,
+               rows_view(residual) if residual is not None else None)
   if residual is None:
     return out.reshape(x.shape)
   y, h = out
@@ -107,14 +144,17 @@ def layer_norm(x, scale, bias=None, *, eps: float = 1e-6, residual=None, impleme
   return _norm("layer_norm", True, x, scale, bias, residual, eps, implementation, config)
 
 
-def _registered(op, layer):
-  def reasons(x, scale, bias=None, *, eps=1e-6, residual=None, **unused):
+def _problem_of(op, layer):
+  def problem_of(x, scale, bias=None, *, eps=1e-6, residual=None, **unused):
     if not layer and bias is not None:
       raise TypeError("rms_norm takes no bias")
     x, scale, bias, residual, _ = _validate(op, x, scale, bias, residual, eps)
-    return _kernel_reasons(backend.target_of(x, scale, bias, residual), x, scale, bias, residual)
-  return reasons
+    return Problem.of(x, scale, bias, residual, layer), (x, scale, bias, residual)
+  return problem_of
 
 
-backend.register("rms_norm", _registered("rms_norm", False))
-backend.register("layer_norm", _registered("layer_norm", True))
+_KERNELS = {
+    "rms_norm": backend.register("rms_norm", _kernels("rms_norm"), _problem_of("rms_norm", False)),
+    "layer_norm": backend.register("layer_norm", _kernels("layer_norm"),
+                                   _problem_of("layer_norm", True)),
+}

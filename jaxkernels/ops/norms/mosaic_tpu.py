@@ -21,12 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkernels import hardware, roofline
-from jaxkernels._pallas import cdiv, check_fields, round_up, sublanes, tpu_params, tpu_row_mask
-
-# Largest row block: past ~1024 rows per step the per-step overhead (~0.35 us) is already
-# under 5% of the step's HBM time on every generation, and bigger blocks only cost VMEM.
-MAX_BLOCK_ROWS = 1024
+from jaxkernels import _mosaic_tpu, hardware, roofline
+from jaxkernels._mosaic_tpu import MAX_BLOCK_ROWS, sublanes, vmem_limit
+from jaxkernels._tiling import cdiv, check_fields, round_up
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,11 +44,6 @@ class Config:
           f"{name}={rows} must be a multiple of {packing} (TPU sublanes for {dtypes}) "
           f"or cover all {n_rows=}")
     return rows
-
-
-def vmem_limit(chip: hardware.Chip) -> int:
-  """Scoped VMEM we ask Mosaic for: 3/4 of the core's VMEM, at most 96 MiB."""
-  return min(chip.onchip_bytes * 3 // 4, 96 * hardware.MiB)
 
 
 def _fitting_rows(n_cols, streamed, f32_temps, vectors, chip) -> int:
@@ -96,17 +88,17 @@ def _rows_fwd_bwd(x, bias, residual, chip) -> tuple[int, int]:
       for bwd in (False, True))
 
 
-def heuristic(x, scale, bias, residual, chip: hardware.Chip, *, layer: bool = False) -> Config:
-  """x, residual: the (M, N) views. The TPU tiles do not depend on the kind of norm."""
-  del scale, layer
-  fwd, bwd = _rows_fwd_bwd(x, bias, residual, chip)
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """problem: the call's ``norms.api.Problem`` (x, residual its (M, N) views). The TPU tiles
+  do not depend on the kind of norm."""
+  fwd, bwd = _rows_fwd_bwd(problem.x, problem.bias, problem.residual, chip)
   if not (fwd and bwd):
-    raise ValueError(unsupported(x, None, bias, residual, chip))
+    raise ValueError(unsupported(problem, chip))
   return Config(block_rows=fwd, bwd_block_rows=bwd, vmem_limit_bytes=vmem_limit(chip))
 
 
-def unsupported(x, scale, bias, residual, chip: hardware.Chip) -> str | None:
-  del scale
+def unsupported(problem, chip: hardware.Chip) -> str | None:
+  x, bias, residual = problem.x, problem.bias, problem.residual
   if jnp.float16 in (x.dtype, getattr(residual, "dtype", None)):
     return "float16 is not a TPU dtype (use bfloat16 or float32)"
   if not all(_rows_fwd_bwd(x, bias, residual, chip)):
@@ -173,7 +165,7 @@ def _bwd_kernel(*refs, layer, has_dh, has_bias, dual_dx, eps, n_rows, block_rows
 
   dyn = dy * n
   if mask_rows:  # rows past the end hold stale VMEM: keep them out of the column sums
-    inside = tpu_row_mask(core * blocks_per_core + step, block_rows, n_rows)
+    inside = _mosaic_tpu.row_mask(core * blocks_per_core + step, block_rows, n_rows)
     dyn = jnp.where(inside, dyn, 0.0)
     dy = jnp.where(inside, dy, 0.0)
 
@@ -220,7 +212,7 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
       grid=(cdiv(n_rows, rows),),
       in_specs=in_specs,
       out_specs=[row_block] * len(out_shape),
-      compiler_params=tpu_params(("parallel",), config.vmem_limit_bytes, interpret),
+      compiler_params=_mosaic_tpu.params(("parallel",), config.vmem_limit_bytes, interpret),
       cost_estimate=roofline.norm_fwd(x, scale, bias, residual, layer=layer).estimate(),
       interpret=interpret,
       name=f"jk_{'layer' if layer else 'rms'}_norm_fwd",
@@ -261,7 +253,7 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
       grid=(cores, per_core),
       in_specs=in_specs,
       out_specs=out_specs,
-      compiler_params=tpu_params(("parallel", "arbitrary"), config.vmem_limit_bytes, interpret),
+      compiler_params=_mosaic_tpu.params(("parallel", "arbitrary"), config.vmem_limit_bytes, interpret),
       cost_estimate=roofline.norm_bwd(dy, scale, bias, dh, layer=layer).estimate(),
       interpret=interpret,
       name=f"jk_{'layer' if layer else 'rms'}_norm_bwd",

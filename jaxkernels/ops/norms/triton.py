@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkernels import hardware, roofline
-from jaxkernels._pallas import (Tile, cdiv, check_fields, is_pow2, next_pow2, row_sums,
-                                store_vector, triton_math, triton_params)
+from jaxkernels import _triton, hardware, roofline
+from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
+from jaxkernels._triton import Tile, row_sums, store_vector
 
 # Widest row (power-of-two padded) kept in registers in one pass; wider rows are chunked.
 MAX_ONE_PASS_COLS = 16384
@@ -71,10 +71,10 @@ class Config:
     return self.block_cols >= n_cols
 
 
-def heuristic(x, scale, bias, residual, chip: hardware.Chip, *, layer: bool = False) -> Config:
-  """x, residual: the (M, N) views."""
-  del scale, bias, residual
-  n_rows, n_cols = x.shape
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """problem: the call's ``norms.api.Problem`` (x its (M, N) view)."""
+  layer = problem.layer
+  n_rows, n_cols = problem.x.shape
   padded = next_pow2(n_cols)
   block_cols = padded if padded <= MAX_ONE_PASS_COLS else 4096
   block_rows = max(1, min(TARGET_TILE // block_cols, next_pow2(n_rows)))
@@ -90,8 +90,8 @@ def heuristic(x, scale, bias, residual, chip: hardware.Chip, *, layer: bool = Fa
                 bwd_programs=bwd_programs)
 
 
-def unsupported(x, scale, bias, residual, chip) -> str | None:
-  del x, scale, bias, residual, chip  # any width: rows wider than a pass are chunked
+def unsupported(problem, chip) -> str | None:
+  del problem, chip  # any width: rows wider than a pass are chunked
   return None
 
 
@@ -320,7 +320,7 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
   kernel = functools.partial(
       _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
       n_rows=n_rows, n_cols=n_cols, block_rows=config.block_rows,
-      block_cols=config.block_cols, eps=eps, fma=triton_math(interpret).fma)
+      block_cols=config.block_cols, eps=eps, fma=_triton.math(interpret).fma)
   stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
   if residual is not None:
@@ -332,7 +332,7 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
       kernel,
       out_shape=out_shape,
       grid=(cdiv(n_rows, config.block_rows),),
-      compiler_params=triton_params(config.num_warps),
+      compiler_params=_triton.params(config.num_warps),
       cost_estimate=cost.estimate(),
       interpret=interpret,
       name=f"jk_{'layer' if layer else 'rms'}_norm_fwd",
@@ -368,7 +368,7 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
         kernel,
         out_shape=out_shape + list(extra_outputs),
         grid=(grid,),
-        compiler_params=triton_params(config.bwd_num_warps),
+        compiler_params=_triton.params(config.bwd_num_warps),
         cost_estimate=cost.estimate(),
         interpret=interpret,
         name=name,
@@ -384,7 +384,7 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
         _bwd_one_pass_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
         dual_dx=dual_dx, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
         block_cols=config.block_cols, iters=iters,
-        mask_rows=iters * programs * block_rows != n_rows, fma=triton_math(interpret).fma)
+        mask_rows=iters * programs * block_rows != n_rows, fma=_triton.math(interpret).fma)
     partial_sums = jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32)
     dx, dr, sums = call(kernel, programs, [partial_sums] * (2 if bias is not None else 1))
     dscale = sums[0].reshape(programs, n_cols).sum(axis=0)

@@ -2,44 +2,62 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from jaxkernels import _checks, backend
-from jaxkernels._pallas import rows_view
+from jaxkernels._tiling import bucket, rows_view
 from jaxkernels.ops.softmax import mosaic_tpu, reference, triton
 
-_KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+OP = "softmax"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One softmax call as its kernels see it: x as (M, N) rows, the softmax axis last."""
+
+  x: jax.ShapeDtypeStruct
+
+  @classmethod
+  def of(cls, x, axis: int) -> Problem:
+    rows = math.prod(d for i, d in enumerate(x.shape) if i != axis)
+    return cls(jax.ShapeDtypeStruct((rows, x.shape[axis]), x.dtype))
+
+  def key(self) -> str:
+    rows, cols = self.x.shape
+    return f"{self.x.dtype}|{bucket(rows)}x{cols}"
+
+  def reason(self) -> str | None:
+    return _checks.kernel_dtype_reason(x=self.x)
+
+  def __str__(self) -> str:
+    return f"softmax of {self.x.shape} {self.x.dtype}"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _softmax(plan, x):
-  return plan("forward", x)
+  return plan.run(plan.kernels.forward, x)
 
 
 def _softmax_fwd(plan, x):
-  y = plan("forward", x)
+  y = plan.run(plan.kernels.forward, x)
   return y, y
 
 
 def _softmax_bwd(plan, y, dy):
-  return (plan("backward", y, dy),)
+  return (plan.run(plan.kernels.backward, y, dy),)
 
 
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 def _validate(x, axis):
-  x = _checks.array("softmax", "x", x)
-  return x, _checks.axis("softmax", "axis", axis, x.ndim)
-
-
-def _kernel_reasons(target, x):
-  dtypes = _checks.kernel_dtype_reason(x=x)
-  return {name: dtypes or module.unsupported(x, target.chip_for(name))
-          for name, module in _KERNELS.items()}
+  x = _checks.array(OP, "x", x)
+  return x, _checks.axis(OP, "axis", axis, x.ndim)
 
 
 def softmax(x, *, axis: int = -1, implementation=None, config=None):
@@ -55,20 +73,25 @@ def softmax(x, *, axis: int = -1, implementation=None, config=None):
   x, axis = _validate(x, axis)
   last = x.ndim - 1
   moved = jnp.moveaxis(x, axis, last) if axis != last else x
-  target = backend.target_of(x)
-  plan = backend.plan("softmax", implementation, target, _kernel_reasons(target, moved),
-                      _KERNELS, config,
-                      lambda kernels, chip: kernels.heuristic(rows_view(moved), chip),
-                      empty=x.size == 0)
+  plan = backend.plan(OP, implementation, backend.target_of(x), Problem.of(x, axis), _KERNELS,
+                      config, empty=x.size == 0)
   if plan is None:  # also for no elements, where a (-1, 0) rows view is ambiguous
     return reference.softmax(x, axis=axis)
   y = _softmax(plan, rows_view(moved)).reshape(moved.shape)
   return jnp.moveaxis(y, last, axis) if axis != last else y
 
 
-def _reasons(x, *, axis=-1, **unused):
+def _problem_of(x, *, axis=-1, **unused):
   x, axis = _validate(x, axis)
-  return _kernel_reasons(backend.target_of(x), jnp.moveaxis(x, axis, -1) if axis != x.ndim - 1 else x)
+  return Problem.of(x, axis), (x,)
 
 
-backend.register("softmax", _reasons)
+_KERNELS = backend.register(OP, {
+    "triton": backend.Kernels(
+        op=OP, implementation="triton", Config=triton.Config, heuristic=triton.heuristic,
+        unsupported=triton.unsupported, forward=triton.forward, backward=triton.backward),
+    "mosaic_tpu": backend.Kernels(
+        op=OP, implementation="mosaic_tpu", Config=mosaic_tpu.Config,
+        heuristic=mosaic_tpu.heuristic, unsupported=mosaic_tpu.unsupported,
+        forward=mosaic_tpu.forward, backward=mosaic_tpu.backward),
+}, _problem_of)

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxkernels import hardware, roofline
+from jaxkernels import _mosaic_tpu, hardware, roofline
 from jaxkernels._activations import exp
-from jaxkernels._pallas import cdiv, check_fields, round_up, sublanes, tpu_params
-from jaxkernels.ops.norms.mosaic_tpu import MAX_BLOCK_ROWS, vmem_limit
+from jaxkernels._mosaic_tpu import MAX_BLOCK_ROWS, sublanes, vmem_limit
+from jaxkernels._tiling import cdiv, check_fields, round_up
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,16 +42,19 @@ def _fitting_rows(x, chip) -> int:
   return min(vmem_limit(chip) * 2 // 3 // per_row, MAX_BLOCK_ROWS)
 
 
-def heuristic(x, chip: hardware.Chip) -> Config:
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """problem: the call's ``softmax.api.Problem`` (x the (M, N) rows view)."""
+  x = problem.x
   n_rows = x.shape[0]
   fitting = _fitting_rows(x, chip)
   if fitting < sublanes(x.dtype) and fitting < n_rows:
-    raise ValueError(unsupported(x, chip))
+    raise ValueError(unsupported(problem, chip))
   rows = n_rows if n_rows <= fitting else 1 << (fitting.bit_length() - 1)
   return Config(block_rows=rows, vmem_limit_bytes=vmem_limit(chip))
 
 
-def unsupported(x, chip) -> str | None:
+def unsupported(problem, chip) -> str | None:
+  x = problem.x
   if jnp.dtype(x.dtype) == jnp.float16:
     return "float16 is not a TPU dtype (use bfloat16 or float32)"
   rows = 1
@@ -86,7 +89,7 @@ def _call(kernel, inputs, out_dtype, config, cost, name, interpret):
       grid=(cdiv(x.shape[0], rows),),
       in_specs=[block] * len(inputs),
       out_specs=block,
-      compiler_params=tpu_params(("parallel",), config.vmem_limit_bytes, interpret),
+      compiler_params=_mosaic_tpu.params(("parallel",), config.vmem_limit_bytes, interpret),
       cost_estimate=cost.estimate(),
       interpret=interpret,
       name=name,

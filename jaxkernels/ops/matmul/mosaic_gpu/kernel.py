@@ -42,261 +42,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkernels import hardware
+from jaxkernels import _mosaic_gpu
 from jaxkernels._activations import apply as activation_apply
-from jaxkernels._pallas import cdiv, check_fields, mosaic_gpu_math, round_up
-from jaxkernels.ops.matmul import crop
-from jaxkernels.ops.matmul.common import FLOAT8, Problem, pad_to, split_refs
-
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FLOAT8)
-SPLITS = ("m", "n")
-SCHEDULES = ("cooperative", "pingpong")
-PRODUCER_REGISTERS = 40  # the TMA warpgroup's; the two compute warpgroups share the rest
-# Set to dict(profile_space=..., profile_dir=...) to have every kernel write a per-warpgroup
-# timeline of its "mainloop" and "epilogue" regions (bench/experiments/matmul_timeline.py).
-PROFILE: dict = {}
-SMEM_BYTES = 227 * 1024  # per CTA on Hopper
-# How a padded C is cut to (m, n): "triton" (crop.crop, a copy kernel) or "xla" (a slice: 0.86
-# TB/s at 8193^3 bf16, bench/NOTES.md matmul-30). bench/experiments/matmul_ragged.py sets it.
-CROP = "triton"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-  tile_m: int = 128  # per compute warpgroup
-  tile_n: int = 128
-  tile_k: int = 64
-  stages: int = 4
-  split: str = "n"  # the compute warpgroups sit side by side along this dimension
-  grid_minor: str = "n"
-  grid_tile_width: int = 8
-  epi_tile_m: int = 64
-  epi_tile_n: int = 64
-  epi_slots: int = 2  # output buffers per warpgroup: 2 overlap a piece's store with the next
-  # "cooperative": both compute warpgroups work on one CTA tile, each on its half (``split``),
-  # and the tensor cores idle while they run the epilogue together. "pingpong": each
-  # warpgroup owns whole tiles (``tile_m x tile_n``), the two taking turns, so one's epilogue
-  # runs while the other's product keeps the tensor cores busy.
-  schedule: str = "cooperative"
-  # Cooperative only (ping-pong always runs on the ring): False feeds the warpgroups through
-  # JAX's warp-specialized pipeline, which awaits each K step's wgmma before releasing its
-  # slot and drains the ring at each tile's end; True through the kernel's own ring, which
-  # runs on across tiles while each warpgroup keeps one step's wgmma in flight as it issues
-  # the next (a slot is released one step later, so ``stages - 1`` loads run ahead). On the
-  # H200, with 64 x 64 pieces over 4 stages, 0.3-0.9% faster than JAX's pipeline with whole-
-  # tile pieces over 3 in 40 rounds (matmul-34), and 0-4% faster at most of nine sizes in each
-  # of three runs (matmul-39); with whole-tile pieces over 3 stages, 4% slower at 4096^3.
-  # bias+gelu in 64 x 64 pieces, 2 buffers over 3 stages: 0.7-1.0% faster in two runs.
-  ring: bool = False
-  # Cooperative only, on the kernel's own ring: the last wave's tiles are not walked whole by
-  # some CTAs while the others idle, but cut along K into equal runs of K steps, one run per
-  # SM (stream-K). Each CTA first walks whole tiles, then its run, which may end a tile's K
-  # steps that another CTA began: the CTA that holds a tile's first K step ("owner") adds
-  # the others' float32 partial tiles, handed over through global memory and a semaphore, and
-  # runs the epilogue. With fewer tiles than SMs, every tile is cut so. The hand-over takes a
-  # float32 workspace of one CTA tile per SM (17 MiB for 128 x 256 tiles on 132 SMs).
-  stream_k: bool = False
-  # Stream-K: cut one whole wave more than the tiles left over (runs of one to two tiles), or
-  # only those (runs of under a tile; a tile may be cut into many runs).
-  stream_k_wave: bool = True
-
-  def __post_init__(self):
-    check_fields(self, ("tile_m", "epi_tile_m"), lambda v: v % 64 == 0,
-                 "a multiple of 64 (wgmma's M per warpgroup)")
-    check_fields(self, ("tile_n", "tile_k", "epi_tile_n"), lambda v: v % 32 == 0 and v <= 256,
-                 "a multiple of 32, at most 256")
-    check_fields(self, ("stages", "grid_tile_width", "epi_slots"), lambda v: v >= 1, ">= 1")
-    check_fields(self, ("split", "grid_minor"), lambda v: v in SPLITS, "'m' or 'n'")
-    check_fields(self, ("schedule",), lambda v: v in SCHEDULES, f"one of {SCHEDULES}")
-    if self.stream_k and not self.cooperative:
-      raise ValueError("stream_k=True needs the cooperative schedule, got schedule='pingpong'")
-    if self.on_ring and self.stages < 2:
-      raise ValueError(f"the ring (ring=True or the ping-pong schedule) keeps a slot one step "
-                       f"longer: stages must be >= 2, got {self.stages}")
-    if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
-      raise ValueError(f"epilogue tile {self.epi_tile_m}x{self.epi_tile_n} must divide the "
-                       f"warpgroup tile {self.tile_m}x{self.tile_n}")
-
-  @property
-  def cooperative(self) -> bool:
-    return self.schedule == "cooperative"
-
-  @property
-  def on_ring(self) -> bool:
-    return self.ring or self.stream_k or not self.cooperative
-
-  @property
-  def cta_m(self) -> int:
-    return self.tile_m * (2 if self.cooperative and self.split == "m" else 1)
-
-  @property
-  def cta_n(self) -> int:
-    return self.tile_n * (2 if self.cooperative and self.split == "n" else 1)
-
-
-def shared_bytes(problem: Problem, config: Config) -> int:
-  c = config
-  item = jnp.dtype(problem.dtype).itemsize
-  ring = c.stages * (c.cta_m + c.cta_n) * c.tile_k * item
-  out_item = jnp.dtype(problem.out_dtype).itemsize
-  epilogue = 2 * c.epi_slots * c.epi_tile_m * c.epi_tile_n * out_item * problem.outputs
-  vectors = 2 * 2 * 4 * (c.tile_m + 2 * c.tile_n)
-  return ring + epilogue + vectors + 2048  # barriers and alignment
-
-
-def config_error(problem: Problem, config: Config, chip) -> str | None:
-  del chip
-  p, c = _as_stored(problem), config
-  if (need := shared_bytes(p, c)) > SMEM_BYTES:
-    return f"needs {need} bytes of shared memory per CTA; Hopper has {SMEM_BYTES}"
-  # A cooperative warpgroup's half of a block cut along the block's minor dimension must
-  # start on a swizzle tile (``_my_part``): B's columns (split "n"), or A's stored transposed.
-  cut = {"n": (not p.trans_b, c.tile_n, c.cta_n), "m": (p.trans_a, c.tile_m, c.cta_m)}
-  along_minor, half, block = cut[c.split]
-  if c.cooperative and along_minor:
-    lanes = _swizzle_lanes(block, p.dtype)
-    if half % lanes:
-      return (f"split={c.split!r} cuts the CTA's {block}-wide block into warpgroup halves of "
-              f"{half}, which must be a multiple of its {lanes}-element swizzle tile")
-  return None
-
-
-# The CTA tiles the heuristic chooses among, as (tile_m, tile_n, split): 128 x 256 (two
-# 128 x 128 warpgroup tiles side by side along N; the autotuner's pick at 8192^3 bf16 on an
-# H200), 256 x 128, 128 x 192 (two 64 x 192 warpgroup tiles, one above the other), 64 x 256,
-# 128 x 128, 64 x 128, and two of 128 x 192 warpgroup tiles (192 accumulator registers a
-# thread): 256 x 192 and 128 x 384. Columns come in multiples of 64: a 160- or 224-column
-# block takes a 64-byte swizzle, which Mosaic GPU's layout inference refuses (jax 0.10.2).
-CTA_SHAPES = ((128, 128, "n"), (128, 128, "m"), (64, 192, "m"), (64, 128, "n"), (64, 128, "m"),
-              (64, 64, "n"), (128, 192, "m"), (128, 192, "n"))
-# The wave model's constants, fitted to the H200 sweep of 128x256 and 64x256 CTA tiles over
-# square sizes 1024-4352 (bench/NOTES.md, matmul-35): an SM multiplies-and-adds 3.3e12 16-bit
-# products a second within a tile, a wave of tiles costs 2.65 us more to start and finish, and a
-# tile's rate falls with the bytes it loads per product, 1/cta_m + 1/cta_n, weighted so that
-# 128 x 128 tiles run ~5% behind 128 x 256 ones (the ping-pong schedule's 128 x 128 tiles ran
-# at a 6% lower clock at the power cap, matmul-19).
-SM_PRODUCTS_PER_S = 3.3e12
-WAVE_SECONDS = 2.65e-6
-TILE_BYTES_WEIGHT = 16.0
-# A CTA tile must be predicted this much faster than the first of CTA_SHAPES to displace it:
-# the model's error on the sweep was ~7% RMS, and under the power cap larger tiles gain more.
-WAVE_MARGIN = 0.05
-# Stream-K's cut tiles ran slower a tile than whole ones on the H200, the more so the larger
-# A and B: 12-20% at 3712^3-4096^3 (55-67 MB of bf16 operands), 30-50% at 4864^3-6272^3,
-# 60-90% at 6912^3 and 8192^3 (bench/NOTES.md matmul-39). Runs at different K steps share few
-# A and B blocks in the 50 MB L2, where whole tiles of one wave walk K together. Modelled as
-# this fraction per GB of A and B.
-STREAM_K_OVERHEAD_PER_GB = 3.0
-
-
-def predicted_seconds(problem: Problem, config: Config, cores: int) -> float:
-  """The wave model: a persistent grid of ``cores`` CTAs runs ``ceil(tiles / cores)`` waves of
-  tiles, each wave as long as one tile's product plus a fixed start, however few SMs the last
-  wave keeps busy. With stream-K the whole tiles take ``whole / cores`` waves and the cut ones
-  ``cut / cores`` waves, slower by ``STREAM_K_OVERHEAD_PER_GB`` per GB of A and B. It ranks
-  configs for one problem; it is not a timing."""
-  c = config
-  rate = SM_PRODUCTS_PER_S * (2 if jnp.dtype(problem.dtype).itemsize == 1 else 1)
-  products = c.cta_m * c.cta_n * round_up(problem.k, c.tile_k)
-  tile = products / rate * (1 + TILE_BYTES_WEIGHT * (1 / c.cta_m + 1 / c.cta_n))
-  plan = _StreamK.plan(problem, c, cores)
-  if not plan.cut:
-    return cdiv(plan.whole, cores) * (tile + WAVE_SECONDS)
-  operands = (problem.m + problem.n) * problem.k * jnp.dtype(problem.dtype).itemsize
-  slower = 1 + STREAM_K_OVERHEAD_PER_GB * operands / 1e9
-  return (plan.whole + plan.cut * slower) / cores * (tile + WAVE_SECONDS)
-
-
-def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Config:
-  """The CTA tile from ``shapes`` that the wave model (``predicted_seconds``) gives the
-  fewest, fullest waves on ``chip``'s SMs, 64-deep K steps (128 for fp8: 128 bytes per row
-  either way, the widest swizzle), tiles visited in snakes 16 wide along M. 128 x 256 tiles
-  unless another is predicted ``WAVE_MARGIN`` faster: at 3072^3, say, they make 288 tiles,
-  2.2 waves of 132 SMs with the third 18% full, where 128 x 192 tiles make 384 (2.9 waves);
-  at 6528^3 they make 10.05 waves, where 256 x 192 tiles make 6.7 (the model: 10% faster).
-
-  The epilogue, by what it computes (H200, bench/NOTES.md):
-  * 16-bit products in 128 x 256 tiles (or cut by stream-K) run on the kernel's own ring
-    (``ring``). Without an activation, with 64 x 64 pieces over 4 stages: against JAX's
-    pipeline with whole-tile pieces over 3, the same at 8192^3 and 4096^3 or 1-3% faster,
-    and 2-6% faster where the last wave is part-empty, in three runs (matmul-39). With one,
-    in the activation pieces below: 8192^3 bias+gelu 0.7-1.0% faster than on the pipeline in
-    two runs, 2.6% over the plain product where the pipeline took 3.4-3.6% (matmul-40).
-  * Other 16-bit products without an activation, in 128-row warpgroup tiles, write each
-    warpgroup's tile as one piece, stored once and awaited only at the next tile's epilogue,
-    over 3 stages: 1.0-4.9% faster than 64 x 64 pieces over 4 stages at 8192^3 in three runs
-    (matmul-27, -30, -31), 0.5-1.6% at 6144^3, -1.6 to +1.4% at 4096^3. 64-row tiles ran 15%
-    slower so (2048^3) and keep 64 x 64 pieces.
-  * Activation epilogues take 64 x 64 pieces in 2 buffers over 3 stages, so that a piece's
-    arithmetic overlaps the previous piece's store: 2-3% faster at 8192^3 bias+gelu in three
-    runs (matmul-22, -24), bias+silu 2%.
-  * fp8 keeps 64 x 64 pieces in one buffer over 4 stages (its 1.8x over bf16, matmul-25);
-    whole-tile pieces are not measured there.
-  """
-  shapes = [tile_config(problem, shape) for shape in shapes]
-  seconds = [predicted_seconds(problem, c, chip.cores) for c in shapes]
-  best = min(range(len(shapes)), key=seconds.__getitem__)
-  base = shapes[best] if seconds[best] < (1 - WAVE_MARGIN) * seconds[0] else shapes[0]
-  # Stream-K where the tile's last wave stays part-empty after at least one whole wave and
-  # the model predicts it WAVE_MARGIN faster (with fewer tiles than that, the hand-over's fixed
-  # costs outweighed the idle SMs: 1536^3 and 2176^3 ran 50% slower, matmul-39).
-  streamed = dataclasses.replace(base, stream_k=True)
-  if (_StreamK.plan(problem, streamed, chip.cores).whole
-      and predicted_seconds(problem, streamed, chip.cores)
-      < (1 - WAVE_MARGIN) * predicted_seconds(problem, base, chip.cores)):
-    base = streamed
-  elif (jnp.dtype(problem.dtype).itemsize == 2
-        and (base.tile_m, base.tile_n, base.split) == (128, 128, "n")):
-    base = dataclasses.replace(base, ring=True)
-  return fitted(problem, base, chip)
-
-
-def tile_config(problem: Problem, shape) -> Config:
-  """The heuristic's starting Config for a CTA tile ``(tile_m, tile_n, split)``: 128-byte K
-  steps, 4 stages, 64 x 64 epilogue pieces (``fitted`` then sizes the pieces and stages)."""
-  tile_m, tile_n, split = shape
-  return Config(tile_m=tile_m, tile_n=tile_n, tile_k=128 // jnp.dtype(problem.dtype).itemsize,
-                stages=4, split=split, grid_minor="m", grid_tile_width=16, epi_tile_m=64,
-                epi_tile_n=64, epi_slots=1)
-
-
-def fitted(problem: Problem, base: Config, chip: hardware.Chip) -> Config:
-  """``base``'s CTA tile with the heuristic's epilogue pieces and stages for ``problem``
-  (see ``heuristic``), as many stages as shared memory holds."""
-  item = jnp.dtype(problem.dtype).itemsize
-  # Fewer stages or buffers where shared memory runs out (float32 outputs saved twice, say).
-  candidates = []
-  if problem.activation:
-    candidates.append(dataclasses.replace(base, stages=3, epi_slots=2))
-  elif item == 2 and base.tile_m == 128 and not base.on_ring:  # on the ring: 4% slower
-    candidates.append(dataclasses.replace(base, stages=3, epi_tile_m=base.tile_m,
-                                          epi_tile_n=base.tile_n))
-  candidates += [dataclasses.replace(base, stages=stages) for stages in (4, 3, 2)]
-  return next((c for c in candidates if config_error(problem, c, chip) is None), candidates[-1])
-
-
-def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
-  dtype = jnp.dtype(problem.dtype)
-  if dtype not in DTYPES:
-    return f"mosaic_gpu takes bfloat16, float16 or fp8 operands, got {dtype}"
-  if dtype in FLOAT8 and problem.trans_a:
-    return "fp8 wgmma reads A K-major; A stored transposed is not served"
-  if problem.precision not in (None, lax.Precision.DEFAULT):
-    return f"precision={problem.precision} has no meaning for {dtype} operands here"
-  return None
-
-
-def _swizzle_lanes(minor: int, dtype) -> int:
-  """Elements in a swizzle tile's row, for a shared-memory block whose minor dimension is
-  ``minor``: the widest swizzle its rows allow (at most 128 bytes)."""
-  return plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8) // jnp.dtype(dtype).itemsize
-
-
-def _swizzled(minor: int, dtype):
-  """Tiling and swizzle transforms for a shared-memory block whose minor dimension is ``minor``."""
-  lanes = _swizzle_lanes(minor, dtype)
-  return (plgpu.TilingTransform((8, lanes)),
-          plgpu.SwizzleTransform(lanes * jnp.dtype(dtype).itemsize))
+from jaxkernels._tiling import cdiv, round_up
+from jaxkernels.ops.matmul.common import Problem, pad_to, split_refs
+from jaxkernels.ops.matmul.mosaic_gpu.config import (PRODUCER_REGISTERS, Config, StreamK,
+                                                     num_tiles)
+from jaxkernels.ops.matmul.mosaic_gpu.padding import as_stored, crop, padded_shapes
 
 
 class _Epilogue(NamedTuple):
@@ -321,7 +73,7 @@ class _Epilogue(NamedTuple):
   @staticmethod
   def scratch(p: Problem, c: Config) -> dict:
     """The shared-memory allocations behind the first seven fields."""
-    out_transforms = _swizzled(c.epi_tile_n, p.out_dtype)
+    out_transforms = _mosaic_gpu.swizzled(c.epi_tile_n, p.out_dtype)
     out_buffers = lambda: plgpu.SMEM((2, c.epi_slots, c.epi_tile_m, c.epi_tile_n), p.out_dtype,
                                      transforms=out_transforms)
     return dict(
@@ -388,17 +140,13 @@ def _tile_slices(linear, p: Problem, c: Config):
   return pl.ds(m_idx * c.cta_m, c.cta_m), pl.ds(n_idx * c.cta_n, c.cta_n)
 
 
-def _num_tiles(p: Problem, c: Config) -> int:
-  return cdiv(p.m, c.cta_m) * cdiv(p.n, c.cta_n)
-
-
 def _cooperative_pipeline(p, c, a_block, b_block, body, compute_context):
   """JAX's warp-specialized pipeline: both compute warpgroups read every slot."""
   in_specs = [
       plgpu.BlockSpec(a_block, (lambda k: (k, 0)) if p.trans_a else (lambda k: (0, k)),
-                      transforms=_swizzled(a_block[1], p.dtype), memory_space=plgpu.SMEM),
+                      transforms=_mosaic_gpu.swizzled(a_block[1], p.dtype), memory_space=plgpu.SMEM),
       plgpu.BlockSpec(b_block, (lambda k: (0, k)) if p.trans_b else (lambda k: (k, 0)),
-                      transforms=_swizzled(b_block[1], p.dtype), memory_space=plgpu.SMEM),
+                      transforms=_mosaic_gpu.swizzled(b_block[1], p.dtype), memory_space=plgpu.SMEM),
   ]
   return plgpu.emit_pipeline_warp_specialized(
       body, grid=(cdiv(p.k, c.tile_k),), memory_registers=PRODUCER_REGISTERS,
@@ -418,7 +166,7 @@ def _cooperative(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_bloc
   p, c = problem, config
   wg = lax.axis_index("wg")
 
-  @plgpu.nd_loop((_num_tiles(p, c),), collective_axes="sm")
+  @plgpu.nd_loop((num_tiles(p, c),), collective_axes="sm")
   def _tiles(info: plgpu.NDLoopInfo):
     (linear,) = info.index
     parity = info.local_index % 2
@@ -457,78 +205,12 @@ def _ring_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
   del a_gmem, b_gmem
   owners = 1 if c.cooperative else 2
   return dict(
-      a_ring=plgpu.SMEM((c.stages, *a_block), p.dtype, transforms=_swizzled(a_block[1], p.dtype)),
-      b_ring=plgpu.SMEM((c.stages, *b_block), p.dtype, transforms=_swizzled(b_block[1], p.dtype)),
+      a_ring=plgpu.SMEM((c.stages, *a_block), p.dtype, transforms=_mosaic_gpu.swizzled(a_block[1], p.dtype)),
+      b_ring=plgpu.SMEM((c.stages, *b_block), p.dtype, transforms=_mosaic_gpu.swizzled(b_block[1], p.dtype)),
       # Two TMA copies (A and B) arrive on a slot's "full" barrier; its readers on "free".
       full=plgpu.Barrier(num_arrivals=2, num_barriers=owners * c.stages),
       free=plgpu.Barrier(num_arrivals=2 if c.cooperative else 1, num_barriers=c.stages),
   )
-
-
-class _StreamK(NamedTuple):
-  """How stream-K deals out the tiles. The first ``whole`` tiles of the snake order are
-  walked whole, ``whole / ctas`` a CTA. The K steps of the other ``cut`` tiles, tile after
-  tile (``steps`` in all), are cut into ``runs`` runs of consecutive steps as equal as
-  integers allow, run r for CTA r; a run may end one tile and begin the next. Where tiles
-  are left over after whole waves, they are cut, with one whole wave more where
-  ``stream_k_wave`` (so that a run is one to two tiles long rather than a sliver of one);
-  with no tiles left over nothing is cut.
-  """
-
-  whole: int
-  cut: int
-  k_steps: int
-  ctas: int
-  runs: int
-
-  @staticmethod
-  def plan(p: Problem, c: Config, ctas: int) -> _StreamK:
-    tiles, k_steps = _num_tiles(p, c), cdiv(p.k, c.tile_k)
-    if not c.stream_k:
-      return _StreamK(tiles, 0, k_steps, ctas, 0)
-    waves, left = divmod(tiles, ctas)
-    whole = tiles if not left else max(waves - c.stream_k_wave, 0) * ctas
-    cut = tiles - whole
-    return _StreamK(whole, cut, k_steps, ctas, min(ctas, cut * k_steps))
-
-  @property
-  def steps(self) -> int:
-    return self.cut * self.k_steps
-
-  @property
-  def whole_per_cta(self) -> int:
-    return self.whole // self.ctas
-
-  def start(self, run):
-    """The first of the cut tiles' K steps in ``run`` (a traced index; ``steps`` past the
-    last run)."""
-    return lax.div(lax.min(run, self.runs) * self.steps, self.runs)
-
-  def last_run(self, tile):
-    """The last run holding some of cut tile ``tile``'s K steps."""
-    return lax.min(self.runs - 1, lax.div((tile + 1) * self.k_steps * self.runs - 1, self.steps))
-
-  def walk(self, cta, body):
-    """Calls ``body(tile, k_begin, k_end, first, seq)`` for each piece of ``cta``'s run in
-    order: cut tile ``tile``'s K steps [k_begin, k_end), which take ring positions from
-    ``first`` on, the CTA's piece ``seq`` counting its whole tiles."""
-    start, end = self.start(cta), self.start(cta + 1)
-    k = self.k_steps
-
-    @pl.when(start < end)
-    def _():
-      first_tile = lax.div(start, k)
-
-      @pl.loop(first_tile, lax.div(end - 1, k) + 1)
-      def _(tile):
-        k_begin = lax.max(start - tile * k, 0)
-        k_end = lax.min(end - tile * k, k)
-        body(tile, k_begin, k_end, self.whole_per_cta * k + tile * k + k_begin - start,
-             self.whole_per_cta + tile - first_tile)
-
-  def positions(self, cta):
-    """Ring positions ``cta`` fills in all: its whole tiles' K steps and its run's."""
-    return self.whole_per_cta * self.k_steps + self.start(cta + 1) - self.start(cta)
 
 
 def _fill(a_gmem, b_gmem, a_ring, b_ring, full, full_base, free, p: Problem, c: Config, rows,
@@ -594,7 +276,7 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
   A compute warpgroup keeps one step's wgmma in flight while it issues the next, and releases
   a slot once the product after it is issued.
 
-  Stream-K (``_StreamK``): after its whole tiles each CTA walks its run of the cut tiles'
+  Stream-K (``StreamK``): after its whole tiles each CTA walks its run of the cut tiles'
   K steps through the same ring. A piece that does not hold its tile's first K step is
   stored, float32, to the CTA's slot of ``partials`` (in the accumulator's register layout,
   by each warpgroup for its half), and the warpgroup signals its semaphore. The piece that
@@ -609,7 +291,7 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
   cta = lax.axis_index("sm")
   ctas = lax.axis_size("sm")
   k_steps = cdiv(p.k, c.tile_k)
-  plan = _StreamK.plan(p, c, ctas)
+  plan = StreamK.plan(p, c, ctas)
   tiles = lambda body: plgpu.nd_loop((plan.whole,), collective_axes="sm")(body)
   owner_of = lambda local_index: 0 if c.cooperative else local_index % 2
   sems = pl.get_global(plgpu.SemaphoreType.REGULAR((ctas * 2,))) if plan.cut else None
@@ -644,7 +326,8 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
 
   @pl.when(wg < 2)
   def _consumers():
-    plgpu.set_max_registers(_compute_registers(), action="increase")
+    plgpu.set_max_registers(_mosaic_gpu.consumer_registers(PRODUCER_REGISTERS),
+                            action="increase")
     wg_rows, wg_cols = _halves(c, wg) if c.cooperative else (slice(None), slice(None))
 
     def product(tile, parity, first, k_begin, k_end, full_base, finish, load_when=None):
@@ -708,12 +391,6 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
 def _schedule(c: Config):
   """(scratch, body) of the kernel's main loop: JAX's pipeline or the kernel's own ring."""
   return (_ring_scratch, _ring) if c.on_ring else (_cooperative_scratch, _cooperative)
-
-
-def _compute_registers() -> int:
-  """Registers a thread of each compute warpgroup may take: the SM's 64K registers less the
-  producer's, split two ways, in multiples of 8 and at most 255 (as JAX's pipeline does)."""
-  return int(min(256, (512 - PRODUCER_REGISTERS) / 2) // 8 * 8)
 
 
 def _halves(c: Config, wg):
@@ -802,57 +479,9 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
         store()
 
 
-def _padded_extent(size: int, align: int, cta: int, step: int) -> int:
-  """How far to pad a dimension of ``size`` that the kernel reads in ``cta`` blocks, cut into
-  ``step`` pieces (warpgroup halves, epilogue pieces): to a multiple of ``align``, or of
-  ``cta`` where some piece of the last block would start at or past the padded end.
-
-  A TMA copy whose start lies past the array's end came out wrong on an H200 ((6, 1027) @
-  (1027, 2), bench/NOTES.md); pieces that start inside and run past the end are fine (TMA
-  zero-fills and clips them).
-  """
-  padded = round_up(size, align)
-  last_piece = (cdiv(size, cta) - 1) * cta + cta - step
-  return padded if last_piece < padded else round_up(size, cta)
-
-
-def _as_stored(p: Problem) -> Problem:
-  """``p`` as the kernel runs it: fp8 wgmma reads both operands K-major, so an fp8 B is stored
-  (N, K) (``matmul`` transposes one that is not)."""
-  if jnp.dtype(p.dtype) in FLOAT8 and not p.trans_b:
-    return dataclasses.replace(p, trans_b=True)
-  return p
-
-
-def padded_shapes(p: Problem, c: Config) -> tuple[tuple[int, int], ...]:
-  """The shapes A and B are zero-padded to, and the shape of the C the kernel writes.
-
-  The kernel reads only [0, m) x [0, k) of A and [0, k) x [0, n) of B whatever the padding;
-  past those, TMA zero-fills (or reads the pad's zeros), so the K tail adds nothing. Swizzled
-  TMA wants each array's rows in multiples of 8 and each row in multiples of 128 bytes, and no
-  copy may start past an array's end. A and B are read in whole CTA blocks, which start inside
-  them. C's pieces past its end are not stored (``_write_tile``); the residual, read piece by
-  piece through C's buffers, has C's shape, so C is padded so that none of them starts past
-  its end when there is one.
-  """
-  lanes = 128 // jnp.dtype(p.dtype).itemsize
-  out_lanes = 128 // jnp.dtype(p.out_dtype).itemsize
-  m_step = min(c.tile_m, c.epi_tile_m) if p.has_residual else c.cta_m
-  n_step = min(c.tile_n, c.epi_tile_n) if p.has_residual else c.cta_n
-  m_rows = _padded_extent(p.m, 8, c.cta_m, m_step)
-  n_out = _padded_extent(p.n, out_lanes, c.cta_n, n_step)
-  k_in = _padded_extent(p.k, lanes, c.tile_k, c.tile_k)
-  n_in = _padded_extent(p.n, lanes if not p.trans_b else 8, c.cta_n, c.cta_n)
-  m_in = _padded_extent(p.m, lanes if p.trans_a else 8, c.cta_m, c.cta_m)
-  k_rows = _padded_extent(p.k, 8, c.tile_k, c.tile_k)
-  return ((k_rows, m_in) if p.trans_a else (m_in, k_in),
-          (n_in, k_in) if p.trans_b else (k_rows, n_in),
-          (m_rows, n_out))
-
-
 def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
            config: Config, interpret=False):
-  p = _as_stored(problem)
+  p = as_stored(problem)
   if p.trans_b != problem.trans_b:
     b = b.T
   c = config
@@ -872,13 +501,13 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   if p.has_scales:
     operands += [vector(a_scale, c.cta_m), vector(b_scale, c.cta_n)]
   out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)
-  ctas = _num_sms() if c.stream_k else min(_num_sms(), _num_tiles(p, config))
+  ctas = _mosaic_gpu.num_sms() if c.stream_k else min(_mosaic_gpu.num_sms(), num_tiles(p, config))
   # Stream-K's partial tiles: one per CTA, each warpgroup's half in its own slot.
   partials = ([jax.ShapeDtypeStruct((ctas, 2, c.tile_m, c.tile_n), jnp.float32)]
               if c.stream_k else [])
   kernel = plgpu.kernel(
       functools.partial(_kernel, problem=p, config=config,
-                        math=mosaic_gpu_math(interpret)),
+                        math=_mosaic_gpu.math(interpret)),
       out_type=[out] * p.outputs + partials,
       grid=(ctas,),
       grid_names=("sm",),
@@ -889,24 +518,22 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
       # wherever the kernel is compiled. Nothing else in the kernel takes either.
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-          approx_math=p.activation is not None, **PROFILE),
+          approx_math=p.activation is not None, **_profile(c)),
       **({"interpret": interpret} if interpret else {}),
   )
   outs = kernel(*operands)[:p.outputs]
-  outs = [_crop(o, p.m, p.n, interpret) for o in outs]
+  outs = [_crop(o, p.m, p.n, c, interpret) for o in outs]
   return tuple(outs) if p.save_preactivation else outs[0]
 
 
-def _crop(y, m: int, n: int, interpret):
-  if CROP == "xla":
+def _crop(y, m: int, n: int, config: Config, interpret):
+  if config.crop == "xla":
     return y[:m, :n]
-  return crop.crop(y, m, n, interpret=bool(interpret))
+  return crop(y, m, n, interpret=bool(interpret))
 
 
-def _num_sms() -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  device = getattr(mesh, "abstract_device", None)
-  if device is not None and getattr(device, "num_cores", None):
-    return device.num_cores
-  device = jax.devices()[0]
-  return getattr(device, "core_count", None) or hardware.DEFAULT_GPU.cores
+def _profile(c: Config) -> dict:
+  """Compiler params that make the kernel record its timeline (``Config.profile_space``)."""
+  if not c.profile_space:
+    return {}
+  return dict(profile_space=c.profile_space, profile_dir=c.profile_dir)

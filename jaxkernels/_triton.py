@@ -1,62 +1,29 @@
-"""Helpers shared by the kernels of every op: arithmetic on tiles, masked Triton tiles, compiler params.
+"""Pallas Triton commons: compiler params, the hardware's arithmetic, masked tiles over
+full-array refs, and the walk along rows that the online softmax takes.
 
-Version differences between the jax releases we run on (0.10.2 on CPU/CI,
-0.11.x on the GPU machine) are absorbed here and nowhere else.
+Version differences between the jax releases we run on (0.10.2 on CPU/CI, 0.11.x on the GPU
+machine) that touch Triton kernels are absorbed here and nowhere else.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import _activations
-
-
-def mosaic_gpu_interpret_params() -> Any:
-  """The Mosaic GPU interpreter's params (threads, barriers, TMA and wgmma run on the CPU).
-
-  jax 0.10-0.11 keep the class private; this is the one place that names it.
-  """
-  from jax._src.pallas.mosaic_gpu.interpret import params
-  return params.InterpretGPUParams()
-
+from jaxkernels._tiling import cdiv
 
 # The custom-call target Triton kernels lower to (for jax.export's safety checks).
-TRITON_CUSTOM_CALL = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+CUSTOM_CALL = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 
 
-def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-def round_up(a: int, b: int) -> int:
-  return cdiv(a, b) * b
-
-
-def next_pow2(n: int) -> int:
-  return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-
-def is_pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
-
-
-def rows_view(x):
-  """(..., N) -> (M, N), free for contiguous arrays."""
-  return x.reshape(-1, x.shape[-1])
-
-
-# --------------------------------------------------------------------------- #
-# Triton: masked (rows, cols) tiles over full-array refs
-# --------------------------------------------------------------------------- #
-
-
-def triton_params(num_warps: int, num_stages: int = 1) -> Any:
+def params(num_warps: int, num_stages: int = 1) -> Any:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -83,7 +50,7 @@ def fast_exp2(x):
   return _triton_asm("ex2.approx.ftz.f32", x)
 
 
-def triton_fma(a, b, c):
+def fma(a, b, c):
   """a * b + c rounded once. XLA compiles Pallas Triton kernels without FMA contraction: their
   SASS has FMUL and FADD only, so every Horner step cost two instructions (bench/NOTES.md
   run 22)."""
@@ -92,49 +59,11 @@ def triton_fma(a, b, c):
 
 # A compiled Triton kernel's arithmetic for the activations (inline PTX: compiled kernels only;
 # interpreted, kernels use _activations.EXACT).
-TRITON_MATH = _activations.Math(reciprocal=fast_reciprocal, exp2=fast_exp2, fma=triton_fma)
+MATH = _activations.Math(reciprocal=fast_reciprocal, exp2=fast_exp2, fma=fma)
 
 
-def triton_math(interpret) -> _activations.Math:
-  return _activations.EXACT if interpret else TRITON_MATH
-
-
-def mosaic_gpu_fast_reciprocal(x):
-  """1/x by rcp.approx.ftz.f32 in a Mosaic GPU kernel of warpgroup semantics, for a float32
-  array in the WGMMA layout (a matmul epilogue's pieces). Compiled kernels only.
-
-  Pallas lowers 1/x under approx_math to rcp.approx.f32, whose subnormal and overflow range
-  fix-ups take six SASS instructions besides the one MUFU.RCP (the matmul epilogue's SASS,
-  bench/NOTES.md matmul-24). Mosaic GPU exposes no reciprocal, so this reaches FragmentedArray's
-  PTX helpers (jax 0.10-0.11); where a release lacks them, exact division.
-  """
-  from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  if not all(hasattr(mgpu.FragmentedArray, f) for f in ("_pointwise", "_lift_fast_instr")):
-    return 1.0 / x
-  layout = plgpu.Layout.WGMMA
-
-  @plgpu.inline_mgpu(arg_types=(layout,),
-                     return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=layout))
-  def rcp(_, v):
-    return v._pointwise(v._lift_fast_instr("rcp.approx.ftz.f32"))
-  return rcp(x)
-
-
-def mosaic_gpu_math(interpret) -> _activations.Math:
-  """A Mosaic GPU matmul epilogue's arithmetic: its LLVM contracts FMAs and approx_math gives
-  ex2.approx.ftz; the reciprocal is inline PTX (compiled kernels only)."""
-  if interpret:
-    return _activations.EXACT
-  return _activations.Math(reciprocal=mosaic_gpu_fast_reciprocal)
-
-
-def check_fields(config, names, ok, requirement: str) -> None:
-  """Raises ValueError naming the first of ``names`` whose value fails ``ok``."""
-  for name in names:
-    value = getattr(config, name)
-    if not ok(value):
-      raise ValueError(f"{name}={value} must be {requirement}")
+def math(interpret) -> _activations.Math:
+  return _activations.EXACT if interpret else MATH
 
 
 def row_sums(a, b):
@@ -146,8 +75,12 @@ def row_sums(a, b):
   return jnp.unstack(jnp.sum(jnp.stack([a, b], axis=-1), axis=1), axis=-1)
 
 
-def _cache_modifier_shim() -> str | None:
+@functools.cache
+def stream_cache_modifier() -> str | None:
   """The cache modifier for streamed Triton loads: ".cg", or None where it cannot be asked for.
+
+  Called when a kernel is traced, so the patch below touches jax only once a Triton kernel
+  is built, never at import.
 
   Pallas Triton (jax 0.10-0.11) accepts ``cache_modifier=".cg"`` and then looks it up in a
   table keyed by the enum's own names ("cg"), so every use raises KeyError. This registers
@@ -169,7 +102,6 @@ def _cache_modifier_shim() -> str | None:
   return ".cg" if ".cg" in table else None
 
 
-STREAMED = _cache_modifier_shim()
 
 
 def both(a, b):
@@ -222,14 +154,14 @@ class Tile:
     ran 4 us faster and both norms' backwards 2.5 us faster of ~140 (bench/NOTES.md,
     run 45). No eviction hint: evict_first on streamed loads cost 1-5% on an H200 (run 5).
     """
-    return load_vector(ref, self.index, self.mask, other, STREAMED if streamed else None)
+    return load_vector(ref, self.index, self.mask, other, stream_cache_modifier() if streamed else None)
 
   def store(self, ref, value):
     store_vector(ref, self.index, value, self.mask)
 
   def load_cols(self, ref, other=0.0, *, streamed=False):
     """A row vector ref[cols] (e.g. a scale) as float32; ``streamed`` as for :meth:`load`."""
-    return load_vector(ref, self.cols, self.col_mask, other, STREAMED if streamed else None)
+    return load_vector(ref, self.cols, self.col_mask, other, stream_cache_modifier() if streamed else None)
 
   def load_rows(self, ref, other=0.0):
     """A column vector ref[rows] (e.g. per-row statistics) as float32."""
@@ -252,29 +184,88 @@ def store_vector(ref, index, value, mask):
   pltriton.store(ref.at[index], value.astype(ref.dtype), mask=mask)
 
 
-# --------------------------------------------------------------------------- #
-# Mosaic TPU
-# --------------------------------------------------------------------------- #
+# The flat view's offsets are int32 (Pallas kernels trace without 64-bit integers): arrays of
+# more elements take the 2-D indexing, whose offsets Pallas widens itself.
+FLAT_MAX_ELEMENTS = 2**31
 
 
-def tpu_params(dimension_semantics: tuple[str, ...], vmem_limit_bytes: int, interpret) -> Any:
-  """Mosaic compiler params. Interpreted, the grid semantics are left out: jax 0.10's TPU
-  interpreter does not extend them over the grid axis vmap adds (real Mosaic does)."""
-  return pltpu.CompilerParams(
-      dimension_semantics=None if interpret else dimension_semantics,
-      vmem_limit_bytes=int(vmem_limit_bytes))
+class RowSteps:
+  """A walk along a block of rows, ``unroll`` chunks of ``block_cols`` columns a step, as the
+  online softmax takes it (softmax's wide rows; the vocabulary of a cross-entropy).
 
-
-def sublanes(*dtypes) -> int:
-  """Row multiple a TPU block needs: 8 sublanes of 32 bits, packed for narrower dtypes."""
-  return max(8 * (4 // jnp.dtype(d).itemsize) for d in dtypes)
-
-
-def tpu_row_mask(block_index, block_rows: int, n_rows: int):
-  """(block_rows, 1) mask of the rows of row block ``block_index`` that lie inside the array.
-
-  A partial last block holds whatever VMEM held: harmless for row-local math
-  (its rows are never written back), poison for sums across rows.
+  Rows of a whole number of 16-byte vectors (``vec`` elements) are indexed as (row, column) of
+  the (M, N) array. Other rows start and end off a vector boundary, and a load whose columns
+  might cross one is issued element by element (16-bit loads for bfloat16: 1.4-1.9 TB/s at
+  N = 50257, run 30). Those (``flat``) are read through the flat view of the array: each row's
+  body, from the first vector boundary at or after its start to the last one at or before its
+  end, is walked in chunks that start on a boundary and are masked at one (vector loads), and
+  its head and tail, under ``vec`` elements each, are loaded apart (run 38: 2.1-2.8 TB/s).
+  A row shorter than ``vec`` (only under a config's small ``block_cols``) is all head.
   """
-  rows = block_index * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
-  return rows < n_rows
+
+  def __init__(self, *, n_rows, n_cols, block_rows, block_cols, unroll, vec, flat):
+    self.rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
+    self.flat, self.vec = flat, vec
+    self.row_mask = self.rows < n_rows if n_rows % block_rows else None
+    self.block_rows, self.block_cols, self.unroll = block_rows, block_cols, unroll
+    self.n_cols = n_cols
+    self.count = cdiv(n_cols, block_cols * unroll)
+    # Chunks past the row's (the body's) end, the last step's, are masked out whole.
+    self.mask_cols = flat or n_cols % (block_cols * unroll) != 0
+    if flat:
+      self.start = self.rows * n_cols
+      self.end = self.start + n_cols
+      self.short = n_cols < vec  # no vector boundary need lie inside the row
+      if self.short:
+        self.body0 = self.body1 = self.end
+      else:  # multiples of vec that Triton's alignment analysis can see through
+        self.body0 = (self.start + vec - 1) // vec * vec
+        self.body1 = self.end // vec * vec
+
+  def _masked(self, mask):
+    return both(mask, None if self.row_mask is None else self.row_mask[:, None])
+
+  def chunks(self, step):
+    """(index, mask) of each of a step's chunks, (block_rows, block_cols) each."""
+    out = []
+    for u in range(self.unroll):
+      cols = (step * self.unroll + u) * self.block_cols + jnp.arange(self.block_cols)
+      if self.flat:
+        offsets = self.body0[:, None] + cols[None, :]
+        out.append((offsets, self._masked(offsets < self.body1[:, None])))
+      else:
+        mask = (cols < self.n_cols)[None, :] if self.mask_cols else None
+        out.append(((self.rows[:, None], cols[None, :]), self._masked(mask)))
+    return out
+
+  def edges(self):
+    """(index, mask) of the elements before the body and after it: none unless flat."""
+    if not self.flat:
+      return []
+    lane = jnp.arange(self.vec)[None, :]
+    head = self.start[:, None] + lane
+    edges = [(head, self._masked(head < self.body0[:, None]))]
+    if not self.short:
+      tail = self.body1[:, None] + lane
+      edges.append((tail, self._masked(tail < self.end[:, None])))
+    return edges
+
+  def lanes(self, value):
+    return jnp.full((self.block_rows, self.block_cols), value, jnp.float32)
+
+  def walk(self, load, body, carry, prefetch: bool):
+    """carry = body(chunks, load(chunks), carry) for each step's chunks. With ``prefetch`` a
+    step's loads are issued before the previous step's body runs (the last step's are issued
+    twice, harmlessly, rather than past the row's end)."""
+    if not prefetch:
+      def step(s, c):
+        chunks = self.chunks(s)
+        return body(chunks, load(chunks), c)
+      return lax.fori_loop(0, self.count, step, carry)
+
+    def step(s, state):
+      c, loaded = state
+      ahead = load(self.chunks(jnp.minimum(s + 1, self.count - 1)))
+      return body(self.chunks(s), loaded, c), ahead
+
+    return lax.fori_loop(0, self.count, step, (carry, load(self.chunks(0))))[0]

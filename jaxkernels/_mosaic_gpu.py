@@ -1,0 +1,82 @@
+"""Pallas Mosaic GPU (Hopper) commons: the interpreter, the epilogue's arithmetic, shared-memory
+swizzles, register budgets of warp-specialized kernels, and the SM count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkernels import _activations, hardware
+
+
+def interpret_params() -> Any:
+  """The Mosaic GPU interpreter's params (threads, barriers, TMA and wgmma run on the CPU).
+
+  jax 0.10-0.11 keep the class private; this is the one place that names it.
+  """
+  from jax._src.pallas.mosaic_gpu.interpret import params
+  return params.InterpretGPUParams()
+
+
+def fast_reciprocal(x):
+  """1/x by rcp.approx.ftz.f32 in a Mosaic GPU kernel of warpgroup semantics, for a float32
+  array in the WGMMA layout (a matmul epilogue's pieces). Compiled kernels only.
+
+  Pallas lowers 1/x under approx_math to rcp.approx.f32, whose subnormal and overflow range
+  fix-ups take six SASS instructions besides the one MUFU.RCP (the matmul epilogue's SASS,
+  bench/NOTES.md matmul-24). Mosaic GPU exposes no reciprocal, so this reaches FragmentedArray's
+  PTX helpers (jax 0.10-0.11); where a release lacks them, exact division.
+  """
+  from jax.experimental.mosaic import gpu as mgpu
+  if not all(hasattr(mgpu.FragmentedArray, f) for f in ("_pointwise", "_lift_fast_instr")):
+    return 1.0 / x
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(layout,),
+                     return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=layout))
+  def rcp(_, v):
+    return v._pointwise(v._lift_fast_instr("rcp.approx.ftz.f32"))
+  return rcp(x)
+
+
+def math(interpret) -> _activations.Math:
+  """A Mosaic GPU epilogue's arithmetic: its LLVM contracts FMAs and approx_math gives
+  ex2.approx.ftz; the reciprocal is inline PTX (compiled kernels only)."""
+  if interpret:
+    return _activations.EXACT
+  return _activations.Math(reciprocal=fast_reciprocal)
+
+
+def swizzle_lanes(minor: int, dtype) -> int:
+  """Elements in a swizzle tile's row, for a shared-memory block whose minor dimension is
+  ``minor``: the widest swizzle its rows allow (at most 128 bytes)."""
+  return plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8) // jnp.dtype(dtype).itemsize
+
+
+def swizzled(minor: int, dtype):
+  """Tiling and swizzle transforms for a shared-memory block whose minor dimension is ``minor``."""
+  lanes = swizzle_lanes(minor, dtype)
+  return (plgpu.TilingTransform((8, lanes)),
+          plgpu.SwizzleTransform(lanes * jnp.dtype(dtype).itemsize))
+
+
+def consumer_registers(producer_registers: int, consumers: int = 2) -> int:
+  """Registers a thread of each of ``consumers`` compute warpgroups may take beside a producer
+  warpgroup of ``producer_registers``: the SM's 64K registers (512 a thread of one warpgroup)
+  less the producer's, split evenly, in multiples of 8 and at most 255 (as JAX's pipeline
+  does)."""
+  return int(min(256, (512 - producer_registers) / consumers) // 8 * 8)
+
+
+def num_sms() -> int:
+  """SMs of the GPU the kernel is built for: the abstract mesh's device while tracing for one,
+  else the default device's, else the stand-in GPU's."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and getattr(device, "num_cores", None):
+    return device.num_cores
+  device = jax.devices()[0]
+  return getattr(device, "core_count", None) or hardware.DEFAULT_GPU.cores
