@@ -39,11 +39,7 @@ def main(argv=None) -> int:
                       help="matmul --sweep: first:last size (a long sweep may need two runs)")
   parser.add_argument("--tune", action="store_true", help="matmul: autotune ours first")
   parser.add_argument("--only", default=None,
-                      help="matmul: run only these parts, comma-separated (checks,headline,sweep;"
-                           " epilogue,configs,clusters,schedules,waves,tiles,streamk run only when named)")
-  parser.add_argument("--sizes", default=None,
-                      help="matmul: square sizes, comma-separated, that the waves, tiles and"
-                           " streamk parts time (default: each part's own list)")
+                      help="matmul: run only these parts, comma-separated (checks,headline,sweep)")
   parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results/<device>)")
   args = parser.parse_args(argv)
 
@@ -60,8 +56,7 @@ def main(argv=None) -> int:
     elif name == "matmul":
       matmul.run(session, sweep=args.sweep, step=args.step, tune_first=args.tune,
                  sweep_range=tuple(int(v) for v in args.sweep_range.split(":")),
-                 only=args.only.split(",") if args.only else None,
-                 sizes=tuple(int(v) for v in args.sizes.split(",")) if args.sizes else None)
+                 only=args.only.split(",") if args.only else None)
     else:
       SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run

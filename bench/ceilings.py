@@ -17,7 +17,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from bench import harness, shapes
-from jaxkernels._pallas import Tile, cdiv, triton_params
+from jaxkernels._tiling import cdiv
+from jaxkernels._triton import Tile, params
 
 
 def _stream_kernel(*refs, k, block_rows, block_cols, n_rows, n_cols, programs, iters, hint):
@@ -48,7 +49,7 @@ def stream(arrays, block_rows, num_warps, programs=0, hint=False):
                              block_cols=n_cols, n_rows=n_rows, n_cols=n_cols, programs=grid,
                              iters=iters, hint=hint)
   return pl.pallas_call(kernel, out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
-                        grid=(grid,), compiler_params=triton_params(num_warps),
+                        grid=(grid,), compiler_params=params(num_warps),
                         name="jk_stream")(*arrays)
 
 

@@ -9,11 +9,12 @@ import jaxkernels as jk
 from bench import harness, shapes
 from jaxkernels import roofline
 from jaxkernels.ops.elementwise import reference, triton
+from jaxkernels.ops.elementwise.api import Problem
 
 
 def _sweep(rows, cols, op, activation):
-  base = triton.heuristic(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16),
-                          harness.hardware.chip("H200"), op=op, activation=activation)
+  x = jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16)
+  base = triton.heuristic(Problem.of(op, activation, x=x), harness.hardware.chip("H200"))
   fields = dict(base.__dict__)
   return {
       "fwd": [triton.Config(**{**fields, "block_rows": r, "block_cols": c, "num_warps": w})

@@ -1,12 +1,8 @@
 """Timing, checking and reporting shared by every suite.
 
-Timing follows the device tool's METHOD.md: warm up (compile, autotune, first
-touch), then rounds of back-to-back asynchronous calls with one sync per round,
-and the median over rounds. A round's fixed cost (the device idles while the host
-dispatches its first program, and again at the closing sync) is taken out by
-timing each round twice over, at ``calls`` and ``2 * calls`` programs
-(:func:`time_rounds`). Every timed function is checked against the reference
-before it is timed; a wrong kernel is reported, never timed.
+Timing is ``jaxkernels.timing``'s, the autotuner's own (METHOD.md's method: warm-up, rounds of
+back-to-back calls, the median; a round's fixed cost cancelled). Every timed function is
+checked against the reference before it is timed; a wrong kernel is reported, never timed.
 """
 
 from __future__ import annotations
@@ -20,14 +16,15 @@ import platform as platform_module
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxkernels import backend, hardware, tuning
+from jaxkernels import backend, hardware
+from jaxkernels.timing import (block, over_sets, time_call, time_rounds, time_sets,  # noqa: F401
+                               time_sets_rounds)
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -87,81 +84,6 @@ class Session:
     return row
 
 
-def block(tree):
-  return jax.block_until_ready(tree)
-
-
-def time_call(fn: Callable, args: Sequence[Any], *, rounds: int, calls: int,
-              warmup: int = 3) -> float:
-  """Median seconds per call of ``fn(*args)`` (jitted by the caller)."""
-  for _ in range(warmup):
-    block(fn(*args))
-  times = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    block(out)
-    times.append((time.perf_counter() - start) / calls)
-  return statistics.median(times)
-
-
-def time_rounds(run: Callable[[int], Any], *, rounds: int, calls: int,
-                warmup: int = 3) -> tuple[float, float]:
-  """(steady, whole-round) median host-clock seconds per program.
-
-  ``run(n)`` dispatches ``n`` programs back to back and returns the last one's outputs. Each
-  round, after a sync, times ``calls`` programs and then ``2 * calls``, each closed by a sync.
-  A round pays once for what passes before its first kernel starts (the host dispatching the
-  first program, the device idle: 0.4-0.8 ms for a program over 16 input sets) and for the
-  closing sync; spread over the round's programs that was 3-10 us a set of a ~0.1-0.3 ms op,
-  while the device ran the programs back to back (bench/NOTES.md, run 32). The difference of
-  the two timings cancels that fixed cost: what ``calls`` more programs take on a device that
-  is kept busy, as in a training loop. The whole-round figure keeps the fixed cost.
-  """
-  for _ in range(warmup):
-    block(run(1))
-  steady, whole = [], []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    block(run(calls))
-    middle = time.perf_counter()
-    block(run(2 * calls))
-    end = time.perf_counter()
-    whole.append((middle - start) / calls)
-    steady.append(((end - middle) - (middle - start)) / calls)
-  return statistics.median(steady), statistics.median(whole)
-
-
-def time_sets_rounds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds: int,
-                     calls: int) -> tuple[float, float]:
-  """(steady, whole-round) median host-clock seconds per execution of ``fn`` over several
-  distinct argument sets (:func:`time_rounds`).
-
-  One jitted program runs ``fn`` on every set back to back, so what a program costs beyond
-  its kernels is shared by ``len(arg_sets)`` executions (:func:`kernel_seconds` gives the
-  kernels alone). Distinct inputs keep XLA from merging the calls and the L2 from serving a
-  repeat read.
-  """
-  batched = tuning.over_sets(fn)
-  sets = [tuple(args) for args in arg_sets]
-
-  def run(n):
-    for _ in range(n):
-      out = batched(sets)
-    return out
-
-  steady, whole = time_rounds(run, rounds=rounds, calls=calls)
-  return steady / len(sets), whole / len(sets)
-
-
-def time_sets(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds: int,
-              calls: int) -> float:
-  """Steady-state seconds per execution of ``fn`` over several argument sets
-  (:func:`time_sets_rounds`)."""
-  return time_sets_rounds(fn, arg_sets, rounds=rounds, calls=calls)[0]
-
-
 def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *,
                    iterations: int = 10) -> tuple[float | None, str | None]:
   """Device seconds per execution of ``fn``, counting only its kernels, and what they were.
@@ -177,7 +99,7 @@ def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *,
     from jax.experimental.mosaic.gpu import profiler
   except ImportError:
     return None, None
-  batched = tuning.over_sets(fn)
+  batched = over_sets(fn)
   sets = [tuple(args) for args in arg_sets]
   try:
     _, runs = profiler.measure(batched, aggregate=False, iterations=iterations)(sets)

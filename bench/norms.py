@@ -9,6 +9,7 @@ import jaxkernels as jk
 from bench import harness, shapes
 from jaxkernels import roofline
 from jaxkernels.ops.norms import reference, triton
+from jaxkernels.ops.norms.api import Problem
 
 VARIANTS = (  # (name, layer norm?, fused residual?)
     ("rms_norm+residual", False, True),
@@ -32,8 +33,10 @@ def _inputs(rows, cols, dtype, layer, residual):
 
 
 def _sweep(rows, cols):
-  base = triton.heuristic(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16), None, None, None,
-                          harness.hardware.chip("H200"))
+  problem = Problem(x=jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16),
+                    scale=jax.ShapeDtypeStruct((cols,), jnp.float32), bias=None, residual=None,
+                    layer=False)
+  base = triton.heuristic(problem, harness.hardware.chip("H200"))
   fields = dict(base.__dict__)
   return {
       "fwd": [triton.Config(**{**fields, "block_rows": r, "num_warps": w})

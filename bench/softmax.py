@@ -9,6 +9,7 @@ import jaxkernels as jk
 from bench import harness, shapes
 from jaxkernels import roofline
 from jaxkernels.ops.softmax import reference, triton
+from jaxkernels.ops.softmax.api import Problem
 
 
 def _jax_pallas_example():
@@ -32,7 +33,7 @@ def cases(session):
           jax.random.normal(k[1], (r, c), jnp.bfloat16)
 
     (x,), _ = draw(0)
-    config = triton.heuristic(x, None)
+    config = triton.heuristic(Problem.of(x, -1), None)
     out.append(harness.Case(
         suite="softmax", name="softmax " + ("one-pass" if config.block_cols >= c else
                                             "online" if c % 8 == 0 else "online, odd width"),
