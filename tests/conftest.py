@@ -23,11 +23,24 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-  if numerics.COMPILED:
-    skip = pytest.mark.skip(reason="cpu_only: the arrays live on an accelerator here")
-    for item in items:
-      if "cpu_only" in item.keywords:
-        item.add_marker(skip)
+  """Compiled, the tests that assert CPU behaviour skip, and so do a test base's cases for a
+  kernel of another platform (Mosaic TPU on a GPU), except its AOT compiles (``tpu_mesh``)."""
+  if not numerics.COMPILED:
+    return
+  import jax
+
+  from jaxkernels import backend
+
+  here = backend.target_of().platform
+  cpu_only = pytest.mark.skip(reason="cpu_only: the arrays live on an accelerator here")
+  for item in items:
+    implementation = getattr(item.cls, "IMPL", None)
+    platform = backend.KERNEL_PLATFORM.get(implementation)
+    if "cpu_only" in item.keywords:
+      item.add_marker(cpu_only)
+    elif platform not in (None, here) and "tpu_mesh" not in item.fixturenames:
+      item.add_marker(pytest.mark.skip(
+          reason=f"{implementation} compiles for {platform}; {jax.devices()[0].device_kind} here"))
 
 
 @pytest.fixture(scope="session", params=sorted(TPU_TOPOLOGIES))

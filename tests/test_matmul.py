@@ -415,8 +415,11 @@ def test_fp8_triton_and_reference():
                     config=triton.Config(block_m=16, block_n=32, block_k=32, num_warps=4,
                                          num_stages=2) if impl == "triton" else None)
     assert y.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2 ** -8,
-                               atol=1e-6 * np.abs(want).max())
+    # bf16 output: 2^-8 relative. Compiled, the tensor cores also round the fp8 products' sum
+    # to about 14 bits as they accumulate (DeepSeek-V3 report, 3.3.2, measured on Hopper): a
+    # random walk of sqrt(K) such roundings of the running sum.
+    atol = (2 ** -14 * math.sqrt(70) if numerics.COMPILED else 1e-6) * np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2 ** -8, atol=atol)
   with jk.interpret_mode(), pytest.raises(TypeError,
                                           match="no gradient through a float8_e5m2 matmul"):
     jax.grad(lambda s: jk.matmul(a, b, a_scale=s, implementation="triton",
@@ -445,8 +448,8 @@ B = jnp.zeros((8, 16), jnp.bfloat16)
     (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be one of"),
     (dict(a_scale=jnp.float32(2)), ValueError, "a_scale dequantizes fp8/int8 operands"),
     (dict(precision="high"), TypeError, "precision must be None or a jax.lax.Precision"),
-    (dict(implementation="mosaic_tpu", out_dtype=jnp.float16), ValueError,
-     "mosaic_tpu does not write float16"),
+    pytest.param(dict(implementation="mosaic_tpu", out_dtype=jnp.float16), ValueError,
+                 "mosaic_tpu does not write float16", marks=pytest.mark.cpu_only),
     (dict(implementation="cuda"), ValueError, "implementation='cuda' is not one of"),
 ])
 def test_bad_input(kwargs, error, match):

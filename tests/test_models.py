@@ -31,14 +31,17 @@ def test_kernels_match_the_xla_path():
   cfg = transformer.PRESETS["test"]
   tokens = _tokens(cfg, seed_label="match")
   want_model, _ = transformer.make(dataclasses.replace(cfg, implementation="xla"), seed=3)
-  want_loss, want_grads = nnx.value_and_grad(transformer.loss_fn)(want_model, tokens)
+  # The model's dense layers are XLA dots in both runs: in full float32, so that on a GPU tf32
+  # tensor cores (10-bit mantissas) do not round the kernels' float32-close outputs apart.
+  with jax.default_matmul_precision("highest"):
+    want_loss, want_grads = nnx.value_and_grad(transformer.loss_fn)(want_model, tokens)
   # Float32 throughout: each of the 2 * depth + 1 fused norm/glu ops may differ from XLA's
   # by its reduction's rounding, ~4 eps sqrt(width); errors pass through, they do not grow.
   tolerance = 4 * numerics.F32_EPS * cfg.width**0.5 * (2 * cfg.depth + 1)
   # Compiled (on a GPU), the model's Triton kernels; interpreted, both kernel families.
   for implementation in ("triton",) if numerics.COMPILED else ("triton", "mosaic_tpu"):
     model, _ = transformer.make(dataclasses.replace(cfg, implementation=implementation), seed=3)
-    with numerics.kernel_mode():
+    with numerics.kernel_mode(), jax.default_matmul_precision("highest"):
       loss, grads = nnx.value_and_grad(transformer.loss_fn)(model, tokens)
     assert abs(float(loss) - float(want_loss)) <= tolerance * abs(float(want_loss))
     errors = numerics.errors(jax.tree.leaves(nnx.state(grads)),

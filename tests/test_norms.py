@@ -244,10 +244,12 @@ class TestNormErrors:
     with pytest.raises(ValueError, match="triton compiles for GPUs.*interpret_mode"):
       jk.rms_norm(jnp.ones((2, 8)), jnp.ones(8), implementation="triton")
 
+  @pytest.mark.cpu_only
   def test_float16_on_tpu(self):
     with jk.interpret_mode(), pytest.raises(ValueError, match="float16 is not a TPU dtype"):
       jk.rms_norm(jnp.ones((2, 8), jnp.float16), jnp.ones(8), implementation="mosaic_tpu")
 
+  @pytest.mark.cpu_only
   def test_config_type(self):
     config = norms_triton.Config(block_rows=1, block_cols=8, num_warps=4, bwd_block_rows=1,
                                  bwd_num_warps=4, bwd_programs=1)

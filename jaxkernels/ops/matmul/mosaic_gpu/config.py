@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from jaxkernels import _mosaic_gpu, hardware
 from jaxkernels._tiling import cdiv, check_fields, round_up
