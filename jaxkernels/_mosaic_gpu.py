@@ -63,12 +63,14 @@ def swizzled(minor: int, dtype):
           plgpu.SwizzleTransform(lanes * jnp.dtype(dtype).itemsize))
 
 
-def consumer_registers(producer_registers: int, consumers: int = 2) -> int:
+def consumer_registers(producer_registers: int, consumers: int = 2,
+                       chip: hardware.Chip = hardware.DEFAULT_GPU) -> int:
   """Registers a thread of each of ``consumers`` compute warpgroups may take beside a producer
-  warpgroup of ``producer_registers``: the SM's 64K registers (512 a thread of one warpgroup)
-  less the producer's, split evenly, in multiples of 8 and at most 255 (as JAX's pipeline
-  does)."""
-  return int(min(256, (512 - producer_registers) / consumers) // 8 * 8)
+  warpgroup of ``producer_registers``: the SM's register file spread over one warpgroup's 128
+  threads (512 on Hopper), less the producer's, split evenly, in multiples of 8 and at most
+  255 (as JAX's pipeline does)."""
+  per_thread = chip.registers_per_sm // 128
+  return int(min(256, (per_thread - producer_registers) / consumers) // 8 * 8)
 
 
 def num_sms() -> int:

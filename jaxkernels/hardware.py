@@ -35,6 +35,7 @@ class Chip:
   hbm_bytes: int
   onchip_bytes: int  # TPU: VMEM per TensorCore; GPU: shared memory per SM
   block_onchip_bytes: int | None = None  # GPU: shared memory one CTA may take
+  registers_per_sm: int | None = None  # GPU: 32-bit registers in an SM's register file
   cores: int  # TPU: TensorCores per chip (megacore); GPU: SMs
   mxu: int | None = None  # TPU: MXU edge (128 or 256)
   l2_bytes: int | None = None
@@ -71,6 +72,7 @@ CHIPS: tuple[Chip, ...] = (
         hbm_bytes=80 * GiB,
         onchip_bytes=228 * 1024,
         block_onchip_bytes=227 * 1024,  # [nv-hopper-tuning]
+        registers_per_sm=64 * 1024,  # [nv-hopper-tuning]
         cores=132,
         l2_bytes=50 * MiB,
         compute_capability=(9, 0),
@@ -87,6 +89,7 @@ CHIPS: tuple[Chip, ...] = (
         hbm_bytes=141 * 10**9,
         onchip_bytes=228 * 1024,
         block_onchip_bytes=227 * 1024,  # [nv-hopper-tuning]
+        registers_per_sm=64 * 1024,  # [nv-hopper-tuning]
         cores=132,
         l2_bytes=60 * 10**6,  # [kinds] torch reported 60 MB of L2
         compute_capability=(9, 0),
@@ -109,6 +112,7 @@ CHIPS: tuple[Chip, ...] = (
         hbm_bytes=80 * GiB,
         onchip_bytes=164 * 1024,
         block_onchip_bytes=163 * 1024,  # CUDA programming guide, compute capability 8.0
+        registers_per_sm=64 * 1024,
         cores=108,
         l2_bytes=40 * MiB,
         compute_capability=(8, 0),

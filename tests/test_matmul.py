@@ -189,6 +189,16 @@ class TestMosaicGpu(MatmulTest):
   def test_out_dtype(self):
     pytest.skip("covered by test_low_precision's bfloat16 output; the interpreter is slow")
 
+  @pytest.mark.parametrize("shape", [(100, 130, 70), (2, 257, 383, 129), (3, 2, 1027)])
+  @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: "-".join(map(str, e)))
+  def test_odd_shapes(self, shape, epilogue):
+    """Ragged M, N and K (TMA zero-fills and clips; C's past-the-end pieces skipped), every
+    epilogue, and the gradients: the backward's two products read A and B transposed in place.
+    Compiled only: the interpreter has no TMA edge handling and no TransposeTransform."""
+    if not numerics.COMPILED:
+      pytest.skip("ragged edges and transposes: compiled only (JAXKERNELS_TEST_COMPILED)")
+    self.check(shape, jnp.bfloat16, epilogue)
+
   @pytest.mark.parametrize("shape", mosaic_gpu.CTA_SHAPES, ids=lambda s: "x".join(map(str, s)))
   def test_cta_shapes(self, shape, monkeypatch):
     """Each CTA tile the heuristic may choose, 2 x 2 tiles of it on two SMs, bias + residual,
@@ -374,19 +384,48 @@ def test_stream_k_heuristic_and_lowering(monkeypatch):
     assert "mosaic_gpu" in _lowered(p, config)
 
 
-def test_stream_k(monkeypatch):
+@pytest.mark.parametrize("m,k,n", [(192, 320, 128), (300, 1000, 260)])
+def test_stream_k(monkeypatch, m, k, n):
   """Stream-K on two SMs: runs that end one tile and begin the next, owners adding partials.
   Under the interpreter, which has no semaphores, a stream-K config walks the same tiles whole
-  on the same ring: the product is still right either way (bf16 output: within its rounding)."""
+  on the same ring: the product is still right either way (bf16 output: within its rounding).
+  Ragged edges (the second shape) only compiled: the interpreter has no TMA edge handling."""
+  if (m, k, n) != (192, 320, 128) and not numerics.COMPILED:
+    pytest.skip("ragged edges: compiled only (JAXKERNELS_TEST_COMPILED on a Hopper GPU)")
   monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 2)
-  gen = numerics.rng("stream-k-interpreted")
-  a = numerics.normal(gen, (192, 320), jnp.bfloat16)
-  b = numerics.normal(gen, (320, 128), jnp.bfloat16)
+  gen = numerics.rng("stream-k", m, k, n)
+  a = numerics.normal(gen, (m, k), jnp.bfloat16)
+  b = numerics.normal(gen, (k, n), jnp.bfloat16)
   config = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, stages=3, stream_k=True)
   with numerics.kernel_mode():
+    if not jk.supports("matmul", "mosaic_gpu", a, b):
+      pytest.skip("no Mosaic GPU here")
     y = jk.matmul(a, b, implementation="mosaic_gpu", config=config)
   want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
   assert np.abs(np.asarray(y, np.float64) - want).max() <= 2 ** -8 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("shape", [(3, 100, 1027, 130), (257, 383, 129)])
+def test_mosaic_gpu_fp8(dtype, shape):
+  """fp8 with per-row and per-column scales on odd shapes (B transposed to K-major by the
+  wrapper, K padded to whole 128-deep steps). Compiled only: the interpreter hangs on fp8."""
+  if not numerics.COMPILED:
+    pytest.skip("the Mosaic GPU interpreter hangs on fp8 (jax 0.10.2): compiled only")
+  *lead, m, k, n = shape
+  gen = numerics.rng("mosaic-gpu-fp8", shape, jnp.dtype(dtype).name)
+  a = numerics.normal(gen, (*lead, m, k), dtype)
+  b = numerics.normal(gen, (k, n), dtype)
+  a_scale = jnp.asarray(gen.uniform(0.5, 2, (*lead, m)), jnp.float32)
+  b_scale = jnp.asarray(gen.uniform(0.5, 2, n), jnp.float32)
+  if not jk.supports("matmul", "mosaic_gpu", a, b, a_scale=a_scale, b_scale=b_scale):
+    pytest.skip("no Mosaic GPU here")
+  y = jk.matmul(a, b, a_scale=a_scale, b_scale=b_scale, implementation="mosaic_gpu")
+  want = (np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+          * np.asarray(a_scale, np.float64)[..., None] * np.asarray(b_scale, np.float64))
+  # bf16 output; the tensor cores' ~14-bit running sum (test_fp8_triton_and_reference).
+  atol = 2 ** -14 * math.sqrt(k) * np.abs(want).max()
+  np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2 ** -8, atol=atol)
 
 
 def test_mosaic_gpu_padding():
