@@ -203,9 +203,8 @@ def _no_error(problem: Any, config: Any, chip: hardware.Chip) -> str | None:
 class Kernels:
   """One op's kernels on one implementation, wired by name: what dispatch, tuning and the
   custom_vjp call. An op's api lists one per implementation, e.g. for softmax on Triton
-  ``Kernels(op="softmax", implementation="triton", Config=triton.Config,
-  heuristic=triton.heuristic, unsupported=triton.unsupported, forward=triton.forward,
-  backward=triton.backward)``, and registers them with :func:`register`.
+  ``Kernels.of("softmax", "triton", triton, forward=triton.forward, backward=triton.backward)``,
+  and registers them with :func:`register`.
 
   The ``problem`` every function here takes is the op's description of one call (its
   ``Problem``: shapes, dtypes, static options), hashable, with ``key()`` for the tuning
@@ -221,21 +220,32 @@ class Kernels:
   backward: Callable[..., Any] | None = None  # None where the op's backward is not a kernel
   config_error: Callable[[Any, Any, hardware.Chip], str | None] = _no_error
 
+  @classmethod
+  def of(cls, op: str, implementation: str, module: Any, *, forward: Callable[..., Any],
+         backward: Callable[..., Any] | None = None) -> Kernels:
+    """The kernels of ``module`` (a backend file: its Config, heuristic, unsupported and, where
+    it has one, config_error), with the entry points the caller names."""
+    return cls(op=op, implementation=implementation, Config=module.Config,
+               heuristic=module.heuristic, unsupported=module.unsupported,
+               config_error=getattr(module, "config_error", _no_error), forward=forward,
+               backward=backward)
+
 
 # op name -> (its kernels by implementation, (*args, **kwargs) -> (problem, arrays))
 _REGISTRY: dict[str, tuple[Mapping[str, Kernels], Callable[..., tuple[Any, tuple]]]] = {}
 _WARNED: set[tuple[str, str]] = set()
 
 
-def register(op: str, kernels: Mapping[str, Kernels],
+def register(op: str, table: Mapping[str, Kernels],
              problem_of: Callable[..., tuple[Any, tuple]]) -> Mapping[str, Kernels]:
-  """Registers ``op``'s kernels (with tuning too) and how a call's arguments become its
-  problem: ``problem_of(*args, **kwargs)`` validates them as the op does and returns
-  ``(problem, arrays)``, the arrays telling where the call runs. Returns ``kernels``."""
-  for k in kernels.values():
+  """Registers ``op``'s kernels (``table``, by implementation; with tuning too) and how a
+  call's arguments become its problem: ``problem_of(*args, **kwargs)`` validates them as the op
+  does and returns ``(problem, arrays)``, the arrays telling where the call runs. Returns
+  ``table``."""
+  for k in table.values():
     tuning.register(k)
-  _REGISTRY[op] = (kernels, problem_of)
-  return kernels
+  _REGISTRY[op] = (table, problem_of)
+  return table
 
 
 def kernels(op: str) -> Mapping[str, Kernels]:
@@ -246,11 +256,12 @@ def kernels(op: str) -> Mapping[str, Kernels]:
 
 
 def kernel_reasons(problem: Any, target: Target,
-                   kernels: Mapping[str, Kernels]) -> dict[str, str | None]:
-  """For each kernel of an op: None if it can serve ``problem`` on ``target``, else why not."""
+                   table: Mapping[str, Kernels]) -> dict[str, str | None]:
+  """For each of an op's kernels (``table``, by implementation): None if it can serve
+  ``problem`` on ``target``, else why not."""
   common = problem.reason()
   return {name: common or k.unsupported(problem, target.chip_for(name))
-          for name, k in kernels.items()}
+          for name, k in table.items()}
 
 
 def _platform_reason(implementation: str, target: Target) -> str | None:
@@ -350,8 +361,8 @@ def select(
 class Plan:
   """What one call fixes when it is traced: the kernels that serve it and their config, the
   chip the configs are chosen for, the static keyword options every kernel of the call takes,
-  and whether interpret mode was on. An op's custom_vjp closes over it (it is hashable), so the
-  backward, traced later, runs the same kernels the same way.
+  and whether interpret mode was on. An op's custom_vjp takes it as a non-differentiable
+  argument, so the backward, traced later, runs the same kernels the same way.
   """
 
   kernels: Kernels
@@ -380,7 +391,7 @@ class Plan:
 
 
 def plan(op: str, implementation: str | None, target: Target, problem: Any,
-         kernels: Mapping[str, Kernels], config: Any, *, empty: bool = False,
+         table: Mapping[str, Kernels], config: Any, *, empty: bool = False,
          **options: Any) -> Plan | None:
   """The kernel plan for one call of ``op``, or None where the XLA reference serves it.
 
@@ -390,13 +401,13 @@ def plan(op: str, implementation: str | None, target: Target, problem: Any,
   Args:
     op, implementation, target: as for :func:`select`.
     problem: the op's description of the call (see :class:`Kernels`).
-    kernels: the op's kernels by implementation name.
+    table: the op's kernels by implementation name.
     config: the caller's config, or None.
     empty: the call has no elements (the reference serves it, whatever was chosen).
     options: static keyword arguments for every kernel of the call.
   """
-  chosen = select(op, implementation, target, kernel_reasons(problem, target, kernels))
-  k = kernels.get(chosen)
+  chosen = select(op, implementation, target, kernel_reasons(problem, target, table))
+  k = table.get(chosen)
   _checks.config_type(op, chosen, config, k.Config if k else None)
   if k is None or empty:
     return None
@@ -422,8 +433,8 @@ def supports(op: str, implementation: str, *args: Any, **kwargs: Any) -> Support
     raise ValueError(
         f"supports: implementation={implementation!r} is not one of {IMPLEMENTATIONS}"
     )
-  kernels, problem_of = _REGISTRY[op]
+  table, problem_of = _REGISTRY[op]
   problem, arrays = problem_of(*args, **kwargs)
   target = target_of(*arrays)
-  reason = _reasons(implementation, target, kernel_reasons(problem, target, kernels))
+  reason = _reasons(implementation, target, kernel_reasons(problem, target, table))
   return Support(reason is None, reason or "")

@@ -127,23 +127,17 @@ def _problem_of(op, validate, names):
 
 _KERNELS = {
     "bias_activation": backend.register("bias_activation", {
-        "triton": backend.Kernels(
-            op="bias_activation", implementation="triton", Config=triton.Config,
-            heuristic=triton.heuristic, unsupported=triton.unsupported,
-            forward=triton.bias_activation_fwd, backward=triton.bias_activation_bwd),
-        "mosaic_tpu": backend.Kernels(
-            op="bias_activation", implementation="mosaic_tpu", Config=mosaic_tpu.Config,
-            heuristic=mosaic_tpu.heuristic, unsupported=mosaic_tpu.unsupported,
-            forward=mosaic_tpu.bias_activation_fwd, backward=mosaic_tpu.bias_activation_bwd),
+        "triton": backend.Kernels.of("bias_activation", "triton", triton,
+                                     forward=triton.bias_activation_fwd,
+                                     backward=triton.bias_activation_bwd),
+        "mosaic_tpu": backend.Kernels.of("bias_activation", "mosaic_tpu", mosaic_tpu,
+                                         forward=mosaic_tpu.bias_activation_fwd,
+                                         backward=mosaic_tpu.bias_activation_bwd),
     }, _problem_of("bias_activation", _validate_bias_activation, ("x", "bias"))),
     "glu": backend.register("glu", {
-        "triton": backend.Kernels(
-            op="glu", implementation="triton", Config=triton.Config,
-            heuristic=triton.heuristic, unsupported=triton.unsupported,
-            forward=triton.glu_fwd, backward=triton.glu_bwd),
-        "mosaic_tpu": backend.Kernels(
-            op="glu", implementation="mosaic_tpu", Config=mosaic_tpu.Config,
-            heuristic=mosaic_tpu.heuristic, unsupported=mosaic_tpu.unsupported,
-            forward=mosaic_tpu.glu_fwd, backward=mosaic_tpu.glu_bwd),
+        "triton": backend.Kernels.of("glu", "triton", triton, forward=triton.glu_fwd,
+                                     backward=triton.glu_bwd),
+        "mosaic_tpu": backend.Kernels.of("glu", "mosaic_tpu", mosaic_tpu,
+                                         forward=mosaic_tpu.glu_fwd, backward=mosaic_tpu.glu_bwd),
     }, _problem_of("glu", _validate_glu, ("gate", "up"))),
 }

@@ -21,18 +21,9 @@ OPERAND_DTYPES = (*FLOATS, *FLOAT8, INT8)
 
 
 _KERNELS = {
-    "triton": backend.Kernels(
-        op=OP, implementation="triton", Config=triton.Config, heuristic=triton.heuristic,
-        unsupported=triton.unsupported, config_error=triton.config_error,
-        forward=triton.matmul),
-    "mosaic_gpu": backend.Kernels(
-        op=OP, implementation="mosaic_gpu", Config=mosaic_gpu.Config,
-        heuristic=mosaic_gpu.heuristic, unsupported=mosaic_gpu.unsupported,
-        config_error=mosaic_gpu.config_error, forward=mosaic_gpu.matmul),
-    "mosaic_tpu": backend.Kernels(
-        op=OP, implementation="mosaic_tpu", Config=mosaic_tpu.Config,
-        heuristic=mosaic_tpu.heuristic, unsupported=mosaic_tpu.unsupported,
-        config_error=mosaic_tpu.config_error, forward=mosaic_tpu.matmul),
+    "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.matmul),
+    "mosaic_gpu": backend.Kernels.of(OP, "mosaic_gpu", mosaic_gpu, forward=mosaic_gpu.matmul),
+    "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.matmul),
 }
 
 

@@ -51,14 +51,12 @@ class Problem:
 
 
 def _kernels(op):
+  """rms_norm's and layer_norm's kernels: one pair of entry points per backend serves both."""
   return {
-      "triton": backend.Kernels(
-          op=op, implementation="triton", Config=triton.Config, heuristic=triton.heuristic,
-          unsupported=triton.unsupported, forward=triton.forward, backward=triton.backward),
-      "mosaic_tpu": backend.Kernels(
-          op=op, implementation="mosaic_tpu", Config=mosaic_tpu.Config,
-          heuristic=mosaic_tpu.heuristic, unsupported=mosaic_tpu.unsupported,
-          forward=mosaic_tpu.forward, backward=mosaic_tpu.backward),
+      "triton": backend.Kernels.of(op, "triton", triton, forward=triton.forward,
+                                   backward=triton.backward),
+      "mosaic_tpu": backend.Kernels.of(op, "mosaic_tpu", mosaic_tpu,
+                                       forward=mosaic_tpu.forward, backward=mosaic_tpu.backward),
   }
 
 

@@ -87,11 +87,8 @@ def _problem_of(x, *, axis=-1, **unused):
 
 
 _KERNELS = backend.register(OP, {
-    "triton": backend.Kernels(
-        op=OP, implementation="triton", Config=triton.Config, heuristic=triton.heuristic,
-        unsupported=triton.unsupported, forward=triton.forward, backward=triton.backward),
-    "mosaic_tpu": backend.Kernels(
-        op=OP, implementation="mosaic_tpu", Config=mosaic_tpu.Config,
-        heuristic=mosaic_tpu.heuristic, unsupported=mosaic_tpu.unsupported,
-        forward=mosaic_tpu.forward, backward=mosaic_tpu.backward),
+    "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
+                                 backward=triton.backward),
+    "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
+                                     backward=mosaic_tpu.backward),
 }, _problem_of)
