@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from bench import ceilings, elementwise, harness, matmul, norms, softmax
+from bench import ceilings, elementwise, harness, matmul, norms, sharding, softmax
 
 SUITES = {
     "norms": norms.run,
@@ -21,6 +21,7 @@ SUITES = {
     "softmax": softmax.run,
     "ceilings": ceilings.run,
     "matmul": matmul.run,
+    "sharding": sharding.run,
 }
 DEFAULT = ("norms", "elementwise", "softmax")
 

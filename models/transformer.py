@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
 
@@ -87,7 +88,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens):  # BT -> BTV logits (float32)
     dtype = jnp.dtype(self.cfg.dtype)
-    stream = self.embed(tokens).astype(jnp.float32)  # the residual stream stays float32
+    stream = _lookup(self.embed.embedding[...], tokens).astype(jnp.float32)  # stays float32
     delta = jnp.zeros(stream.shape, dtype)
     for block in self.blocks:
       delta, stream = block(delta, stream)
@@ -96,10 +97,22 @@ class Transformer(nnx.Module):
     return self.embed.attend(normed.astype(jnp.float32))
 
 
+def _lookup(table, tokens):
+  """table[tokens], split as the tokens are: on a mesh of Explicit axes a gather must say how
+  its output is split (the batch, as data parallelism splits it)."""
+  spec = jax.typeof(tokens).sharding.spec
+  split = any(axes is not None for axes in spec)
+  return table.at[tokens].get(out_sharding=P(*spec, None) if split else None)
+
+
 def loss_fn(model: Transformer, tokens):
   """Next-token cross-entropy (mean over positions)."""
   logits = model(tokens[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  # The label's log-probability picked by a one-hot product rather than a gather: elementwise
+  # work that splits as the batch does (on a mesh of Explicit axes a gather would have to name
+  # its output's split, and its transpose its cotangent's); one more logits-sized array.
+  labels = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=logits.dtype)
+  return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * labels, axis=-1))
 
 
 @nnx.jit
@@ -117,5 +130,23 @@ def mfu(cfg: Config, tokens_per_second: float, seq_len: int, peak_flops: float) 
 def make(cfg: Config, seed: int = 0, learning_rate: float = 3e-3):
   model = Transformer(cfg, rngs=nnx.Rngs(seed))
   return model, nnx.Optimizer(model, optax.adamw(learning_rate), wrt=nnx.Param)
+
+
+def data_parallel(model: Transformer, optimizer: nnx.Optimizer, devices=None):
+  """A mesh of ``devices`` (default: all local ones) on one Explicit axis, "data", with the
+  model and optimizer state replicated over it. Put each batch with ``shard_batch``; the train
+  step then runs each device on its share of the batch (jaxkernels' ops split with it) and
+  sums the gradients."""
+  devices = jax.local_devices() if devices is None else devices
+  mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Explicit,),
+                       devices=devices)
+  state = nnx.state((model, optimizer))
+  nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
+  return mesh
+
+
+def shard_batch(tokens, mesh):
+  """(B, T) tokens split over the mesh's "data" axis along B."""
+  return jax.device_put(tokens, NamedSharding(mesh, P("data")))
 
 

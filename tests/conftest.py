@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
+import os
 
-from tests import numerics
+# Eight host devices, set before jax starts, so that the sharding tests have a (4, 2) mesh on
+# the CPU; everything else runs on the first of them, as on one device.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from tests import numerics  # noqa: E402
 
 TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 

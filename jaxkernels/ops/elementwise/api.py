@@ -8,7 +8,7 @@ import math
 
 import jax
 
-from jaxkernels import _activations, _checks, backend
+from jaxkernels import _activations, _checks, backend, partitioning
 from jaxkernels._tiling import bucket, rows_view
 from jaxkernels.ops.elementwise import mosaic_tpu, reference, triton
 
@@ -97,6 +97,13 @@ def bias_activation(x, bias, *, activation: str, implementation=None, config=Non
     from x and bias, and reduces d(bias) in the same pass that writes dx.
   """
   x, bias, activation = _validate_bias_activation(x, bias, activation)
+  split, out = partitioning.rowwise(
+      "bias_activation", implementation,
+      lambda x, bias: bias_activation(x, bias, activation=activation,
+                                      implementation=implementation, config=config),
+      rows={"x": x}, vectors={"bias": bias}, reduced=None)
+  if split:
+    return out
   plan = _plan("bias_activation", implementation, config, activation, x=x, bias=bias)
   if plan is None:
     return reference.bias_activation(x, bias, activation=activation)
@@ -112,6 +119,13 @@ def glu(gate, up, *, activation: str = "silu", implementation=None, config=None)
     implementation, config: as for :func:`bias_activation`.
   """
   gate, up, activation = _validate_glu(gate, up, activation)
+  split, out = partitioning.rowwise(
+      "glu", implementation,
+      lambda gate, up: glu(gate, up, activation=activation, implementation=implementation,
+                           config=config),
+      rows={"gate": gate, "up": up}, reduced=None)
+  if split:
+    return out
   plan = _plan("glu", implementation, config, activation, gate=gate, up=up)
   if plan is None:
     return reference.glu(gate, up, activation=activation)

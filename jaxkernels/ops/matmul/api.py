@@ -10,8 +10,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from jaxkernels import _activations, _checks, backend
+from jaxkernels import _activations, _checks, backend, partitioning
 from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, reference, triton
 from jaxkernels.ops.matmul.common import (FLOAT8, FLOATS, INT8, NEEDS_PREACTIVATION, Problem,
                                           is_quantized)
@@ -196,6 +197,11 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, out_dtype=None, p
   """
   a, b, bias, residual, out_dtype = _validate(a, b, bias, activation, residual, out_dtype,
                                               precision, a_scale, b_scale)
+  split, out = _sharded(a, b, bias=bias, activation=activation, residual=residual,
+                        out_dtype=out_dtype, precision=precision, a_scale=a_scale,
+                        b_scale=b_scale, implementation=implementation, config=config)
+  if split:
+    return out
   quantized = is_quantized(a.dtype)
   problem = _problem(a, b, bias, activation, residual, out_dtype, precision, quantized)
   target = backend.target_of(a, b, bias, residual)
@@ -215,6 +221,66 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, out_dtype=None, p
   bs2 = jnp.broadcast_to(jnp.float32(1) if b_scale is None else b_scale.astype(jnp.float32),
                          (problem.n,))
   return _quantized(plan, problem, a2, b, as2, bs2, bias, r2).reshape(out_shape)
+
+
+def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale, b_scale,
+             implementation, config):
+  """The matmul on split operands (``partitioning``), as (True, y), or (False, None) where
+  nothing is split. The rule:
+
+  * A's rows split freely (data parallel): each shard multiplies its rows by all of B.
+  * B split over N gives a column-parallel product: each shard writes its columns; the bias,
+    b_scale and the residual split with them.
+  * A and B split over K give a row-parallel product: each shard multiplies its K slice
+    without the epilogue (float32 out), the partial sums are added across K's mesh axes
+    (psum), and the epilogue (scales, bias, activation, residual) runs after the sum. A's K
+    split decides; B, a weight, is sliced to match (a local slice, no gather), and so is A
+    where only B's K is split.
+  * A mesh axis cannot split both A's rows (or K) and B's N: B's N is gathered along it, with
+    the one-time ShardingWarning (an error for an explicit kernel).
+  The backward partitions with it: shard_map's transpose adds dB over the row shards and
+  d(bias) over the rows, and the row-parallel product's psum transposes to a broadcast.
+  """
+  arrays = dict(a=a, b=b, bias=bias, residual=residual, a_scale=a_scale, b_scale=b_scale)
+  found = next(filter(None, map(partitioning.layout, arrays.values())), None)
+  if found is None:
+    return False, None
+  mesh = found[0]
+  spec_a = list(partitioning.layout(a)[1]) if partitioning.layout(a) else [None] * a.ndim
+  spec_b = list(partitioning.layout(b)[1]) if partitioning.layout(b) else [None, None]
+  rows = [partitioning.axes(e) for e in spec_a[:-1]]
+  row_axes = {x for r in rows for x in r}
+  k = partitioning.axes(spec_a[-1]) or tuple(
+      x for x in partitioning.axes(spec_b[0]) if x not in row_axes)
+  taken = row_axes | set(k)
+  n = partitioning.axes(spec_b[1])
+  if clash := tuple(x for x in n if x in taken):
+    partitioning.gathered(OP, implementation, "b", b, 1, clash, mesh,
+                          why="those axes already split a's rows or K",
+                          instead="split N over other mesh axes")
+    n = tuple(x for x in n if x not in taken)
+  entry = partitioning.entry
+  spec_a = P(*map(entry, rows), entry(k))
+  spec_b = P(entry(k), entry(n))
+  out = P(*map(entry, rows), entry(n))
+  partitioning.check_divides(OP, "a", a.shape, spec_a, mesh)
+  partitioning.check_divides(OP, "b", b.shape, spec_b, mesh)
+  specs = dict(a=spec_a, b=spec_b, bias=P(entry(n)), residual=out,
+               a_scale=P(*map(entry, rows)) if a_scale is not None and a_scale.ndim else P(),
+               b_scale=P(entry(n)) if b_scale is not None and b_scale.ndim else P())
+  kw = dict(activation=activation, out_dtype=out_dtype, precision=precision,
+            implementation=implementation, config=config)
+  if not k:
+    return True, partitioning.run(mesh, lambda **ops: matmul(**ops, **kw), arrays, specs, out)
+
+  def row_parallel(a, b, bias, residual, a_scale, b_scale):
+    partial = matmul(a, b, out_dtype=jnp.float32, precision=precision,
+                     implementation=implementation, config=config)
+    z = lax.psum(partial, k)
+    return reference.epilogue(z, bias=bias, activation=activation, residual=residual,
+                              a_scale=a_scale, b_scale=b_scale).astype(out_dtype)
+
+  return True, partitioning.run(mesh, row_parallel, arrays, specs, out)
 
 
 def _problem_of(a, b, *, bias=None, activation=None, residual=None, out_dtype=None,

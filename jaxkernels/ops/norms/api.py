@@ -8,7 +8,7 @@ import math
 
 import jax
 
-from jaxkernels import _checks, backend
+from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket, rows_view
 from jaxkernels.ops.norms import mosaic_tpu, reference, triton
 
@@ -100,6 +100,14 @@ def _validate(op, x, scale, bias, residual, eps):
 
 def _norm(op, layer, x, scale, bias, residual, eps, implementation, config):
   x, scale, bias, residual, eps = _validate(op, x, scale, bias, residual, eps)
+  # Sharded rows: each shard runs this same function on its rows (partitioning.py).
+  split, out = partitioning.rowwise(
+      op, implementation,
+      lambda x, residual, scale, bias: _norm(op, layer, x, scale, bias, residual, eps,
+                                             implementation, config),
+      rows={"x": x, "residual": residual}, vectors={"scale": scale, "bias": bias}, reduced=-1)
+  if split:
+    return out
   target = backend.target_of(x, scale, bias, residual)
   plan = backend.plan(op, implementation, target, Problem.of(x, scale, bias, residual, layer),
                       _KERNELS[op], config, empty=x.size == 0, layer=layer, eps=eps)

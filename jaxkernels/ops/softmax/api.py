@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkernels import _checks, backend
+from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket, rows_view
 from jaxkernels.ops.softmax import mosaic_tpu, reference, triton
 
@@ -71,6 +71,12 @@ def softmax(x, *, axis: int = -1, implementation=None, config=None):
     config: the chosen kernel's Config; None picks one for the shape and device.
   """
   x, axis = _validate(x, axis)
+  split, out = partitioning.rowwise(
+      OP, implementation,
+      lambda x: softmax(x, axis=axis, implementation=implementation, config=config),
+      rows={"x": x}, reduced=axis)
+  if split:
+    return out
   last = x.ndim - 1
   moved = jnp.moveaxis(x, axis, last) if axis != last else x
   plan = backend.plan(OP, implementation, backend.target_of(x), Problem.of(x, axis), _KERNELS,

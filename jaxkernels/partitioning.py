@@ -1,0 +1,166 @@
+"""Ops on sharded arrays: an op whose inputs are split over a mesh runs its kernels once per
+shard, under ``jax.shard_map`` over the mesh the inputs carry, with the collectives its rule
+asks for and no others.
+
+Why shard_map, not ``custom_partitioning`` (bench/NOTES.md, sharding-1): a Pallas call is one
+opaque custom call, which neither GSPMD nor Shardy can split (Mosaic TPU refuses, "cannot be
+automatically partitioned"; a Triton call is pinned to one device). ``custom_partitioning``
+hands the split to a Python callback at compile time, but on TPU the callback is never
+registered (jax-ml/jax#38196: "Custom emitter for CustomSPMDPartitioning not found", also
+AOT for v5e from a CPU host), and the TPU interpreter's callbacks are refused inside it. shard_map
+works for every backend, interpreted and compiled, forward and backward (its transpose sums
+the cotangents of operands that every shard shares: d(scale), d(bias), dB). Arrays replicated
+over the mesh run the kernel whole on every device, as XLA runs replicated work. It needs the split at trace time: arrays on a mesh whose axes are
+``jax.sharding.AxisType.Explicit`` carry it in their type (``jax.typeof(x).sharding``), so that
+is what the ops read. On ``Auto`` axes the split is decided later by the compiler, which cannot
+split a kernel: run kernels on sharded data with Explicit axes (or inside your own shard_map,
+where every array is one shard and the ops run as on one device).
+
+Each op states its rule: which of its arrays are rows (shaped like x), which are vectors along
+x's last dimension, and which dimension of x it reduces over. Rows split freely except along the
+reduced dimension; a split reduced dimension is gathered, with a one-time
+:class:`ShardingWarning` naming the op, the axes and the bytes moved (or a ValueError where the
+caller named a kernel). A mesh axis that does not divide the dimension it splits is a
+ValueError naming the op, the array, the axes and the sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+_WARNED: set[str] = set()
+
+
+class ShardingWarning(UserWarning):
+  """An op gathered a dimension that its inputs keep split, because its kernels reduce over it."""
+
+
+def axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def entry(names: Sequence[str]):
+  """A PartitionSpec entry for mesh axes ``names``: None, one name, or a tuple of names."""
+  names = tuple(names)
+  return None if not names else names[0] if len(names) == 1 else names
+
+
+def layout(a) -> tuple[Any, tuple] | None:
+  """(mesh, spec padded to a's rank) where ``a``'s type places it on a mesh of Explicit axes
+  (split or not), else None (no mesh, Auto axes, or inside a shard_map)."""
+  if a is None:
+    return None
+  try:
+    sharding = jax.typeof(a).sharding
+  except (TypeError, AttributeError):
+    return None
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+  if mesh is None or spec is None or getattr(mesh, "empty", True):
+    return None
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+    return None
+  return mesh, tuple(spec) + (None,) * (len(a.shape) - len(tuple(spec)))
+
+
+def size(mesh, names: Sequence[str]) -> int:
+  return math.prod(dict(mesh.shape)[a] for a in names)
+
+
+def check_divides(op: str, name: str, shape, spec, mesh) -> None:
+  """A ValueError naming the op, the array, the axes and the sizes where a mesh axis does not
+  divide the dimension it splits."""
+  for dim, (length, split) in enumerate(zip(shape, spec)):
+    names = axes(split)
+    if names and length % size(mesh, names):
+      raise ValueError(
+          f"{op}: {name} has dimension {dim} of size {length}, which mesh axes {names} (size "
+          f"{size(mesh, names)}) do not divide: shard it over axes whose size divides "
+          f"{length}, or pad it")
+
+
+def gathered(op: str, implementation: str | None, name: str, a, dim: int, names, mesh,
+             why: str | None = None, instead: str = "split the rows") -> None:
+  """Warns once (or raises, for an explicit kernel) that ``a``'s dimension ``dim`` is gathered
+  along mesh axes ``names``, because ``why`` (default: the op reduces over it)."""
+  k = size(mesh, names)
+  moved = a.size * a.dtype.itemsize * (k - 1) // k
+  why = why or f"{op}'s kernels reduce over it whole"
+  reason = f"{name}'s dimension {dim} (size {a.shape[dim]}) is split over mesh axes {names}, and {why}"
+  if implementation not in (None, "xla"):
+    raise ValueError(f"{op}: implementation={implementation!r} cannot serve this call: {reason}; "
+                     f"keep that dimension whole ({instead}), or pass implementation=None to "
+                     "gather it")
+  message = (f"jaxkernels.{op}: {reason}: gathered, {moved / 2**20:.1f} MiB into each device, "
+             f"which then holds that dimension whole")
+  if message not in _WARNED:
+    _WARNED.add(message)
+    warnings.warn(message, ShardingWarning, stacklevel=3)
+
+
+def rowwise(op: str, implementation: str | None, call: Callable[..., Any], *,
+            rows: Mapping[str, Any], vectors: Mapping[str, Any] = {},
+            reduced: int | None) -> tuple[bool, Any]:
+  """Runs ``call(**rows, **vectors)`` once per shard where the arrays are split.
+
+  Args:
+    rows: arrays shaped like the first of them (x); the first decides the layout, the others
+      are resharded to it where they differ.
+    vectors: arrays along x's last dimension (scale, bias).
+    reduced: the dimension of x the op reduces over (kept whole), or None (elementwise: the
+      last dimension splits too, and the vectors with it).
+
+  Returns:
+    (True, the result) where the arrays live on a mesh of Explicit axes (split or not: a Pallas
+    call on a multi-device mesh runs only per shard), else (False, None): the caller runs as
+    on one device. The result's row outputs are split as x's rows are.
+  """
+  (x_name, x), *_ = rows.items()
+  found = next((lay for lay in map(layout, (*rows.values(), *vectors.values())) if lay), None)
+  if found is None:
+    return False, None
+  mesh = found[0]
+  spec = list(layout(x)[1]) if layout(x) else [None] * x.ndim
+  if reduced is not None:
+    reduced %= x.ndim
+    if axes(spec[reduced]):
+      gathered(op, implementation, x_name, x, reduced, axes(spec[reduced]), mesh)
+      spec[reduced] = None
+  check_divides(op, x_name, x.shape, spec, mesh)
+  row_spec = P(*spec)
+  vector_spec = P(spec[-1]) if reduced is None else P(None)
+  specs = {**{name: row_spec for name in rows}, **{name: vector_spec for name in vectors}}
+  return True, run(mesh, call, {**rows, **vectors}, specs, row_spec)
+
+
+def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mapping[str, P],
+        out_specs) -> Any:
+  """``call(**arrays)`` under shard_map over ``mesh``, each array split as ``specs`` says
+  (resharded first where it is split otherwise: slicing a whole array is local; gathering a
+  split one is what the rules warn of), None arrays passed through as None."""
+  names = [name for name, a in arrays.items() if a is not None]
+  args, in_specs = [], []
+  for name in names:
+    a, target = arrays[name], specs[name]
+    have = layout(a)
+    if (P(*have[1]) if have else P(*[None] * a.ndim)) != P(*target, *[None] * (a.ndim - len(target))):
+      a = jax.sharding.reshard(a, NamedSharding(mesh, target))
+    args.append(a)
+    in_specs.append(target)
+  absent = {name: None for name, a in arrays.items() if a is None}
+
+  def body(*local):
+    return call(**dict(zip(names, local)), **absent)
+
+  # check_vma=False: a pallas_call's outputs carry no varying-axes type; the op's rule is what
+  # says how they vary.
+  return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                       check_vma=False)(*args)

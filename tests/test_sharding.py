@@ -1,0 +1,267 @@
+"""Every op on sharded arrays: on a (4, 2) mesh of Explicit axes over 8 host devices, each
+supported layout gives the unsharded numbers, forward and gradients, on the Triton and Mosaic
+TPU kernels (interpreted); split operands are not gathered (the TPU compiler's HLO and memory
+for v5e and v6e topologies); a gather the rule needs warns, or raises for an explicit kernel;
+a mesh axis that does not divide its dimension is named."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxkernels as jk
+from jaxkernels import _activations, partitioning
+from jaxkernels.ops.elementwise import reference as elementwise_reference
+from jaxkernels.ops.norms import reference as norms_reference
+from jaxkernels.ops.softmax import reference as softmax_reference
+from tests import numerics
+from tests.test_matmul import reference as matmul_spec
+
+pytestmark = pytest.mark.cpu_only  # the mesh is of host devices, the kernels interpreted
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (conftest sets --xla_force_host_platform_device_count=8)")
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+  monkeypatch.setattr(partitioning, "_WARNED", set())
+
+
+def _put(mesh, a, spec):
+  return None if a is None else jax.device_put(a, NamedSharding(mesh, spec))
+
+
+# op: (function of the arrays for an implementation, the reference for a compute dtype, the
+# arrays' builder, each array's kind: rows (shaped like x), a vector along x's last axis, None)
+def _norm(layer):
+  def fn(impl):
+    def f(x, s, b, r):
+      if layer:
+        return jk.layer_norm(x, s, b, residual=r, implementation=impl)
+      return jk.rms_norm(x, s, residual=r, implementation=impl)
+    return f
+
+  def ref(cd):
+    def f(x, s, b, r):
+      if layer:
+        return norms_reference.layer_norm(x, s, b, eps=1e-6, residual=r, compute_dtype=cd)
+      return norms_reference.rms_norm(x, s, eps=1e-6, residual=r, compute_dtype=cd)
+    return f
+
+  def arrays(gen, shape):
+    n = shape[-1]
+    return (numerics.normal(gen, shape, jnp.float32), numerics.normal(gen, (n,), jnp.float32, 0.2, 1),
+            numerics.normal(gen, (n,), jnp.float32, 0.2) if layer else None,
+            numerics.normal(gen, shape, jnp.float32))
+  return fn, ref, arrays, ("rows", "vector", "vector" if layer else None, "rows")
+
+
+OPS = {
+    "rms_norm": _norm(False),
+    "layer_norm": _norm(True),
+    "bias_activation": (
+        lambda impl: lambda x, b: jk.bias_activation(x, b, activation="gelu", implementation=impl),
+        lambda cd: lambda x, b: elementwise_reference.bias_activation(x, b, activation="gelu",
+                                                                      compute_dtype=cd),
+        lambda gen, shape: (numerics.normal(gen, shape, jnp.float32),
+                            numerics.normal(gen, shape[-1:], jnp.float32)),
+        ("rows", "vector")),
+    "glu": (
+        lambda impl: lambda g, u: jk.glu(g, u, implementation=impl),
+        lambda cd: lambda g, u: elementwise_reference.glu(g, u, compute_dtype=cd),
+        lambda gen, shape: (numerics.normal(gen, shape, jnp.float32),
+                            numerics.normal(gen, shape, jnp.float32)),
+        ("rows", "rows")),
+    "softmax": (
+        lambda impl: lambda x: jk.softmax(x, axis=1, implementation=impl),
+        lambda cd: lambda x: softmax_reference.softmax(x, axis=1, compute_dtype=cd),
+        lambda gen, shape: (3 * numerics.normal(gen, shape, jnp.float32),),
+        ("rows",)),
+}
+# Layouts of a (B, T, N) array: batch over both axes, batch and sequence, and the last axis
+# split (free for the elementwise ops, gathered with a warning for the norms; softmax reduces
+# over axis 1, so there the sequence split is the gathered one).
+SHAPE = (8, 4, 128)
+LAYOUTS = {"batch": P(("data", "model"), None, None), "batch+seq": P("data", "model", None),
+           "batch+hidden": P("data", None, "model")}
+GATHERS = {("rms_norm", "batch+hidden"), ("layer_norm", "batch+hidden"),
+           ("softmax", "batch+seq")}
+
+
+def _specs(kinds, spec):
+  return [None if k is None else spec if k == "rows" else P(spec[-1]) for k in kinds]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])
+def test_sharded_matches_unsharded(mesh, impl, op, layout):
+  """The numerics rule against the float64 oracle, for the sharded call as for any other."""
+  if impl == "mosaic_tpu" and layout != "batch+seq":
+    pytest.skip("the TPU interpreter on 8 devices is slow: one layout each (and the AOT tests)")
+  fn, ref, arrays, kinds = OPS[op]
+  gen = numerics.rng("sharding", op, layout)
+  args = arrays(gen, SHAPE)
+  spec = LAYOUTS[layout]
+  sharded = [_put(mesh, a, s) if s is not None else a for a, s in zip(args, _specs(kinds, spec))]
+  out_shapes = jax.eval_shape(ref(jnp.float32), *args)
+  ct = jax.tree.map(lambda o: numerics.normal(gen, o.shape, o.dtype), out_shapes)
+  with jk.interpret_mode(impl), warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out, vjp = jax.vjp(jax.jit(fn(None)), *sharded)
+    got = (out, vjp(ct))
+  gathered = [w for w in caught if issubclass(w.category, jk.ShardingWarning)]
+  assert bool(gathered) == ((op, layout) in GATHERS), [str(w.message) for w in gathered]
+  numerics.assert_matches(got, ref, args, ct, dtype=jnp.float32,
+                          reduction=max(SHAPE[-1], math.prod(SHAPE[:-1])))
+  if (op, layout) not in GATHERS:
+    assert jax.tree.leaves(out)[0].sharding.spec == spec  # the output stays split as x was
+
+
+MATMUL_LAYOUTS = {  # name: (A's spec, B's spec, the output's)
+    "data parallel": (P(("data", "model"), None), P(None, None), P(("data", "model"), None)),
+    "column parallel": (P("data", None), P(None, "model"), P("data", "model")),
+    "row parallel": (P("data", "model"), P("model", None), P("data", None)),
+    "A's K alone": (P(None, "model"), P(None, None), P(None, None)),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(MATMUL_LAYOUTS))
+def test_matmul_layouts(mesh, layout):
+  """Every epilogue operand follows the output; in the row-parallel product the activation
+  runs after the partial sums are added."""
+  spec_a, spec_b, spec_out = MATMUL_LAYOUTS[layout]
+  gen = numerics.rng("sharding-matmul", layout)
+  m, k, n = 32, 64, 48
+  a, b = numerics.normal(gen, (m, k), jnp.float32, k ** -0.25), numerics.normal(gen, (k, n), jnp.float32, k ** -0.25)
+  bias, res = numerics.normal(gen, (n,), jnp.float32), numerics.normal(gen, (m, n), jnp.float32)
+  config = jk.ops.matmul.triton.Config(block_m=16, block_n=16, block_k=16, num_warps=4,
+                                       num_stages=1)
+
+  def fn(impl, cfg):
+    return lambda a, b, bias, res: jk.matmul(a, b, bias=bias, residual=res, activation="gelu",
+                                             precision=jax.lax.Precision.HIGHEST,
+                                             implementation=impl, config=cfg)
+
+  ct = numerics.normal(gen, (m, n), jnp.float32)
+
+  ref = matmul_spec("gelu", True, True)
+
+  with jk.interpret_mode("triton"):
+    out, vjp = jax.vjp(jax.jit(fn("triton", config)), _put(mesh, a, spec_a), _put(mesh, b, spec_b),
+                       bias, res)
+    got = (out, vjp(ct))
+  assert out.sharding.spec == spec_out
+  numerics.assert_matches(got, ref, (a, b, bias, res), ct, dtype=jnp.float32, reduction=k,
+                          pointwise_rtol=_activations.RTOL)
+
+
+def test_gather_warns_once_and_an_explicit_kernel_refuses(mesh):
+  x = _put(mesh, jnp.ones((8, 128)), P("data", "model"))
+  with jk.interpret_mode("triton"):
+    with pytest.warns(jk.ShardingWarning, match=r"rms_norm: x's dimension 1 \(size 128\) is "
+                      r"split over mesh axes \('model',\).*gathered, 0.0 MiB"):
+      jax.jit(lambda x: jk.rms_norm(x, jnp.ones(128)))(x)
+    with pytest.raises(ValueError, match="implementation='triton' cannot serve this call: x's "
+                       "dimension 1"):
+      jax.jit(lambda x: jk.rms_norm(x, jnp.ones(128), implementation="triton"))(x)
+    b = _put(mesh, jnp.ones((128, 64)), P(None, "data"))
+    with pytest.warns(jk.ShardingWarning, match="b's dimension 1 .* already split a's rows"):
+      jax.jit(lambda x, b: jk.matmul(x, b))(_put(mesh, jnp.ones((8, 128)), P("data", None)), b)
+
+
+def test_an_axis_that_does_not_divide_is_named(mesh):
+  """On Explicit axes jax itself refuses an array split unevenly, naming the dimension and the
+  split; the rules check every split they make (check_divides) with the op's own words."""
+  x = jax.ShapeDtypeStruct((6, 128), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+  with pytest.raises(ValueError, match="does not evenly divide the dimension size 6"):
+    jax.jit(lambda x: jk.rms_norm(x, jnp.ones(128))).trace(x)
+  with pytest.raises(ValueError, match=r"rms_norm: x has dimension 0 of size 6, which mesh axes "
+                     r"\('data',\) \(size 4\) do not divide: shard it over axes whose size "
+                     "divides 6, or pad it"):
+    partitioning.check_divides("rms_norm", "x", (6, 128), P("data", None), mesh)
+
+
+def test_a_one_device_mesh():
+  """A one-device mesh of Explicit axes: the kernel runs once, whole, with no collective."""
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:1])
+  x = jax.device_put(numerics.normal(numerics.rng("one-device"), (8, 128), jnp.float32),
+                     NamedSharding(mesh, P("data", None)))
+  with jk.interpret_mode("triton"):
+    f = jax.jit(lambda x: jk.rms_norm(x, jnp.ones(128)))
+    y = f(x)
+    text = f.lower(x).compile().as_text()
+  assert not any(c in text for c in ("all-gather", "all-reduce", "all-to-all"))
+  want = norms_reference.rms_norm(x, jnp.ones(128), eps=1e-6)
+  assert max(numerics.errors(y, np.asarray(want, np.float64))) < 8 * numerics.F32_EPS
+
+
+# --------------------------------------------------------------------------- #
+# The TPU compiler: no gather of a split operand, a quarter of the memory
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module", params=["v5e:2x2", "v6e:2x2"])
+def tpu4(request):
+  from jax.experimental import topologies
+  try:
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=request.param)
+  except Exception as e:  # noqa: BLE001 - no libtpu: the `test` extra brings it
+    pytest.skip(f"no TPU compiler here ({type(e).__name__}: {e})")
+  return jax.sharding.Mesh(np.array(topology.devices[:4]), ("data",),
+                           axis_types=(AxisType.Explicit,))
+
+
+def _tpu_compile(mesh, fn, *args):
+  with jax.set_mesh(mesh):
+    return jax.jit(fn).lower(*args).compile()
+
+
+TPU_CASES = {
+    "rms_norm+residual": (lambda x, w: jk.rms_norm(x, w[0], residual=x)[0], "vector"),
+    "layer_norm": (lambda x, w: jk.layer_norm(x, w[0], w[1]), "vector"),
+    "glu": (lambda x, w: jk.glu(x, x * 0.5), "vector"),
+    "softmax": (lambda x, w: jk.softmax(x), "vector"),
+    "matmul": (lambda x, w: jk.matmul(x, w), "matrix"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TPU_CASES))
+def test_tpu_compile_keeps_rows_split(tpu4, case):
+  """Rows split over 4 chips: the compiled program gathers no row array, and each chip holds
+  about a quarter of the unsharded call's arguments, outputs and temporaries (forward and
+  backward)."""
+  op, weight = TPU_CASES[case]
+  rows, n = 4096, 1024
+  w_shape = (2, n) if weight == "vector" else (n, n)
+
+  def step(x, w):
+    return jax.value_and_grad(lambda x, w: jnp.sum(op(x, w).astype(jnp.float32)),
+                              argnums=(0, 1))(x, w)
+
+  def compiled(spec):
+    x = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16, sharding=NamedSharding(tpu4, spec))
+    w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16, sharding=NamedSharding(tpu4, P()))
+    return _tpu_compile(tpu4, step, x, w)
+
+  split, whole = compiled(P("data", None)), compiled(P(None, None))
+  text = split.as_text()
+  assert "all-gather" not in text and "all-to-all" not in text
+  assert "jk_" in text  # the kernels, partitioned
+  per_chip = lambda c: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes +
+                        m.temp_size_in_bytes)(c.memory_analysis())
+  weights = 2 * math.prod(w_shape) * 2  # the replicated weight and its gradient, bf16
+  assert per_chip(split) - weights <= 0.3 * (per_chip(whole) - weights), (
+      per_chip(split), per_chip(whole))
