@@ -7,6 +7,10 @@ a mesh axis that does not divide its dimension is named."""
 from __future__ import annotations
 
 import math
+import os
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -36,6 +40,26 @@ def mesh():
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
   monkeypatch.setattr(partitioning, "_WARNED", set())
+
+
+_CHILD = "JAXKERNELS_TEST_SHARDING_CHILD"
+
+
+def _in_own_process(request) -> bool:
+  """Runs this test in a process of its own and returns True there; in the parent, waits for
+  it and fails with its output if it failed. The TPU interpreter keeps global simulated
+  memory and semaphores across kernels (jax 0.10.2): run one after another in one process,
+  its multi-device kernels waited forever at the third to ninth case (resetting that state
+  between tests did not help); each alone passes in seconds."""
+  if os.environ.get(_CHILD):
+    return True
+  done = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+      env={**os.environ, _CHILD: "1", "JAXKERNELS_TEST_SEED": str(numerics.SEED)},
+      capture_output=True, text=True, timeout=300,
+      cwd=pathlib.Path(__file__).parent.parent)
+  assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+  return False
 
 
 def _put(mesh, a, spec):
@@ -106,10 +130,14 @@ def _specs(kinds, spec):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("op", sorted(OPS))
 @pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])
-def test_sharded_matches_unsharded(mesh, impl, op, layout):
+def test_sharded_matches_unsharded(request, mesh, impl, op, layout):
   """The numerics rule against the float64 oracle, for the sharded call as for any other."""
-  if impl == "mosaic_tpu" and layout != "batch+seq":
-    pytest.skip("the TPU interpreter on 8 devices is slow: one layout each (and the AOT tests)")
+  if impl == "mosaic_tpu" and (op, layout) in GATHERS:
+    pytest.skip("an all-gather before the kernels hangs the TPU interpreter's callbacks on host "
+                "devices (bench/NOTES.md sharding-1); the TPU compiler takes it "
+                "(test_tpu_compile_keeps_rows_split) and Triton checks the rule's numbers")
+  if impl == "mosaic_tpu" and not _in_own_process(request):
+    return
   fn, ref, arrays, kinds = OPS[op]
   gen = numerics.rng("sharding", op, layout)
   args = arrays(gen, SHAPE)
