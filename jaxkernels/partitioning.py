@@ -123,6 +123,8 @@ def rowwise(op: str, implementation: str | None, call: Callable[..., Any], *,
     call on a multi-device mesh runs only per shard), else (False, None): the caller runs as
     on one device. The result's row outputs are split as x's rows are.
   """
+  if implementation == "xla":
+    return False, None  # the reference is jnp: XLA's own partitioner splits it
   (x_name, x), *_ = rows.items()
   found = next((lay for lay in map(layout, (*rows.values(), *vectors.values())) if lay), None)
   if found is None:

@@ -293,3 +293,31 @@ def test_tpu_compile_keeps_rows_split(tpu4, case):
   weights = 2 * math.prod(w_shape) * 2  # the replicated weight and its gradient, bf16
   assert per_chip(split) - weights <= 0.3 * (per_chip(whole) - weights), (
       per_chip(split), per_chip(whole))
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
+def test_cuda_lowering_splits_the_kernels(mesh, impl):
+  """Exported for CUDA on the (4, 2) mesh, rows split over all 8 devices: each kernel runs in
+  the manual (per-shard) computation, and no operand is gathered (forward and backward)."""
+  from jax import export
+
+  from jaxkernels._triton import CUSTOM_CALL
+
+  rows = NamedSharding(mesh, P(("data", "model"), None))
+  x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=rows)
+  whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+  if impl == "triton":
+    op, w, name = (lambda x, w: jk.rms_norm(x, w, implementation=impl),
+                   whole((1024,), jnp.float32), "jk_rms_norm_bwd")
+  else:
+    op, w, name = (lambda x, w: jk.matmul(x, w, implementation=impl),
+                   whole((1024, 1024), jnp.bfloat16), "mosaic_gpu")
+
+  def step(x, w):
+    return jax.value_and_grad(lambda x, w: jnp.sum(op(x, w).astype(jnp.float32)),
+                              argnums=(0, 1))(x, w)
+
+  text = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call(CUSTOM_CALL)])(x, w).mlir_module()
+  assert "manual_computation" in text and name in text
+  assert "all_gather" not in text and "all_to_all" not in text

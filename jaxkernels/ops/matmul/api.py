@@ -241,6 +241,8 @@ def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
   The backward partitions with it: shard_map's transpose adds dB over the row shards and
   d(bias) over the rows, and the row-parallel product's psum transposes to a broadcast.
   """
+  if implementation == "xla":
+    return False, None  # the reference is jnp: XLA's own partitioner splits it
   arrays = dict(a=a, b=b, bias=bias, residual=residual, a_scale=a_scale, b_scale=b_scale)
   found = next(filter(None, map(partitioning.layout, arrays.values())), None)
   if found is None:
