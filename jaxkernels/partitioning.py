@@ -6,15 +6,16 @@ Why shard_map, not ``custom_partitioning`` (bench/NOTES.md, sharding-1): a Palla
 opaque custom call, which neither GSPMD nor Shardy can split (Mosaic TPU refuses, "cannot be
 automatically partitioned"; a Triton call is pinned to one device). ``custom_partitioning``
 hands the split to a Python callback at compile time, but on TPU the callback is never
-registered (jax-ml/jax#38196: "Custom emitter for CustomSPMDPartitioning not found", also
-AOT for v5e from a CPU host), and the TPU interpreter's callbacks are refused inside it. shard_map
-works for every backend, interpreted and compiled, forward and backward (its transpose sums
-the cotangents of operands that every shard shares: d(scale), d(bias), dB). Arrays replicated
-over the mesh run the kernel whole on every device, as XLA runs replicated work. It needs the split at trace time: arrays on a mesh whose axes are
-``jax.sharding.AxisType.Explicit`` carry it in their type (``jax.typeof(x).sharding``), so that
-is what the ops read. On ``Auto`` axes the split is decided later by the compiler, which cannot
-split a kernel: run kernels on sharded data with Explicit axes (or inside your own shard_map,
-where every array is one shard and the ops run as on one device).
+registered (jax-ml/jax#38196: "Custom emitter for CustomSPMDPartitioning not found", also AOT
+for v5e from a CPU host), and the TPU interpreter's callbacks are refused inside it. shard_map
+works for every backend, interpreted and compiled, forward and backward (its transpose sums the
+cotangents of operands that every shard shares: d(scale), d(bias), dB). Arrays replicated over
+the mesh run the kernel whole on every device, as XLA runs replicated work. It needs the split
+at trace time: arrays on a mesh whose axes are ``jax.sharding.AxisType.Explicit`` carry it in
+their type (``jax.typeof(x).sharding``), so that is what the ops read. On ``Auto`` axes the
+split is decided later by the compiler, which cannot split a kernel: run kernels on sharded
+data with Explicit axes (or inside your own shard_map, where every array is one shard and the
+ops run as on one device).
 
 Each op states its rule: which of its arrays are rows (shaped like x), which are vectors along
 x's last dimension, and which dimension of x it reduces over. Rows split freely except along the
@@ -38,7 +39,8 @@ _WARNED: set[str] = set()
 
 
 class ShardingWarning(UserWarning):
-  """An op gathered a dimension that its inputs keep split, because its kernels reduce over it."""
+  """An op gathered a dimension that its inputs keep split, because its rule cannot keep it
+  split (its kernels reduce over it, say)."""
 
 
 def axes(entry) -> tuple[str, ...]:
@@ -94,7 +96,8 @@ def gathered(op: str, implementation: str | None, name: str, a, dim: int, names,
   k = size(mesh, names)
   moved = a.size * a.dtype.itemsize * (k - 1) // k
   why = why or f"{op}'s kernels reduce over it whole"
-  reason = f"{name}'s dimension {dim} (size {a.shape[dim]}) is split over mesh axes {names}, and {why}"
+  reason = (f"{name}'s dimension {dim} (size {a.shape[dim]}) is split over mesh axes {names}, "
+            f"and {why}")
   if implementation not in (None, "xla"):
     raise ValueError(f"{op}: implementation={implementation!r} cannot serve this call: {reason}; "
                      f"keep that dimension whole ({instead}), or pass implementation=None to "
@@ -129,8 +132,8 @@ def rowwise(op: str, implementation: str | None, call: Callable[..., Any], *,
   found = next((lay for lay in map(layout, (*rows.values(), *vectors.values())) if lay), None)
   if found is None:
     return False, None
-  mesh = found[0]
-  spec = list(layout(x)[1]) if layout(x) else [None] * x.ndim
+  mesh, x_layout = found[0], layout(x)
+  spec = list(x_layout[1]) if x_layout else [None] * x.ndim
   if reduced is not None:
     reduced %= x.ndim
     if axes(spec[reduced]):
@@ -150,10 +153,11 @@ def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mappin
   split one is what the rules warn of), None arrays passed through as None."""
   names = [name for name, a in arrays.items() if a is not None]
   args, in_specs = [], []
+  padded = lambda spec, ndim: P(*spec, *[None] * (ndim - len(spec)))
   for name in names:
     a, target = arrays[name], specs[name]
     have = layout(a)
-    if (P(*have[1]) if have else P(*[None] * a.ndim)) != P(*target, *[None] * (a.ndim - len(target))):
+    if padded(have[1] if have else (), a.ndim) != padded(target, a.ndim):
       a = jax.sharding.reshard(a, NamedSharding(mesh, target))
     args.append(a)
     in_specs.append(target)

@@ -85,7 +85,8 @@ def _norm(layer):
 
   def arrays(gen, shape):
     n = shape[-1]
-    return (numerics.normal(gen, shape, jnp.float32), numerics.normal(gen, (n,), jnp.float32, 0.2, 1),
+    return (numerics.normal(gen, shape, jnp.float32),
+            numerics.normal(gen, (n,), jnp.float32, 0.2, 1),
             numerics.normal(gen, (n,), jnp.float32, 0.2) if layer else None,
             numerics.normal(gen, shape, jnp.float32))
   return fn, ref, arrays, ("rows", "vector", "vector" if layer else None, "rows")
@@ -172,7 +173,8 @@ def test_matmul_layouts(mesh, layout):
   spec_a, spec_b, spec_out = MATMUL_LAYOUTS[layout]
   gen = numerics.rng("sharding-matmul", layout)
   m, k, n = 32, 64, 48
-  a, b = numerics.normal(gen, (m, k), jnp.float32, k ** -0.25), numerics.normal(gen, (k, n), jnp.float32, k ** -0.25)
+  a = numerics.normal(gen, (m, k), jnp.float32, k ** -0.25)
+  b = numerics.normal(gen, (k, n), jnp.float32, k ** -0.25)
   bias, res = numerics.normal(gen, (n,), jnp.float32), numerics.normal(gen, (m, n), jnp.float32)
   config = jk.ops.matmul.triton.Config(block_m=16, block_n=16, block_k=16, num_warps=4,
                                        num_stages=1)
