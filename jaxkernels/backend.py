@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import jax
 
-from jaxkernels import _checks, _mosaic_gpu, _mosaic_tpu, hardware, tuning
+from jaxkernels import _checks, _mosaic_gpu, _mosaic_tpu, hardware, partitioning, tuning
 
 Implementation = Literal["xla", "triton", "mosaic_gpu", "mosaic_tpu"]
 IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "mosaic_gpu", "mosaic_tpu")
@@ -411,6 +411,7 @@ def plan(op: str, implementation: str | None, target: Target, problem: Any,
   _checks.config_type(op, chosen, config, k.Config if k else None)
   if k is None or empty:
     return None
+  partitioning.check_mesh_in_context(op, chosen)
   chip = target.chip_for(chosen)
   explicit = config is not None
   if config is None:

@@ -170,3 +170,29 @@ def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mappin
   # says how they vary.
   return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                        check_vma=False)(*args)
+
+
+def check_mesh_in_context(op: str, implementation: str) -> None:
+  """Where the mesh in context (``jax.set_mesh``) spans several devices on Auto axes only, the
+  compiler, not the op, splits the arrays, and it cannot split a kernel. Mosaic TPU would then
+  fail to compile ("cannot be automatically partitioned"): refused here, saying what works.
+  A GPU kernel would run whole on one device, its operands gathered: warned once."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if getattr(mesh, "empty", True) or mesh.size == 1:
+    return
+  auto = getattr(jax.sharding.AxisType, "Auto", None)
+  if not all(t == auto for t in mesh.axis_types):
+    return  # Explicit axes (the op splits itself) or Manual ones (inside a shard_map)
+  advice = ("give the mesh Explicit axes (jax.make_mesh(..., axis_types=(jax.sharding."
+            "AxisType.Explicit,) * n)) so that the op runs per shard, or call it inside "
+            "jax.shard_map")
+  where = f"the mesh in context spans {mesh.size} devices on Auto axes {dict(mesh.shape)}"
+  if implementation == "mosaic_tpu":
+    raise ValueError(f"{op}: implementation='mosaic_tpu' cannot run on {where}: the compiler "
+                     f"cannot split a Mosaic kernel; {advice}")
+  message = (f"jaxkernels.{op}: {where}; the compiler cannot split a {implementation} kernel, "
+             f"so its operands are gathered and it runs whole; {advice}")
+  if message not in _WARNED:
+    _WARNED.add(message)
+    warnings.warn(message, ShardingWarning, stacklevel=4)
+

@@ -211,6 +211,20 @@ def test_gather_warns_once_and_an_explicit_kernel_refuses(mesh):
       jax.jit(lambda x, b: jk.matmul(x, b))(_put(mesh, jnp.ones((8, 128)), P("data", None)), b)
 
 
+def test_a_mesh_of_auto_axes_in_context():
+  """Auto axes: the compiler splits, and cannot split a kernel. Mosaic TPU is refused with
+  what works; a Triton kernel runs whole (gathered), with a warning saying so."""
+  auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  with jax.set_mesh(auto), jk.interpret_mode():
+    with pytest.raises(ValueError, match=r"rms_norm: implementation='mosaic_tpu' cannot run on "
+                       r"the mesh in context spans 8 devices on Auto axes.*Explicit axes"):
+      jax.jit(lambda x: jk.rms_norm(x, jnp.ones(128), implementation="mosaic_tpu")).trace(x)
+    with pytest.warns(jk.ShardingWarning, match="cannot split a triton kernel, so its operands "
+                      "are gathered"):
+      jax.jit(lambda x: jk.rms_norm(x, jnp.ones(128), implementation="triton")).trace(x)
+
+
 def test_an_axis_that_does_not_divide_is_named(mesh):
   """On Explicit axes jax itself refuses an array split unevenly, naming the dimension and the
   split; the rules check every split they make (check_divides) with the op's own words."""
