@@ -209,6 +209,9 @@ def test_gather_warns_once_and_an_explicit_kernel_refuses(mesh):
     b = _put(mesh, jnp.ones((128, 64)), P(None, "data"))
     with pytest.warns(jk.ShardingWarning, match="b's dimension 1 .* already split a's rows"):
       jax.jit(lambda x, b: jk.matmul(x, b))(_put(mesh, jnp.ones((8, 128)), P("data", None)), b)
+    b = _put(mesh, jnp.ones((128, 64)), P("data", None))
+    with pytest.warns(jk.ShardingWarning, match="b's dimension 0 .* already split a's rows"):
+      jax.jit(lambda x, b: jk.matmul(x, b))(_put(mesh, jnp.ones((8, 128)), P("data", None)), b)
 
 
 def test_a_mesh_of_auto_axes_in_context():

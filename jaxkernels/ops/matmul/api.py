@@ -236,8 +236,8 @@ def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
     (psum), and the epilogue (scales, bias, activation, residual) runs after the sum. A's K
     split decides; B, a weight, is sliced to match (a local slice, no gather), and so is A
     where only B's K is split.
-  * A mesh axis cannot split both A's rows (or K) and B's N: B's N is gathered along it, with
-    the one-time ShardingWarning (an error for an explicit kernel).
+  * A mesh axis cannot split both A's rows (or K) and B's N, nor both A's rows and B's K: B is
+    gathered along it, with the one-time ShardingWarning (an error for an explicit kernel).
   The backward partitions with it: shard_map's transpose adds dB over the row shards and
   d(bias) over the rows, and the row-parallel product's psum transposes to a broadcast.
   """
@@ -252,8 +252,13 @@ def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
   spec_b = list(partitioning.layout(b)[1]) if partitioning.layout(b) else [None, None]
   rows = [partitioning.axes(e) for e in spec_a[:-1]]
   row_axes = {x for r in rows for x in r}
-  k = partitioning.axes(spec_a[-1]) or tuple(
-      x for x in partitioning.axes(spec_b[0]) if x not in row_axes)
+  k = partitioning.axes(spec_a[-1])
+  if not k:  # B's K split decides, where its axes do not already split A's rows
+    k = tuple(x for x in partitioning.axes(spec_b[0]) if x not in row_axes)
+    if clash := tuple(x for x in partitioning.axes(spec_b[0]) if x in row_axes):
+      partitioning.gathered(OP, implementation, "b", b, 0, clash, mesh,
+                            why="those axes already split a's rows",
+                            instead="split K over other mesh axes")
   taken = row_axes | set(k)
   n = partitioning.axes(spec_b[1])
   if clash := tuple(x for x in n if x in taken):
