@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxkernels as jk
@@ -18,6 +19,21 @@ ACTIVATIONS = _activations.ACTIVATIONS
 SMALL = ((1, 1), (3, 7), (37, 200), (130, 129), (9, 5000))
 
 
+def _pointwise_rtol(activation, z, weight):
+  """The activations' documented accuracy as a fraction of the largest element of a gradient
+  weight * act'(z): values within RTOL relative, slopes within RTOL of max(|slope|, 1), pointwise
+  (_activations). Where every slope in the array is small (a one-element array, say), the
+  slopes' error is more than RTOL of the largest gradient element: by max(w max(|s|, 1)) /
+  max(w |s|)."""
+  with jax.enable_x64(True):
+    z64 = jnp.asarray(np.asarray(z, np.float64)).ravel()
+    slope = np.abs(np.asarray(jax.vmap(jax.grad(
+        lambda t: _activations.reference(activation, t)))(z64)))
+  w = np.abs(np.asarray(weight, np.float64)).ravel()
+  ratio = np.max(w * np.maximum(slope, 1.0)) / max(np.max(w * slope), 1e-300)
+  return _activations.RTOL * max(1.0, float(ratio))
+
+
 class ElementwiseTest:
   IMPL = "xla"
 
@@ -29,7 +45,7 @@ class ElementwiseTest:
     return lambda g, u: jk.glu(g, u, activation=activation, implementation=self.IMPL,
                                config=config)
 
-  def check(self, op_name, fn, reference_fn, primals, ct, dtype):
+  def check(self, op_name, fn, reference_fn, primals, ct, dtype, pointwise_rtol):
     with numerics.kernel_mode():
       support = jk.supports(op_name, self.IMPL, *primals)
       if not support:
@@ -38,22 +54,24 @@ class ElementwiseTest:
       got = (out, vjp(ct))
     numerics.assert_matches(got, reference_fn, primals, ct, dtype=dtype,
                             reduction=primals[0].size // primals[0].shape[-1],
-                            pointwise_rtol=_activations.RTOL)
+                            pointwise_rtol=pointwise_rtol)
 
   def check_bias_activation(self, shape, dtype, activation, *labels, config=None):
     """Draws inputs (labelled ``labels``, else the activation) and checks one call."""
     primals, ct = self.bias_inputs(shape, dtype, *(labels or (activation,)))
+    (x, b), dy = primals, ct
     self.check("bias_activation", self.bias_activation(activation, config),
                lambda cd: lambda x, b: reference.bias_activation(x, b, activation=activation,
                                                                  compute_dtype=cd),
-               primals, ct, dtype)
+               primals, ct, dtype, _pointwise_rtol(activation, x + b, dy))
 
   def check_glu(self, shape, dtype, activation):
     primals, ct = self.glu_inputs(shape, dtype, activation)
+    (gate, up), dy = primals, ct
     self.check("glu", self.glu(activation),
                lambda cd: lambda g, u: reference.glu(g, u, activation=activation,
                                                      compute_dtype=cd),
-               primals, ct, dtype)
+               primals, ct, dtype, _pointwise_rtol(activation, gate, dy * up))
 
   # Activation inputs stay where the activations' accuracy is documented (|z| <= 4).
   def bias_inputs(self, shape, dtype, *labels):
