@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+
 
 def cdiv(a: int, b: int) -> int:
   return -(-a // b)
@@ -31,6 +33,14 @@ def bucket(size: int) -> int:
 def rows_view(x):
   """(..., N) -> (M, N), free for contiguous arrays."""
   return x.reshape(-1, x.shape[-1])
+
+
+def rows_struct(a):
+  """a's (M, N) rows view as a jax.ShapeDtypeStruct (None for None): what a row op's Problem
+  holds."""
+  if a is None:
+    return None
+  return jax.ShapeDtypeStruct((math.prod(a.shape[:-1]), a.shape[-1]), a.dtype)
 
 
 def check_fields(config, names, ok, requirement: str) -> None:

@@ -98,7 +98,7 @@ def gathered(op: str, implementation: str | None, name: str, a, dim: int, names,
   why = why or f"{op}'s kernels reduce over it whole"
   reason = (f"{name}'s dimension {dim} (size {a.shape[dim]}) is split over mesh axes {names}, "
             f"and {why}")
-  if implementation not in (None, "xla"):
+  if implementation is not None:
     raise ValueError(f"{op}: implementation={implementation!r} cannot serve this call: {reason}; "
                      f"keep that dimension whole ({instead}), or pass implementation=None to "
                      "gather it")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 
 from jaxkernels import _activations, _checks, backend, partitioning
-from jaxkernels._tiling import bucket, rows_view
+from jaxkernels._tiling import bucket, rows_struct, rows_view
 from jaxkernels.ops.elementwise import mosaic_tpu, reference, triton
 
 
@@ -26,8 +25,7 @@ class Problem:
   @classmethod
   def of(cls, op: str, activation: str, **named) -> Problem:
     first = next(iter(named.values()))
-    x = jax.ShapeDtypeStruct((math.prod(first.shape[:-1]), first.shape[-1]), first.dtype)
-    return cls(x, tuple((k, jax.ShapeDtypeStruct(v.shape, v.dtype)) for k, v in named.items()),
+    return cls(rows_struct(first), tuple((k, jax.ShapeDtypeStruct(v.shape, v.dtype)) for k, v in named.items()),
                op, activation)
 
   def key(self) -> str:

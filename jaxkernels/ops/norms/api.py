@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 
 from jaxkernels import _checks, backend, partitioning
-from jaxkernels._tiling import bucket, rows_view
+from jaxkernels._tiling import bucket, rows_struct, rows_view
 from jaxkernels.ops.norms import mosaic_tpu, reference, triton
-
-
-def _rows(a):
-  """a's (M, N) rows view as a shape and dtype (None for None)."""
-  if a is None:
-    return None
-  return jax.ShapeDtypeStruct((math.prod(a.shape[:-1]), a.shape[-1]), a.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +26,7 @@ class Problem:
   @classmethod
   def of(cls, x, scale, bias, residual, layer: bool) -> Problem:
     vector = lambda v: None if v is None else jax.ShapeDtypeStruct(v.shape, v.dtype)
-    return cls(_rows(x), vector(scale), vector(bias), _rows(residual), layer)
+    return cls(rows_struct(x), vector(scale), vector(bias), rows_struct(residual), layer)
 
   def key(self) -> str:
     rows, cols = self.x.shape
