@@ -67,10 +67,11 @@ def merge_lanes(state: Running, edges=()) -> Running:
   return Running(row_peak, row_total)
 
 
-def rows_update(state: Running, scores):
+def rows_update(state: Running, scores, exp=exp):
   """(state, rescale, p) after a (rows, cols) block of ``scores``: ``rescale`` (rows,)
   multiplies whatever was accumulated against the old maximum, ``p`` = exp(scores - new
-  maximum) is the block's share."""
+  maximum) is the block's share. ``exp`` may be another base's (attention passes 2**x on
+  scores already in base 2, saving a multiply an element): the state is then in that base."""
   peak, total = state
   new_peak = jnp.maximum(peak, jnp.max(scores, axis=1))
   safe = finite(new_peak)

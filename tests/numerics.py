@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkernels as jk
+from jaxkernels import testing
 
-F32_EPS = float(np.finfo(np.float32).eps)
+F32_EPS = testing.F32_EPS
 # JAXKERNELS_TEST_COMPILED=1 (on the GPU machine): the test bases' kernels compile for the
 # device the arrays live on instead of running interpreted on the CPU, under the same cases and
 # the same derived tolerances; kernels for another platform (Mosaic TPU there) skip with the
@@ -49,59 +50,10 @@ def normal(gen, shape, dtype, scale=1.0, shift=0.0, bound=None):
   return jnp.asarray(values, dtype)
 
 
-def _f64(tree):
-  return jax.tree.map(lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64)),
-                      tree, is_leaf=lambda a: a is None)
+# The rule itself lives in the library, for users' own tests too.
+evaluate, errors = testing.evaluate, testing.errors
 
 
-def evaluate(reference, compute_dtype, primals, cotangent=None):
-  """reference(compute_dtype)(*primals), and its vjp on ``cotangent`` if given.
-
-  float64 runs under x64 on float64 copies of the inputs: the oracle.
-  """
-  def run(args, ct):
-    fn = reference(compute_dtype)
-    if ct is None:
-      return fn(*args)
-    out, vjp = jax.vjp(fn, *args)
-    return out, vjp(ct)
-
-  if compute_dtype == jnp.float64:
-    with jax.enable_x64(True):
-      out = run(_f64(primals), _f64(cotangent))
-      return jax.tree.map(lambda a: np.asarray(a, np.float64), out)
-  return run(primals, cotangent)
-
-
-def errors(got, want) -> list[float]:
-  """max |got - want| / max |want|, leaf by leaf (NaN anywhere is an infinite error)."""
-  out = []
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
-    w = np.asarray(w, np.float64)
-    assert g.shape == w.shape, (g.shape, w.shape)
-    if not np.all(np.isfinite(g)):
-      out.append(math.inf)
-      continue
-    out.append(float(np.max(np.abs(g - w), initial=0.0) / max(np.max(np.abs(w), initial=0.0),
-                                                              1e-30)))
-  return out
-
-
-def assert_matches(got, reference, primals, cotangent=None, *, dtype, reduction: int,
-                   pointwise_rtol: float = 0.0):
-  """got (outputs, or (outputs, grads)) is within the numerics-derived tolerance of the oracle.
-
-  ``pointwise_rtol`` is the documented accuracy of transcendental work done per
-  element (e.g. ``_activations.RTOL``): on a tiny array the max-norm error is
-  one element's, and one rounding of the naive baseline is no bound on it.
-  """
-  oracle = evaluate(reference, jnp.float64, primals, cotangent)
-  baseline = evaluate(reference, dtype, primals, cotangent)
-  floor = max(4 * F32_EPS * math.sqrt(max(reduction, 1)), pointwise_rtol)
-  got_errors, base_errors = errors(got, oracle), errors(baseline, oracle)
-  for i, (e, b) in enumerate(zip(got_errors, base_errors)):
-    tolerance = 2 * b + floor
-    assert e <= tolerance, (
-        f"leaf {i}: error {e:.3e} > tolerance {tolerance:.3e} (naive {jnp.dtype(dtype).name} "
-        f"error {b:.3e}); all leaves: {['%.2e' % x for x in got_errors]} (seed {SEED})")
+def assert_matches(got, reference, primals, cotangent=None, **kwargs):
+  """:func:`jaxkernels.testing.assert_matches`, its failures naming the session's seed."""
+  testing.assert_matches(got, reference, primals, cotangent, note=f"(seed {SEED})", **kwargs)

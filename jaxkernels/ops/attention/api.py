@@ -1,0 +1,365 @@
+"""flash_attention: validation, dispatch, sharding and the custom_vjp boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from jaxkernels import _checks, backend, partitioning
+from jaxkernels._tiling import bucket
+from jaxkernels.ops.attention import reference, triton
+from jaxkernels.ops.attention.common import Window
+
+OP = "flash_attention"
+MAX_HEAD_DIM = 256
+# Names under which the forward's residuals are saved, for remat policies
+# (jax.checkpoint_policies.save_only_these_names and friends).
+OUTPUT_NAME = "attention_out"
+LSE_NAME = "attention_lse"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One attention call as its kernels see it: q (B, T, N, H), k and v (B, S, K, H), the mask's
+  kind and the logits' extras."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  dtype: jnp.dtype
+  window: Window
+  soft_cap: bool
+  bias: tuple[int, int] | None  # (Bb, Nb): the bias's batch and heads (1: broadcast)
+  segments: bool
+
+  def key(self) -> str:
+    mask = ("causal" if self.window == Window(None, 0) else
+            "window" if self.window.bounded else "full")
+    extras = "".join(f"|{name}" for name, on in (("cap", self.soft_cap),
+                                                  ("bias", self.bias is not None),
+                                                  ("segments", self.segments)) if on)
+    return (f"{self.dtype}|h{self.head_dim}|g{self.heads // self.kv_heads}|{mask}{extras}|"
+            f"{bucket(self.q_len)}x{bucket(self.kv_len)}")
+
+  def reason(self) -> str | None:
+    if self.dtype not in _checks.KERNEL_DTYPES:
+      return f"q has dtype {self.dtype}; kernels take bfloat16, float16, float32"
+    return None
+
+  def __str__(self) -> str:
+    return (f"attention of q ({self.batch}, {self.q_len}, {self.heads}, {self.head_dim}) against "
+            f"k/v ({self.batch}, {self.kv_len}, {self.kv_heads}, {self.head_dim}) {self.dtype}")
+
+
+# --------------------------------------------------------------------------- #
+# Validation
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class _Args:
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  bias: jax.Array | None  # (*batch or 1s, N or 1, T, S)
+  segment_ids: jax.Array | None
+  kv_segment_ids: jax.Array | None
+  window: Window
+  scale: float
+  soft_cap: float | None
+
+
+def _shape(a) -> tuple[int, ...]:
+  return tuple(a.shape)
+
+
+def _window(value):
+  if value is None:
+    return None
+  if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    value = (value, value)
+  if (not isinstance(value, (tuple, list)) or len(value) != 2 or
+      not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in value)):
+    raise TypeError(f"{OP}: local_window_size must be an int or a (left, right) tuple of ints, "
+                    f"got {value!r}")
+  left, right = (int(w) for w in value)
+  if left < 0 or right < 0:
+    raise ValueError(f"{OP}: local_window_size must be >= 0 on each side, got {(left, right)}")
+  return left, right
+
+
+def _segments(name, value, want, against):
+  if value is None:
+    return None
+  if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+    value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.integer):
+    raise TypeError(f"{OP}: {name} must have an integer dtype, got {jnp.dtype(value.dtype)}")
+  if _shape(value) != want:
+    raise ValueError(f"{OP}: {name} must have shape {want} ({against}), got {_shape(value)}")
+  return value
+
+
+def _validate(q, k, v, *, causal, scale, bias, segment_ids, kv_segment_ids, local_window_size,
+              logits_soft_cap) -> _Args:
+  q = _checks.array(OP, "q", q, min_rank=4)
+  k = _checks.array(OP, "k", k, min_rank=4)
+  v = _checks.array(OP, "v", v, min_rank=4)
+  if not (q.ndim == k.ndim == v.ndim):
+    raise ValueError(f"{OP}: q, k and v must have the same rank ((..., T, N, H) and "
+                     f"(..., S, K, H)), got shapes {_shape(q)}, {_shape(k)}, {_shape(v)}")
+  if _shape(k) != _shape(v):
+    raise ValueError(f"{OP}: k and v must have the same shape, got {_shape(k)} and {_shape(v)}")
+  batch = _shape(q)[:-3]
+  if _shape(k)[:-3] != batch:
+    raise ValueError(f"{OP}: q and k must have the same batch dimensions, got {_shape(q)} and "
+                     f"{_shape(k)}")
+  t, n, h = _shape(q)[-3:]
+  s, kv_heads, hk = _shape(k)[-3:]
+  if hk != h:
+    raise ValueError(f"{OP}: q and k must have the same head dim, got {h} and {hk}")
+  if h > MAX_HEAD_DIM or h < 1:
+    raise ValueError(f"{OP}: head dim {h} is not supported: 1 to {MAX_HEAD_DIM}")
+  if kv_heads < 1 or n % kv_heads:
+    raise ValueError(f"{OP}: q's heads ({n}) must be a multiple of k's heads ({kv_heads}) "
+                     "(grouped-query attention)")
+  dtypes = {jnp.dtype(a.dtype) for a in (q, k, v)}
+  if len(dtypes) != 1:
+    raise TypeError(f"{OP}: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, "
+                    f"{v.dtype}")
+  if not isinstance(causal, bool):
+    raise TypeError(f"{OP}: causal must be a bool, got {type(causal).__name__}")
+  scale = 1.0 / math.sqrt(h) if scale is None else _finite_float("scale", scale)
+  soft_cap = None if logits_soft_cap is None else _checks.positive_float(
+      OP, "logits_soft_cap", logits_soft_cap)
+  window = Window.of(causal, _window(local_window_size))
+  if kv_segment_ids is not None and segment_ids is None:
+    raise ValueError(f"{OP}: kv_segment_ids needs segment_ids (the queries' segments)")
+  segment_ids = _segments("segment_ids", segment_ids, (*batch, t), "q's batch and length")
+  if segment_ids is not None and kv_segment_ids is None:
+    if s != t:
+      raise ValueError(f"{OP}: segment_ids alone serve q and k of one length; T={t} and S={s} "
+                       "differ: pass kv_segment_ids too")
+    kv_segment_ids = segment_ids
+  kv_segment_ids = _segments("kv_segment_ids", kv_segment_ids, (*batch, s),
+                             "k's batch and length")
+  if bias is not None:
+    bias = _checks.array(OP, "bias", bias)
+    want = (*batch, n, t, s)
+    if bias.ndim > len(want) or any(d not in (1, w) for d, w in
+                                    zip(_shape(bias)[::-1], want[::-1])):
+      raise ValueError(f"{OP}: bias of shape {_shape(bias)} does not broadcast to "
+                       f"(*batch, N, T, S) = {want}")
+    bias = bias.reshape((1,) * (len(want) - bias.ndim) + _shape(bias))
+    if _shape(bias)[-2:] != (t, s):  # the kernels read whole (T, S) planes
+      bias = jnp.broadcast_to(bias, (*_shape(bias)[:-2], t, s))
+  return _Args(q, k, v, bias, segment_ids, kv_segment_ids, window, scale, soft_cap)
+
+
+def _finite_float(name, value) -> float:
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{OP}: {name} must be a Python float, not a traced array")
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{OP}: {name} must be a float, got {type(value).__name__}")
+  if not math.isfinite(float(value)):
+    raise ValueError(f"{OP}: {name} must be finite, got {value}")
+  return float(value)
+
+
+# --------------------------------------------------------------------------- #
+# Sharding
+# --------------------------------------------------------------------------- #
+
+
+def _sharded(a: _Args, call, implementation):
+  """The op on split arrays (``partitioning``), as (True, result), or (False, None) where no
+  array lives on a mesh of Explicit axes. The rule: the batch dimensions and the heads split
+  freely (q's N and k's K over the same axes, so that each shard holds whole GQA groups); a
+  split sequence (T or S) or head dim is gathered, with the one-time ShardingWarning (an error
+  for an explicit kernel), as are heads whose kv heads the axes do not divide."""
+  if implementation == "xla":
+    return False, None
+  arrays = dict(q=a.q, k=a.k, v=a.v, bias=a.bias, segment_ids=a.segment_ids,
+                kv_segment_ids=a.kv_segment_ids)
+  found = next(filter(None, map(partitioning.layout, arrays.values())), None)
+  if found is None:
+    return False, None
+  mesh = found[0]
+  nb = a.q.ndim - 3
+  spec = lambda x: list(partitioning.layout(x)[1]) if partitioning.layout(x) else [None] * x.ndim
+  spec_q, spec_k = spec(a.q), spec(a.k)
+  batch = [partitioning.axes(e) for e in spec_q[:nb]]
+  taken = {x for axes in batch for x in axes}
+  for name, x, sp, dims in (("q", a.q, spec_q, (nb, nb + 2)), ("k", a.k, spec_k, (nb, nb + 2))):
+    for dim in dims:
+      if names := partitioning.axes(sp[dim]):
+        partitioning.gathered(OP, implementation, name, x, dim, names, mesh,
+                              why="the kernels walk it whole" if dim == nb else
+                              "the kernels contract it whole",
+                              instead="split the batch or the heads")
+  heads = tuple(x for x in (partitioning.axes(spec_q[nb + 1]) or
+                            partitioning.axes(spec_k[nb + 1])) if x not in taken)
+  n, kv_heads = a.q.shape[nb + 1], a.k.shape[nb + 1]
+  if heads and kv_heads % partitioning.size(mesh, heads):
+    partitioning.gathered(OP, implementation, "k", a.k, nb + 1, heads, mesh,
+                          why=f"those axes do not divide k's {kv_heads} heads, so a shard of "
+                          "q's heads would need kv heads of another shard",
+                          instead="split the heads over axes that divide k's heads")
+    heads = ()
+  entry = partitioning.entry
+  row = [entry(x) for x in batch]
+  h = entry(heads)
+  specs = dict(q=P(*row, None, h, None), k=P(*row, None, h, None), v=P(*row, None, h, None),
+               segment_ids=P(*row, None), kv_segment_ids=P(*row, None))
+  if a.bias is not None:
+    bias_row = [r if d > 1 else None for r, d in zip(row, a.bias.shape[:nb])]
+    specs["bias"] = P(*bias_row, h if a.bias.shape[nb] > 1 else None, None, None)
+  else:
+    specs["bias"] = P()
+  for name in ("q", "k", "bias"):
+    if arrays[name] is not None:
+      partitioning.check_divides(OP, name, arrays[name].shape, specs[name], mesh)
+  out_specs = (P(*row, None, h, None), P(*row, None, h))
+  return True, partitioning.run(mesh, call, arrays, specs, out_specs)
+
+
+# --------------------------------------------------------------------------- #
+# The custom_vjp boundary
+# --------------------------------------------------------------------------- #
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan, q, k, v, bias, q_seg, kv_seg):
+  return plan.run(plan.kernels.forward, q, k, v, bias, q_seg, kv_seg)
+
+
+def _attention_fwd(plan, q, k, v, bias, q_seg, kv_seg):
+  out, lse = plan.run(plan.kernels.forward, q, k, v, bias, q_seg, kv_seg)
+  saved_out, saved_lse = checkpoint_name(out, OUTPUT_NAME), checkpoint_name(lse, LSE_NAME)
+  return (out, lse), (q, k, v, bias, q_seg, kv_seg, saved_out, saved_lse)
+
+
+def _attention_bwd(plan, saved, cotangents):
+  q, k, v, bias, q_seg, kv_seg, out, lse = saved
+  dout, dlse = cotangents
+  dq, dk, dv, dbias = plan.run(plan.kernels.backward, q, k, v, bias, q_seg, kv_seg, out, lse,
+                               dout, dlse)
+  return dq, dk, dv, dbias, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _flat(a, keep: int):
+  """a with its leading dims merged into one, keeping the last ``keep``."""
+  return None if a is None else a.reshape((-1, *a.shape[a.ndim - keep:]))
+
+
+def _local(a: _Args, implementation, config):
+  """(out, lse) of the call on one device (or one shard)."""
+  batch = a.q.shape[:-3]
+  q, k, v = _flat(a.q, 3), _flat(a.k, 3), _flat(a.v, 3)
+  q_seg, kv_seg = _flat(a.segment_ids, 1), _flat(a.kv_segment_ids, 1)
+  bias = a.bias
+  if bias is not None:  # (*batch or 1s, Nb, T, S) -> (1 or B, Nb, T, S)
+    lead = bias.shape[:-3]
+    if any(d > 1 for d in lead) and lead != batch:
+      bias = jnp.broadcast_to(bias, (*batch, *bias.shape[-3:]))
+    bias = bias.reshape((-1 if any(d > 1 for d in lead) else 1, *bias.shape[-3:]))
+  b, t, n, h = q.shape
+  problem = Problem(b, t, k.shape[1], n, k.shape[2], h, jnp.dtype(q.dtype), a.window,
+                    a.soft_cap is not None, None if bias is None else tuple(bias.shape[:2]),
+                    q_seg is not None)
+  plan = backend.plan(OP, implementation, backend.target_of(a.q), problem, _KERNELS, config,
+                      empty=q.size == 0 or k.size == 0, window=a.window, scale=a.scale,
+                      soft_cap=a.soft_cap)
+  if plan is None:
+    out, lse = reference.attention(q, k, v, bias=bias, q_segments=q_seg, kv_segments=kv_seg,
+                                   window=a.window, scale=a.scale, soft_cap=a.soft_cap,
+                                   return_lse=True)
+  else:
+    out, lse = _attention(plan, q, k, v, bias, q_seg, kv_seg)
+  return out.reshape(a.q.shape), lse.reshape(a.q.shape[:-1])
+
+
+def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None, bias=None,
+                    segment_ids=None, kv_segment_ids=None, local_window_size=None,
+                    logits_soft_cap: float | None = None, return_lse: bool = False,
+                    implementation=None, config=None):
+  """Softmax attention, computed block by block without the (T, S) matrix in memory.
+
+  The layout and mask semantics of ``jax.nn.dot_product_attention``: query i sits at position
+  i and key j at position j (top-left aligned where T != S).
+
+  Args:
+    q: (..., T, N, H): bfloat16, float16 or float32; any leading batch dims.
+    k, v: (..., S, K, H), q's dtype and batch dims; N a multiple of K (grouped-query and
+      multi-query attention read each kv head once per group, never repeated in memory).
+      H up to 256.
+    causal: query i sees keys j <= i.
+    scale: multiplies q k^T; default 1/sqrt(H).
+    bias: added to the logits, broadcastable to (..., N, T, S); differentiable.
+    segment_ids: (..., T) integers: query i sees key j only where its segment equals the key's
+      (packed sequences). kv_segment_ids: (..., S), the keys' (default: segment_ids, T == S).
+    local_window_size: int w (query i sees i - w <= j <= i + w) or (left, right).
+    logits_soft_cap: c > 0: logits become c * tanh(logits / c) (after the scale, before the
+      bias, so that a bias can still mask).
+    return_lse: also return the (..., T, N) float32 log-sum-exp of each query's logits
+      (natural log; -inf for a query that sees no key), with its gradient.
+    implementation: None (best available), "xla", "triton".
+    config: the chosen kernel's Config; None picks one for the shape and device.
+
+  Returns:
+    (..., T, N, H) in q's dtype, and the log-sum-exp with ``return_lse``. A query that sees no
+    key (every key masked) gets 0 and zero gradients, not NaN (``jax.nn.dot_product_attention``
+    gives such a query the mean of v).
+
+  Sharded arrays (a mesh of Explicit axes): the batch dims and the heads split freely; a split
+  T, S or H is gathered with a ``ShardingWarning``.
+  """
+  a = _validate(q, k, v, causal=causal, scale=scale, bias=bias, segment_ids=segment_ids,
+                kv_segment_ids=kv_segment_ids, local_window_size=local_window_size,
+                logits_soft_cap=logits_soft_cap)
+  if a.k.shape[-3] == 0:  # no key at all: every query sees nothing
+    out = jnp.zeros(a.q.shape, a.q.dtype)
+    lse = jnp.full(a.q.shape[:-1], -jnp.inf, jnp.float32)
+    return (out, lse) if return_lse else out
+
+  def local(q, k, v, bias, segment_ids, kv_segment_ids):
+    return _local(dataclasses.replace(a, q=q, k=k, v=v, bias=bias, segment_ids=segment_ids,
+                                      kv_segment_ids=kv_segment_ids), implementation, config)
+
+  split, result = _sharded(a, local, implementation)
+  if not split:
+    result = _local(a, implementation, config)
+  out, lse = result
+  return (out, lse) if return_lse else out
+
+
+def _problem_of(q, k, v, **kwargs):
+  kwargs = {name: kwargs.get(name, default) for name, default in (
+      ("causal", False), ("scale", None), ("bias", None), ("segment_ids", None),
+      ("kv_segment_ids", None), ("local_window_size", None), ("logits_soft_cap", None))}
+  a = _validate(q, k, v, **kwargs)
+  b = math.prod(a.q.shape[:-3])
+  t, n, h = a.q.shape[-3:]
+  bias = None if a.bias is None else (
+      1 if all(d == 1 for d in a.bias.shape[:-3]) else b, a.bias.shape[-3])
+  return Problem(b, t, a.k.shape[-3], n, a.k.shape[-2], h, jnp.dtype(a.q.dtype), a.window,
+                 a.soft_cap is not None, bias, a.segment_ids is not None), (a.q,)
+
+
+_KERNELS = backend.register(OP, {
+    "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
+                                 backward=triton.backward),
+}, _problem_of)

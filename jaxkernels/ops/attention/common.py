@@ -1,0 +1,90 @@
+"""What every attention backend shares: the mask, as a function of query and key positions.
+
+Semantics are those of ``jax.nn.dot_product_attention``: query i sits at position i and key j
+at position j (top-left aligned where T != S); ``causal`` lets i see j <= i; a window (left,
+right) lets i see i - left <= j <= i + right; segment ids let i see j only where they are
+equal. The reference applies it to the whole (T, S) matrix; a kernel to one block, from the
+block's row and column positions, and skips blocks that it hides whole (:func:`key_blocks`,
+:func:`query_blocks`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+# A bound that no position reaches: a side of the window that is open. Positions are int32 in
+# the kernels, and T + S + UNBOUNDED must not overflow.
+UNBOUNDED = 1 << 30
+
+
+class Window(NamedTuple):
+  """How far a query sees behind (left) and ahead (right) of its own position; None: no
+  limit on that side. ``causal`` is right = 0."""
+
+  left: int | None
+  right: int | None
+
+  @classmethod
+  def of(cls, causal: bool, local_window_size) -> Window:
+    left = right = None
+    if local_window_size is not None:
+      left, right = local_window_size
+    if causal:
+      right = 0 if right is None else min(right, 0)
+    return cls(left, right)
+
+  @property
+  def bounded(self) -> bool:
+    return self.left is not None or self.right is not None
+
+  @property
+  def span(self) -> tuple[int, int]:
+    """(left, right) as ints, UNBOUNDED where open."""
+    return (UNBOUNDED if self.left is None else self.left,
+            UNBOUNDED if self.right is None else self.right)
+
+
+def visible(rows, cols, window: Window, q_segments=None, kv_segments=None):
+  """Whether query position ``rows`` sees key position ``cols`` (broadcast together: a
+  (bq, 1) column of rows against a (1, bk) row of columns gives the (bq, bk) block), or None
+  where every pair is visible."""
+  out = None
+
+  def both(a, b):
+    return b if a is None else a & b
+
+  if window.left is not None:
+    out = both(out, cols >= rows - window.left)
+  if window.right is not None:
+    out = both(out, cols <= rows + window.right)
+  if q_segments is not None:
+    out = both(out, q_segments == kv_segments)
+  return out
+
+
+def key_blocks(row0, rows: int, block: int, n_keys: int, window: Window):
+  """For queries [row0, row0 + rows), the key blocks of width ``block`` to visit, as
+  (first, full_first, full_end, end): blocks [first, end) hold a visible key; those in
+  [full_first, full_end) are visible to every one of the queries (no position mask needed,
+  nor a mask for the keys' end). Every other block is hidden whole and skipped. Works on
+  Python ints and on traced int32 scalars alike."""
+  left, right = window.span
+  last = row0 + rows - 1
+  lo = jnp.maximum(row0 - left, 0)
+  hi = jnp.minimum(last + right + 1, n_keys)  # one past the last visible key
+  first = lo // block
+  end = jnp.maximum(first, (hi + block - 1) // block)
+  full_lo = jnp.maximum(last - left, 0)
+  full_hi = jnp.minimum(row0 + right + 1, n_keys)  # one past
+  full_first = jnp.clip((full_lo + block - 1) // block, first, end)
+  full_end = jnp.clip(full_hi // block, full_first, end)
+  return first, full_first, full_end, end
+
+
+def query_blocks(col0, cols: int, block: int, n_queries: int, window: Window):
+  """For keys [col0, col0 + cols), the query blocks of height ``block`` to visit, as
+  :func:`key_blocks` gives key blocks for queries: the window seen from the keys' side
+  (query i sees key j iff j - right <= i <= j + left)."""
+  return key_blocks(col0, cols, block, n_queries, Window(window.right, window.left))

@@ -1,0 +1,69 @@
+"""The spec of flash_attention: pure jnp, also the "xla" implementation.
+
+The logits are scale * q k^T in float32 (for bfloat16 and float16 inputs, products of the
+inputs accumulated in float32, as ``jax.nn.dot_product_attention`` computes them), then
+soft-capped (cap * tanh(logits / cap)), then the bias added, then masked; the softmax runs in
+float32, and its probabilities meet v in v's dtype. The bias comes after the cap so that a
+large negative bias (a mask written as a bias) still masks. A query that sees no key at all
+gets 0 (and zero gradients), not the mean of v; its log-sum-exp is -inf.
+
+It holds the whole (B, N, T, S) matrix: memory quadratic in the sequence. ``compute_dtype``
+is for the tests: every step in that dtype (float64: the oracle; the input dtype: the naive
+baseline of the numerics rule).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxkernels.ops.attention.common import Window, visible
+
+
+def attention(q, k, v, *, bias=None, q_segments=None, kv_segments=None,
+              window: Window = Window(None, None), scale: float, soft_cap: float | None = None,
+              return_lse: bool = False, compute_dtype=None):
+  """q (B, T, N, H), k and v (B, S, K, H) with N a multiple of K; bias broadcastable to
+  (B, N, T, S); segments (B, T) and (B, S) int32. Returns the (B, T, N, H) output in q's dtype
+  and, with ``return_lse``, the (B, T, N) float32 natural log-sum-exp of the masked logits
+  (differentiable: a combine of partial attentions, ring attention's say, needs its
+  gradient)."""
+  b, t, n, h = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
+  group = n // kv_heads
+  logits_dtype = compute_dtype or jnp.promote_types(q.dtype, jnp.float32)
+  cast = (lambda a: a.astype(compute_dtype)) if compute_dtype else (lambda a: a)
+  qg = cast(q).reshape(b, t, kv_heads, group, h)
+  logits = jnp.einsum("btkgh,bskh->bkgts", qg, cast(k), preferred_element_type=logits_dtype,
+                      precision=lax.Precision.HIGHEST)
+  logits = logits.astype(logits_dtype) * jnp.asarray(scale, logits_dtype)
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  if bias is not None:
+    bias = jnp.broadcast_to(cast(bias).astype(logits_dtype), (b, n, t, s))
+    logits = logits + bias.reshape(b, kv_heads, group, t, s)
+  rows = jnp.arange(t)[:, None]
+  cols = jnp.arange(s)[None, :]
+  qs = None if q_segments is None else q_segments[:, None, None, :, None]
+  ks = None if kv_segments is None else kv_segments[:, None, None, None, :]
+  mask = visible(rows, cols, window, qs, ks)
+  softmax_dtype = compute_dtype or jnp.float32
+  logits = logits.astype(softmax_dtype)
+  if mask is not None:
+    logits = jnp.where(mask, logits, -jnp.inf)
+  peak = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  peak = jnp.where(jnp.isneginf(peak), 0, peak)
+  e = jnp.exp(logits - peak)
+  total = jnp.sum(e, axis=-1, keepdims=True)
+  probs = e / jnp.where(total == 0, 1, total)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(compute_dtype or v.dtype), cast(v),
+                   preferred_element_type=compute_dtype or jnp.float32,
+                   precision=lax.Precision.HIGHEST)
+  out = out.reshape(b, t, n, h).astype(q.dtype if compute_dtype is None else compute_dtype)
+  if not return_lse:
+    return out
+  seen = total > 0
+  lse = jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1)), -jnp.inf)[..., 0]
+  lse = jnp.moveaxis(lse.reshape(b, n, t), 1, 2)  # (B, T, N): -inf where nothing is seen
+  return out, lse.astype(compute_dtype or jnp.float32)

@@ -1,0 +1,126 @@
+"""The numerics rule, for our tests and yours: how close a kernel must come to the exact answer.
+
+FlashAttention's rule, which DESIGN.md makes every op's: a kernel's error against the exact
+answer (the reference run in float64, the oracle) may be at most twice the error of the naive
+computation in the low-precision dtype (the same reference run in the input dtype), leaf by
+leaf, forward and every gradient. Errors are max |got - want| / max |want| over a leaf.
+Float32 work has a floor: a reduction of length n in float32 carries a random walk of rounding
+errors, ~sqrt(n) ulps; four times that is allowed whatever the baseline happened to get.
+
+    import jaxkernels as jk
+    from jaxkernels import testing
+
+    reference = lambda dtype: functools.partial(my_reference, compute_dtype=dtype)
+    got = jax.vjp(my_model_piece, *primals)  ... # (outputs, grads)
+    testing.assert_matches(got, reference, primals, cotangent, dtype=jnp.bfloat16,
+                           reduction=hidden)
+
+``reference(dtype)`` must return a function of the primals computing every step in ``dtype``.
+The check is a ``chex.assert_trees_all_close`` per leaf with ``atol`` = the derived tolerance
+times the leaf's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def _f64(tree):
+  return jax.tree.map(lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64)),
+                      tree, is_leaf=lambda a: a is None)
+
+
+def evaluate(reference: Callable[[Any], Callable[..., Any]], compute_dtype, primals,
+             cotangent=None):
+  """reference(compute_dtype)(*primals), and its vjp on ``cotangent`` if given: (outputs,
+  grads). float64 runs under x64 on float64 copies of the floating inputs (the oracle);
+  integer inputs (segment ids, say) keep their dtype."""
+  def run(args, ct):
+    fn = reference(compute_dtype)
+    if ct is None:
+      return fn(*args)
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp(ct)
+
+  if compute_dtype == jnp.float64:
+    with jax.enable_x64(True):
+      floating = lambda a: a is not None and jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)
+      args = tuple(_f64(a) if floating(a) else a for a in primals)
+      out = run(args, _f64(cotangent))
+      return jax.tree.map(lambda a: np.asarray(a, np.float64)
+                          if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a, out)
+  return run(primals, cotangent)
+
+
+def _floating_leaves(tree):
+  return [a for a in jax.tree.leaves(tree)
+          if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)]
+
+
+def errors(got, want) -> list[float]:
+  """max |got - want| / max |want|, leaf by leaf over the floating leaves; a non-finite value
+  in ``got`` where ``want`` is finite is an infinite error (-inf where -inf is wanted, a fully
+  masked row's log-sum-exp, is right)."""
+  out = []
+  for g, w in zip(_floating_leaves(got), _floating_leaves(want), strict=True):
+    g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
+    w = np.asarray(w, np.float64)
+    chex.assert_equal_shape([g, w])
+    same = (g == w) | ~np.isfinite(w)
+    if np.any(~np.isfinite(g) & ~same) or np.any(~np.isfinite(w) & (g != w)):
+      out.append(math.inf)
+      continue
+    g, w = np.where(same, 0.0, g), np.where(same, 0.0, w)
+    out.append(float(np.max(np.abs(g - w), initial=0.0) / max(np.max(np.abs(w), initial=0.0),
+                                                              1e-30)))
+  return out
+
+
+def tolerances(reference, primals, cotangent=None, *, dtype, reduction: int,
+               pointwise_rtol: float = 0.0):
+  """(oracle, per-leaf tolerances): the float64 answer, and for each of its floating leaves
+  the largest error the rule allows (relative to the leaf's largest magnitude)."""
+  oracle = evaluate(reference, jnp.float64, primals, cotangent)
+  baseline = evaluate(reference, dtype, primals, cotangent)
+  floor = max(4 * F32_EPS * math.sqrt(max(reduction, 1)), pointwise_rtol)
+  return oracle, [2 * b + floor for b in errors(baseline, oracle)]
+
+
+def assert_matches(got, reference, primals, cotangent=None, *, dtype, reduction: int,
+                   pointwise_rtol: float = 0.0, note: str = "") -> None:
+  """``got`` (outputs, or (outputs, grads) where ``cotangent`` is given) is within the rule's
+  tolerance of the oracle, leaf by leaf.
+
+  Args:
+    reference: ``dtype -> function of the primals`` computing every step in ``dtype``.
+    dtype: the inputs' low-precision dtype (the naive baseline's).
+    reduction: the longest reduction in the computation (the float32 floor's n).
+    pointwise_rtol: the documented accuracy of transcendental work done per element (an
+      approximate exp, say): on a tiny array the max-norm error is one element's, and one
+      rounding of the naive baseline is no bound on it.
+    note: appended to a failure's message (the seed that drew the inputs, say).
+  """
+  oracle, allowed = tolerances(reference, primals, cotangent, dtype=dtype, reduction=reduction,
+                               pointwise_rtol=pointwise_rtol)
+  got_errors = errors(got, oracle)
+  leaves = zip(_floating_leaves(got), _floating_leaves(oracle), got_errors, allowed, strict=True)
+  for i, (g, w, e, tol) in enumerate(leaves):
+    w = np.asarray(w, np.float64)
+    finite = np.isfinite(w)
+    scale = float(np.max(np.abs(np.where(finite, w, 0.0)), initial=0.0))
+    message = (f"leaf {i}: error {e:.3e} > tolerance {tol:.3e}; all leaves' errors "
+               f"{['%.2e' % x for x in got_errors]}, tolerances {['%.2e' % x for x in allowed]} {note}")
+    assert e != math.inf, message + " (a non-finite value where the oracle is finite)"
+    chex.assert_trees_all_close(np.where(finite, np.asarray(jnp.asarray(g, jnp.float32),
+                                                            np.float64), 0.0),
+                                np.where(finite, w, 0.0), atol=tol * max(scale, 1e-30), rtol=0,
+                                custom_message=message)
