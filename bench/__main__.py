@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from bench import ceilings, elementwise, harness, matmul, norms, sharding, softmax
+from bench import attention, ceilings, elementwise, harness, matmul, norms, sharding, softmax
 
 SUITES = {
     "norms": norms.run,
@@ -22,6 +22,7 @@ SUITES = {
     "ceilings": ceilings.run,
     "matmul": matmul.run,
     "sharding": sharding.run,
+    "attention": attention.run,
 }
 DEFAULT = ("norms", "elementwise", "softmax")
 

@@ -287,7 +287,7 @@ def _upcast(tree):
   return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
 
-class _Timed:
+class Timed:
   """An implementation's forward, backward and forward+backward as jitted programs.
 
   Forward+backward is one program with an optimization barrier between the
@@ -343,9 +343,9 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
            "fwd+bwd": case.fwd_cost + case.bwd_cost}
   for label, cost in costs.items():
     # The oracle: the float32 spec on the same values, upcast (no output rounding).
-    oracle = _Timed(case.reference(jnp.float32), case.grads).outputs(label, *_upcast(first))
+    oracle = Timed(case.reference(jnp.float32), case.grads).outputs(label, *_upcast(first))
     # Tolerance: twice the error of the naive low-precision computation (DESIGN.md).
-    baseline = _Timed(case.reference(case.dtype), case.grads).outputs(label, *first)
+    baseline = Timed(case.reference(case.dtype), case.grads).outputs(label, *first)
     tolerance = 2 * relative_error(baseline, oracle)
 
     def measure(impl, fn, config=None, check=True):
@@ -353,7 +353,7 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
                 config=repr(config) if config is not None else None)
       try:
         with context():
-          timed = _Timed(fn, case.grads)
+          timed = Timed(fn, case.grads)
           if check:
             out = timed.outputs(label, *first)
             row.error, row.tolerance = relative_error(out, oracle), tolerance

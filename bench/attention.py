@@ -1,0 +1,248 @@
+"""attention: flash_attention forward and forward+backward, against cuDNN, XLA, JAX's own Pallas
+attention example and torch SDPA, measured in the same run.
+
+TFLOP/s count 4 B N T S H for the forward and 3.5 times that for forward+backward, halved when
+causal (the issue's convention); rows with a window or segments count the same FLOPs as their
+shape without them (an effective rate: their point is the time against the plain row). Each
+kernel row is checked against the float32 reference before it is timed (error <= twice the
+bfloat16 reference's), except at 32K, where the reference does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkernels as jk
+from bench import harness
+from jaxkernels.ops.attention import reference
+from jaxkernels.ops.attention.common import Window
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  name: str
+  batch: int
+  length: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  causal: bool = False
+  window: tuple[int, int] | None = None
+  segments: int = 0  # packed sequences a row, equal lengths
+  soft_cap: float | None = None
+  check: bool = True
+  anchors: bool = True
+
+  def flops(self, label: str) -> float:
+    f = 4 * self.batch * self.heads * self.length * self.length * self.head_dim
+    f *= 3.5 if label == "fwd+bwd" else 1
+    return f / 2 if self.causal else f
+
+  def __str__(self):
+    return f"{self.batch}x{self.length}x{self.heads}/{self.kv_heads}x{self.head_dim}"
+
+
+def shapes(smoke: bool) -> list[Shape]:
+  if smoke:
+    return [Shape("plain", 1, 200, 2, 2, 64), Shape("causal", 1, 200, 2, 2, 64, causal=True),
+            Shape("gqa", 1, 130, 4, 2, 96, causal=True),
+            Shape("all features", 1, 200, 2, 2, 64, causal=True, window=(64, 0), segments=2,
+                  soft_cap=30.0)]
+  out = [Shape("plain", 2, 4096, 16, 16, 128), Shape("causal", 2, 4096, 16, 16, 128, causal=True),
+         Shape("gqa h64", 2, 4096, 32, 8, 64), Shape("gqa h64 causal", 2, 4096, 32, 8, 64, causal=True),
+         Shape("gqa h256", 2, 4096, 32, 8, 256),
+         Shape("gqa h256 causal", 2, 4096, 32, 8, 256, causal=True),
+         # The mask features on the plain shape: their time against the plain row's.
+         Shape("segments x4", 2, 4096, 16, 16, 128, segments=4, anchors=False),
+         Shape("window 1024", 2, 4096, 16, 16, 128, window=(1024, 1024), anchors=False),
+         Shape("soft-cap", 2, 4096, 16, 16, 128, soft_cap=30.0, anchors=False),
+         Shape("causal+segments+window+cap", 2, 4096, 16, 16, 128, causal=True, window=(1024, 0),
+               segments=4, soft_cap=30.0, anchors=False),
+         Shape("long causal", 1, 32768, 16, 16, 128, causal=True, check=False)]
+  return out
+
+
+def _inputs(shape: Shape, seed: int):
+  key = jax.random.split(jax.random.key(seed), 4)
+  b, t, n, kv, h = shape.batch, shape.length, shape.heads, shape.kv_heads, shape.head_dim
+  q = jax.random.normal(key[0], (b, t, n, h), jnp.bfloat16)
+  k = jax.random.normal(key[1], (b, t, kv, h), jnp.bfloat16)
+  v = jax.random.normal(key[2], (b, t, kv, h), jnp.bfloat16)
+  do = jax.random.normal(key[3], (b, t, n, h), jnp.bfloat16)
+  return (q, k, v), do
+
+
+def _segment_ids(shape: Shape):
+  if not shape.segments:
+    return None
+  ids = np.repeat(np.arange(shape.segments), -(-shape.length // shape.segments))[:shape.length]
+  return jnp.asarray(np.broadcast_to(ids, (shape.batch, shape.length)), jnp.int32)
+
+
+def _ours(shape: Shape, implementation: str, config=None):
+  seg = _segment_ids(shape)
+  return lambda q, k, v: jk.flash_attention(
+      q, k, v, causal=shape.causal, local_window_size=shape.window, segment_ids=seg,
+      logits_soft_cap=shape.soft_cap, implementation=implementation, config=config)
+
+
+def _reference(shape: Shape, compute_dtype):
+  seg = _segment_ids(shape)
+  h = shape.head_dim
+
+  def fn(q, k, v):
+    return reference.attention(q, k, v, q_segments=seg, kv_segments=seg,
+                               window=Window.of(shape.causal, shape.window), scale=h**-0.5,
+                               soft_cap=shape.soft_cap, compute_dtype=compute_dtype)
+  return fn
+
+
+def _jax_nn(shape: Shape, implementation: str):
+  return lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=shape.causal, local_window_size=shape.window,
+      implementation=implementation)
+
+
+def _jax_pallas_example(shape: Shape):
+  from jax.experimental.pallas.ops.gpu import attention as example
+  if shape.kv_heads != shape.heads:
+    raise NotImplementedError("JAX's Pallas example has no grouped-query attention")
+  return lambda q, k, v: example.mha(q, k, v, segment_ids=None, causal=shape.causal)
+
+
+def _jax_anchors(shape: Shape) -> dict:
+  if not shape.anchors or shape.segments or shape.soft_cap:
+    return {}
+  out = {"xla": _jax_nn(shape, "xla"), "cudnn": _jax_nn(shape, "cudnn")}
+  if shape.window is None:
+    try:
+      out["jax_pallas_triton"] = _jax_pallas_example(shape)
+    except (ImportError, NotImplementedError):
+      pass
+  return out
+
+
+def _torch_seconds(shape: Shape, label: str, session) -> float:
+  """torch SDPA (its best backend: FlashAttention-2 on sm80+), CUDA events, median of rounds."""
+  import torch
+  import torch.nn.functional as F
+
+  if not torch.cuda.is_available():
+    raise ImportError("torch sees no CUDA device")
+  b, t, n, kv, h = shape.batch, shape.length, shape.heads, shape.kv_heads, shape.head_dim
+  make = lambda heads: torch.randn(b, heads, t, h, dtype=torch.bfloat16, device="cuda",
+                                   requires_grad=label == "fwd+bwd")
+  q, k, v = make(n), make(kv), make(kv)
+  do = torch.randn(b, n, t, h, dtype=torch.bfloat16, device="cuda")
+  kw = {"enable_gqa": True} if kv != n else {}
+
+  def step():
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **kw)
+    if label == "fwd+bwd":
+      torch.autograd.grad(out, (q, k, v), do)
+
+  for _ in range(3):
+    step()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(session.rounds):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(session.calls):
+      step()
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / 1e3 / session.calls)
+  return statistics.median(times)
+
+
+def _sweep_configs(shape: Shape, label: str):
+  """Candidate Triton configs around the heuristic's: forward blocks for "fwd", backward
+  blocks for "fwd+bwd"."""
+  from jaxkernels.ops.attention import triton
+  from jaxkernels.ops.attention.api import Problem
+  problem = Problem(shape.batch, shape.length, shape.length, shape.heads, shape.kv_heads,
+                    shape.head_dim, jnp.dtype(jnp.bfloat16), Window.of(shape.causal, shape.window),
+                    shape.soft_cap is not None, None, bool(shape.segments))
+  base = triton.heuristic(problem, None)
+  if label == "fwd":
+    grid = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4),
+            (64, 128, 4, 2)]
+    return [dataclasses.replace(base, block_q=a, block_k=b, num_warps=w, num_stages=st)
+            for a, b, w, st in grid]
+  grid = [(64, 64, 8, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2),
+          (128, 128, 8, 1)]
+  return [dataclasses.replace(base, bwd_block_q=a, bwd_block_k=b, bwd_num_warps=w,
+                              bwd_num_stages=st) for a, b, w, st in grid]
+
+
+def run(session: harness.Session, sweep: bool = False) -> None:
+  import contextlib
+  context = jk.interpret_mode if session.interpret else contextlib.nullcontext
+  for shape in shapes(session.smoke):
+    first = _inputs(shape, 0)
+    n_sets = 1 if session.interpret else harness.sets_for(
+        4 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)), budget=4 << 30,
+        most=4)
+    sets = [first] + [_inputs(shape, seed) for seed in range(1, n_sets)]
+    for label in ("fwd", "fwd+bwd"):
+      oracle = tolerance = None
+      if shape.check:
+        up = jax.tree.map(lambda a: a.astype(jnp.float32), first)
+        oracle = harness.Timed(_reference(shape, jnp.float32), (0, 1, 2)).outputs(label, *up)
+        naive = harness.Timed(_reference(shape, jnp.bfloat16), (0, 1, 2)).outputs(label, *first)
+        tolerance = 2 * harness.relative_error(naive, oracle)
+      impls = {session.kernel: (_ours(shape, session.kernel), True)}
+      if sweep and session.platform == "gpu" and shape.name in ("plain", "causal"):
+        for config in _sweep_configs(shape, label):
+          impls[f"{session.kernel} {config}"] = (_ours(shape, session.kernel, config), True)
+      if session.platform == "gpu":
+        impls.update({name: (fn, False) for name, fn in _jax_anchors(shape).items()})
+      rows = {}
+      for impl, (fn, check) in impls.items():
+        row = harness.Row("attention", f"{shape.name} {label}", impl, str(shape), "bfloat16")
+        try:
+          with context():
+            timed = harness.Timed(fn, (0, 1, 2))
+            if check and oracle is not None:
+              row.error = harness.relative_error(timed.outputs(label, *first), oracle)
+              row.tolerance = tolerance
+              if not row.error <= tolerance:
+                row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
+                rows[impl] = session.add(row)
+                continue
+            program, arg_sets = timed.programs[label], timed.arg_sets(label, sets)
+            seconds, whole = harness.time_sets_rounds(program, arg_sets, rounds=session.rounds,
+                                                      calls=session.calls)
+            row.round_ms = whole * 1e3
+            if session.platform == "gpu":
+              kernel, row.kernels = harness.kernel_seconds(program, arg_sets, iterations=5)
+              row.kernel_ms = kernel * 1e3 if kernel else None
+          row.ms = seconds * 1e3
+          row.tflops = shape.flops(label) / seconds / 1e12
+        except Exception as e:  # noqa: BLE001 - an anchor that cannot run is a row
+          row.note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rows[impl] = session.add(row)
+      if session.platform == "gpu" and shape.anchors and not (shape.segments or shape.soft_cap
+                                                              or shape.window):
+        row = harness.Row("attention", f"{shape.name} {label}", "torch_sdpa", str(shape),
+                          "bfloat16")
+        try:
+          seconds = _torch_seconds(shape, label, session)
+          row.ms, row.kernel_ms = seconds * 1e3, seconds * 1e3
+          row.tflops = shape.flops(label) / seconds / 1e12
+        except Exception as e:  # noqa: BLE001
+          row.note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rows["torch_sdpa"] = session.add(row)
+      ours, cudnn, xla = rows[session.kernel], rows.get("cudnn"), rows.get("xla")
+      for row in rows.values():
+        if xla is not None and row.ms and xla.ms:
+          row.vs_xla = xla.ms / row.ms
+      if cudnn is not None and ours.ms and cudnn.ms:
+        ours.note = (ours.note + f" {cudnn.ms / ours.ms:.2f}x cudnn").strip()
