@@ -41,7 +41,8 @@ def main(argv=None) -> int:
                       help="matmul --sweep: first:last size (a long sweep may need two runs)")
   parser.add_argument("--tune", action="store_true", help="matmul: autotune ours first")
   parser.add_argument("--only", default=None,
-                      help="matmul: run only these parts, comma-separated (checks,headline,sweep)")
+                      help="matmul: run only these parts, comma-separated (checks,headline,sweep); "
+                           "attention: only these shapes, by name")
   parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results/<device>)")
   args = parser.parse_args(argv)
 
@@ -59,6 +60,8 @@ def main(argv=None) -> int:
       matmul.run(session, sweep=args.sweep, step=args.step, tune_first=args.tune,
                  sweep_range=tuple(int(v) for v in args.sweep_range.split(":")),
                  only=args.only.split(",") if args.only else None)
+    elif name == "attention":
+      attention.run(session, sweep=args.sweep, only=args.only.split(",") if args.only else None)
     else:
       SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run

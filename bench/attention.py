@@ -116,15 +116,26 @@ def _jax_pallas_example(shape: Shape):
   return lambda q, k, v: example.mha(q, k, v, segment_ids=None, causal=shape.causal)
 
 
+def _jax_pallas_mgpu(shape: Shape):
+  """JAX's own Mosaic GPU attention (FlashAttention-3's schedule), its example's blocks."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as example
+  config = example.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                causal=shape.causal, block_q_dkv=64, block_kv_dkv=64,
+                                block_q_dq=64, block_kv_dq=64)
+  return lambda q, k, v: example.attention(q, k, v, config)
+
+
 def _jax_anchors(shape: Shape) -> dict:
   if not shape.anchors or shape.segments or shape.soft_cap:
     return {}
   out = {"xla": _jax_nn(shape, "xla"), "cudnn": _jax_nn(shape, "cudnn")}
   if shape.window is None:
-    try:
-      out["jax_pallas_triton"] = _jax_pallas_example(shape)
-    except (ImportError, NotImplementedError):
-      pass
+    for name, make in (("jax_pallas_triton", _jax_pallas_example),
+                       ("jax_pallas_mgpu", _jax_pallas_mgpu)):
+      try:
+        out[name] = make(shape)
+      except (ImportError, NotImplementedError, AttributeError, TypeError):
+        pass
   return out
 
 
@@ -171,21 +182,31 @@ def _sweep_configs(shape: Shape, label: str):
                     shape.head_dim, jnp.dtype(jnp.bfloat16), Window.of(shape.causal, shape.window),
                     shape.soft_cap is not None, None, bool(shape.segments))
   base = triton.heuristic(problem, None)
+  if shape.head_dim > 128:
+    if label == "fwd":
+      grid = [(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 1), (64, 64, 4, 1)]
+      return [dataclasses.replace(base, block_q=a, block_k=b, num_warps=w, num_stages=st)
+              for a, b, w, st in grid]
+    grid = [(32, 32, 4, 2), (32, 32, 8, 1), (64, 32, 4, 2), (32, 64, 8, 2), (16, 64, 4, 2)]
+    return [dataclasses.replace(base, bwd_block_q=a, bwd_block_k=b, bwd_num_warps=w,
+                                bwd_num_stages=st) for a, b, w, st in grid]
   if label == "fwd":
     grid = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4),
             (64, 128, 4, 2)]
     return [dataclasses.replace(base, block_q=a, block_k=b, num_warps=w, num_stages=st)
             for a, b, w, st in grid]
-  grid = [(64, 64, 8, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2),
-          (128, 128, 8, 1)]
+  grid = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 4, 2), (32, 128, 4, 2),
+          (128, 64, 4, 2), (64, 32, 4, 2)]
   return [dataclasses.replace(base, bwd_block_q=a, bwd_block_k=b, bwd_num_warps=w,
                               bwd_num_stages=st) for a, b, w, st in grid]
 
 
-def run(session: harness.Session, sweep: bool = False) -> None:
+def run(session: harness.Session, sweep: bool = False, only=None) -> None:
   import contextlib
   context = jk.interpret_mode if session.interpret else contextlib.nullcontext
   for shape in shapes(session.smoke):
+    if only and shape.name not in only:
+      continue
     first = _inputs(shape, 0)
     n_sets = 1 if session.interpret else harness.sets_for(
         4 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)), budget=4 << 30,
@@ -199,7 +220,7 @@ def run(session: harness.Session, sweep: bool = False) -> None:
         naive = harness.Timed(_reference(shape, jnp.bfloat16), (0, 1, 2)).outputs(label, *first)
         tolerance = 2 * harness.relative_error(naive, oracle)
       impls = {session.kernel: (_ours(shape, session.kernel), True)}
-      if sweep and session.platform == "gpu" and shape.name in ("plain", "causal"):
+      if sweep and session.platform == "gpu" and shape.name in ("plain", "causal", "gqa h256"):
         for config in _sweep_configs(shape, label):
           impls[f"{session.kernel} {config}"] = (_ours(shape, session.kernel, config), True)
       if session.platform == "gpu":
