@@ -50,6 +50,11 @@ def fast_exp2(x):
   return _triton_asm("ex2.approx.ftz.f32", x)
 
 
+def fast_tanh(x):
+  """tanh(x) by tanh.approx.f32: one MUFU.TANH, max relative error about 2**-11 (PTX ISA)."""
+  return _triton_asm("tanh.approx.f32", x)
+
+
 def fma(a, b, c):
   """a * b + c rounded once. XLA compiles Pallas Triton kernels without FMA contraction: their
   SASS has FMUL and FADD only, so every Horner step cost two instructions (bench/NOTES.md

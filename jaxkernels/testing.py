@@ -49,6 +49,9 @@ def evaluate(reference: Callable[[Any], Callable[..., Any]], compute_dtype, prim
     if ct is None:
       return fn(*args)
     out, vjp = jax.vjp(fn, *args)
+    # Each cotangent in its output's dtype (a float32 log-sum-exp's comes back in the
+    # baseline's bfloat16, say).
+    ct = jax.tree.map(lambda c, o: jnp.asarray(c, o.dtype), ct, out)
     return out, vjp(ct)
 
   if compute_dtype == jnp.float64:

@@ -11,7 +11,6 @@ baseline happened to get.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import zlib
 

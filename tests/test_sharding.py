@@ -158,6 +158,56 @@ def test_sharded_matches_unsharded(request, mesh, impl, op, layout):
     assert jax.tree.leaves(out)[0].sharding.spec == spec  # the output stays split as x was
 
 
+# flash_attention's layouts of q (B, T, N, H) = (8, 16, 4, 16) against k (8, 20, 2, 16): the batch
+# over both axes; batch and heads (q's N and k's K together); the query sequence split
+# (gathered, warned); heads over an axis that k's 2 heads cannot follow (gathered, warned).
+ATTENTION_LAYOUTS = {"batch": P(("data", "model"), None, None, None),
+                     "batch+heads": P("data", None, "model", None),
+                     "batch+seq": P("data", "model", None, None),
+                     "heads over 4": P("model", None, "data", None)}
+ATTENTION_GATHERS = {"batch+seq", "heads over 4"}
+
+
+@pytest.mark.parametrize("layout", sorted(ATTENTION_LAYOUTS))
+def test_attention_layouts(mesh, layout):
+  """Causal GQA attention with segments and a per-head bias, forward and every gradient, by the
+  numerics rule; the output split as q was where nothing is gathered."""
+  from jaxkernels.ops.attention import reference as attention_reference
+  from jaxkernels.ops.attention.common import Window
+
+  spec = ATTENTION_LAYOUTS[layout]
+  gen = numerics.rng("sharding-attention", layout)
+  q = numerics.normal(gen, (8, 16, 4, 16), jnp.float32)
+  k = numerics.normal(gen, (8, 20, 2, 16), jnp.float32)
+  v = numerics.normal(gen, (8, 20, 2, 16), jnp.float32)
+  bias = numerics.normal(gen, (1, 4, 16, 20), jnp.float32)
+  seg = jnp.asarray(np.sort(gen.integers(0, 2, (8, 16))), jnp.int32)
+  kv_seg = jnp.asarray(np.sort(gen.integers(0, 2, (8, 20))), jnp.int32)
+  ct = numerics.normal(gen, q.shape, jnp.float32)
+  # k and v follow q's split where their 2 heads can; "heads over 4": they cannot.
+  kv_spec = P(spec[0], None, None if layout == "heads over 4" else spec[2], None)
+
+  def fn(q, k, v, bias):
+    return jk.flash_attention(q, k, v, bias=bias, causal=True, segment_ids=seg,
+                              kv_segment_ids=kv_seg)
+
+  def ref(cd):
+    return lambda q, k, v, bias: attention_reference.attention(
+        q, k, v, bias=bias, q_segments=seg, kv_segments=kv_seg, window=Window.of(True, None),
+        scale=0.25, compute_dtype=cd)
+
+  with jk.interpret_mode("triton"), warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out, vjp = jax.vjp(jax.jit(fn), _put(mesh, q, spec), _put(mesh, k, kv_spec),
+                       _put(mesh, v, kv_spec), bias)
+    got = (out, vjp(ct))
+  gathered = [w for w in caught if issubclass(w.category, jk.ShardingWarning)]
+  assert bool(gathered) == (layout in ATTENTION_GATHERS), [str(w.message) for w in gathered]
+  numerics.assert_matches(got, ref, (q, k, v, bias), ct, dtype=jnp.float32, reduction=20)
+  if layout not in ATTENTION_GATHERS:
+    assert out.sharding.spec == spec
+
+
 MATMUL_LAYOUTS = {  # name: (A's spec, B's spec, the output's)
     "data parallel": (P(("data", "model"), None), P(None, None), P(("data", "model"), None)),
     "column parallel": (P("data", None), P(None, "model"), P("data", "model")),

@@ -29,6 +29,8 @@ class Window(NamedTuple):
   @classmethod
   def of(cls, causal: bool, local_window_size) -> Window:
     left = right = None
+    if isinstance(local_window_size, int):
+      local_window_size = (local_window_size, local_window_size)
     if local_window_size is not None:
       left, right = local_window_size
     if causal:
@@ -75,7 +77,7 @@ def key_blocks(row0, rows: int, block: int, n_keys: int, window: Window):
   lo = jnp.maximum(row0 - left, 0)
   hi = jnp.minimum(last + right + 1, n_keys)  # one past the last visible key
   first = lo // block
-  end = jnp.maximum(first, (hi + block - 1) // block)
+  end = jnp.where(hi > lo, (hi + block - 1) // block, first)  # nothing visible: no block
   full_lo = jnp.maximum(last - left, 0)
   full_hi = jnp.minimum(row0 + right + 1, n_keys)  # one past
   full_first = jnp.clip((full_lo + block - 1) // block, first, end)

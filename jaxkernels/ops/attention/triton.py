@@ -70,8 +70,8 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   del chip
   hp = _head_block(problem.head_dim)
   small = problem.q_len <= 64 or problem.kv_len <= 64
-  if hp > 128:
-    return Config(block_q=64, block_k=64, num_warps=8, num_stages=2, bwd_block_q=32,
+  if hp > 128:  # H200 sweep at h256 (attention-1): forward 2.82 ms against 4.53 for 64 x 64
+    return Config(block_q=128, block_k=64, num_warps=8, num_stages=1, bwd_block_q=64,
                   bwd_block_k=32, bwd_num_warps=4, bwd_num_stages=2)
   # H200, B=2 T=S=4096 N=16 H=128 bf16 (bench/NOTES.md, attention-1): forward 128 x 64 on 8
   # warps, 3 stages; backward 64 x 64 on 4 warps, 2 stages (2.50 ms fwd+bwd against 4.46 on
@@ -179,11 +179,16 @@ class _Rows:
     pltriton.store(ref.at[self.stat_index(heads)], value.astype(ref.dtype), mask=self.row_mask)
 
 
-def _tanh(x, math_):
-  """tanh(x) = 1 - 2 / (1 + 2**(2 x log2 e)): one ex2 and one rcp on the SFU where libdevice's
-  tanhf costs ~20 instructions (the soft-capped forward ran 64% over the plain one with it, on
-  an H200). Absolute error ~1e-7 (relative, large only where tanh is below ~1e-3, where the cap
-  multiplies it back to ~1e-7 of a logit); +-1 at the ends, no NaN."""
+def _tanh(x, call: _Call, math_):
+  """tanh for the soft cap. libdevice's tanhf costs ~20 instructions: the soft-capped forward
+  ran 64% over the plain one with it on an H200 (bench/NOTES.md, attention-1).
+
+  bfloat16 and float16 inputs, compiled: tanh.approx.f32, one SFU op, relative error ~2**-11,
+  under the 2**-8 that rounding the logits to the input dtype costs the naive baseline. Else
+  1 - 2 / (1 + 2**(2 x log2 e)), one ex2 and one rcp (43% over the plain forward with them):
+  absolute error ~1e-7, which the cap multiplies back to ~1e-7 of a logit; +-1 at the ends."""
+  if call.dtype != jnp.float32 and math_ is _triton.MATH:
+    return _triton.fast_tanh(x)
   return 1.0 - 2.0 * math_.reciprocal(1.0 + math_.exp2(x * (2.0 * LOG2E)))
 
 
@@ -195,7 +200,7 @@ def _scores(qk, bias, call: _Call, math_):
   s = qk * call.scale
   th = None
   if call.soft_cap is not None:
-    th = _tanh(s * (1.0 / call.soft_cap), math_)
+    th = _tanh(s * (1.0 / call.soft_cap), call, math_)
     s = call.soft_cap * th
   if bias is not None:
     s = s + bias
@@ -360,7 +365,7 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
                  jax.ShapeDtypeStruct((b * t * n,), jnp.float32)],
       compiler_params=_triton.params(config.num_warps, config.num_stages),
       interpret=interpret,
-      name="flash_attention_forward",
+      name="jk_attention_fwd",
   )(*_inputs(call, q, k, v, bias, q_seg, kv_seg))
   return out.reshape(q.shape), lse.reshape(b, t, n)
 
@@ -535,14 +540,14 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
       functools.partial(_dkdv_kernel, **kw),
       grid=(cdiv(s, config.bwd_block_k), b * kv_heads),
       out_shape=[jax.ShapeDtypeStruct((b * s, kv_heads * h), k.dtype)] * 2,
-      compiler_params=params, interpret=interpret, name="flash_attention_dkdv",
+      compiler_params=params, interpret=interpret, name="jk_attention_dkdv",
   )(*inputs)
   # dq walks keys as the forward does: its queries are the block, its keys the steps.
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, **kw),
       grid=(cdiv(t, config.bwd_block_q), b * n),
       out_shape=[jax.ShapeDtypeStruct((b * t, n * h), q.dtype)],
-      compiler_params=params, interpret=interpret, name="flash_attention_dq",
+      compiler_params=params, interpret=interpret, name="jk_attention_dq",
   )(*inputs)[0]
   dbias = None
   if bias is not None:
@@ -551,6 +556,6 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
         functools.partial(_dbias_kernel, **kw),
         grid=(cdiv(t, config.bwd_block_q), cdiv(s, config.bwd_block_k), bb * nb),
         out_shape=[jax.ShapeDtypeStruct(bias.shape, bias.dtype)],
-        compiler_params=params, interpret=interpret, name="flash_attention_dbias",
+        compiler_params=params, interpret=interpret, name="jk_attention_dbias",
     )(*inputs)[0]
   return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dbias)

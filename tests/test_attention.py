@@ -1,0 +1,346 @@
+"""flash_attention: the reference against jax.nn.dot_product_attention, every kernel against the
+float64 oracle by the numerics rule (output, log-sum-exp and every gradient) over shapes and
+mask features drawn by hypothesis, fully masked rows, re-runs, lowering, and bad input."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+
+import jaxkernels as jk
+from jaxkernels.ops.attention import reference
+from jaxkernels.ops.attention import triton as attention_triton
+from jaxkernels.ops.attention.common import Window, key_blocks, query_blocks, visible
+from tests import numerics
+from tests.conftest import cuda_lowering
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@chex.dataclass(frozen=True)
+class Case:
+  """One call: shapes, dtype and mask features."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  kv_heads: int
+  group: int
+  head_dim: int
+  dtype: object = jnp.float32
+  causal: bool = False
+  window: object = None
+  soft_cap: object = None
+  bias: object = None  # None, or the bias's (Bb, Nb) broadcast pattern
+  segments: int = 0  # segment ids drawn from [0, segments)
+  return_lse: bool = True
+
+  @property
+  def heads(self):
+    return self.kv_heads * self.group
+
+  def kwargs(self):
+    return dict(causal=self.causal, local_window_size=self.window,
+                logits_soft_cap=self.soft_cap, return_lse=self.return_lse)
+
+
+def _draw(case: Case, *labels):
+  gen = numerics.rng(repr(case), *labels)
+  b, t, s, n, kv, h = (case.batch, case.q_len, case.kv_len, case.heads, case.kv_heads,
+                       case.head_dim)
+  q = numerics.normal(gen, (b, t, n, h), case.dtype)
+  k = numerics.normal(gen, (b, s, kv, h), case.dtype)
+  v = numerics.normal(gen, (b, s, kv, h), case.dtype)
+  bias = None
+  if case.bias is not None:
+    bb, nb = case.bias
+    bias = numerics.normal(gen, (bb, nb, t, s), case.dtype)
+  seg = kv_seg = None
+  if case.segments:
+    # Sorted, as packed sequences are; a query segment missing from the keys leaves its rows
+    # fully masked.
+    seg = jnp.asarray(np.sort(gen.integers(0, case.segments, (b, t))), jnp.int32)
+    kv_seg = jnp.asarray(np.sort(gen.integers(0, case.segments, (b, s))), jnp.int32)
+  do = numerics.normal(gen, (b, t, n, h), case.dtype)
+  dlse = numerics.normal(gen, (b, t, n), jnp.float32)
+  return (q, k, v, bias), (seg, kv_seg), (do, dlse)
+
+
+def _reference(case: Case, seg, kv_seg):
+  def make(compute_dtype):
+    def fn(q, k, v, bias=None):
+      out = reference.attention(q, k, v, bias=bias, q_segments=seg, kv_segments=kv_seg,
+                                window=Window.of(case.causal, case.window),
+                                scale=case.head_dim ** -0.5, soft_cap=case.soft_cap,
+                                return_lse=case.return_lse, compute_dtype=compute_dtype)
+      return out
+    return fn
+  return make
+
+
+class AttentionTest:
+  IMPL = "xla"
+
+  def op(self, case: Case, seg, kv_seg, config=None):
+    def fn(q, k, v, bias=None):
+      return jk.flash_attention(q, k, v, bias=bias, segment_ids=seg, kv_segment_ids=kv_seg,
+                                implementation=self.IMPL, config=config, **case.kwargs())
+    return fn
+
+  def check(self, case: Case, config=None):
+    (q, k, v, bias), (seg, kv_seg), (do, dlse) = _draw(case)
+    primals = (q, k, v) if bias is None else (q, k, v, bias)
+    with numerics.kernel_mode():
+      support = jk.supports("flash_attention", self.IMPL, q, k, v, bias=bias,
+                            segment_ids=seg, kv_segment_ids=kv_seg, **case.kwargs())
+      if not support:
+        pytest.skip(support.reason)
+      out, vjp = jax.vjp(self.op(case, seg, kv_seg, config), *primals)
+      # A query that sees nothing has lse -inf; its cotangent there is 0.
+      ct = (do, jnp.where(jnp.isfinite(out[1]), dlse, 0.0)) if case.return_lse else do
+      got = (out, vjp(ct))
+    chex.assert_shape(got[0][0] if case.return_lse else got[0],
+                      (case.batch, case.q_len, case.heads, case.head_dim))
+    numerics.assert_matches(got, _reference(case, seg, kv_seg), primals, ct, dtype=case.dtype,
+                            reduction=max(case.kv_len, case.q_len, case.head_dim))
+    return got
+
+  # No shrinking: an example costs seconds interpreted; a failure prints the case it drew. The
+  # base class's test runs once per implementation (each subclass an executor).
+  @settings(max_examples=6, deadline=None, phases=(Phase.explicit, Phase.generate),
+            suppress_health_check=[HealthCheck.differing_executors])
+  @given(data=st.data())
+  def test_drawn(self, data):
+    """Odd T and S, T != S, GQA ratios, every mask feature and their combinations."""
+    window = data.draw(st.sampled_from([None, 3, (0, 0), (5, 2), (0, 7)]))
+    case = Case(batch=data.draw(st.integers(1, 2)), q_len=data.draw(st.integers(1, 70)),
+                kv_len=data.draw(st.integers(1, 70)), kv_heads=data.draw(st.integers(1, 2)),
+                group=data.draw(st.sampled_from([1, 2, 3])),
+                head_dim=data.draw(st.sampled_from([16, 24, 32])),
+                dtype=data.draw(st.sampled_from(DTYPES)), causal=data.draw(st.booleans()),
+                window=window,
+                soft_cap=data.draw(st.sampled_from([None, 2.5])),
+                bias=data.draw(st.sampled_from([None, (1, 1), "full", (1, "N")])),
+                segments=data.draw(st.sampled_from([0, 2, 3])))
+    b, n = case.batch, case.heads
+    if case.bias == "full":
+      case = case.replace(bias=(b, n))
+    elif case.bias == (1, "N"):
+      case = case.replace(bias=(1, n))
+    self.check(case)
+
+  @pytest.mark.parametrize("dtype", DTYPES)
+  @pytest.mark.parametrize("head_dim", [64, 96])
+  def test_head_dims(self, dtype, head_dim):
+    self.check(Case(batch=1, q_len=40, kv_len=33, kv_heads=1, group=2, head_dim=head_dim,
+                    dtype=dtype, causal=True))
+
+  def test_fully_masked_rows(self):
+    """Queries that see no key (past the keys' end under a (0, 0) window; a segment the keys
+    lack) get 0 and zero gradients, and their log-sum-exp is -inf; no NaN anywhere."""
+    case = Case(batch=1, q_len=24, kv_len=10, kv_heads=1, group=2, head_dim=16,
+                window=(0, 0))
+    (out, lse), (dq, dk, dv) = self.check(case)
+    assert np.all(np.asarray(out[:, 10:]) == 0) and np.all(np.asarray(dq[:, 10:]) == 0)
+    assert np.all(np.isneginf(np.asarray(lse[:, 10:])))
+    assert np.all(np.isfinite(np.asarray(out[:, :10]))) and np.all(np.isfinite(dk))
+
+  def test_segments_without_common_ids(self):
+    case = Case(batch=2, q_len=20, kv_len=20, kv_heads=1, group=1, head_dim=16, segments=3)
+    (q, k, v, _), _, _ = _draw(case)
+    seg = jnp.zeros((2, 20), jnp.int32).at[1].set(1)
+    kv_seg = jnp.zeros((2, 20), jnp.int32).at[1].set(2)  # batch 1 sees nothing
+    with numerics.kernel_mode():
+      out, grads = jax.value_and_grad(lambda q: jnp.sum(jk.flash_attention(
+          q, k, v, segment_ids=seg, kv_segment_ids=kv_seg, implementation=self.IMPL)))(q)
+      y = jk.flash_attention(q, k, v, segment_ids=seg, kv_segment_ids=kv_seg,
+                             implementation=self.IMPL)
+    assert np.all(np.asarray(y[1]) == 0) and np.all(np.asarray(grads[1]) == 0)
+    assert np.isfinite(float(out))
+
+  def test_extra_batch_dims_and_broadcast_bias(self):
+    case = Case(batch=1, q_len=12, kv_len=17, kv_heads=2, group=2, head_dim=16)
+    (q, k, v, _), _, _ = _draw(case)
+    q, k, v = (jnp.stack([a, 2 * a]).reshape(2, 1, *a.shape[1:]) for a in (q, k, v))
+    bias = jnp.linspace(-1, 1, 17)  # one bias per key, broadcast over everything else
+    with numerics.kernel_mode():
+      got = jk.flash_attention(q, k, v, bias=bias, implementation=self.IMPL)
+    want = jax.vmap(lambda q, k, v: reference.attention(
+        q, k, v, bias=bias, scale=0.25))(q, k, v)
+    chex.assert_shape(got, q.shape)
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+
+class TestAttentionXla(AttentionTest):
+  IMPL = "xla"
+
+
+class TestAttentionTriton(AttentionTest):
+  IMPL = "triton"
+
+  def test_block_edges(self):
+    """Small blocks: partial query and key blocks, windows whose edges fall inside blocks and
+    across them, several masked and unmasked runs a walk."""
+    config = attention_triton.Config(block_q=16, block_k=16, num_warps=4, num_stages=1,
+                                     bwd_block_q=16, bwd_block_k=32, bwd_num_warps=4,
+                                     bwd_num_stages=1)
+    self.check(Case(batch=1, q_len=70, kv_len=61, kv_heads=1, group=2, head_dim=16,
+                    window=(20, 9), bias=(1, 2), segments=2), config)
+
+  def test_lowers_for_cuda(self):
+    q = jax.ShapeDtypeStruct((2, 200, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 200, 300), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
+    kv_seg = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+
+    def fn(q, k, v, bias, seg, kv_seg, do):
+      op = functools.partial(jk.flash_attention, segment_ids=seg, kv_segment_ids=kv_seg,
+                             causal=True, logits_soft_cap=30.0, local_window_size=(64, 0),
+                             implementation="triton")
+      return jax.vjp(lambda q, k, v, b: op(q, k, v, bias=b), q, k, v, bias)[1](do)
+
+    text = cuda_lowering(fn, q, k, k, bias, seg, kv_seg, q)
+    for name in ("jk_attention_fwd", "jk_attention_dkdv", "jk_attention_dq",
+                 "jk_attention_dbias"):
+      assert f'name = "{name}"' in text, name
+
+
+class TestAttentionVariants(chex.TestCase):
+  """Under jit and not (chex.variants), every implementation gives bitwise the same output and
+  gradients on a re-run."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters("xla", "triton")
+  def test_rerun_bitwise(self, implementation):
+    case = Case(batch=1, q_len=33, kv_len=40, kv_heads=1, group=2, head_dim=16, causal=True,
+                segments=2)
+    (q, k, v, _), (seg, kv_seg), (do, _) = _draw(case)
+    fn = self.variant(lambda q, k, v: jax.vjp(lambda q, k, v: jk.flash_attention(
+        q, k, v, causal=True, segment_ids=seg, kv_segment_ids=kv_seg,
+        implementation=implementation), q, k, v))
+    with numerics.kernel_mode():
+      (out1, vjp1), (out2, vjp2) = fn(q, k, v), fn(q, k, v)
+      first, second = (out1, vjp1(do)), (out2, vjp2(do))
+    chex.assert_trees_all_equal(first, second)
+
+
+def test_reference_is_jax_nn():
+  """Where every query sees a key, the reference is jax.nn.dot_product_attention's answer:
+    causal with T != S (top-left aligned), windows, GQA and a bias."""
+  gen = numerics.rng("jax.nn")
+  q = numerics.normal(gen, (2, 37, 4, 16), jnp.float32)
+  k = numerics.normal(gen, (2, 53, 2, 16), jnp.float32)
+  v = numerics.normal(gen, (2, 53, 2, 16), jnp.float32)
+  bias = numerics.normal(gen, (1, 4, 37, 53), jnp.float32)
+  for causal, window in ((False, None), (True, None), (False, (5, 3)), (True, (7, 7)),
+                         (False, 4)):
+    want = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=causal,
+                                        local_window_size=window, implementation="xla")
+    got = jk.flash_attention(q, k, v, bias=bias, causal=causal, local_window_size=window,
+                             implementation="xla")
+    chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), row0=st.integers(0, 80), block=st.sampled_from([4, 16]),
+       n_keys=st.integers(1, 90), left=st.sampled_from([None, 0, 3, 17]),
+       right=st.sampled_from([None, 0, 5, 30]))
+def test_block_runs_cover_the_mask(rows, row0, block, n_keys, left, right):
+  """key_blocks' runs: every visible pair lies in a visited block, the unmasked run's blocks
+  are visible whole, and the same from the keys' side (query_blocks)."""
+  window = Window(left, right)
+  q = np.arange(row0, row0 + rows)[:, None]
+  j = np.arange(n_keys)[None, :]
+  mask = visible(q, j, window)
+  mask = np.ones((rows, n_keys), bool) if mask is None else np.asarray(mask)
+  first, full_first, full_end, end = (int(x) for x in key_blocks(row0, rows, block, n_keys,
+                                                                  window))
+  assert first <= full_first <= full_end <= end
+  blocks = np.arange(n_keys) // block
+  assert not np.any(mask[:, (blocks < first) | (blocks >= end)])
+  full = (blocks >= full_first) & (blocks < full_end)
+  assert np.all(mask[:, full])
+  assert full_first == full_end or full_end * block <= n_keys  # the unmasked run's keys exist
+  k0 = row0  # the same walk from the keys' side: keys [k0, k0 + rows) against n_keys queries
+  first, full_first, full_end, end = (int(x) for x in query_blocks(k0, rows, block, n_keys,
+                                                                    window))
+  kmask = visible(np.arange(n_keys)[:, None], np.arange(k0, k0 + rows)[None, :], window)
+  kmask = np.ones((n_keys, rows), bool) if kmask is None else np.asarray(kmask)
+  assert not np.any(kmask[(blocks < first) | (blocks >= end)])
+  assert np.all(kmask[(blocks >= full_first) & (blocks < full_end)])
+
+
+def test_falls_back_with_a_warning_on_cpu():
+  q = jnp.ones((1, 8, 2, 16))
+  with pytest.warns(jk.FallbackWarning, match="flash_attention"):
+    jk.flash_attention(q, q, q, causal=True)
+
+
+def test_residuals_are_saved_under_checkpoint_names():
+  """The forward's output and log-sum-exp carry names that remat policies select: saving
+  them, the backward runs no second forward kernel; saving nothing, it does."""
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+
+  def loss(q, k, v):
+    return jnp.sum(jk.flash_attention(q, k, v, causal=True, implementation="triton")
+                   .astype(jnp.float32))
+
+  def lowered(policy):
+    return cuda_lowering(jax.value_and_grad(jax.checkpoint(loss, policy=policy),
+                                            argnums=(0, 1, 2)), q, q, q)
+
+  fwd = 'name = "jk_attention_fwd"'
+  saved = lowered(jax.checkpoint_policies.save_only_these_names("attention_out",
+                                                                "attention_lse"))
+  assert saved.count(fwd) == 1
+  assert lowered(jax.checkpoint_policies.nothing_saveable).count(fwd) == 2
+
+
+class TestAttentionErrors:
+  q = jnp.ones((2, 8, 4, 16))
+  k = jnp.ones((2, 10, 2, 16))
+
+  @pytest.mark.parametrize("kwargs,error,match", [
+      (dict(k=jnp.ones((2, 10, 2, 32))), ValueError, "same shape"),
+      (dict(k=jnp.ones((2, 10, 2, 32)), v=jnp.ones((2, 10, 2, 32))), ValueError, "same head dim"),
+      (dict(k=jnp.ones((2, 10, 3, 16)), v=jnp.ones((2, 10, 3, 16))), ValueError,
+       r"q's heads \(4\) must be a multiple of k's heads \(3\)"),
+      (dict(q=jnp.ones((8, 4, 16))), ValueError, "q must have rank >= 4"),
+      (dict(q=jnp.ones((2, 8, 4, 300)), k=jnp.ones((2, 10, 2, 300)),
+            v=jnp.ones((2, 10, 2, 300))), ValueError, "head dim 300 is not supported"),
+      (dict(segment_ids=jnp.zeros((2, 9), jnp.int32)), ValueError,
+       r"segment_ids must have shape \(2, 8\)"),
+      (dict(segment_ids=jnp.zeros((2, 8))), TypeError, "segment_ids must have an integer dtype"),
+      (dict(segment_ids=jnp.zeros((2, 8), jnp.int32)), ValueError, "T=8 and S=10 differ"),
+      (dict(kv_segment_ids=jnp.zeros((2, 10), jnp.int32)), ValueError, "needs segment_ids"),
+      (dict(local_window_size=-1), ValueError, "local_window_size must be >= 0"),
+      (dict(local_window_size=(3, -2)), ValueError, "local_window_size must be >= 0"),
+      (dict(local_window_size=(1, 2, 3)), TypeError, "local_window_size must be an int or"),
+      (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be a finite float > 0"),
+      (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap must be a finite float > 0"),
+      (dict(bias=jnp.ones((3, 4, 8, 10))), ValueError, "bias of shape .* does not broadcast"),
+      (dict(bias=jnp.ones((8, 11))), ValueError, "bias of shape .* does not broadcast"),
+      (dict(implementation="cuda"), ValueError, "implementation='cuda' is not one of"),
+      (dict(causal=1), TypeError, "causal must be a bool"),
+      (dict(scale=float("nan")), ValueError, "scale must be finite"),
+  ])
+  def test_bad_input(self, kwargs, error, match):
+    args = dict(q=self.q, k=self.k, v=self.k)
+    args.update({name: kwargs.pop(name) for name in ("q", "k", "v") if name in kwargs})
+    with pytest.raises(error, match=match):
+      jk.flash_attention(args["q"], args["k"], args["v"], **kwargs)
+
+  def test_v_dtype(self):
+    with pytest.raises(TypeError, match="one dtype"):
+      jk.flash_attention(self.q, self.k, self.k.astype(jnp.bfloat16))
+
+  def test_config_type(self):
+    with jk.interpret_mode(), pytest.raises(TypeError, match="config for implementation"):
+      jk.flash_attention(self.q, self.k, self.k, implementation="triton", config=object())
