@@ -16,10 +16,11 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import jaxkernels as jk
 from jaxkernels.ops.attention import reference
+from jaxkernels.ops.attention import mosaic_tpu as attention_mosaic_tpu
 from jaxkernels.ops.attention import triton as attention_triton
 from jaxkernels.ops.attention.common import Window, key_blocks, query_blocks, visible
 from tests import numerics
-from tests.conftest import cuda_lowering
+from tests.conftest import aot_compile, cuda_lowering
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -112,19 +113,16 @@ class AttentionTest:
                             reduction=max(case.kv_len, case.q_len, case.head_dim))
     return got
 
-  # No shrinking: an example costs seconds interpreted; a failure prints the case it drew. The
-  # base class's test runs once per implementation (each subclass an executor).
-  @settings(max_examples=6, deadline=None, phases=(Phase.explicit, Phase.generate),
-            suppress_health_check=[HealthCheck.differing_executors])
-  @given(data=st.data())
-  def test_drawn(self, data):
+  DTYPES = DTYPES  # what the kernels take (Mosaic TPU: no float16)
+
+  def check_drawn(self, data):
     """Odd T and S, T != S, GQA ratios, every mask feature and their combinations."""
     window = data.draw(st.sampled_from([None, 3, (0, 0), (5, 2), (0, 7)]))
     case = Case(batch=data.draw(st.integers(1, 2)), q_len=data.draw(st.integers(1, 70)),
                 kv_len=data.draw(st.integers(1, 70)), kv_heads=data.draw(st.integers(1, 2)),
                 group=data.draw(st.sampled_from([1, 2, 3])),
                 head_dim=data.draw(st.sampled_from([16, 24, 32])),
-                dtype=data.draw(st.sampled_from(DTYPES)), causal=data.draw(st.booleans()),
+                dtype=data.draw(st.sampled_from(self.DTYPES)), causal=data.draw(st.booleans()),
                 window=window,
                 soft_cap=data.draw(st.sampled_from([None, 2.5])),
                 bias=data.draw(st.sampled_from([None, (1, 1), "full", (1, "N")])),
@@ -135,6 +133,14 @@ class AttentionTest:
     elif case.bias == (1, "N"):
       case = case.replace(bias=(1, n))
     self.check(case)
+
+  # No shrinking: an example costs seconds interpreted; a failure prints the case it drew. The
+  # base class's test runs once per implementation (each subclass an executor).
+  @settings(max_examples=4, deadline=None, phases=(Phase.explicit, Phase.generate),
+            suppress_health_check=[HealthCheck.differing_executors])
+  @given(data=st.data())
+  def test_drawn(self, data):
+    self.check_drawn(data)
 
   @pytest.mark.parametrize("dtype", DTYPES)
   @pytest.mark.parametrize("head_dim", [64, 96])
@@ -180,6 +186,13 @@ class AttentionTest:
 class TestAttentionXla(AttentionTest):
   IMPL = "xla"
 
+  # The reference itself: fewer draws (the kernels' classes draw the same features).
+  @settings(max_examples=2, deadline=None, phases=(Phase.explicit, Phase.generate),
+            suppress_health_check=[HealthCheck.differing_executors])
+  @given(data=st.data())
+  def test_drawn(self, data):
+    self.check_drawn(data)
+
 
 class TestAttentionTriton(AttentionTest):
   IMPL = "triton"
@@ -217,7 +230,7 @@ class TestAttentionVariants(chex.TestCase):
   gradients on a re-run."""
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters("xla", "triton")
+  @parameterized.parameters("xla", "triton", "mosaic_tpu")
   def test_rerun_bitwise(self, implementation):
     case = Case(batch=1, q_len=33, kv_len=40, kv_heads=1, group=2, head_dim=16, causal=True,
                 segments=2)
@@ -229,6 +242,38 @@ class TestAttentionVariants(chex.TestCase):
       (out1, vjp1), (out2, vjp2) = fn(q, k, v), fn(q, k, v)
       first, second = (out1, vjp1(do)), (out2, vjp2(do))
     chex.assert_trees_all_equal(first, second)
+
+
+class TestAttentionMosaicTpu(AttentionTest):
+  IMPL = "mosaic_tpu"
+  DTYPES = (jnp.float32, jnp.bfloat16)
+
+  def test_small_blocks(self):
+    """Several query and key blocks: partial ones at both ends, windows cutting blocks, GQA
+    walks over the group's heads, a bias broadcast over the batch."""
+    config = attention_mosaic_tpu.Config(block_q=16, block_k=128, bwd_block_q=16,
+                                         bwd_block_k=128, vmem_limit_bytes=32 << 20)
+    self.check(Case(batch=2, q_len=45, kv_len=150, kv_heads=1, group=2, head_dim=32,
+                    window=(60, 20), bias=(1, 2), segments=2, soft_cap=3.0), config)
+
+  def test_aot_compiles(self, tpu_mesh):
+    """Forward and backward, every feature, compile for v5e, v5p and v6e."""
+    q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 500, 2, 128), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 300, 500), jnp.float32)
+    seg = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+    kv_seg = jax.ShapeDtypeStruct((2, 500), jnp.int32)
+
+    def fn(q, k, v, bias, seg, kv_seg, do):
+      op = functools.partial(jk.flash_attention, segment_ids=seg, kv_segment_ids=kv_seg,
+                             causal=True, logits_soft_cap=30.0, local_window_size=(64, 0),
+                             implementation="mosaic_tpu")
+      return jax.vjp(lambda q, k, v, b: op(q, k, v, bias=b), q, k, v, bias)[1](do)
+
+    text = aot_compile(tpu_mesh, fn, q, k, k, bias, seg, kv_seg, q)
+    for name in ("jk_attention_fwd", "jk_attention_dkdv", "jk_attention_dq",
+                 "jk_attention_dbias"):
+      assert name in text, name
 
 
 def test_reference_is_jax_nn():

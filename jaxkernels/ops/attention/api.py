@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket
-from jaxkernels.ops.attention import reference, triton
+from jaxkernels.ops.attention import mosaic_tpu, reference, triton
 from jaxkernels.ops.attention.common import Window
 
 OP = "flash_attention"
@@ -316,7 +316,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       bias, so that a bias can still mask).
     return_lse: also return the (..., T, N) float32 log-sum-exp of each query's logits
       (natural log; -inf for a query that sees no key), with its gradient.
-    implementation: None (best available), "xla", "triton".
+    implementation: None (best available), "xla", "triton", "mosaic_tpu".
     config: the chosen kernel's Config; None picks one for the shape and device.
 
   Returns:
@@ -362,4 +362,6 @@ def _problem_of(q, k, v, **kwargs):
 _KERNELS = backend.register(OP, {
     "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
                                  backward=triton.backward),
+    "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
+                                     backward=mosaic_tpu.backward),
 }, _problem_of)

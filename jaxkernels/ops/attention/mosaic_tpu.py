@@ -1,0 +1,485 @@
+"""Pallas Mosaic TPU kernels for flash attention, forward and backward.
+
+The TPU's shape of FlashAttention-2: a grid over (batch, head, query block, key block) with the
+key blocks innermost ("arbitrary", the running maximum, sum and output accumulated in VMEM
+scratch across them) and batch, heads and query blocks "parallel", so that megacore chips (v4,
+v5p) split them between their two TensorCores. q k^T and p v run on the MXU in the input dtype
+with float32 accumulation; the softmax's statistics are float32.
+
+Blocks that the mask hides whole (``common.key_blocks``) are not computed, and their index
+maps repeat the last visible block, so Pallas' pipeline fetches nothing for them. The
+backward recomputes p from the saved log-sum-exp: one kernel accumulates dk and dv over the
+query blocks of every head of a GQA group (k and v stay in VMEM across them), one dq over the
+key blocks, and with a bias one d(bias), summed over the batch and heads the bias broadcasts
+over.
+
+The kernels read (B, N, T, H) arrays, T and S padded to whole blocks: the wrapper transposes
+and pads (XLA copies; the padded keys are masked, the padded queries' rows dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxkernels import _mosaic_tpu, hardware
+from jaxkernels._tiling import check_fields, round_up
+from jaxkernels.ops.attention.common import Window, key_blocks, query_blocks, visible
+
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  block_q: int
+  block_k: int
+  bwd_block_q: int
+  bwd_block_k: int
+  vmem_limit_bytes: int
+
+  def __post_init__(self):
+    check_fields(self, ("block_q", "bwd_block_q"), lambda v: v >= 16 and v % 16 == 0,
+                 "a multiple of 16 (sublanes of packed bfloat16)")
+    check_fields(self, ("block_k", "bwd_block_k"), lambda v: v >= 128 and v % 128 == 0,
+                 "a multiple of 128 (lanes)")
+    check_fields(self, ("vmem_limit_bytes",), lambda v: v >= 1, ">= 1")
+
+
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """Blocks of the MXU's edge (128 on v5e, 256 on v6e): a 256-wide MXU gets 256 x 256 score
+  tiles where the sequences are that long."""
+  edge = chip.mxu or 128
+  block_q = min(edge, round_up(problem.q_len, 16))
+  block_k = min(edge, round_up(problem.kv_len, 128))
+  if problem.head_dim > 128:  # keep q, k, v, o and the f32 accumulators well inside VMEM
+    block_q, block_k = min(block_q, 128), min(block_k, 128)
+  return Config(block_q=block_q, block_k=block_k, bwd_block_q=min(block_q, 128),
+                bwd_block_k=min(block_k, 128), vmem_limit_bytes=_mosaic_tpu.vmem_limit(chip))
+
+
+def unsupported(problem, chip) -> str | None:
+  del chip
+  if problem.dtype == jnp.float16:
+    return "float16 is not a TPU dtype (use bfloat16 or float32)"
+  if problem.head_dim > MAX_HEAD_DIM:
+    return f"head dim {problem.head_dim} is over {MAX_HEAD_DIM}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  batch: int
+  q_len: int
+  kv_len: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  window: Window
+  scale: float
+  soft_cap: float | None
+  bias_shape: tuple[int, ...] | None
+  segments: bool
+  dtype: jnp.dtype
+
+  @property
+  def group(self) -> int:
+    return self.heads // self.kv_heads
+
+  @property
+  def precision(self):
+    return lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
+
+
+def _call_of(q, k, bias, q_seg, *, window, scale, soft_cap) -> _Call:
+  b, t, n, h = q.shape
+  return _Call(b, t, k.shape[1], n, k.shape[2], h, window, float(scale), soft_cap,
+               None if bias is None else tuple(bias.shape), q_seg is not None,
+               jnp.dtype(q.dtype))
+
+
+def _dot(a, b, call, *, ta=False, tb=False):
+  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=call.precision,
+                         preferred_element_type=jnp.float32)
+
+
+def _scores(qk, bias, call: _Call):
+  """Natural-log logits from q k^T (scaled, capped, biased) and tanh for the cap's slope."""
+  s = qk * call.scale
+  th = None
+  if call.soft_cap is not None:
+    th = jnp.tanh(s * (1.0 / call.soft_cap))
+    s = call.soft_cap * th
+  if bias is not None:
+    s = s + bias.astype(jnp.float32)
+  return s, th
+
+
+def _mask(i, j, bq, bk, call: _Call, q_seg, kv_seg):
+  """The (bq, bk) block's mask, or None: the window, the keys' end, segments."""
+  rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  mask = visible(rows, cols, call.window, q_seg, kv_seg)
+  if call.kv_len % bk:
+    edge = cols < call.kv_len
+    mask = edge if mask is None else mask & edge
+  return mask
+
+
+def _visit(i, j, bq, bk, call: _Call):
+  """Whether key block j holds a key that query block i sees, and the last block that does
+  (what a skipped step's index map repeats)."""
+  first, _, _, end = key_blocks(i * bq, jnp.minimum(bq, call.q_len - i * bq), bk, call.kv_len,
+                                call.window)
+  return (j >= first) & (j < end), _repeat(j, first, end, -(-call.kv_len // bk))
+
+
+def _visit_queries(j, i, bq, bk, call: _Call):
+  first, _, _, end = query_blocks(j * bk, jnp.minimum(bk, call.kv_len - j * bk), bq,
+                                  call.q_len, call.window)
+  return (i >= first) & (i < end), _repeat(i, first, end, -(-call.q_len // bq))
+
+
+def _repeat(step, first, end, count: int):
+  """The block a step fetches: its own where visible, else the nearest visible one (the
+  pipeline then fetches nothing new), inside the array even where no block is visible."""
+  return jnp.clip(jnp.clip(step, first, jnp.maximum(end - 1, first)), 0, count - 1)
+
+
+# --------------------------------------------------------------------------- #
+# Layout: (B, T, N, H) <-> the kernels' padded (B, N, T, H)
+# --------------------------------------------------------------------------- #
+
+
+def _heads_major(a, length: int):
+  a = jnp.swapaxes(a, 1, 2)
+  pad = length - a.shape[2]
+  return jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else a
+
+
+def _segments(seg, length: int, fill: int):
+  pad = length - seg.shape[1]
+  seg = seg.astype(jnp.int32)
+  return jnp.pad(seg, ((0, 0), (0, pad)), constant_values=fill) if pad else seg
+
+
+def _bias(bias, t_pad: int, s_pad: int):
+  pads = ((0, 0), (0, 0), (0, t_pad - bias.shape[2]), (0, s_pad - bias.shape[3]))
+  return jnp.pad(bias, pads) if any(p for _, p in pads) else bias
+
+
+# --------------------------------------------------------------------------- #
+# Forward
+# --------------------------------------------------------------------------- #
+
+
+def _forward_kernel(*refs, call: _Call, bq: int, bk: int):
+  refs = list(refs)
+  q_ref, k_ref, v_ref = refs[:3]
+  rest = refs[3:]
+  bias_ref = rest.pop(0) if call.bias_shape is not None else None
+  qs_ref, ks_ref = (rest.pop(0), rest.pop(0)) if call.segments else (None, None)
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _():
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  run, _ = _visit(i, j, bq, bk, call)
+
+  @pl.when(run)
+  def _():
+    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    s, _ = _scores(_dot(q, k, call, tb=True), None if bias_ref is None else bias_ref[...], call)
+    mask = _mask(i, j, bq, bk, call, None if qs_ref is None else qs_ref[...],
+                 None if ks_ref is None else ks_ref[...])
+    if mask is not None:
+      s = jnp.where(mask, s, -jnp.inf)
+    m_prev = m_sc[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m_prev - safe)
+    p = jnp.exp(s - safe)
+    l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
+    acc_sc[...] = acc_sc[...] * alpha + _dot(p.astype(v.dtype), v, call)
+    m_sc[...] = m_new
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _():
+    total = l_sc[...]
+    seen = total > 0
+    o_ref[...] = (acc_sc[...] / jnp.where(seen, total, 1.0)).astype(o_ref.dtype)
+    peak = m_sc[...]
+    lse_ref[...] = jnp.where(seen, jnp.where(peak == -jnp.inf, 0.0, peak) +
+                             jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+
+
+def _kv_map(call: _Call, bq: int, bk: int):
+  """(b, n, i, j) -> k's block: head n's kv head, the key block clamped to the visible ones."""
+  def index(b, n, i, j):
+    _, jj = _visit(i, j, bq, bk, call)
+    return b, n // call.group, jj, 0
+  return index
+
+
+def _bias_map(call: _Call, bq: int, bk: int):
+  bb, nb = call.bias_shape[:2]
+
+  def index(b, n, i, j):
+    _, jj = _visit(i, j, bq, bk, call)
+    return (b if bb > 1 else 0), (n if nb > 1 else 0), i, jj
+  return index
+
+
+def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
+            soft_cap: float | None, config: Config, interpret=False):
+  call = _call_of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
+  b, t, n, h = q.shape
+  bq, bk = config.block_q, config.block_k
+  t_pad, s_pad = round_up(t, bq), round_up(call.kv_len, bk)
+  inputs = [_heads_major(q, t_pad), _heads_major(k, s_pad), _heads_major(v, s_pad)]
+  kv_map = _kv_map(call, bq, bk)
+  specs = [pl.BlockSpec((None, None, bq, h), lambda b, n, i, j: (b, n, i, 0)),
+           pl.BlockSpec((None, None, bk, h), kv_map), pl.BlockSpec((None, None, bk, h), kv_map)]
+  if bias is not None:
+    inputs.append(_bias(bias, t_pad, s_pad))
+    specs.append(pl.BlockSpec((None, None, bq, bk), _bias_map(call, bq, bk)))
+  if q_seg is not None:
+    inputs += [_segments(q_seg, t_pad, -1)[:, :, None], _segments(kv_seg, s_pad, -2)[:, None, :]]
+    specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)),
+              pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, kv_map(b, n, i, j)[2]))]
+  out, lse = pl.pallas_call(
+      functools.partial(_forward_kernel, call=call, bq=bq, bk=bk),
+      grid=(b, n, t_pad // bq, s_pad // bk),
+      in_specs=specs,
+      out_specs=[pl.BlockSpec((None, None, bq, h), lambda b, n, i, j: (b, n, i, 0)),
+                 pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j: (b, n, i, 0))],
+      out_shape=[jax.ShapeDtypeStruct((b, n, t_pad, h), q.dtype),
+                 jax.ShapeDtypeStruct((b, n, t_pad, 1), jnp.float32)],
+      scratch_shapes=[_vmem((bq, 1)), _vmem((bq, 1)), _vmem((bq, h))],
+      compiler_params=_mosaic_tpu.params(("parallel", "parallel", "parallel", "arbitrary"),
+                                         config.vmem_limit_bytes, interpret),
+      interpret=interpret,
+      name="jk_attention_fwd",
+  )(*inputs)
+  return jnp.swapaxes(out[:, :, :t], 1, 2), jnp.swapaxes(lse[:, :, :t, 0], 1, 2)
+
+
+def _vmem(shape):
+  from jax.experimental.pallas import tpu as pltpu
+  return pltpu.VMEM(shape, jnp.float32)
+
+
+# --------------------------------------------------------------------------- #
+# Backward
+# --------------------------------------------------------------------------- #
+
+
+def _grad_block(q, k, v, do, lse, delta, bias, mask, call: _Call, *, wrt_bias=False):
+  """(p, ds) of one block from the saved log-sum-exp (as attention.triton._grad_scores)."""
+  s, th = _scores(_dot(q, k, call, tb=True), bias, call)
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf)
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a query that sees nothing: p = 0
+  p = jnp.exp(s - lse)
+  dp = _dot(do, v, call, tb=True)
+  ds = p * (dp - delta)
+  if th is not None and not wrt_bias:
+    ds = ds * (1.0 - th * th)
+  return p, ds
+
+
+def _unpack(refs, call: _Call, n_out: int, n_scratch: int):
+  refs = list(refs)
+  named = dict(zip(("q", "k", "v"), refs[:3]))
+  rest = refs[3:]
+  named["bias"] = rest.pop(0) if call.bias_shape is not None else None
+  named["qs"], named["ks"] = (rest.pop(0), rest.pop(0)) if call.segments else (None, None)
+  named["do"], named["lse"], named["delta"] = rest[:3]
+  rest = rest[3:]
+  return named, rest[:n_out], rest[n_out:n_out + n_scratch]
+
+
+def _read(ref):
+  return None if ref is None else ref[...]
+
+
+def _dkdv_kernel(*refs, call: _Call, bq: int, bk: int, n_q: int):
+  r, (dk_ref, dv_ref), (dk_sc, dv_sc) = _unpack(refs, call, 2, 2)
+  j, step = pl.program_id(2), pl.program_id(3)
+  i = step % n_q
+
+  @pl.when(step == 0)
+  def _():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  run, _ = _visit_queries(j, i, bq, bk, call)
+
+  @pl.when(run)
+  def _():
+    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+    mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
+    p, ds = _grad_block(q, k, v, do, r["lse"][...], r["delta"][...], _read(r["bias"]), mask,
+                        call)
+    dv_sc[...] += _dot(p.astype(do.dtype), do, call, ta=True)
+    dk_sc[...] += _dot(ds.astype(q.dtype), q, call, ta=True)
+
+  @pl.when(step == pl.num_programs(3) - 1)
+  def _():
+    dk_ref[...] = (dk_sc[...] * call.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, call: _Call, bq: int, bk: int):
+  r, (dq_ref,), (dq_sc,) = _unpack(refs, call, 1, 1)
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  run, _ = _visit(i, j, bq, bk, call)
+
+  @pl.when(run)
+  def _():
+    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+    mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
+    _, ds = _grad_block(q, k, v, do, r["lse"][...], r["delta"][...], _read(r["bias"]), mask,
+                        call)
+    dq_sc[...] += _dot(ds.astype(k.dtype), k, call)
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _():
+    dq_ref[...] = (dq_sc[...] * call.scale).astype(dq_ref.dtype)
+
+
+def _dbias_kernel(*refs, call: _Call, bq: int, bk: int):
+  r, (db_ref,), (db_sc,) = _unpack(refs, call, 1, 1)
+  i, j, rep = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+
+  @pl.when(rep == 0)
+  def _():
+    db_sc[...] = jnp.zeros(db_sc.shape, jnp.float32)
+
+  run, _ = _visit(i, j, bq, bk, call)
+
+  @pl.when(run)
+  def _():
+    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+    mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
+    _, ds = _grad_block(q, k, v, do, r["lse"][...], r["delta"][...], _read(r["bias"]), mask,
+                        call, wrt_bias=True)
+    db_sc[...] += ds
+
+  @pl.when(rep == pl.num_programs(4) - 1)
+  def _():
+    db_ref[...] = db_sc[...].astype(db_ref.dtype)
+
+
+def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window,
+             scale: float, soft_cap: float | None, config: Config, interpret=False):
+  call = _call_of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
+  b, t, n, h = q.shape
+  s, kv_heads, g = call.kv_len, call.kv_heads, call.group
+  bq, bk = config.bwd_block_q, config.bwd_block_k
+  t_pad, s_pad = round_up(t, bq), round_up(s, bk)
+  n_q, n_k = t_pad // bq, s_pad // bk
+  delta = jnp.einsum("btnh,btnh->btn", dout.astype(jnp.float32), out.astype(jnp.float32))
+  if dlse is not None:
+    delta = delta - dlse.astype(jnp.float32)
+  stats = lambda a: _heads_major(a[..., None], t_pad)  # (B, N, Tp, 1)
+  arrays = dict(q=_heads_major(q, t_pad), k=_heads_major(k, s_pad), v=_heads_major(v, s_pad),
+                do=_heads_major(dout, t_pad), lse=stats(lse), delta=stats(delta))
+  if bias is not None:
+    arrays["bias"] = _bias(bias, t_pad, s_pad)
+  if q_seg is not None:
+    arrays["qs"] = _segments(q_seg, t_pad, -1)[:, :, None]
+    arrays["ks"] = _segments(kv_seg, s_pad, -2)[:, None, :]
+  order = ["q", "k", "v"] + (["bias"] if bias is not None else []) + (
+      ["qs", "ks"] if q_seg is not None else []) + ["do", "lse", "delta"]
+
+  def specs(where):
+    """BlockSpecs of the inputs for a grid whose index maps give (b, n, i, j) by ``where``."""
+    at = lambda f: (lambda *ids: f(*where(*ids)))
+    out = dict(
+        q=pl.BlockSpec((None, None, bq, h), at(lambda b_, n_, i, j: (b_, n_, i, 0))),
+        do=pl.BlockSpec((None, None, bq, h), at(lambda b_, n_, i, j: (b_, n_, i, 0))),
+        lse=pl.BlockSpec((None, None, bq, 1), at(lambda b_, n_, i, j: (b_, n_, i, 0))),
+        delta=pl.BlockSpec((None, None, bq, 1), at(lambda b_, n_, i, j: (b_, n_, i, 0))),
+        k=pl.BlockSpec((None, None, bk, h), at(lambda b_, n_, i, j: (b_, n_ // g, j, 0))),
+        v=pl.BlockSpec((None, None, bk, h), at(lambda b_, n_, i, j: (b_, n_ // g, j, 0))),
+        qs=pl.BlockSpec((None, bq, 1), at(lambda b_, n_, i, j: (b_, i, 0))),
+        ks=pl.BlockSpec((None, 1, bk), at(lambda b_, n_, i, j: (b_, 0, j))))
+    if bias is not None:
+      bb, nb = bias.shape[:2]
+      out["bias"] = pl.BlockSpec((None, None, bq, bk), at(
+          lambda b_, n_, i, j: (b_ if bb > 1 else 0, n_ if nb > 1 else 0, i, j)))
+    return [out[name] for name in order]
+
+  inputs = [arrays[name] for name in order]
+  params = lambda sem: _mosaic_tpu.params(sem, config.vmem_limit_bytes, interpret)
+
+  # dk, dv: grid (B, K, key block, (head of the group, query block)); a skipped step repeats
+  # the last visible query block's index, so nothing is fetched for it.
+  def dkdv_where(b_, kh, j, step):
+    _, i = _visit_queries(j, step % n_q, bq, bk, call)
+    return b_, kh * g + step // n_q, i, j
+
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, call=call, bq=bq, bk=bk, n_q=n_q),
+      grid=(b, kv_heads, n_k, g * n_q),
+      in_specs=specs(dkdv_where),
+      out_specs=[pl.BlockSpec((None, None, bk, h), lambda b_, kh, j, st: (b_, kh, j, 0))] * 2,
+      out_shape=[jax.ShapeDtypeStruct((b, kv_heads, s_pad, h), k.dtype)] * 2,
+      scratch_shapes=[_vmem((bk, h)), _vmem((bk, h))],
+      compiler_params=params(("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=interpret, name="jk_attention_dkdv",
+  )(*inputs)
+
+  def dq_where(b_, n_, i, j):
+    _, jj = _visit(i, j, bq, bk, call)
+    return b_, n_, i, jj
+
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, call=call, bq=bq, bk=bk),
+      grid=(b, n, n_q, n_k),
+      in_specs=specs(dq_where),
+      out_specs=pl.BlockSpec((None, None, bq, h), lambda b_, n_, i, j: (b_, n_, i, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, n, t_pad, h), q.dtype),
+      scratch_shapes=[_vmem((bq, h))],
+      compiler_params=params(("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=interpret, name="jk_attention_dq",
+  )(*inputs)
+
+  dbias = None
+  if bias is not None:
+    bb, nb = bias.shape[:2]
+    reps_n = n // nb
+
+    def db_where(ob, on, i, j, rep):
+      b_ = ob if bb > 1 else rep // reps_n
+      n_ = on if nb > 1 else rep % reps_n
+      return b_, n_, i, j
+
+    dbias = pl.pallas_call(
+        functools.partial(_dbias_kernel, call=call, bq=bq, bk=bk),
+        grid=(bb, nb, n_q, n_k, (b // bb) * reps_n),
+        in_specs=specs(db_where),
+        out_specs=pl.BlockSpec((None, None, bq, bk), lambda ob, on, i, j, rep: (ob, on, i, j)),
+        out_shape=jax.ShapeDtypeStruct((bb, nb, t_pad, s_pad), bias.dtype),
+        scratch_shapes=[_vmem((bq, bk))],
+        compiler_params=params(("parallel", "parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret, name="jk_attention_dbias",
+    )(*inputs)[:, :, :t, :s]
+
+  back = lambda a, length: jnp.swapaxes(a[:, :, :length], 1, 2)
+  return back(dq, t), back(dk, s), back(dv, s), dbias
