@@ -122,7 +122,7 @@ def sets_for(bytes_per_set: int, budget: int = 3 << 30, most: int = 8) -> int:
   return max(1, min(most, budget // max(bytes_per_set, 1)))
 
 
-def _memory_bytes(device, default: int = 24 << 30) -> int:
+def memory_bytes(device, default: int = 24 << 30) -> int:
   """The device's memory for arrays (``default`` where it does not say, as on a CPU)."""
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   return int((stats or {}).get("bytes_limit", default))
@@ -336,7 +336,7 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
   # the backward reads), so an eighth of the device's memory holds 4 x budget / 8 sets' worth.
   n_sets = 1 if session.interpret else sets_for(
       2 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)),
-      budget=_memory_bytes(session.device) // 8, most=16)
+      budget=memory_bytes(session.device) // 8, most=16)
   sets = [first] + [case.inputs(seed) for seed in range(1, n_sets)]
   shape = "x".join(map(str, jax.tree.leaves(first[0])[0].shape))
   costs = {"fwd": case.fwd_cost, "bwd": case.bwd_cost,

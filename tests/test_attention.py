@@ -235,6 +235,10 @@ class TestAttentionVariants(chex.TestCase):
     case = Case(batch=1, q_len=33, kv_len=40, kv_heads=1, group=2, head_dim=16, causal=True,
                 segments=2)
     (q, k, v, _), (seg, kv_seg), (do, _) = _draw(case)
+    with numerics.kernel_mode():
+      support = jk.supports("flash_attention", implementation, q, k, v)
+    if not support:
+      self.skipTest(support.reason)
     fn = self.variant(lambda q, k, v: jax.vjp(lambda q, k, v: jk.flash_attention(
         q, k, v, causal=True, segment_ids=seg, kv_segment_ids=kv_seg,
         implementation=implementation), q, k, v))
