@@ -201,7 +201,78 @@ def _sweep_configs(shape: Shape, label: str):
                               bwd_num_stages=st) for a, b, w, st in grid]
 
 
+def _decode(session, only, sweep) -> None:
+  """decode_attention, B=8 S=32768 N=32 K=8 H=128 bf16, one query: GB/s over the cache bytes
+  read (k and v up to each sequence's length), against XLA, cuDNN and JAX's Pallas decode
+  example on the same call; full caches, and lengths drawn from [1, S]."""
+  import contextlib
+  context = jk.interpret_mode if session.interpret else contextlib.nullcontext
+  b, s, n, kv, h = (8, 32768, 32, 8, 128) if not session.smoke else (2, 300, 4, 2, 64)
+  for name, full in (("decode full cache", True), ("decode ragged lengths", False)):
+    if only and name not in only:
+      continue
+    key = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(key[0], (b, 1, n, h), jnp.bfloat16)
+    k = jax.random.normal(key[1], (b, s, kv, h), jnp.bfloat16)
+    v = jax.random.normal(key[2], (b, s, kv, h), jnp.bfloat16)
+    lengths = (jnp.full((b,), s, jnp.int32) if full else
+               jax.random.randint(key[3], (b,), 1, s + 1, jnp.int32))
+    cache_bytes = 2 * int(jnp.sum(lengths)) * kv * h * 2
+    oracle = reference.decode(q.astype(jnp.float32), k.astype(jnp.float32),
+                              v.astype(jnp.float32), lengths, scale=h ** -0.5)
+    naive = reference.decode(q, k, v, lengths, scale=h ** -0.5, compute_dtype=jnp.bfloat16)
+    tolerance = 2 * harness.relative_error(naive, oracle)
+    impls = {session.kernel: lambda q, k, v, n_: jk.decode_attention(
+        q, k, v, lengths=n_, implementation=session.kernel)}
+    if sweep and session.platform == "gpu":
+      from jaxkernels.ops.attention import triton_decode
+      for bk, splits, warps, stages in ((64, 8, 4, 3), (128, 8, 4, 4), (128, 4, 4, 3),
+                                        (128, 16, 4, 3), (256, 8, 8, 3), (64, 16, 4, 4),
+                                        (128, 8, 8, 2)):
+        config = triton_decode.Config(block_k=bk, splits=splits, num_warps=warps,
+                                      num_stages=stages)
+        impls[f"{session.kernel} {config}"] = functools.partial(
+            lambda q, k, v, n_, config: jk.decode_attention(
+                q, k, v, lengths=n_, implementation=session.kernel, config=config),
+            config=config)
+    if session.platform == "gpu":
+      impls["xla"] = lambda q, k, v, n_: jax.nn.dot_product_attention(
+          q, k, v, key_value_seq_lengths=n_, implementation="xla")
+      impls["cudnn"] = lambda q, k, v, n_: jax.nn.dot_product_attention(
+          q, k, v, key_value_seq_lengths=n_, implementation="cudnn")
+      try:
+        from jax.experimental.pallas.ops.gpu import decode_attention as example
+        impls["jax_pallas_triton"] = lambda q, k, v, n_: example.gqa(
+            q[:, 0], k, v, kv_seq_len=n_)[:, None]
+      except ImportError:
+        pass
+    rows = {}
+    for impl, fn in impls.items():
+      row = harness.Row("attention", name, impl, f"{b}x{s}x{n}/{kv}x{h}", "bfloat16")
+      try:
+        with context():
+          program = jax.jit(fn)
+          row.error, row.tolerance = harness.relative_error(program(q, k, v, lengths),
+                                                            oracle), tolerance
+          if not row.error <= tolerance:
+            row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
+            rows[impl] = session.add(row)
+            continue
+          seconds, whole = harness.time_sets_rounds(program, [(q, k, v, lengths)],
+                                                    rounds=session.rounds, calls=session.calls)
+          row.round_ms = whole * 1e3
+        row.ms, row.gbps = seconds * 1e3, cache_bytes / seconds / 1e9
+      except Exception as e:  # noqa: BLE001
+        row.note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      rows[impl] = session.add(row)
+    xla = rows.get("xla")
+    for row in rows.values():
+      if xla is not None and row.ms and xla.ms:
+        row.vs_xla = xla.ms / row.ms
+
+
 def run(session: harness.Session, sweep: bool = False, only=None) -> None:
+  _decode(session, only, sweep)
   import contextlib
   context = jk.interpret_mode if session.interpret else contextlib.nullcontext
   for shape in shapes(session.smoke):

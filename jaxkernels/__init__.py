@@ -8,7 +8,8 @@ from jaxkernels.backend import (
 )
 from jaxkernels import timing as timing, tuning as tuning
 from jaxkernels.partitioning import ShardingWarning as ShardingWarning
-from jaxkernels.ops.attention.api import flash_attention as flash_attention
+from jaxkernels.ops.attention.api import (decode_attention as decode_attention,
+                                          flash_attention as flash_attention)
 from jaxkernels.ops.matmul.api import matmul as matmul
 from jaxkernels.ops.elementwise.api import bias_activation as bias_activation, glu as glu
 from jaxkernels.ops.norms.api import layer_norm as layer_norm, rms_norm as rms_norm

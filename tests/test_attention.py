@@ -393,3 +393,107 @@ class TestAttentionErrors:
   def test_config_type(self):
     with jk.interpret_mode(), pytest.raises(TypeError, match="config for implementation"):
       jk.flash_attention(self.q, self.k, self.k, implementation="triton", config=object())
+
+
+# --------------------------------------------------------------------------- #
+# decode_attention
+# --------------------------------------------------------------------------- #
+
+
+class DecodeTest:
+  IMPL = "xla"
+
+  def check(self, batch, tq, kv_heads, group, s, h, dtype, *, soft_cap=None, window=None,
+            lengths=None, config=None):
+    gen = numerics.rng("decode", batch, tq, kv_heads, group, s, h, jnp.dtype(dtype).name,
+                       soft_cap, window)
+    n = kv_heads * group
+    q = numerics.normal(gen, (batch, tq, n, h), dtype)
+    k = numerics.normal(gen, (batch, s, kv_heads, h), dtype)
+    v = numerics.normal(gen, (batch, s, kv_heads, h), dtype)
+    if lengths is None:  # the shortest cache (only the new queries), the full one, and between
+      lengths = np.concatenate([[tq, s], gen.integers(tq, s + 1, max(batch - 2, 0))])[:batch]
+    lengths = jnp.asarray(lengths, jnp.int32)
+    with numerics.kernel_mode():
+      support = jk.supports("decode_attention", self.IMPL, q, k, v, lengths=lengths)
+      if not support:
+        pytest.skip(support.reason)
+      got = jk.decode_attention(q, k, v, lengths=lengths, logits_soft_cap=soft_cap,
+                                local_window_size=window, implementation=self.IMPL,
+                                config=config)
+    chex.assert_shape(got, q.shape)
+
+    def ref(cd):
+      return lambda q, k, v: reference.decode(q, k, v, lengths, scale=h ** -0.5,
+                                              soft_cap=soft_cap, window_left=window,
+                                              compute_dtype=cd)
+    numerics.assert_matches(got, ref, (q, k, v), dtype=dtype, reduction=max(s, h))
+    return q, k, v, lengths
+
+  @pytest.mark.parametrize("dtype", DTYPES)
+  def test_one_query_gqa(self, dtype):
+    self.check(4, 1, 2, 4, 300, 64, dtype)
+
+  def test_several_queries_window_cap(self):
+    self.check(3, 4, 2, 2, 200, 32, jnp.float32, soft_cap=3.0, window=50)
+
+  def test_mqa_odd_head_dim(self):
+    self.check(2, 2, 1, 6, 77, 24, jnp.bfloat16)
+
+  def test_gradient_is_the_references(self):
+    q, k, v, lengths = self.check(2, 1, 1, 2, 40, 16, jnp.float32)
+    with numerics.kernel_mode():
+      got = jax.grad(lambda q, k, v: jnp.sum(jk.decode_attention(
+          q, k, v, lengths=lengths, implementation=self.IMPL) ** 2), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda q, k, v: jnp.sum(reference.decode(
+        q, k, v, lengths, scale=0.25) ** 2), argnums=(0, 1, 2))(q, k, v)
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+class TestDecodeXla(DecodeTest):
+  IMPL = "xla"
+
+  def test_one_query_is_jax_nn_with_lengths(self):
+    q, k, v, lengths = self.check(3, 1, 2, 2, 50, 16, jnp.float32)
+    want = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                        implementation="xla")
+    got = jk.decode_attention(q, k, v, lengths=lengths, implementation="xla")
+    chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+class TestDecodeTriton(DecodeTest):
+  IMPL = "triton"
+
+  def test_chunks_past_the_length(self):
+    """More chunks than some sequences have keys: their partials see nothing and drop out."""
+    from jaxkernels.ops.attention import triton_decode
+    config = triton_decode.Config(block_k=16, splits=8, num_warps=4, num_stages=1)
+    self.check(3, 2, 1, 3, 130, 32, jnp.float32, lengths=[2, 17, 130], config=config)
+
+  def test_lowers_for_cuda(self):
+    q = jax.ShapeDtypeStruct((8, 1, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((8, 4096, 8, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
+    text = cuda_lowering(lambda q, k, v, n: jk.decode_attention(
+        q, k, v, lengths=n, implementation="triton"), q, k, k, lengths)
+    assert 'name = "jk_decode_attention"' in text
+
+
+class TestDecodeErrors:
+  q = jnp.ones((2, 1, 4, 16))
+  k = jnp.ones((2, 10, 2, 16))
+
+  @pytest.mark.parametrize("kwargs,error,match", [
+      (dict(lengths=None), ValueError, "lengths is required"),
+      (dict(lengths=jnp.ones((3,), jnp.int32)), ValueError, r"lengths must have shape \(2,\)"),
+      (dict(lengths=jnp.ones((2,))), TypeError, "lengths must have an integer dtype"),
+      (dict(lengths=jnp.ones((2,), jnp.int32), local_window_size=-3), ValueError,
+       "local_window_size must be >= 0"),
+      (dict(lengths=jnp.ones((2,), jnp.int32), local_window_size=(3, 0)), TypeError,
+       "local_window_size must be an int"),
+      (dict(lengths=jnp.ones((2,), jnp.int32), logits_soft_cap=0), ValueError,
+       "logits_soft_cap must be a finite float > 0"),
+  ])
+  def test_bad_input(self, kwargs, error, match):
+    with pytest.raises(error, match=match):
+      jk.decode_attention(self.q, self.k, self.k, **kwargs)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket
-from jaxkernels.ops.attention import mosaic_tpu, reference, triton
+from jaxkernels.ops.attention import mosaic_tpu, reference, triton, triton_decode
 from jaxkernels.ops.attention.common import Window
 
 OP = "flash_attention"
@@ -77,6 +77,7 @@ class _Args:
   window: Window
   scale: float
   soft_cap: float | None
+  lengths: jax.Array | None = None  # decode_attention's (batch...) cache lengths
 
 
 def _shape(a) -> tuple[int, ...]:
@@ -190,7 +191,7 @@ def _sharded(a: _Args, call, implementation):
   if implementation == "xla":
     return False, None
   arrays = dict(q=a.q, k=a.k, v=a.v, bias=a.bias, segment_ids=a.segment_ids,
-                kv_segment_ids=a.kv_segment_ids)
+                kv_segment_ids=a.kv_segment_ids, lengths=a.lengths)
   found = next(filter(None, map(partitioning.layout, arrays.values())), None)
   if found is None:
     return False, None
@@ -220,7 +221,7 @@ def _sharded(a: _Args, call, implementation):
   row = [entry(x) for x in batch]
   h = entry(heads)
   specs = dict(q=P(*row, None, h, None), k=P(*row, None, h, None), v=P(*row, None, h, None),
-               segment_ids=P(*row, None), kv_segment_ids=P(*row, None))
+               segment_ids=P(*row, None), kv_segment_ids=P(*row, None), lengths=P(*row))
   if a.bias is not None:
     bias_row = [r if d > 1 else None for r, d in zip(row, a.bias.shape[:nb])]
     specs["bias"] = P(*bias_row, h if a.bias.shape[nb] > 1 else None, None, None)
@@ -335,7 +336,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     lse = jnp.full(a.q.shape[:-1], -jnp.inf, jnp.float32)
     return (out, lse) if return_lse else out
 
-  def local(q, k, v, bias, segment_ids, kv_segment_ids):
+  def local(q, k, v, bias, segment_ids, kv_segment_ids, lengths):
+    del lengths
     return _local(dataclasses.replace(a, q=q, k=k, v=v, bias=bias, segment_ids=segment_ids,
                                       kv_segment_ids=kv_segment_ids), implementation, config)
 
@@ -365,3 +367,164 @@ _KERNELS = backend.register(OP, {
     "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
                                      backward=mosaic_tpu.backward),
 }, _problem_of)
+
+
+# --------------------------------------------------------------------------- #
+# decode_attention
+# --------------------------------------------------------------------------- #
+
+DECODE_OP = "decode_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeProblem:
+  """One decode call: q (B, Tq, N, H) new queries against caches (B, S, K, H)."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  dtype: jnp.dtype
+  soft_cap: bool
+  window: bool
+
+  def key(self) -> str:
+    extras = "".join(f"|{name}" for name, on in (("cap", self.soft_cap), ("window", self.window))
+                     if on)
+    return (f"{self.dtype}|h{self.head_dim}|g{self.heads // self.kv_heads}|q{self.q_len}{extras}|"
+            f"b{bucket(self.batch * self.kv_heads)}|{bucket(self.kv_len)}")
+
+  def reason(self) -> str | None:
+    if self.dtype not in _checks.KERNEL_DTYPES:
+      return f"q has dtype {self.dtype}; kernels take bfloat16, float16, float32"
+    return None
+
+  def __str__(self) -> str:
+    return (f"decode of q ({self.batch}, {self.q_len}, {self.heads}, {self.head_dim}) against a "
+            f"cache ({self.batch}, {self.kv_len}, {self.kv_heads}, {self.head_dim}) {self.dtype}")
+
+
+def _validate_decode(q, k_cache, v_cache, lengths, scale, logits_soft_cap, local_window_size):
+  a = _validate(q, k_cache, v_cache, causal=False, scale=scale, bias=None, segment_ids=None,
+                kv_segment_ids=None, local_window_size=None, logits_soft_cap=logits_soft_cap)
+  batch = a.q.shape[:-3]
+  if lengths is None:
+    raise ValueError(f"{DECODE_OP}: lengths is required: the number of valid cache entries of "
+                     "each sequence, the new queries' own included")
+  if not (hasattr(lengths, "shape") and hasattr(lengths, "dtype")):
+    lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"{DECODE_OP}: lengths must have an integer dtype, got "
+                    f"{jnp.dtype(lengths.dtype)}")
+  if _shape(lengths) != batch:
+    raise ValueError(f"{DECODE_OP}: lengths must have shape {batch} (q's batch), got "
+                     f"{_shape(lengths)}")
+  window_left = None
+  if local_window_size is not None:
+    if isinstance(local_window_size, bool) or not isinstance(local_window_size, numbers.Integral):
+      raise TypeError(f"{DECODE_OP}: local_window_size must be an int (keys behind each query), "
+                      f"got {local_window_size!r}")
+    if local_window_size < 0:
+      raise ValueError(f"{DECODE_OP}: local_window_size must be >= 0, got {local_window_size}")
+    window_left = int(local_window_size)
+  return dataclasses.replace(a, lengths=lengths), window_left
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _decode(plan, q, k, v, lengths, window_left):
+  return plan.run(plan.kernels.forward, q, k, v, lengths, window_left=window_left)
+
+
+def _decode_reference(plan, window_left):
+  options = dict(plan.options)
+  return lambda q, k, v, lengths: reference.decode(
+      q, k, v, lengths, scale=options["scale"], soft_cap=options["soft_cap"],
+      window_left=window_left)
+
+
+def _decode_fwd(plan, q, k, v, lengths, window_left):
+  return _decode(plan, q, k, v, lengths, window_left), (q, k, v, lengths)
+
+
+def _decode_bwd(plan, window_left, saved, dout):
+  # Decode is inference's op; its gradient, where asked for, is the reference's: with few
+  # queries its (B, N, Tq, S) logits are small.
+  q, k, v, lengths = saved
+  _, vjp = jax.vjp(lambda q, k, v: _decode_reference(plan, window_left)(q, k, v, lengths),
+                   q, k, v)
+  return (*vjp(dout), None)
+
+
+_decode.defvjp(_decode_fwd, _decode_bwd)
+
+
+def decode_attention(q, k_cache, v_cache, *, lengths, scale: float | None = None,
+                     logits_soft_cap: float | None = None, local_window_size: int | None = None,
+                     implementation=None, config=None):
+  """Attention of a few new queries (decoding) against a KV cache, split along the cache over
+  the GPU's SMs and combined by log-sum-exp (flash-decoding).
+
+  Args:
+    q: (..., Tq, N, H) new queries, Tq small (1-16; the kernel takes up to 64 rows a group).
+    k_cache, v_cache: (..., S, K, H), N a multiple of K; entries past a sequence's length are
+      never read.
+    lengths: (...) integers: the valid entries of each sequence's cache, the new queries' own
+      keys and values included: query t sits at position lengths - Tq + t and sees the keys at
+      positions up to its own.
+    scale, logits_soft_cap: as for flash_attention.
+    local_window_size: int: each query also sees no key more than this far behind it.
+    implementation: None (best available), "xla", "triton".
+
+  Returns (..., Tq, N, H) in q's dtype; 0 for a query that sees no key. Differentiable (the
+  reference's gradient).
+  """
+  a, window_left = _validate_decode(q, k_cache, v_cache, lengths, scale, logits_soft_cap,
+                                    local_window_size)
+
+  def local(q, k, v, bias, segment_ids, kv_segment_ids, lengths):
+    del bias, segment_ids, kv_segment_ids
+    return _decode_local(dataclasses.replace(a, q=q, k=k, v=v, lengths=lengths), window_left,
+                         implementation, config), None
+
+  split, result = _sharded(a, local, implementation)
+  if split:
+    return result[0]
+  return _decode_local(a, window_left, implementation, config)
+
+
+def _decode_local(a: _Args, window_left, implementation, config):
+  batch = a.q.shape[:-3]
+  q, k, v = _flat(a.q, 3), _flat(a.k, 3), _flat(a.v, 3)
+  lengths = a.lengths.reshape(-1)
+  b, tq, n, h = q.shape
+  problem = DecodeProblem(b, tq, k.shape[1], n, k.shape[2], h, jnp.dtype(q.dtype),
+                          a.soft_cap is not None, window_left is not None)
+  plan = backend.plan(DECODE_OP, implementation, backend.target_of(a.q), problem,
+                      _DECODE_KERNELS, config, empty=q.size == 0 or k.size == 0,
+                      scale=a.scale, soft_cap=a.soft_cap)
+  if plan is None:
+    if k.shape[1] == 0:
+      return jnp.zeros(a.q.shape, a.q.dtype)
+    out = reference.decode(q, k, v, lengths, scale=a.scale, soft_cap=a.soft_cap,
+                           window_left=window_left)
+  else:
+    out = _decode(plan, q, k, v, lengths, window_left)
+  return out.reshape(*batch, *out.shape[1:])
+
+
+def _decode_problem_of(q, k_cache, v_cache, *, lengths=None, scale=None, logits_soft_cap=None,
+                       local_window_size=None, **unused):
+  a, window_left = _validate_decode(q, k_cache, v_cache, lengths, scale, logits_soft_cap,
+                                    local_window_size)
+  t, n, h = a.q.shape[-3:]
+  return DecodeProblem(math.prod(a.q.shape[:-3]), t, a.k.shape[-3], n, a.k.shape[-2], h,
+                       jnp.dtype(a.q.dtype), a.soft_cap is not None,
+                       window_left is not None), (a.q,)
+
+
+_DECODE_KERNELS = backend.register(DECODE_OP, {
+    "triton": backend.Kernels.of(DECODE_OP, "triton", triton_decode,
+                                 forward=triton_decode.forward),
+}, _decode_problem_of)

@@ -67,3 +67,42 @@ def attention(q, k, v, *, bias=None, q_segments=None, kv_segments=None,
   lse = jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1)), -jnp.inf)[..., 0]
   lse = jnp.moveaxis(lse.reshape(b, n, t), 1, 2)  # (B, T, N): -inf where nothing is seen
   return out, lse.astype(compute_dtype or jnp.float32)
+
+
+def decode_positions(lengths, n_queries: int):
+  """(B, Tq) positions of the new queries: the last ``n_queries`` of each sequence's
+  ``lengths[b]`` (their keys and values already written into the cache)."""
+  return lengths[:, None].astype(jnp.int32) - n_queries + jnp.arange(n_queries)[None, :]
+
+
+def decode(q, k_cache, v_cache, lengths, *, scale: float, soft_cap: float | None = None,
+           window_left: int | None = None, compute_dtype=None):
+  """decode_attention's spec: q (B, Tq, N, H), caches (B, S, K, H), lengths (B,). Query t of
+  sequence b sits at position lengths[b] - Tq + t and sees keys j <= its position (and
+  j >= position - window_left); a query that sees nothing gets 0."""
+  b, tq, n, h = q.shape
+  s, kv_heads = k_cache.shape[1], k_cache.shape[2]
+  group = n // kv_heads
+  logits_dtype = compute_dtype or jnp.promote_types(q.dtype, jnp.float32)
+  cast = (lambda a: a.astype(compute_dtype)) if compute_dtype else (lambda a: a)
+  qg = cast(q).reshape(b, tq, kv_heads, group, h)
+  logits = jnp.einsum("btkgh,bskh->bkgts", qg, cast(k_cache),
+                      preferred_element_type=logits_dtype, precision=lax.Precision.HIGHEST)
+  logits = logits.astype(logits_dtype) * jnp.asarray(scale, logits_dtype)
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  pos = decode_positions(lengths, tq)[:, None, None, :, None]  # (B, 1, 1, Tq, 1)
+  cols = jnp.arange(s)[None, None, None, None, :]
+  mask = cols <= pos
+  if window_left is not None:
+    mask = mask & (cols >= pos - window_left)
+  logits = jnp.where(mask, logits.astype(compute_dtype or jnp.float32), -jnp.inf)
+  peak = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  peak = jnp.where(jnp.isneginf(peak), 0, peak)
+  e = jnp.exp(logits - peak)
+  total = jnp.sum(e, axis=-1, keepdims=True)
+  probs = e / jnp.where(total == 0, 1, total)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(compute_dtype or v_cache.dtype),
+                   cast(v_cache), preferred_element_type=compute_dtype or jnp.float32,
+                   precision=lax.Precision.HIGHEST)
+  return out.reshape(b, tq, n, h).astype(q.dtype if compute_dtype is None else compute_dtype)
