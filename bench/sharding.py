@@ -8,6 +8,7 @@ matmul forward+backward at 4096^3. Both are checked against each other before ti
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 
@@ -49,8 +50,47 @@ def _cases(session):
            [P("data", None), P(), P("data", None)])]
 
 
+def _all_devices(session: harness.Session) -> None:
+  """Data parallel over every device (rows split): the same cases against one device's plain
+  call; the compiled program must hold no all-gather (d(scale) and dB are all-reduced)."""
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Explicit,))
+  for name, shape, fn, inputs, specs in _cases(session):
+    sets = [inputs(seed) for seed in range(4)]
+    split = [tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(args, specs))
+             for args in sets]
+    plain, sharded = jax.jit(fn), jax.jit(fn)
+    want = plain(*sets[0])
+    with jax.set_mesh(mesh):
+      got = sharded(*split[0])
+      text = sharded.lower(*split[0]).compile().as_text()
+    rows = {}
+    for label, f, arg_sets, out in (("one device", plain, sets, want),
+                                    (f"rows over {len(devices)} devices", sharded, split, got)):
+      row = harness.Row("sharding", name, label, shape, "bfloat16", tolerance=0.0)
+      row.error = max(harness.relative_error(g, w) for g, w in
+                      zip(jax.tree.leaves(out), jax.tree.leaves(want)))
+      if f is sharded:
+        reduces = text.count("all-reduce(") + text.count("all-reduce-start(")
+        row.note = ("all-gather IN the program; " if "all-gather" in text else
+                    "no all-gather; ") + f"{reduces} all-reduce"
+      # The one-device call runs outside the mesh's context: inside it, its arrays would be
+      # placed on the mesh every call.
+      context = jax.set_mesh(mesh) if f is sharded else contextlib.nullcontext()
+      with context:
+        seconds = statistics.median(harness.time_sets(f, arg_sets, rounds=1, calls=session.calls)
+                                    for _ in range(session.rounds))
+      row.ms = seconds * 1e3
+      rows[label] = session.add(row)
+    last = list(rows.values())
+    last[1].vs_xla = last[0].ms / last[1].ms
+    last[1].note += " (vs_xla: one device's time / this time)"
+
+
 def run(session: harness.Session, sweep: bool = False) -> None:
   del sweep
+  if len(jax.devices()) > 1:
+    _all_devices(session)
   mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,),
                        devices=jax.devices()[:1])
   for name, shape, fn, inputs, specs in _cases(session):
