@@ -210,7 +210,7 @@ def _sharded(a: _Args, call, implementation):
                               instead="split the batch or the heads")
   heads = tuple(x for x in (partitioning.axes(spec_q[nb + 1]) or
                             partitioning.axes(spec_k[nb + 1])) if x not in taken)
-  n, kv_heads = a.q.shape[nb + 1], a.k.shape[nb + 1]
+  kv_heads = a.k.shape[nb + 1]
   if heads and kv_heads % partitioning.size(mesh, heads):
     partitioning.gathered(OP, implementation, "k", a.k, nb + 1, heads, mesh,
                           why=f"those axes do not divide k's {kv_heads} heads, so a shard of "

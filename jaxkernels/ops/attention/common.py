@@ -10,9 +10,11 @@ block's row and column positions, and skips blocks that it hides whole (:func:`k
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
+from jax import lax
 
 # A bound that no position reaches: a side of the window that is open. Positions are int32 in
 # the kernels, and T + S + UNBOUNDED must not overflow.
@@ -90,3 +92,47 @@ def query_blocks(col0, cols: int, block: int, n_queries: int, window: Window):
   :func:`key_blocks` gives key blocks for queries: the window seen from the keys' side
   (query i sees key j iff j - right <= i <= j + left)."""
   return key_blocks(col0, cols, block, n_queries, Window(window.right, window.left))
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One call as every kernel of it reads it: shapes (q (B, T, N, H), k and v (B, S, K, H)),
+  the mask and the logits' extras, all static."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  window: Window
+  scale: float
+  soft_cap: float | None
+  bias_shape: tuple[int, ...] | None  # (Bb, Nb, T, S), Bb in {1, B}, Nb in {1, N}
+  segments: bool
+  dtype: jnp.dtype
+
+  @classmethod
+  def of(cls, q, k, bias, q_seg, *, window: Window, scale: float,
+         soft_cap: float | None) -> Call:
+    b, t, n, h = q.shape
+    return cls(b, t, k.shape[1], n, k.shape[2], h, window, float(scale), soft_cap,
+               None if bias is None else tuple(bias.shape), q_seg is not None,
+               jnp.dtype(q.dtype))
+
+  @property
+  def group(self) -> int:
+    return self.heads // self.kv_heads
+
+  @property
+  def precision(self):
+    """float32 inputs keep float32 products (IEEE); the default would round them (tf32)."""
+    return lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
+
+
+def dot(a, b, call: Call, *, ta=False, tb=False):
+  """a @ b (a^T with ``ta``, b^T with ``tb``) accumulated in float32, at the call's
+  precision."""
+  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=call.precision,
+                         preferred_element_type=jnp.float32)

@@ -29,7 +29,8 @@ from jax.experimental import pallas as pl
 
 from jaxkernels import _mosaic_tpu, hardware
 from jaxkernels._tiling import check_fields, round_up
-from jaxkernels.ops.attention.common import Window, key_blocks, query_blocks, visible
+from jaxkernels.ops.attention.common import (Call, Window, dot, key_blocks, query_blocks,
+                                             visible)
 
 MAX_HEAD_DIM = 256
 
@@ -71,44 +72,7 @@ def unsupported(problem, chip) -> str | None:
   return None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Call:
-  batch: int
-  q_len: int
-  kv_len: int
-  heads: int
-  kv_heads: int
-  head_dim: int
-  window: Window
-  scale: float
-  soft_cap: float | None
-  bias_shape: tuple[int, ...] | None
-  segments: bool
-  dtype: jnp.dtype
-
-  @property
-  def group(self) -> int:
-    return self.heads // self.kv_heads
-
-  @property
-  def precision(self):
-    return lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
-
-
-def _call_of(q, k, bias, q_seg, *, window, scale, soft_cap) -> _Call:
-  b, t, n, h = q.shape
-  return _Call(b, t, k.shape[1], n, k.shape[2], h, window, float(scale), soft_cap,
-               None if bias is None else tuple(bias.shape), q_seg is not None,
-               jnp.dtype(q.dtype))
-
-
-def _dot(a, b, call, *, ta=False, tb=False):
-  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, precision=call.precision,
-                         preferred_element_type=jnp.float32)
-
-
-def _scores(qk, bias, call: _Call):
+def _scores(qk, bias, call: Call):
   """Natural-log logits from q k^T (scaled, capped, biased) and tanh for the cap's slope."""
   s = qk * call.scale
   th = None
@@ -120,7 +84,7 @@ def _scores(qk, bias, call: _Call):
   return s, th
 
 
-def _mask(i, j, bq, bk, call: _Call, q_seg, kv_seg):
+def _mask(i, j, bq, bk, call: Call, q_seg, kv_seg):
   """The (bq, bk) block's mask, or None: the window, the keys' end, segments."""
   rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
@@ -131,7 +95,7 @@ def _mask(i, j, bq, bk, call: _Call, q_seg, kv_seg):
   return mask
 
 
-def _visit(i, j, bq, bk, call: _Call):
+def _visit(i, j, bq, bk, call: Call):
   """Whether key block j holds a key that query block i sees, and the last block that does
   (what a skipped step's index map repeats)."""
   first, _, _, end = key_blocks(i * bq, jnp.minimum(bq, call.q_len - i * bq), bk, call.kv_len,
@@ -139,7 +103,7 @@ def _visit(i, j, bq, bk, call: _Call):
   return (j >= first) & (j < end), _repeat(j, first, end, -(-call.kv_len // bk))
 
 
-def _visit_queries(j, i, bq, bk, call: _Call):
+def _visit_queries(j, i, bq, bk, call: Call):
   first, _, _, end = query_blocks(j * bk, jnp.minimum(bk, call.kv_len - j * bk), bq,
                                   call.q_len, call.window)
   return (i >= first) & (i < end), _repeat(i, first, end, -(-call.q_len // bq))
@@ -178,7 +142,7 @@ def _bias(bias, t_pad: int, s_pad: int):
 # --------------------------------------------------------------------------- #
 
 
-def _forward_kernel(*refs, call: _Call, bq: int, bk: int):
+def _forward_kernel(*refs, call: Call, bq: int, bk: int):
   refs = list(refs)
   q_ref, k_ref, v_ref = refs[:3]
   rest = refs[3:]
@@ -198,7 +162,7 @@ def _forward_kernel(*refs, call: _Call, bq: int, bk: int):
   @pl.when(run)
   def _():
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    s, _ = _scores(_dot(q, k, call, tb=True), None if bias_ref is None else bias_ref[...], call)
+    s, _ = _scores(dot(q, k, call, tb=True), None if bias_ref is None else bias_ref[...], call)
     mask = _mask(i, j, bq, bk, call, None if qs_ref is None else qs_ref[...],
                  None if ks_ref is None else ks_ref[...])
     if mask is not None:
@@ -209,7 +173,7 @@ def _forward_kernel(*refs, call: _Call, bq: int, bk: int):
     alpha = jnp.exp(m_prev - safe)
     p = jnp.exp(s - safe)
     l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
-    acc_sc[...] = acc_sc[...] * alpha + _dot(p.astype(v.dtype), v, call)
+    acc_sc[...] = acc_sc[...] * alpha + dot(p.astype(v.dtype), v, call)
     m_sc[...] = m_new
 
   @pl.when(j == pl.num_programs(3) - 1)
@@ -222,7 +186,7 @@ def _forward_kernel(*refs, call: _Call, bq: int, bk: int):
                              jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
 
 
-def _kv_map(call: _Call, bq: int, bk: int):
+def _kv_map(call: Call, bq: int, bk: int):
   """(b, n, i, j) -> k's block: head n's kv head, the key block clamped to the visible ones."""
   def index(b, n, i, j):
     _, jj = _visit(i, j, bq, bk, call)
@@ -230,7 +194,7 @@ def _kv_map(call: _Call, bq: int, bk: int):
   return index
 
 
-def _bias_map(call: _Call, bq: int, bk: int):
+def _bias_map(call: Call, bq: int, bk: int):
   bb, nb = call.bias_shape[:2]
 
   def index(b, n, i, j):
@@ -241,7 +205,7 @@ def _bias_map(call: _Call, bq: int, bk: int):
 
 def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
             soft_cap: float | None, config: Config, interpret=False):
-  call = _call_of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
+  call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
   b, t, n, h = q.shape
   bq, bk = config.block_q, config.block_k
   t_pad, s_pad = round_up(t, bq), round_up(call.kv_len, bk)
@@ -283,21 +247,21 @@ def _vmem(shape):
 # --------------------------------------------------------------------------- #
 
 
-def _grad_block(q, k, v, do, lse, delta, bias, mask, call: _Call, *, wrt_bias=False):
+def _grad_block(q, k, v, do, lse, delta, bias, mask, call: Call, *, wrt_bias=False):
   """(p, ds) of one block from the saved log-sum-exp (as attention.triton._grad_scores)."""
-  s, th = _scores(_dot(q, k, call, tb=True), bias, call)
+  s, th = _scores(dot(q, k, call, tb=True), bias, call)
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a query that sees nothing: p = 0
   p = jnp.exp(s - lse)
-  dp = _dot(do, v, call, tb=True)
+  dp = dot(do, v, call, tb=True)
   ds = p * (dp - delta)
   if th is not None and not wrt_bias:
     ds = ds * (1.0 - th * th)
   return p, ds
 
 
-def _unpack(refs, call: _Call, n_out: int, n_scratch: int):
+def _unpack(refs, call: Call, n_out: int, n_scratch: int):
   refs = list(refs)
   named = dict(zip(("q", "k", "v"), refs[:3]))
   rest = refs[3:]
@@ -312,7 +276,7 @@ def _read(ref):
   return None if ref is None else ref[...]
 
 
-def _dkdv_kernel(*refs, call: _Call, bq: int, bk: int, n_q: int):
+def _dkdv_kernel(*refs, call: Call, bq: int, bk: int, n_q: int):
   r, (dk_ref, dv_ref), (dk_sc, dv_sc) = _unpack(refs, call, 2, 2)
   j, step = pl.program_id(2), pl.program_id(3)
   i = step % n_q
@@ -330,8 +294,8 @@ def _dkdv_kernel(*refs, call: _Call, bq: int, bk: int, n_q: int):
     mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
     p, ds = _grad_block(q, k, v, do, r["lse"][...], r["delta"][...], _read(r["bias"]), mask,
                         call)
-    dv_sc[...] += _dot(p.astype(do.dtype), do, call, ta=True)
-    dk_sc[...] += _dot(ds.astype(q.dtype), q, call, ta=True)
+    dv_sc[...] += dot(p.astype(do.dtype), do, call, ta=True)
+    dk_sc[...] += dot(ds.astype(q.dtype), q, call, ta=True)
 
   @pl.when(step == pl.num_programs(3) - 1)
   def _():
@@ -339,7 +303,7 @@ def _dkdv_kernel(*refs, call: _Call, bq: int, bk: int, n_q: int):
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, call: _Call, bq: int, bk: int):
+def _dq_kernel(*refs, call: Call, bq: int, bk: int):
   r, (dq_ref,), (dq_sc,) = _unpack(refs, call, 1, 1)
   i, j = pl.program_id(2), pl.program_id(3)
 
@@ -355,14 +319,14 @@ def _dq_kernel(*refs, call: _Call, bq: int, bk: int):
     mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
     _, ds = _grad_block(q, k, v, do, r["lse"][...], r["delta"][...], _read(r["bias"]), mask,
                         call)
-    dq_sc[...] += _dot(ds.astype(k.dtype), k, call)
+    dq_sc[...] += dot(ds.astype(k.dtype), k, call)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
     dq_ref[...] = (dq_sc[...] * call.scale).astype(dq_ref.dtype)
 
 
-def _dbias_kernel(*refs, call: _Call, bq: int, bk: int):
+def _dbias_kernel(*refs, call: Call, bq: int, bk: int):
   r, (db_ref,), (db_sc,) = _unpack(refs, call, 1, 1)
   i, j, rep = pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
@@ -387,7 +351,7 @@ def _dbias_kernel(*refs, call: _Call, bq: int, bk: int):
 
 def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window,
              scale: float, soft_cap: float | None, config: Config, interpret=False):
-  call = _call_of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
+  call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
   b, t, n, h = q.shape
   s, kv_heads, g = call.kv_len, call.kv_heads, call.group
   bq, bk = config.bwd_block_q, config.bwd_block_k

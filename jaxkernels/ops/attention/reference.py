@@ -14,7 +14,6 @@ baseline of the numerics rule).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -34,7 +34,8 @@ from jax.experimental.pallas import triton as pltriton
 from jaxkernels import _online_softmax, _triton, hardware
 from jaxkernels._online_softmax import Running, finite
 from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
-from jaxkernels.ops.attention.common import Window, key_blocks, query_blocks, visible
+from jaxkernels.ops.attention.common import (Call, Window, dot, key_blocks, query_blocks,
+                                             visible)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -97,44 +98,6 @@ def config_error(problem, config: Config, chip) -> str | None:
 # --------------------------------------------------------------------------- #
 
 
-@dataclasses.dataclass(frozen=True)
-class _Call:
-  """The static description of one call that every kernel of it reads."""
-
-  batch: int
-  q_len: int
-  kv_len: int
-  heads: int
-  kv_heads: int
-  head_dim: int
-  window: Window
-  scale: float
-  soft_cap: float | None
-  bias_shape: tuple[int, ...] | None  # (Bb, Nb, T, S), Bb in {1, B}, Nb in {1, N}
-  segments: bool
-  dtype: jnp.dtype
-
-  @property
-  def group(self) -> int:
-    return self.heads // self.kv_heads
-
-  @property
-  def head_block(self) -> int:
-    return _head_block(self.head_dim)
-
-  @property
-  def precision(self):
-    # float32 inputs keep float32 products (IEEE); Triton's default would round them to tf32.
-    return lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
-
-
-def _dot(a, b, call: _Call, *, ta=False, tb=False):
-  """a @ b (a^T with ``ta``, b^T with ``tb``) accumulated in float32."""
-  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, precision=call.precision,
-                         preferred_element_type=jnp.float32)
-
-
 def _both(a, b):
   return _triton.both(a, b)
 
@@ -149,8 +112,8 @@ class _Rows:
   """One block of a (B*L, heads*H) view: rows ``pos`` (positions in the sequence, of batch
   ``b``) by the head dim of head ``head``; masks None where statically all-true."""
 
-  def __init__(self, b, pos, length: int, head, call: _Call, *, mask_rows: bool):
-    hp = call.head_block
+  def __init__(self, b, pos, length: int, head, call: Call, *, mask_rows: bool):
+    hp = _head_block(call.head_dim)
     cols = jnp.arange(hp)
     self.pos = pos
     self.rows = b * length + pos
@@ -179,7 +142,7 @@ class _Rows:
     pltriton.store(ref.at[self.stat_index(heads)], value.astype(ref.dtype), mask=self.row_mask)
 
 
-def _tanh(x, call: _Call, math_):
+def _tanh(x, call: Call, math_):
   """tanh for the soft cap. libdevice's tanhf costs ~20 instructions: the soft-capped forward
   ran 64% over the plain one with it on an H200 (bench/NOTES.md, attention-1).
 
@@ -192,7 +155,7 @@ def _tanh(x, call: _Call, math_):
   return 1.0 - 2.0 * math_.reciprocal(1.0 + math_.exp2(x * (2.0 * LOG2E)))
 
 
-def _scores(qk, bias, call: _Call, math_):
+def _scores(qk, bias, call: Call, math_):
   """The logits in base 2 (log2 e x the natural ones) from q k^T: scaled, soft-capped, the bias
   added; and tanh(scaled / cap) for the cap's derivative (None without a cap)."""
   if call.soft_cap is None and bias is None:
@@ -207,7 +170,7 @@ def _scores(qk, bias, call: _Call, math_):
   return s * LOG2E, th
 
 
-def _bias_tile(bias_ref, b, n, q_pos, k_pos, call: _Call, q_mask, k_mask):
+def _bias_tile(bias_ref, b, n, q_pos, k_pos, call: Call, q_mask, k_mask):
   if bias_ref is None:
     return None
   bb, nb = call.bias_shape[:2]
@@ -217,7 +180,7 @@ def _bias_tile(bias_ref, b, n, q_pos, k_pos, call: _Call, q_mask, k_mask):
   return _load(bias_ref, index, mask).astype(jnp.float32)
 
 
-def _visible(q_pos, k_pos, call: _Call, q_seg, kv_seg, *, positions: bool, k_edge: bool):
+def _visible(q_pos, k_pos, call: Call, q_seg, kv_seg, *, positions: bool, k_edge: bool):
   """The block's mask (None: all visible): the window where ``positions``, the keys' end where
   ``k_edge``, segments where the call has them."""
   window = call.window if positions else Window(None, None)
@@ -233,6 +196,14 @@ def _may_meet(q_seg, kv_seg):
   """Whether any query of the block can share a segment with any key of the block (their id
   ranges overlap); conservative for unsorted ids."""
   return (jnp.min(q_seg) <= jnp.max(kv_seg)) & (jnp.min(kv_seg) <= jnp.max(q_seg))
+
+
+def _keys_meet(kv_seg_ref, b, q_seg, s_len: int, block_k: int):
+  """block -> whether key block ``block``'s segments can meet the queries' ``q_seg``."""
+  def meet(j):
+    k_pos = j * block_k + jnp.arange(block_k)
+    return _may_meet(q_seg, _kv_segments(kv_seg_ref, b, k_pos, s_len, k_pos < s_len))
+  return meet
 
 
 def _walk(bounds, body, carry, *, segments_meet=None):
@@ -266,7 +237,7 @@ def _kv_segments(ref, b, pos, length: int, mask):
   return _load(ref, b * length + pos, mask, other=-2)
 
 
-def _split(refs, call: _Call, n_out: int):
+def _split(refs, call: Call, n_out: int):
   refs = list(refs)
   outs = refs[len(refs) - n_out:]
   refs = refs[:len(refs) - n_out]
@@ -281,7 +252,7 @@ def _split(refs, call: _Call, n_out: int):
   return named, refs, outs
 
 
-def _inputs(call: _Call, q, k, v, bias, q_seg, kv_seg):
+def _inputs(call: Call, q, k, v, bias, q_seg, kv_seg):
   """The kernels' views: q (B*T, N*H), k and v (B*S, K*H), segments flat."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -293,20 +264,12 @@ def _inputs(call: _Call, q, k, v, bias, q_seg, kv_seg):
   return out
 
 
-def _call_of(q, k, bias, q_seg, *, window, scale, soft_cap) -> _Call:
-  b, t, n, h = q.shape
-  return _Call(batch=b, q_len=t, kv_len=k.shape[1], heads=n, kv_heads=k.shape[2], head_dim=h,
-               window=window, scale=float(scale), soft_cap=soft_cap,
-               bias_shape=None if bias is None else tuple(bias.shape),
-               segments=q_seg is not None, dtype=jnp.dtype(q.dtype))
-
-
 # --------------------------------------------------------------------------- #
 # Forward
 # --------------------------------------------------------------------------- #
 
 
-def _forward_kernel(*refs, call: _Call, block_q: int, block_k: int, math_):
+def _forward_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
   r, _, (o_ref, lse_ref) = _split(refs, call, 2)
   t_len, s_len = call.q_len, call.kv_len
   bn = pl.program_id(1)
@@ -325,22 +288,18 @@ def _forward_kernel(*refs, call: _Call, block_q: int, block_k: int, math_):
     kt = _Rows(b, k_pos, s_len, kh, call, mask_rows=edge)
     k, v = kt.load(r["k"]), kt.load(r["v"])
     bias = _bias_tile(r["bias"], b, n, q_pos, k_pos, call, qt.row_mask, kt.row_mask)
-    s, _ = _scores(_dot(q, k, call, tb=True), bias, call, math_)
+    s, _ = _scores(dot(q, k, call, tb=True), bias, call, math_)
     kv_seg = _kv_segments(r["kv_seg"], b, k_pos, s_len, kt.row_mask)
     mask = _visible(q_pos, k_pos, call, q_seg, kv_seg, positions=masked, k_edge=edge)
     if mask is not None:
       s = jnp.where(mask, s, -jnp.inf)
     state, rescale, p = _online_softmax.rows_update(state, s, exp=math_.exp2)
-    acc = acc * rescale[:, None] + _dot(p.astype(v.dtype), v, call)
+    acc = acc * rescale[:, None] + dot(p.astype(v.dtype), v, call)
     return acc, state
 
-  meet = None
-  if call.segments:
-    def meet(j):
-      k_pos = j * block_k + jnp.arange(block_k)
-      return _may_meet(q_seg, _kv_segments(r["kv_seg"], b, k_pos, s_len, k_pos < s_len))
+  meet = _keys_meet(r["kv_seg"], b, q_seg, s_len, block_k) if call.segments else None
   bounds = key_blocks(t0, jnp.minimum(block_q, t_len - t0), block_k, s_len, call.window)
-  acc = jnp.zeros((block_q, call.head_block), jnp.float32)
+  acc = jnp.zeros((block_q, _head_block(call.head_dim)), jnp.float32)
   acc, (peak, total) = _walk(bounds, body, (acc, Running.start((block_q,))),
                              segments_meet=meet)
   seen = total > 0
@@ -354,7 +313,7 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
             soft_cap: float | None, config: Config, interpret=False):
   """(out (B, T, N, H) in q's dtype, lse (B, T, N) float32, natural log; -inf for a query
   that sees no key)."""
-  call = _call_of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
+  call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
   b, t, n, h = q.shape
   kernel = functools.partial(_forward_kernel, call=call, block_q=config.block_q,
                              block_k=config.block_k, math_=_triton.math(interpret))
@@ -375,23 +334,23 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
 # --------------------------------------------------------------------------- #
 
 
-def _grad_scores(q, k, v, do, lse2, delta, bias, mask, call: _Call, math_, *,
+def _grad_scores(q, k, v, do, lse2, delta, bias, mask, call: Call, math_, *,
                  wrt_bias: bool = False):
   """(p, ds) of one block: p recomputed from the saved log-sum-exp (base 2), ds the gradient
   of the logits before the scale (the cap's derivative applied), or with ``wrt_bias`` of the
   logits as the bias meets them (after the cap)."""
-  s, th = _scores(_dot(q, k, call, tb=True), bias, call, math_)
+  s, th = _scores(dot(q, k, call, tb=True), bias, call, math_)
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   p = math_.exp2(s - lse2[:, None])
-  dp = _dot(do, v, call, tb=True)
+  dp = dot(do, v, call, tb=True)
   ds = p * (dp - delta[:, None])
   if th is not None and not wrt_bias:
     ds = ds * (1.0 - th * th)
   return p, ds
 
 
-def _query_stats(r_lse, r_delta, qt: _Rows, call: _Call):
+def _query_stats(r_lse, r_delta, qt: _Rows, call: Call):
   """The saved log-sum-exp in base 2 (+inf where a query sees nothing, so its p is 0) and
   delta = rowsum(dO * O) - d(lse) of a block of queries."""
   lse = qt.load_stat(r_lse, call.heads, jnp.inf)
@@ -399,7 +358,7 @@ def _query_stats(r_lse, r_delta, qt: _Rows, call: _Call):
   return lse2, qt.load_stat(r_delta, call.heads, 0.0)
 
 
-def _dkdv_kernel(*refs, call: _Call, block_q: int, block_k: int, math_):
+def _dkdv_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
   r, (lse_ref, delta_ref, do_ref), (dk_ref, dv_ref) = _split(refs, call, 2)
   t_len, s_len = call.q_len, call.kv_len
   bk_ = pl.program_id(1)
@@ -425,24 +384,24 @@ def _dkdv_kernel(*refs, call: _Call, block_q: int, block_k: int, math_):
       mask = _visible(q_pos, k_pos, call, q_seg, kv_seg, positions=masked,
                       k_edge=s_len % block_k != 0)
       p, ds = _grad_scores(q, k, v, do, lse2, delta, bias, mask, call, math_)
-      dv = dv + _dot(p.astype(do.dtype), do, call, ta=True)
-      dk = dk + _dot(ds.astype(q.dtype), q, call, ta=True)
+      dv = dv + dot(p.astype(do.dtype), do, call, ta=True)
+      dk = dk + dot(ds.astype(q.dtype), q, call, ta=True)
       return dk, dv
 
     meet = None
     if call.segments:
-      def meet(i):
-        q_pos = i * block_q + jnp.arange(block_q)
-        return _may_meet(_segments(r["q_seg"], b, q_pos, t_len, q_pos < t_len), kv_seg)
+      meet = lambda i: _may_meet(_segments(r["q_seg"], b, i * block_q + jnp.arange(block_q),
+                                           t_len, i * block_q + jnp.arange(block_q) < t_len),
+                                 kv_seg)
     return _walk(bounds, body, carry, segments_meet=meet)
 
-  zeros = jnp.zeros((block_k, call.head_block), jnp.float32)
+  zeros = jnp.zeros((block_k, _head_block(call.head_dim)), jnp.float32)
   dk, dv = lax.fori_loop(0, call.group, head, (zeros, zeros))
   kt.store(dk_ref, dk * call.scale)
   kt.store(dv_ref, dv)
 
 
-def _dq_kernel(*refs, call: _Call, block_q: int, block_k: int, math_):
+def _dq_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
   r, (lse_ref, delta_ref, do_ref), (dq_ref,) = _split(refs, call, 1)
   t_len, s_len = call.q_len, call.kv_len
   bn = pl.program_id(1)
@@ -464,20 +423,16 @@ def _dq_kernel(*refs, call: _Call, block_q: int, block_k: int, math_):
     kv_seg = _kv_segments(r["kv_seg"], b, k_pos, s_len, kt.row_mask)
     mask = _visible(q_pos, k_pos, call, q_seg, kv_seg, positions=masked, k_edge=edge)
     _, ds = _grad_scores(q, k, v, do, lse2, delta, bias, mask, call, math_)
-    return dq + _dot(ds.astype(k.dtype), k, call)
+    return dq + dot(ds.astype(k.dtype), k, call)
 
-  meet = None
-  if call.segments:
-    def meet(j):
-      k_pos = j * block_k + jnp.arange(block_k)
-      return _may_meet(q_seg, _kv_segments(r["kv_seg"], b, k_pos, s_len, k_pos < s_len))
+  meet = _keys_meet(r["kv_seg"], b, q_seg, s_len, block_k) if call.segments else None
   bounds = key_blocks(t0, jnp.minimum(block_q, t_len - t0), block_k, s_len, call.window)
-  dq = _walk(bounds, body, jnp.zeros((block_q, call.head_block), jnp.float32),
+  dq = _walk(bounds, body, jnp.zeros((block_q, _head_block(call.head_dim)), jnp.float32),
              segments_meet=meet)
   qt.store(dq_ref, dq * call.scale)
 
 
-def _dbias_kernel(*refs, call: _Call, block_q: int, block_k: int, math_):
+def _dbias_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
   """d(bias) of one (block_q, block_k) tile, summed over the batch and heads that the bias
   broadcasts over; zeros for a tile that the window hides whole."""
   r, (lse_ref, delta_ref, do_ref), (db_ref,) = _split(refs, call, 1)
@@ -525,7 +480,7 @@ def _dbias_kernel(*refs, call: _Call, block_q: int, block_k: int, math_):
 def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window,
              scale: float, soft_cap: float | None, config: Config, interpret=False):
   """(dq, dk, dv, dbias or None) from the saved output and log-sum-exp."""
-  call = _call_of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
+  call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
   b, t, n, h = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
   delta = jnp.einsum("btnh,btnh->btn", dout.astype(jnp.float32), out.astype(jnp.float32))
