@@ -208,6 +208,28 @@ def test_attention_layouts(mesh, layout):
     assert out.sharding.spec == spec
 
 
+def test_decode_attention_splits_batch_and_heads(mesh):
+  """decode_attention's cache split over the batch and the kv heads, lengths with the batch:
+  the reference's numbers, the output split as q was, nothing gathered."""
+  from jaxkernels.ops.attention import reference as attention_reference
+
+  gen = numerics.rng("sharding-decode")
+  q = numerics.normal(gen, (8, 1, 4, 16), jnp.float32)
+  k = numerics.normal(gen, (8, 40, 2, 16), jnp.float32)
+  v = numerics.normal(gen, (8, 40, 2, 16), jnp.float32)
+  lengths = jnp.asarray(gen.integers(1, 41, (8,)), jnp.int32)
+  spec = P("data", None, "model", None)
+  with jk.interpret_mode("triton"), warnings.catch_warnings():
+    warnings.simplefilter("error", jk.ShardingWarning)
+    out = jax.jit(lambda q, k, v, n: jk.decode_attention(q, k, v, lengths=n))(
+        _put(mesh, q, spec), _put(mesh, k, spec), _put(mesh, v, spec),
+        _put(mesh, lengths, P("data")))
+  assert out.sharding.spec == spec
+  want = lambda cd: lambda q, k, v: attention_reference.decode(q, k, v, lengths, scale=0.25,
+                                                               compute_dtype=cd)
+  numerics.assert_matches(out, want, (q, k, v), dtype=jnp.float32, reduction=40)
+
+
 MATMUL_LAYOUTS = {  # name: (A's spec, B's spec, the output's)
     "data parallel": (P(("data", "model"), None), P(None, None), P(("data", "model"), None)),
     "column parallel": (P("data", None), P(None, "model"), P("data", "model")),

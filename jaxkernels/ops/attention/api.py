@@ -182,7 +182,7 @@ def _finite_float(name, value) -> float:
 # --------------------------------------------------------------------------- #
 
 
-def _sharded(a: _Args, call, implementation):
+def _sharded(a: _Args, call, implementation, op: str = OP):
   """The op on split arrays (``partitioning``), as (True, result), or (False, None) where no
   array lives on a mesh of Explicit axes. The rule: the batch dimensions and the heads split
   freely (q's N and k's K over the same axes, so that each shard holds whole GQA groups); a
@@ -204,7 +204,7 @@ def _sharded(a: _Args, call, implementation):
   for name, x, sp, dims in (("q", a.q, spec_q, (nb, nb + 2)), ("k", a.k, spec_k, (nb, nb + 2))):
     for dim in dims:
       if names := partitioning.axes(sp[dim]):
-        partitioning.gathered(OP, implementation, name, x, dim, names, mesh,
+        partitioning.gathered(op, implementation, name, x, dim, names, mesh,
                               why="the kernels walk it whole" if dim == nb else
                               "the kernels contract it whole",
                               instead="split the batch or the heads")
@@ -212,7 +212,7 @@ def _sharded(a: _Args, call, implementation):
                             partitioning.axes(spec_k[nb + 1])) if x not in taken)
   kv_heads = a.k.shape[nb + 1]
   if heads and kv_heads % partitioning.size(mesh, heads):
-    partitioning.gathered(OP, implementation, "k", a.k, nb + 1, heads, mesh,
+    partitioning.gathered(op, implementation, "k", a.k, nb + 1, heads, mesh,
                           why=f"those axes do not divide k's {kv_heads} heads, so a shard of "
                           "q's heads would need kv heads of another shard",
                           instead="split the heads over axes that divide k's heads")
@@ -229,7 +229,7 @@ def _sharded(a: _Args, call, implementation):
     specs["bias"] = P()
   for name in ("q", "k", "bias"):
     if arrays[name] is not None:
-      partitioning.check_divides(OP, name, arrays[name].shape, specs[name], mesh)
+      partitioning.check_divides(op, name, arrays[name].shape, specs[name], mesh)
   out_specs = (P(*row, None, h, None), P(*row, None, h))
   return True, partitioning.run(mesh, call, arrays, specs, out_specs)
 
@@ -488,7 +488,7 @@ def decode_attention(q, k_cache, v_cache, *, lengths, scale: float | None = None
     return _decode_local(dataclasses.replace(a, q=q, k=k, v=v, lengths=lengths), window_left,
                          implementation, config), None
 
-  split, result = _sharded(a, local, implementation)
+  split, result = _sharded(a, local, implementation, DECODE_OP)
   if split:
     return result[0]
   return _decode_local(a, window_left, implementation, config)
