@@ -25,6 +25,12 @@ OUTPUT_NAME = "attention_out"
 LSE_NAME = "attention_lse"
 
 
+def _dtype_reason(dtype) -> str | None:
+  if dtype not in _checks.KERNEL_DTYPES:
+    return f"q has dtype {dtype}; kernels take bfloat16, float16, float32"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """One attention call as its kernels see it: q (B, T, N, H), k and v (B, S, K, H), the mask's
@@ -52,9 +58,7 @@ class Problem:
             f"{bucket(self.q_len)}x{bucket(self.kv_len)}")
 
   def reason(self) -> str | None:
-    if self.dtype not in _checks.KERNEL_DTYPES:
-      return f"q has dtype {self.dtype}; kernels take bfloat16, float16, float32"
-    return None
+    return _dtype_reason(self.dtype)
 
   def __str__(self) -> str:
     return (f"attention of q ({self.batch}, {self.q_len}, {self.heads}, {self.head_dim}) against "
@@ -397,9 +401,7 @@ class DecodeProblem:
             f"b{bucket(self.batch * self.kv_heads)}|{bucket(self.kv_len)}")
 
   def reason(self) -> str | None:
-    if self.dtype not in _checks.KERNEL_DTYPES:
-      return f"q has dtype {self.dtype}; kernels take bfloat16, float16, float32"
-    return None
+    return _dtype_reason(self.dtype)
 
   def __str__(self) -> str:
     return (f"decode of q ({self.batch}, {self.q_len}, {self.heads}, {self.head_dim}) against a "

@@ -276,6 +276,13 @@ def _read(ref):
   return None if ref is None else ref[...]
 
 
+def _block_grads(r, i, j, bq: int, bk: int, call: Call, *, wrt_bias: bool = False):
+  """(p, ds) of query block i against key block j, from the refs every backward kernel reads."""
+  mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
+  return _grad_block(r["q"][...], r["k"][...], r["v"][...], r["do"][...], r["lse"][...],
+                     r["delta"][...], _read(r["bias"]), mask, call, wrt_bias=wrt_bias)
+
+
 def _dkdv_kernel(*refs, call: Call, bq: int, bk: int, n_q: int):
   r, (dk_ref, dv_ref), (dk_sc, dv_sc) = _unpack(refs, call, 2, 2)
   j, step = pl.program_id(2), pl.program_id(3)
@@ -286,14 +293,10 @@ def _dkdv_kernel(*refs, call: Call, bq: int, bk: int, n_q: int):
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-  run, _ = _visit_queries(j, i, bq, bk, call)
-
-  @pl.when(run)
+  @pl.when(_visit_queries(j, i, bq, bk, call)[0])
   def _():
-    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-    mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
-    p, ds = _grad_block(q, k, v, do, r["lse"][...], r["delta"][...], _read(r["bias"]), mask,
-                        call)
+    p, ds = _block_grads(r, i, j, bq, bk, call)
+    q, do = r["q"][...], r["do"][...]
     dv_sc[...] += dot(p.astype(do.dtype), do, call, ta=True)
     dk_sc[...] += dot(ds.astype(q.dtype), q, call, ta=True)
 
@@ -311,14 +314,10 @@ def _dq_kernel(*refs, call: Call, bq: int, bk: int):
   def _():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-  run, _ = _visit(i, j, bq, bk, call)
-
-  @pl.when(run)
+  @pl.when(_visit(i, j, bq, bk, call)[0])
   def _():
-    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-    mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
-    _, ds = _grad_block(q, k, v, do, r["lse"][...], r["delta"][...], _read(r["bias"]), mask,
-                        call)
+    _, ds = _block_grads(r, i, j, bq, bk, call)
+    k = r["k"][...]
     dq_sc[...] += dot(ds.astype(k.dtype), k, call)
 
   @pl.when(j == pl.num_programs(3) - 1)
@@ -334,15 +333,9 @@ def _dbias_kernel(*refs, call: Call, bq: int, bk: int):
   def _():
     db_sc[...] = jnp.zeros(db_sc.shape, jnp.float32)
 
-  run, _ = _visit(i, j, bq, bk, call)
-
-  @pl.when(run)
+  @pl.when(_visit(i, j, bq, bk, call)[0])
   def _():
-    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-    mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
-    _, ds = _grad_block(q, k, v, do, r["lse"][...], r["delta"][...], _read(r["bias"]), mask,
-                        call, wrt_bias=True)
-    db_sc[...] += ds
+    db_sc[...] += _block_grads(r, i, j, bq, bk, call, wrt_bias=True)[1]
 
   @pl.when(rep == pl.num_programs(4) - 1)
   def _():
