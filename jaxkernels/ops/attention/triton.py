@@ -198,6 +198,17 @@ def _may_meet(q_seg, kv_seg):
   return (jnp.min(q_seg) <= jnp.max(kv_seg)) & (jnp.min(kv_seg) <= jnp.max(q_seg))
 
 
+def _query_block(call: Call, block_q: int):
+  """(b, n, kv head, first query, query positions, their _Rows) of a program of a grid
+  (query blocks, B*N)."""
+  bn = pl.program_id(1)
+  b, n = bn // call.heads, bn % call.heads
+  t0 = pl.program_id(0) * block_q
+  q_pos = t0 + jnp.arange(block_q)
+  qt = _Rows(b, q_pos, call.q_len, n, call, mask_rows=call.q_len % block_q != 0)
+  return b, n, n // call.group, t0, q_pos, qt
+
+
 def _keys_meet(kv_seg_ref, b, q_seg, s_len: int, block_k: int):
   """block -> whether key block ``block``'s segments can meet the queries' ``q_seg``."""
   def meet(j):
@@ -272,12 +283,7 @@ def _inputs(call: Call, q, k, v, bias, q_seg, kv_seg):
 def _forward_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
   r, _, (o_ref, lse_ref) = _split(refs, call, 2)
   t_len, s_len = call.q_len, call.kv_len
-  bn = pl.program_id(1)
-  b, n = bn // call.heads, bn % call.heads
-  kh = n // call.group
-  t0 = pl.program_id(0) * block_q
-  q_pos = t0 + jnp.arange(block_q)
-  qt = _Rows(b, q_pos, t_len, n, call, mask_rows=t_len % block_q != 0)
+  b, n, kh, t0, q_pos, qt = _query_block(call, block_q)
   q = qt.load(r["q"])
   q_seg = _segments(r["q_seg"], b, q_pos, t_len, qt.row_mask)
 
@@ -404,12 +410,7 @@ def _dkdv_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
 def _dq_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
   r, (lse_ref, delta_ref, do_ref), (dq_ref,) = _split(refs, call, 1)
   t_len, s_len = call.q_len, call.kv_len
-  bn = pl.program_id(1)
-  b, n = bn // call.heads, bn % call.heads
-  kh = n // call.group
-  t0 = pl.program_id(0) * block_q
-  q_pos = t0 + jnp.arange(block_q)
-  qt = _Rows(b, q_pos, t_len, n, call, mask_rows=t_len % block_q != 0)
+  b, n, kh, t0, q_pos, qt = _query_block(call, block_q)
   q, do = qt.load(r["q"]), qt.load(do_ref)
   lse2, delta = _query_stats(lse_ref, delta_ref, qt, call)
   q_seg = _segments(r["q_seg"], b, q_pos, t_len, qt.row_mask)
