@@ -271,6 +271,12 @@ def _decode(session, only, sweep) -> None:
         row.vs_xla = xla.ms / row.ms
 
 
+def _kernels(session: harness.Session) -> list[str]:
+  """Our kernels on this device: Mosaic GPU and Triton on Hopper."""
+  hopper = session.chip is not None and session.chip.compute_capability == (9, 0)
+  return ["mosaic_gpu", session.kernel] if hopper else [session.kernel]
+
+
 def run(session: harness.Session, sweep: bool = False, only=None) -> None:
   _decode(session, only, sweep)
   import contextlib
@@ -290,7 +296,7 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
         oracle = harness.Timed(_reference(shape, jnp.float32), (0, 1, 2)).outputs(label, *up)
         naive = harness.Timed(_reference(shape, jnp.bfloat16), (0, 1, 2)).outputs(label, *first)
         tolerance = 2 * harness.relative_error(naive, oracle)
-      impls = {session.kernel: (_ours(shape, session.kernel), True)}
+      impls = {kernel: (_ours(shape, kernel), True) for kernel in _kernels(session)}
       if sweep and session.platform == "gpu" and shape.name in ("plain", "causal", "gqa h256"):
         for config in _sweep_configs(shape, label):
           impls[f"{session.kernel} {config}"] = (_ours(shape, session.kernel, config), True)
@@ -344,9 +350,11 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
         except Exception as e:  # noqa: BLE001
           row.note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows["torch_sdpa"] = session.add(row)
-      ours, cudnn, xla = rows[session.kernel], rows.get("cudnn"), rows.get("xla")
+      cudnn, xla = rows.get("cudnn"), rows.get("xla")
       for row in rows.values():
         if xla is not None and row.ms and xla.ms:
           row.vs_xla = xla.ms / row.ms
-      if cudnn is not None and ours.ms and cudnn.ms:
-        ours.note = (ours.note + f" {cudnn.ms / ours.ms:.2f}x cudnn").strip()
+      for kernel in _kernels(session):
+        ours = rows[kernel]
+        if cudnn is not None and ours.ms and cudnn.ms:
+          ours.note = (ours.note + f" {cudnn.ms / ours.ms:.2f}x cudnn").strip()

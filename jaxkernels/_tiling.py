@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 
 def cdiv(a: int, b: int) -> int:
@@ -14,6 +15,13 @@ def cdiv(a: int, b: int) -> int:
 
 def round_up(a: int, b: int) -> int:
   return cdiv(a, b) * b
+
+
+def pad_to(x, shape):
+  """x zero-padded at the end of each dimension to ``shape`` (x itself when it already fits)."""
+  if tuple(x.shape) == tuple(shape):
+    return x
+  return jnp.pad(x, [(0, want - have) for have, want in zip(x.shape, shape)])
 
 
 def next_pow2(n: int) -> int:

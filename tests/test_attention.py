@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import jaxkernels as jk
 from jaxkernels.ops.attention import reference
+from jaxkernels.ops.attention import mosaic_gpu as attention_mosaic_gpu
 from jaxkernels.ops.attention import mosaic_tpu as attention_mosaic_tpu
 from jaxkernels.ops.attention import triton as attention_triton
 from jaxkernels.ops.attention.common import Window, key_blocks, query_blocks, visible
@@ -114,6 +115,10 @@ class AttentionTest:
     return got
 
   DTYPES = DTYPES  # what the kernels take (Mosaic TPU: no float16)
+  HEAD_DIMS = (16, 24, 32)  # drawn (Mosaic GPU: multiples of 64)
+  BIASES = (None, (1, 1), "full", (1, "N"))
+  SMALL_HEAD_DIM = 16  # the feature tests' head dim and dtype
+  FEATURE_DTYPE = jnp.float32
 
   def check_drawn(self, data):
     """Odd T and S, T != S, GQA ratios, every mask feature and their combinations."""
@@ -121,11 +126,11 @@ class AttentionTest:
     case = Case(batch=data.draw(st.integers(1, 2)), q_len=data.draw(st.integers(1, 70)),
                 kv_len=data.draw(st.integers(1, 70)), kv_heads=data.draw(st.integers(1, 2)),
                 group=data.draw(st.sampled_from([1, 2, 3])),
-                head_dim=data.draw(st.sampled_from([16, 24, 32])),
+                head_dim=data.draw(st.sampled_from(self.HEAD_DIMS)),
                 dtype=data.draw(st.sampled_from(self.DTYPES)), causal=data.draw(st.booleans()),
                 window=window,
                 soft_cap=data.draw(st.sampled_from([None, 2.5])),
-                bias=data.draw(st.sampled_from([None, (1, 1), "full", (1, "N")])),
+                bias=data.draw(st.sampled_from(self.BIASES)),
                 segments=data.draw(st.sampled_from([0, 2, 3])))
     b, n = case.batch, case.heads
     if case.bias == "full":
@@ -151,15 +156,16 @@ class AttentionTest:
   def test_fully_masked_rows(self):
     """Queries that see no key (past the keys' end under a (0, 0) window; a segment the keys
     lack) get 0 and zero gradients, and their log-sum-exp is -inf; no NaN anywhere."""
-    case = Case(batch=1, q_len=24, kv_len=10, kv_heads=1, group=2, head_dim=16,
-                window=(0, 0))
+    case = Case(batch=1, q_len=24, kv_len=10, kv_heads=1, group=2, head_dim=self.SMALL_HEAD_DIM,
+                dtype=self.FEATURE_DTYPE, window=(0, 0))
     (out, lse), (dq, dk, dv) = self.check(case)
     assert np.all(np.asarray(out[:, 10:]) == 0) and np.all(np.asarray(dq[:, 10:]) == 0)
     assert np.all(np.isneginf(np.asarray(lse[:, 10:])))
     assert np.all(np.isfinite(np.asarray(out[:, :10]))) and np.all(np.isfinite(dk))
 
   def test_segments_without_common_ids(self):
-    case = Case(batch=2, q_len=20, kv_len=20, kv_heads=1, group=1, head_dim=16, segments=3)
+    case = Case(batch=2, q_len=20, kv_len=20, kv_heads=1, group=1, head_dim=self.SMALL_HEAD_DIM,
+                dtype=self.FEATURE_DTYPE, segments=3)
     (q, k, v, _), _, _ = _draw(case)
     seg = jnp.zeros((2, 20), jnp.int32).at[1].set(1)
     kv_seg = jnp.zeros((2, 20), jnp.int32).at[1].set(2)  # batch 1 sees nothing
@@ -177,6 +183,9 @@ class AttentionTest:
     q, k, v = (jnp.stack([a, 2 * a]).reshape(2, 1, *a.shape[1:]) for a in (q, k, v))
     bias = jnp.linspace(-1, 1, 17)  # one bias per key, broadcast over everything else
     with numerics.kernel_mode():
+      support = jk.supports("flash_attention", self.IMPL, q, k, v, bias=bias)
+      if not support:
+        pytest.skip(support.reason)
       got = jk.flash_attention(q, k, v, bias=bias, implementation=self.IMPL)
     want = jax.vmap(lambda q, k, v: reference.attention(
         q, k, v, bias=bias, scale=0.25))(q, k, v)
@@ -225,15 +234,64 @@ class TestAttentionTriton(AttentionTest):
       assert f'name = "{name}"' in text, name
 
 
+class TestAttentionMosaicGpu(AttentionTest):
+  """The Hopper kernel (its backward is Triton's): 16-bit inputs, head dims of multiples of 64,
+  no bias. Interpreted on the CPU its two products are plain dots (the interpreter has no
+  wgmma from registers); the schedule, barriers, ring and masks are the kernel's own."""
+
+  IMPL = "mosaic_gpu"
+  DTYPES = (jnp.bfloat16, jnp.float16)
+  HEAD_DIMS = (64,)
+  BIASES = (None,)
+  SMALL_HEAD_DIM = 64
+  FEATURE_DTYPE = jnp.bfloat16
+
+  def test_block_edges(self):
+    """Several query tiles and key blocks: partial ones at both ends, a window that leaves one
+    warpgroup of a tile idle through steps its partner computes, GQA, segments, the cap."""
+    config = attention_mosaic_gpu.Config(block_q=64, block_kv=64, stages=2)
+    self.check(Case(batch=1, q_len=150, kv_len=200, kv_heads=1, group=2, head_dim=64,
+                    dtype=jnp.bfloat16, window=(40, 70), segments=2, soft_cap=3.0), config)
+
+  def test_unsupported_calls_say_why(self):
+    q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)
+    with numerics.kernel_mode():
+      assert "multiple of 64" in jk.supports("flash_attention", self.IMPL, q, q, q).reason
+      q = jnp.ones((1, 8, 2, 64), jnp.float32)
+      assert "16-bit" in jk.supports("flash_attention", self.IMPL, q, q, q).reason
+      q = q.astype(jnp.bfloat16)
+      reason = jk.supports("flash_attention", self.IMPL, q, q, q, bias=jnp.ones((8, 8))).reason
+      assert "bias" in reason
+
+  def test_lowers_for_cuda(self):
+    q = jax.ShapeDtypeStruct((2, 200, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
+    kv_seg = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+
+    def fn(q, k, v, seg, kv_seg, do):
+      op = functools.partial(jk.flash_attention, segment_ids=seg, kv_segment_ids=kv_seg,
+                             causal=True, logits_soft_cap=30.0, local_window_size=(64, 0),
+                             implementation="mosaic_gpu")
+      return jax.vjp(op, q, k, v)[1](do)
+
+    text = cuda_lowering(fn, q, k, k, seg, kv_seg, q)
+    assert "mosaic_gpu" in text
+    for name in ("jk_attention_dkdv", "jk_attention_dq"):
+      assert f'name = "{name}"' in text, name
+
+
 class TestAttentionVariants(chex.TestCase):
   """Under jit and not (chex.variants), every implementation gives bitwise the same output and
   gradients on a re-run."""
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters("xla", "triton", "mosaic_tpu")
+  @parameterized.parameters("xla", "triton", "mosaic_tpu", "mosaic_gpu")
   def test_rerun_bitwise(self, implementation):
-    case = Case(batch=1, q_len=33, kv_len=40, kv_heads=1, group=2, head_dim=16, causal=True,
-                segments=2)
+    mosaic_gpu = implementation == "mosaic_gpu"  # 16-bit, head dims of multiples of 64
+    case = Case(batch=1, q_len=33, kv_len=40, kv_heads=1, group=2,
+                head_dim=64 if mosaic_gpu else 16,
+                dtype=jnp.bfloat16 if mosaic_gpu else jnp.float32, causal=True, segments=2)
     (q, k, v, _), (seg, kv_seg), (do, _) = _draw(case)
     with numerics.kernel_mode():
       support = jk.supports("flash_attention", implementation, q, k, v)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket
-from jaxkernels.ops.attention import mosaic_tpu, reference, triton, triton_decode
+from jaxkernels.ops.attention import mosaic_gpu, mosaic_tpu, reference, triton, triton_decode
 from jaxkernels.ops.attention.common import Window
 
 OP = "flash_attention"
@@ -321,7 +321,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       bias, so that a bias can still mask).
     return_lse: also return the (..., T, N) float32 log-sum-exp of each query's logits
       (natural log; -inf for a query that sees no key), with its gradient.
-    implementation: None (best available), "xla", "triton", "mosaic_tpu".
+    implementation: None (best available), "xla", "mosaic_gpu" (Hopper), "triton",
+      "mosaic_tpu".
     config: the chosen kernel's Config; None picks one for the shape and device.
 
   Returns:
@@ -366,6 +367,8 @@ def _problem_of(q, k, v, **kwargs):
 
 
 _KERNELS = backend.register(OP, {
+    "mosaic_gpu": backend.Kernels.of(OP, "mosaic_gpu", mosaic_gpu, forward=mosaic_gpu.forward,
+                                     backward=mosaic_gpu.backward),
     "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
                                  backward=triton.backward),
     "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,

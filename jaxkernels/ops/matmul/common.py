@@ -103,10 +103,3 @@ def cost(problem: Problem, *epilogue_operands) -> roofline.Cost:
                          out_itemsize=jnp.dtype(p.out_dtype).itemsize,
                          epilogue_reads=roofline.nbytes(*epilogue_operands),
                          activation=p.activation, extra_outputs=p.outputs - 1)
-
-
-def pad_to(x, shape):
-  """x zero-padded at the end of each dimension to ``shape`` (x itself when it already fits)."""
-  if tuple(x.shape) == tuple(shape):
-    return x
-  return jnp.pad(x, [(0, want - have) for have, want in zip(x.shape, shape)])

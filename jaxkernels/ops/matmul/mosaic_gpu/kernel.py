@@ -44,8 +44,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _mosaic_gpu
 from jaxkernels._activations import apply as activation_apply
-from jaxkernels._tiling import cdiv, round_up
-from jaxkernels.ops.matmul.common import Problem, pad_to, split_refs
+from jaxkernels._tiling import cdiv, pad_to, round_up
+from jaxkernels.ops.matmul.common import Problem, split_refs
 from jaxkernels.ops.matmul.mosaic_gpu.config import (PRODUCER_REGISTERS, Config, StreamK,
                                                      num_tiles)
 from jaxkernels.ops.matmul.mosaic_gpu.padding import as_stored, crop, padded_shapes

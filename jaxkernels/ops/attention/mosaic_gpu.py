@@ -1,0 +1,447 @@
+"""Pallas Mosaic GPU flash attention forward for Hopper: FlashAttention-3's schedule.
+
+A CTA takes two blocks of ``block_q`` queries of one head; three warpgroups share it. One
+issues TMA loads of the key and value blocks into a ``stages``-deep ring of swizzled shared
+memory; each of the other two owns one query block and runs S = q k^T and then P V on wgmma,
+q and k from shared memory, P from registers, the float32 accumulator in registers. The two
+compute warpgroups take turns at the tensor cores (the "schedule barrier", a rendezvous
+twice a step): while one runs its softmax, the other's matmuls run. Statistics are the online
+softmax's in base 2 (one ex2 per score, the scale folded into an FMA).
+
+Masks as the Triton kernels do them (``common.key_blocks``): each warpgroup walks the key
+blocks its window leaves visible in three runs, only the edge runs paying for a position
+mask; the ring is filled with the union of the two warpgroups' runs, and a warpgroup idles
+through the steps outside its own (it still waits for and releases their slots, so that the
+barriers' phases stay in step). Segment ids come with the key blocks (one more TMA copy a
+step) and mask every block.
+
+Edges: swizzled TMA reads rows in tiles of 8 and no copy may run past an array, so T and S
+are padded to whole blocks where they are not (one copy of q, k and v, and of the output);
+the keys past S are masked in the last block. The log-sum-exp is written (B, N, T) and
+transposed by XLA (a few hundred KiB).
+
+The backward runs on the Triton kernels (``triton.backward``) with ``Config.backward``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkernels import _mosaic_gpu, hardware
+from jaxkernels._tiling import cdiv, check_fields, pad_to, round_up
+from jaxkernels.ops.attention import triton
+from jaxkernels.ops.attention.common import Call, Window, key_blocks, visible
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+PRODUCER_REGISTERS = 40
+SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  block_q: int = 64  # queries of one compute warpgroup (the CTA takes two blocks)
+  block_kv: int = 128  # keys a step
+  stages: int = 2  # key/value blocks in flight
+  backward: triton.Config | None = None  # the backward's Triton kernels (None: its heuristic)
+
+  def __post_init__(self):
+    check_fields(self, ("block_q",), lambda v: v == 64, "64 (a wgmma's rows per warpgroup)")
+    check_fields(self, ("block_kv",), lambda v: v % 64 == 0 and 64 <= v <= 256,
+                 "a multiple of 64 up to 256")
+    check_fields(self, ("stages",), lambda v: v >= 2, ">= 2")
+
+
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """FlashAttention-3's blocks: 2 x 64 queries against 128 keys up to head dim 128, 64 keys
+  past it (registers: the accumulator alone takes 128 a thread at 256)."""
+  wide = problem.head_dim > 128
+  return Config(block_q=64, block_kv=64 if wide else 128, stages=2,
+                backward=triton.heuristic(problem, chip))
+
+
+def unsupported(problem, chip) -> str | None:
+  del chip
+  if jnp.dtype(problem.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"{problem.dtype} inputs: the kernel's wgmma takes 16-bit operands (Triton serves them)"
+  if problem.head_dim % 64:
+    return (f"head dim {problem.head_dim} is not a multiple of 64 (TMA's 128-byte swizzle; "
+            "Triton serves it)")
+  if problem.bias is not None:
+    return "a bias is not read by this kernel yet (Triton serves it)"
+  return None
+
+
+def smem_bytes(problem, config: Config) -> int:
+  itemsize = jnp.dtype(problem.dtype).itemsize
+  h = problem.head_dim
+  q = 2 * config.block_q * h * itemsize
+  kv = 2 * config.stages * config.block_kv * h * itemsize
+  extras = 2 * config.block_q * 4 + (
+      (2 * config.block_q + config.stages * config.block_kv) * 4 if problem.segments else 0)
+  return q + kv + extras
+
+
+def config_error(problem, config: Config, chip) -> str | None:
+  del chip
+  need = smem_bytes(problem, config)
+  if need > SMEM_BYTES:
+    return f"it needs {need} bytes of shared memory, over a CTA's {SMEM_BYTES}"
+  if problem.head_dim > 128 and config.block_kv > 64:
+    return f"block_kv {config.block_kv} at head dim {problem.head_dim} spills registers: use 64"
+  return None
+
+
+# --------------------------------------------------------------------------- #
+# The kernel
+# --------------------------------------------------------------------------- #
+
+
+class _Walk(NamedTuple):
+  """A compute warpgroup's key blocks (``common.key_blocks``' runs, empty where its queries
+  lie past T) inside the ring's steps [lo, hi): the union of both warpgroups' runs."""
+
+  first: Any
+  full_first: Any
+  full_end: Any
+  end: Any
+
+
+def _ring(tile, call: Call, c: Config):
+  """(lo, hi, walks): the ring's key blocks for the CTA's two query blocks, and each's walk."""
+  row0 = tile * 2 * c.block_q
+  raw = [key_blocks(row0 + w * c.block_q, jnp.clip(call.q_len - row0 - w * c.block_q, 0,
+                                                   c.block_q), c.block_kv, call.kv_len,
+                    call.window) for w in (0, 1)]
+  some = [(jnp.clip(call.q_len - row0 - w * c.block_q, 0, c.block_q) > 0) &
+          (raw[w][3] > raw[w][0]) for w in (0, 1)]
+  big = jnp.int32(1 << 30)
+  lo = jnp.minimum(*(jnp.where(s, r[0], big) for s, r in zip(some, raw)))
+  hi = jnp.maximum(*(jnp.where(s, r[3], 0) for s, r in zip(some, raw)))
+  lo = jnp.where(hi > 0, lo, 0)
+  walks = [_Walk(*(jnp.where(s, x, hi) for x in r)) for s, r in zip(some, raw)]
+  return lo, hi, walks
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
+  c = config
+  if call.segments:
+    q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
+  else:
+    (o_ref, lse_ref), q_seg_ref, kv_seg_ref = refs, None, None
+  transforms = _mosaic_gpu.swizzled(call.head_dim, call.dtype)
+  segment_buffers = {}
+  if call.segments:
+    segment_buffers = dict(q_seg_smem=plgpu.SMEM((2, c.block_q), jnp.int32),
+                           kv_seg_smem=plgpu.SMEM((c.stages, c.block_kv), jnp.int32))
+  copies = 2 if call.segments else 1  # TMA copies arriving on a q or k slot's barrier
+
+  @functools.partial(
+      pl.run_scoped, collective_axes="wg",
+      q_smem=plgpu.SMEM((2, c.block_q, call.head_dim), call.dtype, transforms=transforms),
+      k_smem=plgpu.SMEM((c.stages, c.block_kv, call.head_dim), call.dtype,
+                        transforms=transforms),
+      v_smem=plgpu.SMEM((c.stages, c.block_kv, call.head_dim), call.dtype,
+                        transforms=transforms),
+      lse_smem=plgpu.SMEM((2, c.block_q), jnp.float32),
+      q_full=plgpu.Barrier(num_arrivals=copies, num_barriers=2),
+      k_full=plgpu.Barrier(num_arrivals=copies, num_barriers=c.stages),
+      v_full=plgpu.Barrier(num_barriers=c.stages),
+      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=c.stages),
+      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=c.stages),
+      turn=plgpu.Barrier(num_arrivals=2),
+      **segment_buffers)
+  def _scope(**s):
+    _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, call=call, config=c,
+          interpret=interpret, **s)
+
+
+def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, call: Call,
+          config: Config, interpret, q_smem, k_smem, v_smem, lse_smem, q_full, k_full, v_full, k_free,
+          v_free, turn, q_seg_smem=None, kv_seg_smem=None):
+  c = config
+  b = lax.axis_index("batch")
+  n = lax.axis_index("heads")
+  # Query tiles in reverse: under a causal mask the last ones have the most keys, and the
+  # longest CTAs should start first.
+  tile = lax.axis_size("q") - 1 - lax.axis_index("q")
+  kh = lax.div(n, jnp.int32(call.group))
+  wg = lax.axis_index("wg")
+  lo, hi, walks = _ring(tile, call, c)
+  slot_of = lambda j: lax.rem(j - lo, jnp.int32(c.stages))
+
+  def rendezvous():
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(turn)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    @pl.loop(lo, hi)
+    def _(j):
+      slot = slot_of(j)
+      keys = pl.ds(j * c.block_kv, c.block_kv)
+      refill = j - lo >= c.stages
+
+      @pl.when(refill)
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+
+      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh], k_smem.at[slot], k_full.at[slot])
+      if call.segments:
+        plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[slot], k_full.at[slot])
+
+      @pl.when(refill)
+      def _():
+        plgpu.barrier_wait(v_free.at[slot])
+
+      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_smem.at[slot], v_full.at[slot])
+
+    # The releases that no fill waited for: every barrier ends with each phase observed.
+    @pl.loop(jnp.maximum(hi - c.stages, lo), hi)
+    def _(j):
+      plgpu.barrier_wait(k_free.at[slot_of(j)])
+      plgpu.barrier_wait(v_free.at[slot_of(j)])
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(_mosaic_gpu.consumer_registers(PRODUCER_REGISTERS),
+                            action="increase")
+    row0 = tile * 2 * c.block_q + wg * c.block_q
+    walk = _Walk(*(jnp.where(wg == 0, a, b_) for a, b_ in zip(*walks)))
+    queries = pl.ds(row0, c.block_q)
+    q_tile = q_smem.at[wg]
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, queries, n], q_tile, q_full.at[wg])
+    if call.segments:
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, queries], q_seg_smem.at[wg], q_full.at[wg])
+    plgpu.barrier_wait(q_full.at[wg])
+
+    q_seg = None
+    if call.segments:
+      q_seg = _vector(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret)
+
+    def idle(j, carry):
+      slot = slot_of(j)
+      plgpu.barrier_wait(k_full.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      rendezvous()
+      plgpu.barrier_wait(v_full.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      rendezvous()
+      return carry
+
+    def step(positions: bool):
+      def run(j, carry):
+        return _step(j, carry, slot_of(j), row0, q_tile, q_seg, positions, call=call,
+                     config=c, interpret=interpret, k_smem=k_smem, v_smem=v_smem, kv_seg_smem=kv_seg_smem,
+                     k_full=k_full, v_full=v_full, k_free=k_free, v_free=v_free, turn=turn)
+      return run
+
+    rows = plgpu.Layout.WGMMA.reduce(1)
+    acc = _cast(jnp.zeros((c.block_q, call.head_dim), jnp.float32), plgpu.Layout.WGMMA,
+                interpret)
+    peak = _cast(jnp.full((c.block_q,), -jnp.inf, jnp.float32), rows, interpret)
+    total = _cast(jnp.zeros((c.block_q,), jnp.float32), rows, interpret)
+    carry = (acc, peak, total)
+    pl.when(wg == 1)(rendezvous)  # warpgroup 1 runs half a step behind warpgroup 0
+    lax.fori_loop(lo, walk.first, idle, None)
+    carry = lax.fori_loop(walk.first, walk.full_first, step(True), carry)
+    carry = lax.fori_loop(walk.full_first, walk.full_end, step(False), carry)
+    carry = lax.fori_loop(walk.full_end, walk.end, step(True), carry)
+    lax.fori_loop(walk.end, hi, idle, None)
+    pl.when(wg == 0)(rendezvous)
+
+    acc, peak, total = carry
+    seen = total > 0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
+    q_tile[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(call.dtype)
+    finite_peak = jnp.where(peak == -jnp.inf, 0.0, peak)
+    lse_smem[wg] = jnp.where(seen, finite_peak * LN2 + jnp.log(jnp.where(seen, total, 1.0)),
+                             -jnp.inf)
+    plgpu.commit_smem()
+
+    plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, queries, n])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, queries])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+# The Mosaic GPU interpreter (jax 0.10-0.11) runs the kernel's jaxpr on the CPU, where
+# registers have no layouts: it has no layout_cast, layout-taking iota, plgpu.load, run_state
+# accumulator stores,
+# transposed shared-memory views or wgmma operands in registers: both products are dots there. These helpers are the only places the kernel differs for it.
+
+
+def _cast(x, layout, interpret):
+  return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def _iota(shape, dim, interpret):
+  if interpret:
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _vector(ref, layout, interpret):
+  """A vector from shared memory in ``layout`` (a WGMMA tile's rows or columns)."""
+  if interpret:
+    return ref[...]
+  return plgpu.load(ref, (), layout=layout, optimized=False)
+
+
+def _scores(q_smem, k_smem, then, interpret):
+  """q k^T by one wgmma (k^T a transposed view of k's block), ``then()`` run while it is in
+  flight; interpreted (no transposed shared-memory views there), a dot of the blocks."""
+  if interpret:
+    then()
+    return lax.dot_general(q_smem[...], k_smem[...], (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+    then()
+    return acc_ref[...]
+
+  return pl.run_scoped(product, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
+
+
+def _accumulate(acc, a, b_smem, interpret):
+  """acc + a @ b by one wgmma into the accumulator's registers (``run_state`` with it as the
+  initial value); interpreted (its wgmma reads no registers), a dot added."""
+  if interpret:
+    return acc + lax.dot_general(a, b_smem[...], (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_smem)
+
+  return pl.run_state(product)(plgpu.ACC.init(acc))
+
+
+def _step(j, carry, slot, row0, q_tile, q_seg, positions: bool, *, call: Call, config: Config,
+          interpret, k_smem, v_smem, kv_seg_smem, k_full, v_full, k_free, v_free, turn):
+  """One key block of a compute warpgroup: S = q k^T, the online softmax, acc += P V; with
+  ``positions`` the window's mask (and the keys' end), with segments theirs."""
+  c = config
+  acc, peak, total = carry
+  shape = (c.block_q, c.block_kv)
+  plgpu.barrier_wait(k_full.at[slot])
+
+  def turn_over():  # the other warpgroup may take the tensor cores
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(turn)
+
+  qk = _scores(q_tile, k_smem.at[slot], turn_over, interpret)
+  mask = None
+  if positions or call.segments:
+    kv_seg = None
+    if call.segments:
+      kv_seg = lax.broadcast_in_dim(
+          _vector(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret), shape, [1])
+    rows = row0 + _iota(shape, 0, interpret)
+    cols = j * c.block_kv + _iota(shape, 1, interpret)
+    mask = visible(rows, cols, call.window if positions else Window(None, None),
+                   None if q_seg is None else lax.broadcast_in_dim(q_seg, shape, [0]), kv_seg)
+    if positions and call.kv_len % c.block_kv:
+      end = cols < call.kv_len
+      mask = end if mask is None else mask & end
+  plgpu.barrier_arrive(k_free.at[slot])
+
+  if call.soft_cap is None and mask is None:
+    # Every score is finite: the row maximum of q k^T, scaled after, and exp2 as one FMA.
+    scale = call.scale * LOG2E
+    new_peak = jnp.maximum(peak, qk.max(axis=1) * scale)
+    p = jnp.exp2(qk * scale - lax.broadcast_in_dim(new_peak, shape, [0]))
+    safe = new_peak
+  else:
+    if call.soft_cap is None:
+      s = qk * (call.scale * LOG2E)
+    else:
+      s = (call.soft_cap * LOG2E) * jnp.tanh(qk * (call.scale / call.soft_cap))
+    if mask is not None:
+      s = jnp.where(mask, s, -jnp.inf)
+    new_peak = jnp.maximum(peak, s.max(axis=1))
+    safe = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)  # a row that sees nothing yet
+    p = jnp.exp2(s - lax.broadcast_in_dim(safe, shape, [0]))
+  rescale = jnp.exp2(peak - safe)
+  acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
+  total = total * rescale
+  p16 = p.astype(call.dtype)
+
+  def softmax_done():
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(v_full.at[slot])
+    plgpu.barrier_wait(turn)  # the tensor cores are free again
+
+  # The order that JAX's example found fastest: the row sum before the rendezvous where the
+  # accumulator is small, after it at head dims past 128.
+  if call.head_dim <= 128:
+    total = total + p.sum(axis=1)
+    acc, total, new_peak, p16 = lax.optimization_barrier((acc, total, new_peak, p16))
+    softmax_done()
+  else:
+    softmax_done()
+    total = total + p.sum(axis=1)
+
+  acc = _accumulate(acc, p16, v_smem.at[slot], interpret)
+  plgpu.barrier_arrive(v_free.at[slot])
+  return acc, new_peak, total
+
+
+def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
+            soft_cap: float | None, config: Config, interpret=False):
+  """(out (B, T, N, H) in q's dtype, lse (B, T, N) float32, natural log; -inf for a query
+  that sees no key)."""
+  if bias is not None:
+    raise ValueError("the Mosaic GPU attention kernel takes no bias (Triton serves it)")
+  call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
+  c = config
+  b, t, n, h = q.shape
+  tiles = cdiv(t, 2 * c.block_q)
+  t_pad, s_pad = tiles * 2 * c.block_q, round_up(call.kv_len, c.block_kv)
+  # Swizzled TMA reads rows in tiles of 8, and no copy may run past an array: T and S are
+  # padded to whole blocks where they are not (the padded keys are masked, the padded
+  # queries' rows dropped).
+  length = lambda x, to: pad_to(x, (x.shape[0], to, *x.shape[2:]))
+  operands = [length(q, t_pad), length(k, s_pad), length(v, s_pad)]
+  if call.segments:
+    operands += [length(q_seg.astype(jnp.int32), t_pad),
+                 length(kv_seg.astype(jnp.int32), s_pad)]
+  out, lse = plgpu.kernel(
+      functools.partial(_kernel, call=call, config=c, interpret=bool(interpret)),
+      out_type=[jax.ShapeDtypeStruct((b, t_pad, n, h), q.dtype),
+                jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)],
+      grid=(n, tiles, b),
+      grid_names=("heads", "q", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      # ex2.approx and tanh.approx on the SFU, as the Triton kernel's; 1/l and log once a row.
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **({"interpret": interpret} if interpret else {}),
+  )(*operands)
+  return out[:, :t], jnp.swapaxes(lse[:, :, :t], 1, 2)
+
+
+def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window,
+             scale: float, soft_cap: float | None, config: Config, interpret=False):
+  """The Triton kernels' backward (``triton.backward``) with ``config.backward`` (None: the
+  Triton heuristic's for the shape)."""
+  bwd = config.backward
+  if bwd is None:
+    shape = types.SimpleNamespace(head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1])
+    bwd = triton.heuristic(shape, hardware.DEFAULT_GPU)
+  return triton.backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, window=window,
+                         scale=scale, soft_cap=soft_cap, config=bwd,
+                         interpret=bool(interpret))
