@@ -13,7 +13,8 @@ blocks its window leaves visible in three runs, only the edge runs paying for a 
 mask; the ring is filled with the union of the two warpgroups' runs, and a warpgroup idles
 through the steps outside its own (it still waits for and releases their slots, so that the
 barriers' phases stay in step). Segment ids come with the key blocks (one more TMA copy a
-step) and mask every block.
+step) and mask every block; a tile visits only the key blocks whose id ranges overlap its own
+(``_meeting_blocks``, computed by XLA before the kernel: packed sequences skip each other).
 
 Edges: swizzled TMA reads rows in tiles of 8 and no copy may run past an array, so T and S
 are padded to whole blocks where they are not (one copy of q, k and v, and of the output);
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import types
 from typing import Any, NamedTuple
@@ -63,11 +65,13 @@ class Config:
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """FlashAttention-3's blocks: 2 x 64 queries against 128 keys up to head dim 128, 64 keys
-  past it (registers: the accumulator alone takes 128 a thread at 256)."""
-  wide = problem.head_dim > 128
-  return Config(block_q=64, block_kv=64 if wide else 128, stages=2,
-                backward=triton.heuristic(problem, chip))
+  """FlashAttention-3's blocks: 2 x 64 queries against 128 keys at head dim 128 (64 keys at
+  128 with 3 stages: 0.53 against 0.43 ms), 256 keys at 64 (0.604 against 0.621 ms for 128),
+  64 keys past 128 (registers: the accumulator alone takes 128 a thread at 256). H100, B=2
+  T=S=4096, bench/NOTES.md attention-4."""
+  h = problem.head_dim
+  block_kv = 256 if h <= 64 else 128 if h <= 128 else 64
+  return Config(block_q=64, block_kv=block_kv, stages=2, backward=triton.heuristic(problem, chip))
 
 
 def unsupported(problem, chip) -> str | None:
@@ -117,8 +121,10 @@ class _Walk(NamedTuple):
   end: Any
 
 
-def _ring(tile, call: Call, c: Config):
-  """(lo, hi, walks): the ring's key blocks for the CTA's two query blocks, and each's walk."""
+def _ring(tile, call: Call, c: Config, meet=None):
+  """(lo, hi, walks): the ring's key blocks for the CTA's two query blocks, and each's walk;
+  with ``meet`` (first, end), only key blocks in [first, end) (those whose segments can meet
+  the tile's)."""
   row0 = tile * 2 * c.block_q
   raw = [key_blocks(row0 + w * c.block_q, jnp.clip(call.q_len - row0 - w * c.block_q, 0,
                                                    c.block_q), c.block_kv, call.kv_len,
@@ -130,15 +136,19 @@ def _ring(tile, call: Call, c: Config):
   hi = jnp.maximum(*(jnp.where(s, r[3], 0) for s, r in zip(some, raw)))
   lo = jnp.where(hi > 0, lo, 0)
   walks = [_Walk(*(jnp.where(s, x, hi) for x in r)) for s, r in zip(some, raw)]
+  if meet is not None:
+    lo = jnp.maximum(lo, meet[0])
+    hi = jnp.maximum(jnp.minimum(hi, meet[1]), lo)
+    walks = [_Walk(*(jnp.clip(x, lo, hi) for x in w)) for w in walks]
   return lo, hi, walks
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
   c = config
   if call.segments:
-    q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
+    q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref = refs
   else:
-    (o_ref, lse_ref), q_seg_ref, kv_seg_ref = refs, None, None
+    (o_ref, lse_ref), q_seg_ref, kv_seg_ref, meet_ref = refs, None, None, None
   transforms = _mosaic_gpu.swizzled(call.head_dim, call.dtype)
   segment_buffers = {}
   if call.segments:
@@ -162,11 +172,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
       turn=plgpu.Barrier(num_arrivals=2),
       **segment_buffers)
   def _scope(**s):
-    _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, call=call, config=c,
+    _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, call=call,
+          config=c,
           interpret=interpret, **s)
 
 
-def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, call: Call,
+def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, *, call: Call,
           config: Config, interpret, q_smem, k_smem, v_smem, lse_smem, q_full, k_full, v_full, k_free,
           v_free, turn, q_seg_smem=None, kv_seg_smem=None):
   c = config
@@ -177,7 +188,8 @@ def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, call: C
   tile = lax.axis_size("q") - 1 - lax.axis_index("q")
   kh = lax.div(n, jnp.int32(call.group))
   wg = lax.axis_index("wg")
-  lo, hi, walks = _ring(tile, call, c)
+  meet = None if meet_ref is None else (meet_ref[b, tile, 0], meet_ref[b, tile, 1])
+  lo, hi, walks = _ring(tile, call, c, meet)
   slot_of = lambda j: lax.rem(j - lo, jnp.int32(c.stages))
 
   def rendezvous():
@@ -232,9 +244,15 @@ def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, call: C
     if call.segments:
       q_seg = _vector(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret)
 
+    def next_keys(j):
+      """Waits for step j + 1's keys (each step's own were awaited by the step before)."""
+      @pl.when(j + 1 < hi)
+      def _():
+        plgpu.barrier_wait(k_full.at[slot_of(j + 1)])
+
     def idle(j, carry):
       slot = slot_of(j)
-      plgpu.barrier_wait(k_full.at[slot])
+      next_keys(j)
       plgpu.barrier_arrive(k_free.at[slot])
       rendezvous()
       plgpu.barrier_wait(v_full.at[slot])
@@ -245,8 +263,9 @@ def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, call: C
     def step(positions: bool):
       def run(j, carry):
         return _step(j, carry, slot_of(j), row0, q_tile, q_seg, positions, call=call,
-                     config=c, interpret=interpret, k_smem=k_smem, v_smem=v_smem, kv_seg_smem=kv_seg_smem,
-                     k_full=k_full, v_full=v_full, k_free=k_free, v_free=v_free, turn=turn)
+                     config=c, interpret=interpret, next_keys=functools.partial(next_keys, j),
+                     k_smem=k_smem, v_smem=v_smem, kv_seg_smem=kv_seg_smem, v_full=v_full,
+                     k_free=k_free, v_free=v_free, turn=turn)
       return run
 
     rows = plgpu.Layout.WGMMA.reduce(1)
@@ -256,6 +275,11 @@ def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, call: C
     total = _cast(jnp.zeros((c.block_q,), jnp.float32), rows, interpret)
     carry = (acc, peak, total)
     pl.when(wg == 1)(rendezvous)  # warpgroup 1 runs half a step behind warpgroup 0
+
+    @pl.when(lo < hi)
+    def _():
+      plgpu.barrier_wait(k_full.at[slot_of(lo)])
+
     lax.fori_loop(lo, walk.first, idle, None)
     carry = lax.fori_loop(walk.first, walk.full_first, step(True), carry)
     carry = lax.fori_loop(walk.full_first, walk.full_end, step(False), carry)
@@ -298,7 +322,18 @@ def _vector(ref, layout, interpret):
   """A vector from shared memory in ``layout`` (a WGMMA tile's rows or columns)."""
   if interpret:
     return ref[...]
-  return plgpu.load(ref, (), layout=layout, optimized=False)
+  if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout, optimized=False)  # jax 0.10: idx required
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _transposed(ref):
+  """A transposed view of a shared-memory block: ``ref.T`` where refs have it (jax 0.11;
+  ``plgpu.transpose_ref`` is deprecated there), else ``transpose_ref`` (jax 0.10)."""
+  try:
+    return ref.T
+  except (AttributeError, NotImplementedError, TypeError):
+    return plgpu.transpose_ref(ref, (1, 0))
 
 
 def _scores(q_smem, k_smem, then, interpret):
@@ -310,34 +345,36 @@ def _scores(q_smem, k_smem, then, interpret):
                            preferred_element_type=jnp.float32)
 
   def product(acc_ref):
-    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+    plgpu.wgmma(acc_ref, q_smem, _transposed(k_smem))
     then()
     return acc_ref[...]
 
   return pl.run_scoped(product, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
 
 
-def _accumulate(acc, a, b_smem, interpret):
+def _accumulate(acc, a, b_smem, then, interpret):
   """acc + a @ b by one wgmma into the accumulator's registers (``run_state`` with it as the
-  initial value); interpreted (its wgmma reads no registers), a dot added."""
+  initial value), ``then()`` run while it is in flight; interpreted (its wgmma reads no
+  registers), a dot added."""
   if interpret:
+    then()
     return acc + lax.dot_general(a, b_smem[...], (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
 
   def product(acc_ref):
     plgpu.wgmma(acc_ref, a, b_smem)
+    then()
 
   return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
 def _step(j, carry, slot, row0, q_tile, q_seg, positions: bool, *, call: Call, config: Config,
-          interpret, k_smem, v_smem, kv_seg_smem, k_full, v_full, k_free, v_free, turn):
+          interpret, next_keys, k_smem, v_smem, kv_seg_smem, v_full, k_free, v_free, turn):
   """One key block of a compute warpgroup: S = q k^T, the online softmax, acc += P V; with
   ``positions`` the window's mask (and the keys' end), with segments theirs."""
   c = config
   acc, peak, total = carry
   shape = (c.block_q, c.block_kv)
-  plgpu.barrier_wait(k_full.at[slot])
 
   def turn_over():  # the other warpgroup may take the tensor cores
     plgpu.barrier_arrive(turn)
@@ -359,19 +396,18 @@ def _step(j, carry, slot, row0, q_tile, q_seg, positions: bool, *, call: Call, c
       mask = end if mask is None else mask & end
   plgpu.barrier_arrive(k_free.at[slot])
 
-  if call.soft_cap is None and mask is None:
-    # Every score is finite: the row maximum of q k^T, scaled after, and exp2 as one FMA.
-    scale = call.scale * LOG2E
-    new_peak = jnp.maximum(peak, qk.max(axis=1) * scale)
-    p = jnp.exp2(qk * scale - lax.broadcast_in_dim(new_peak, shape, [0]))
+  # The logits in base 2 are x * scale2: x is q k^T, or with a cap tanh(q k^T scale / cap)
+  # (one tanh.approx), so that exp2(x * scale2 - peak) is one FMA and one ex2 either way.
+  if call.soft_cap is None:
+    x, scale2 = qk, call.scale * LOG2E
+  else:
+    x, scale2 = jnp.tanh(qk * (call.scale / call.soft_cap)), call.soft_cap * LOG2E
+  if mask is None:  # every score is finite: the row maximum of x, scaled after
+    new_peak = jnp.maximum(peak, x.max(axis=1) * scale2)
+    p = jnp.exp2(x * scale2 - lax.broadcast_in_dim(new_peak, shape, [0]))
     safe = new_peak
   else:
-    if call.soft_cap is None:
-      s = qk * (call.scale * LOG2E)
-    else:
-      s = (call.soft_cap * LOG2E) * jnp.tanh(qk * (call.scale / call.soft_cap))
-    if mask is not None:
-      s = jnp.where(mask, s, -jnp.inf)
+    s = jnp.where(mask, x * scale2, -jnp.inf)
     new_peak = jnp.maximum(peak, s.max(axis=1))
     safe = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)  # a row that sees nothing yet
     p = jnp.exp2(s - lax.broadcast_in_dim(safe, shape, [0]))
@@ -395,7 +431,8 @@ def _step(j, carry, slot, row0, q_tile, q_seg, positions: bool, *, call: Call, c
     softmax_done()
     total = total + p.sum(axis=1)
 
-  acc = _accumulate(acc, p16, v_smem.at[slot], interpret)
+  # The next step's keys are awaited while this product runs (JAX's example's order).
+  acc = _accumulate(acc, p16, v_smem.at[slot], next_keys, interpret)
   plgpu.barrier_arrive(v_free.at[slot])
   return acc, new_peak, total
 
@@ -417,8 +454,11 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
   length = lambda x, to: pad_to(x, (x.shape[0], to, *x.shape[2:]))
   operands = [length(q, t_pad), length(k, s_pad), length(v, s_pad)]
   if call.segments:
-    operands += [length(q_seg.astype(jnp.int32), t_pad),
-                 length(kv_seg.astype(jnp.int32), s_pad)]
+    # Padded with their last ids, so that the padding widens no tile's range of ids.
+    edge = lambda x, to: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, to - x.shape[1])),
+                                 mode="edge")
+    q_seg, kv_seg = edge(q_seg, t_pad), edge(kv_seg, s_pad)
+    operands += [q_seg, kv_seg, _meeting_blocks(q_seg, kv_seg, 2 * c.block_q, c.block_kv)]
   out, lse = plgpu.kernel(
       functools.partial(_kernel, call=call, config=c, interpret=bool(interpret)),
       out_type=[jax.ShapeDtypeStruct((b, t_pad, n, h), q.dtype),
@@ -432,6 +472,24 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
       **({"interpret": interpret} if interpret else {}),
   )(*operands)
   return out[:, :t], jnp.swapaxes(lse[:, :, :t], 1, 2)
+
+
+def _meeting_blocks(q_seg, kv_seg, rows: int, cols: int):
+  """(B, query tiles, 2) int32: for each tile of ``rows`` queries, [first, end) of the key
+  blocks of ``cols`` keys whose id ranges overlap the tile's (all of them that can share a
+  segment with it, and those between); [0, 0) where none can. Packed sequences have sorted
+  ids, so that a tile of one sequence visits only that sequence's blocks."""
+  b = q_seg.shape[0]
+  q = q_seg.reshape(b, -1, rows)
+  k = kv_seg.reshape(b, -1, cols)
+  meet = ((k.min(-1)[:, None, :] <= q.max(-1)[:, :, None]) &
+          (k.max(-1)[:, None, :] >= q.min(-1)[:, :, None]))
+  blocks = meet.shape[-1]
+  index = jnp.arange(blocks, dtype=jnp.int32)
+  first = jnp.min(jnp.where(meet, index, blocks), axis=-1)
+  end = jnp.max(jnp.where(meet, index + 1, 0), axis=-1)
+  first = jnp.minimum(first, end)
+  return jnp.stack([first, end], axis=-1).astype(jnp.int32)
 
 
 def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window,
