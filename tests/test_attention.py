@@ -245,12 +245,13 @@ class TestAttentionMosaicGpu(AttentionTest):
   BIASES = (None,)
   SMALL_HEAD_DIM = 64
   FEATURE_DTYPE = jnp.bfloat16
+  test_head_dims = None  # every drawn case is head dim 64 here, and 96 is Triton's
 
   def test_block_edges(self):
     """Several query tiles and key blocks: partial ones at both ends, a window that leaves one
     warpgroup of a tile idle through steps its partner computes, GQA, segments, the cap."""
     config = attention_mosaic_gpu.Config(block_q=64, block_kv=64, stages=2)
-    self.check(Case(batch=1, q_len=150, kv_len=200, kv_heads=1, group=2, head_dim=64,
+    self.check(Case(batch=1, q_len=130, kv_len=150, kv_heads=1, group=2, head_dim=64,
                     dtype=jnp.bfloat16, window=(40, 70), segments=2, soft_cap=3.0), config)
 
   def test_unsupported_calls_say_why(self):
