@@ -386,6 +386,7 @@ def test_block_runs_cover_the_mask(rows, row0, block, n_keys, left, right):
   assert np.all(kmask[(blocks >= full_first) & (blocks < full_end)])
 
 
+@pytest.mark.cpu_only  # on a GPU a kernel serves the call
 def test_falls_back_with_a_warning_on_cpu():
   q = jnp.ones((1, 8, 2, 16))
   with pytest.warns(jk.FallbackWarning, match="flash_attention"):
