@@ -125,12 +125,12 @@ def _ring(tile, call: Call, c: Config, meet=None):
   """(lo, hi, walks): the ring's key blocks for the CTA's two query blocks, and each's walk;
   with ``meet`` (first, end), only key blocks in [first, end) (those whose segments can meet
   the tile's)."""
-  row0 = tile * 2 * c.block_q
-  raw = [key_blocks(row0 + w * c.block_q, jnp.clip(call.q_len - row0 - w * c.block_q, 0,
-                                                   c.block_q), c.block_kv, call.kv_len,
-                    call.window) for w in (0, 1)]
-  some = [(jnp.clip(call.q_len - row0 - w * c.block_q, 0, c.block_q) > 0) &
-          (raw[w][3] > raw[w][0]) for w in (0, 1)]
+  raw, some = [], []
+  for w in (0, 1):
+    row0 = (2 * tile + w) * c.block_q
+    rows = jnp.clip(call.q_len - row0, 0, c.block_q)  # none past T
+    raw.append(key_blocks(row0, rows, c.block_kv, call.kv_len, call.window))
+    some.append((rows > 0) & (raw[-1][3] > raw[-1][0]))
   big = jnp.int32(1 << 30)
   lo = jnp.minimum(*(jnp.where(s, r[0], big) for s, r in zip(some, raw)))
   hi = jnp.maximum(*(jnp.where(s, r[3], 0) for s, r in zip(some, raw)))
@@ -173,13 +173,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
       **segment_buffers)
   def _scope(**s):
     _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, call=call,
-          config=c,
-          interpret=interpret, **s)
+          config=c, interpret=interpret, **s)
 
 
 def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, *, call: Call,
-          config: Config, interpret, q_smem, k_smem, v_smem, lse_smem, q_full, k_full, v_full, k_free,
-          v_free, turn, q_seg_smem=None, kv_seg_smem=None):
+          config: Config, interpret, q_smem, k_smem, v_smem, lse_smem, q_full, k_full, v_full,
+          k_free, v_free, turn, q_seg_smem=None, kv_seg_smem=None):
   c = config
   b = lax.axis_index("batch")
   n = lax.axis_index("heads")
@@ -303,9 +302,9 @@ def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, 
 
 
 # The Mosaic GPU interpreter (jax 0.10-0.11) runs the kernel's jaxpr on the CPU, where
-# registers have no layouts: it has no layout_cast, layout-taking iota, plgpu.load, run_state
-# accumulator stores,
-# transposed shared-memory views or wgmma operands in registers: both products are dots there. These helpers are the only places the kernel differs for it.
+# registers have no layouts: it has no layout_cast, layout-taking iota, plgpu.load, run_state,
+# accumulator stores, transposed shared-memory views or wgmma operands in registers, so both
+# products are dots there. These helpers are the only places the kernel differs for it.
 
 
 def _cast(x, layout, interpret):
