@@ -235,14 +235,13 @@ class TestAttentionTriton(AttentionTest):
 
 
 class TestAttentionMosaicGpu(AttentionTest):
-  """The Hopper kernel (its backward is Triton's): 16-bit inputs, head dims of multiples of 64,
-  no bias. Interpreted on the CPU its two products are plain dots (the interpreter has no
+  """The Hopper forward (its backward is Triton's): 16-bit inputs, head dims of multiples of 64.
+  Interpreted on the CPU its two products are plain dots (the interpreter has no
   wgmma from registers); the schedule, barriers, ring and masks are the kernel's own."""
 
   IMPL = "mosaic_gpu"
   DTYPES = (jnp.bfloat16, jnp.float16)
   HEAD_DIMS = (64,)
-  BIASES = (None,)
   SMALL_HEAD_DIM = 64
   FEATURE_DTYPE = jnp.bfloat16
   test_head_dims = None  # every drawn case is head dim 64 here, and 96 is Triton's
@@ -252,7 +251,8 @@ class TestAttentionMosaicGpu(AttentionTest):
     warpgroup of a tile idle through steps its partner computes, GQA, segments, the cap."""
     config = attention_mosaic_gpu.Config(block_q=64, block_kv=64, stages=2)
     self.check(Case(batch=1, q_len=130, kv_len=150, kv_heads=1, group=2, head_dim=64,
-                    dtype=jnp.bfloat16, window=(40, 70), segments=2, soft_cap=3.0), config)
+                    dtype=jnp.bfloat16, window=(40, 70), segments=2, soft_cap=3.0,
+                    bias=(1, 2)), config)
 
   def test_unsupported_calls_say_why(self):
     q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)
@@ -260,9 +260,6 @@ class TestAttentionMosaicGpu(AttentionTest):
       assert "multiple of 64" in jk.supports("flash_attention", self.IMPL, q, q, q).reason
       q = jnp.ones((1, 8, 2, 64), jnp.float32)
       assert "16-bit" in jk.supports("flash_attention", self.IMPL, q, q, q).reason
-      q = q.astype(jnp.bfloat16)
-      reason = jk.supports("flash_attention", self.IMPL, q, q, q, bias=jnp.ones((8, 8))).reason
-      assert "bias" in reason
 
   def test_lowers_for_cuda(self):
     q = jax.ShapeDtypeStruct((2, 200, 8, 128), jnp.bfloat16)
@@ -270,15 +267,17 @@ class TestAttentionMosaicGpu(AttentionTest):
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
     kv_seg = jax.ShapeDtypeStruct((2, 300), jnp.int32)
 
-    def fn(q, k, v, seg, kv_seg, do):
+    bias = jax.ShapeDtypeStruct((1, 8, 200, 300), jnp.float32)
+
+    def fn(q, k, v, bias, seg, kv_seg, do):
       op = functools.partial(jk.flash_attention, segment_ids=seg, kv_segment_ids=kv_seg,
                              causal=True, logits_soft_cap=30.0, local_window_size=(64, 0),
                              implementation="mosaic_gpu")
-      return jax.vjp(op, q, k, v)[1](do)
+      return jax.vjp(lambda q, k, v, b: op(q, k, v, bias=b), q, k, v, bias)[1](do)
 
-    text = cuda_lowering(fn, q, k, k, seg, kv_seg, q)
+    text = cuda_lowering(fn, q, k, k, bias, seg, kv_seg, q)
     assert "mosaic_gpu" in text
-    for name in ("jk_attention_dkdv", "jk_attention_dq"):
+    for name in ("jk_attention_dkdv", "jk_attention_dq", "jk_attention_dbias"):
       assert f'name = "{name}"' in text, name
 
 

@@ -71,6 +71,8 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   T=S=4096, bench/NOTES.md attention-4."""
   h = problem.head_dim
   block_kv = 256 if h <= 64 else 128 if h <= 128 else 64
+  if problem.bias is not None:  # a bias tile a stage beside k and v: 64 keys fit
+    block_kv = 64
   return Config(block_q=64, block_kv=block_kv, stages=2, backward=triton.heuristic(problem, chip))
 
 
@@ -81,8 +83,6 @@ def unsupported(problem, chip) -> str | None:
   if problem.head_dim % 64:
     return (f"head dim {problem.head_dim} is not a multiple of 64 (TMA's 128-byte swizzle; "
             "Triton serves it)")
-  if problem.bias is not None:
-    return "a bias is not read by this kernel yet (Triton serves it)"
   return None
 
 
@@ -93,7 +93,9 @@ def smem_bytes(problem, config: Config) -> int:
   kv = 2 * config.stages * config.block_kv * h * itemsize
   extras = 2 * config.block_q * 4 + (
       (2 * config.block_q + config.stages * config.block_kv) * 4 if problem.segments else 0)
-  return q + kv + extras
+  # A bias tile a stage (its dtype is q's at most 4 bytes: counted at 4).
+  bias = config.stages * 2 * config.block_q * config.block_kv * 4 if problem.bias else 0
+  return q + kv + extras + bias
 
 
 def config_error(problem, config: Config, chip) -> str | None:
@@ -145,6 +147,8 @@ def _ring(tile, call: Call, c: Config, meet=None):
 
 def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
   c = config
+  refs = list(refs)
+  bias_ref = refs.pop(0) if call.bias_shape is not None else None
   if call.segments:
     q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref = refs
   else:
@@ -154,7 +158,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
   if call.segments:
     segment_buffers = dict(q_seg_smem=plgpu.SMEM((2, c.block_q), jnp.int32),
                            kv_seg_smem=plgpu.SMEM((c.stages, c.block_kv), jnp.int32))
-  copies = 2 if call.segments else 1  # TMA copies arriving on a q or k slot's barrier
+  q_copies = 2 if call.segments else 1  # TMA copies arriving on a q or k slot's barrier
+  k_copies = q_copies + (bias_ref is not None)
+  if bias_ref is not None:  # the CTA's (2 block_q, block_kv) bias tile, a stage
+    segment_buffers["bias_smem"] = plgpu.SMEM(
+        (c.stages, 2 * c.block_q, c.block_kv), bias_ref.dtype,
+        transforms=_mosaic_gpu.swizzled(c.block_kv, bias_ref.dtype))
 
   @functools.partial(
       pl.run_scoped, collective_axes="wg",
@@ -164,21 +173,22 @@ def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
       v_smem=plgpu.SMEM((c.stages, c.block_kv, call.head_dim), call.dtype,
                         transforms=transforms),
       lse_smem=plgpu.SMEM((2, c.block_q), jnp.float32),
-      q_full=plgpu.Barrier(num_arrivals=copies, num_barriers=2),
-      k_full=plgpu.Barrier(num_arrivals=copies, num_barriers=c.stages),
+      q_full=plgpu.Barrier(num_arrivals=q_copies, num_barriers=2),
+      k_full=plgpu.Barrier(num_arrivals=k_copies, num_barriers=c.stages),
       v_full=plgpu.Barrier(num_barriers=c.stages),
       k_free=plgpu.Barrier(num_arrivals=2, num_barriers=c.stages),
       v_free=plgpu.Barrier(num_arrivals=2, num_barriers=c.stages),
       turn=plgpu.Barrier(num_arrivals=2),
       **segment_buffers)
   def _scope(**s):
-    _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, call=call,
-          config=c, interpret=interpret, **s)
+    _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref,
+          call=call, config=c, interpret=interpret, **s)
 
 
-def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, *, call: Call,
-          config: Config, interpret, q_smem, k_smem, v_smem, lse_smem, q_full, k_full, v_full,
-          k_free, v_free, turn, q_seg_smem=None, kv_seg_smem=None):
+def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, *,
+          call: Call, config: Config, interpret, q_smem, k_smem, v_smem, lse_smem, q_full,
+          k_full, v_full, k_free, v_free, turn, q_seg_smem=None, kv_seg_smem=None,
+          bias_smem=None):
   c = config
   b = lax.axis_index("batch")
   n = lax.axis_index("heads")
@@ -212,6 +222,11 @@ def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, 
       plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh], k_smem.at[slot], k_full.at[slot])
       if call.segments:
         plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[slot], k_full.at[slot])
+      if bias_ref is not None:
+        bb, nb = call.bias_shape[:2]
+        rows = pl.ds(tile * 2 * c.block_q, 2 * c.block_q)
+        plgpu.copy_gmem_to_smem(bias_ref.at[b if bb > 1 else 0, n if nb > 1 else 0, rows, keys],
+                                bias_smem.at[slot], k_full.at[slot])
 
       @pl.when(refill)
       def _():
@@ -261,7 +276,10 @@ def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, 
 
     def step(positions: bool):
       def run(j, carry):
-        return _step(j, carry, slot_of(j), row0, q_tile, q_seg, positions, call=call,
+        bias = None
+        if bias_smem is not None:
+          bias = bias_smem.at[slot_of(j), pl.ds(wg * c.block_q, c.block_q)]
+        return _step(j, carry, slot_of(j), row0, q_tile, q_seg, bias, positions, call=call,
                      config=c, interpret=interpret, next_keys=functools.partial(next_keys, j),
                      k_smem=k_smem, v_smem=v_smem, kv_seg_smem=kv_seg_smem, v_full=v_full,
                      k_free=k_free, v_free=v_free, turn=turn)
@@ -307,6 +325,11 @@ def _body(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, 
 # products are dots there. These helpers are the only places the kernel differs for it.
 
 
+# jax 0.10's plgpu.load requires an index; jax 0.11 deprecates passing one.
+_LOAD_TAKES_INDEX = (inspect.signature(plgpu.load).parameters["idx"].default
+                     is inspect.Parameter.empty)
+
+
 def _cast(x, layout, interpret):
   return x if interpret else plgpu.layout_cast(x, layout)
 
@@ -317,12 +340,20 @@ def _iota(shape, dim, interpret):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
+def _tile(ref, interpret):
+  """A (rows, cols) block from swizzled shared memory in the WGMMA layout."""
+  if interpret:
+    return ref[...]
+  return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=False) if _LOAD_TAKES_INDEX \
+      else plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
+
+
 def _vector(ref, layout, interpret):
   """A vector from shared memory in ``layout`` (a WGMMA tile's rows or columns)."""
   if interpret:
     return ref[...]
-  if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-    return plgpu.load(ref, (), layout=layout, optimized=False)  # jax 0.10: idx required
+  if _LOAD_TAKES_INDEX:
+    return plgpu.load(ref, (), layout=layout, optimized=False)
   return plgpu.load(ref, layout=layout, optimized=False)
 
 
@@ -367,7 +398,7 @@ def _accumulate(acc, a, b_smem, then, interpret):
   return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
-def _step(j, carry, slot, row0, q_tile, q_seg, positions: bool, *, call: Call, config: Config,
+def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: Call, config: Config,
           interpret, next_keys, k_smem, v_smem, kv_seg_smem, v_full, k_free, v_free, turn):
   """One key block of a compute warpgroup: S = q k^T, the online softmax, acc += P V; with
   ``positions`` the window's mask (and the keys' end), with segments theirs."""
@@ -393,6 +424,8 @@ def _step(j, carry, slot, row0, q_tile, q_seg, positions: bool, *, call: Call, c
     if positions and call.kv_len % c.block_kv:
       end = cols < call.kv_len
       mask = end if mask is None else mask & end
+  if bias is not None:  # read before the slot is released
+    bias = _tile(bias, interpret).astype(jnp.float32) * LOG2E
   plgpu.barrier_arrive(k_free.at[slot])
 
   # The logits in base 2 are x * scale2: x is q k^T, or with a cap tanh(q k^T scale / cap)
@@ -401,7 +434,13 @@ def _step(j, carry, slot, row0, q_tile, q_seg, positions: bool, *, call: Call, c
     x, scale2 = qk, call.scale * LOG2E
   else:
     x, scale2 = jnp.tanh(qk * (call.scale / call.soft_cap)), call.soft_cap * LOG2E
-  if mask is None:  # every score is finite: the row maximum of x, scaled after
+  if bias is not None:
+    s = x * scale2 + bias
+    s = s if mask is None else jnp.where(mask, s, -jnp.inf)
+    new_peak = jnp.maximum(peak, s.max(axis=1))
+    safe = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)  # a bias of -inf can hide a row
+    p = jnp.exp2(s - lax.broadcast_in_dim(safe, shape, [0]))
+  elif mask is None:  # every score is finite: the row maximum of x, scaled after
     new_peak = jnp.maximum(peak, x.max(axis=1) * scale2)
     p = jnp.exp2(x * scale2 - lax.broadcast_in_dim(new_peak, shape, [0]))
     safe = new_peak
@@ -440,8 +479,6 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
             soft_cap: float | None, config: Config, interpret=False):
   """(out (B, T, N, H) in q's dtype, lse (B, T, N) float32, natural log; -inf for a query
   that sees no key)."""
-  if bias is not None:
-    raise ValueError("the Mosaic GPU attention kernel takes no bias (Triton serves it)")
   call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
   c = config
   b, t, n, h = q.shape
@@ -452,6 +489,8 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
   # queries' rows dropped).
   length = lambda x, to: pad_to(x, (x.shape[0], to, *x.shape[2:]))
   operands = [length(q, t_pad), length(k, s_pad), length(v, s_pad)]
+  if bias is not None:  # (Bb, Nb, T, S): rows and columns padded to whole blocks
+    operands.append(pad_to(bias, (*bias.shape[:2], t_pad, s_pad)))
   if call.segments:
     # Padded with their last ids, so that the padding widens no tile's range of ids.
     edge = lambda x, to: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, to - x.shape[1])),
