@@ -15,6 +15,8 @@ through the steps outside its own (it still waits for and releases their slots, 
 barriers' phases stay in step). Segment ids come with the key blocks (one more TMA copy a
 step) and mask every block; a tile visits only the key blocks whose id ranges overlap its own
 (``_meeting_blocks``, computed by XLA before the kernel: packed sequences skip each other).
+A bias comes the same way, the CTA's (2 block_q, block_kv) tile a stage, each compute
+warpgroup reading its half in the WGMMA layout.
 
 Edges: swizzled TMA reads rows in tiles of 8 and no copy may run past an array, so T and S
 are padded to whole blocks where they are not (one copy of q, k and v, and of the output);
