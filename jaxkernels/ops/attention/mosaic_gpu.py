@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _mosaic_gpu, hardware
+from jaxkernels._online_softmax import finite
 from jaxkernels._tiling import cdiv, check_fields, pad_to, round_up
 from jaxkernels.ops.attention import triton
 from jaxkernels.ops.attention.common import Call, Window, key_blocks, visible
@@ -156,14 +157,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
   else:
     (o_ref, lse_ref), q_seg_ref, kv_seg_ref, meet_ref = refs, None, None, None
   transforms = _mosaic_gpu.swizzled(call.head_dim, call.dtype)
-  segment_buffers = {}
+  extra_buffers = {}
   if call.segments:
-    segment_buffers = dict(q_seg_smem=plgpu.SMEM((2, c.block_q), jnp.int32),
+    extra_buffers = dict(q_seg_smem=plgpu.SMEM((2, c.block_q), jnp.int32),
                            kv_seg_smem=plgpu.SMEM((c.stages, c.block_kv), jnp.int32))
   q_copies = 2 if call.segments else 1  # TMA copies arriving on a q or k slot's barrier
   k_copies = q_copies + (bias_ref is not None)
   if bias_ref is not None:  # the CTA's (2 block_q, block_kv) bias tile, a stage
-    segment_buffers["bias_smem"] = plgpu.SMEM(
+    extra_buffers["bias_smem"] = plgpu.SMEM(
         (c.stages, 2 * c.block_q, c.block_kv), bias_ref.dtype,
         transforms=_mosaic_gpu.swizzled(c.block_kv, bias_ref.dtype))
 
@@ -181,7 +182,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
       k_free=plgpu.Barrier(num_arrivals=2, num_barriers=c.stages),
       v_free=plgpu.Barrier(num_arrivals=2, num_barriers=c.stages),
       turn=plgpu.Barrier(num_arrivals=2),
-      **segment_buffers)
+      **extra_buffers)
   def _scope(**s):
     _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref,
           call=call, config=c, interpret=interpret, **s)
@@ -258,7 +259,7 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
 
     q_seg = None
     if call.segments:
-      q_seg = _vector(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret)
+      q_seg = _load(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret)
 
     def next_keys(j):
       """Waits for step j + 1's keys (each step's own were awaited by the step before)."""
@@ -310,8 +311,7 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
     seen = total > 0
     inv = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
     q_tile[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(call.dtype)
-    finite_peak = jnp.where(peak == -jnp.inf, 0.0, peak)
-    lse_smem[wg] = jnp.where(seen, finite_peak * LN2 + jnp.log(jnp.where(seen, total, 1.0)),
+    lse_smem[wg] = jnp.where(seen, finite(peak) * LN2 + jnp.log(jnp.where(seen, total, 1.0)),
                              -jnp.inf)
     plgpu.commit_smem()
 
@@ -342,16 +342,9 @@ def _iota(shape, dim, interpret):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _tile(ref, interpret):
-  """A (rows, cols) block from swizzled shared memory in the WGMMA layout."""
-  if interpret:
-    return ref[...]
-  return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=False) if _LOAD_TAKES_INDEX \
-      else plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
-
-
-def _vector(ref, layout, interpret):
-  """A vector from shared memory in ``layout`` (a WGMMA tile's rows or columns)."""
+def _load(ref, layout, interpret):
+  """A block of shared memory in registers in ``layout`` (a WGMMA tile, or its rows' or
+  columns' vector)."""
   if interpret:
     return ref[...]
   if _LOAD_TAKES_INDEX:
@@ -400,8 +393,9 @@ def _accumulate(acc, a, b_smem, then, interpret):
   return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
-def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: Call, config: Config,
-          interpret, next_keys, k_smem, v_smem, kv_seg_smem, v_full, k_free, v_free, turn):
+def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: Call,
+          config: Config, interpret, next_keys, k_smem, v_smem, kv_seg_smem, v_full, k_free,
+          v_free, turn):
   """One key block of a compute warpgroup: S = q k^T, the online softmax, acc += P V; with
   ``positions`` the window's mask (and the keys' end), with segments theirs."""
   c = config
@@ -418,7 +412,7 @@ def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: C
     kv_seg = None
     if call.segments:
       kv_seg = lax.broadcast_in_dim(
-          _vector(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret), shape, [1])
+          _load(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret), shape, [1])
     rows = row0 + _iota(shape, 0, interpret)
     cols = j * c.block_kv + _iota(shape, 1, interpret)
     mask = visible(rows, cols, call.window if positions else Window(None, None),
@@ -427,7 +421,7 @@ def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: C
       end = cols < call.kv_len
       mask = end if mask is None else mask & end
   if bias is not None:  # read before the slot is released
-    bias = _tile(bias, interpret).astype(jnp.float32) * LOG2E
+    bias = _load(bias, plgpu.Layout.WGMMA, interpret).astype(jnp.float32) * LOG2E
   plgpu.barrier_arrive(k_free.at[slot])
 
   # The logits in base 2 are x * scale2: x is q k^T, or with a cap tanh(q k^T scale / cap)
@@ -436,20 +430,15 @@ def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: C
     x, scale2 = qk, call.scale * LOG2E
   else:
     x, scale2 = jnp.tanh(qk * (call.scale / call.soft_cap)), call.soft_cap * LOG2E
-  if bias is not None:
-    s = x * scale2 + bias
-    s = s if mask is None else jnp.where(mask, s, -jnp.inf)
-    new_peak = jnp.maximum(peak, s.max(axis=1))
-    safe = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)  # a bias of -inf can hide a row
-    p = jnp.exp2(s - lax.broadcast_in_dim(safe, shape, [0]))
-  elif mask is None:  # every score is finite: the row maximum of x, scaled after
+  if bias is None and mask is None:  # every score is finite: x's row maximum, scaled after
     new_peak = jnp.maximum(peak, x.max(axis=1) * scale2)
     p = jnp.exp2(x * scale2 - lax.broadcast_in_dim(new_peak, shape, [0]))
     safe = new_peak
   else:
-    s = jnp.where(mask, x * scale2, -jnp.inf)
+    s = x * scale2 if bias is None else x * scale2 + bias
+    s = s if mask is None else jnp.where(mask, s, -jnp.inf)
     new_peak = jnp.maximum(peak, s.max(axis=1))
-    safe = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)  # a row that sees nothing yet
+    safe = finite(new_peak)  # a row that sees nothing yet (masked, or a bias of -inf)
     p = jnp.exp2(s - lax.broadcast_in_dim(safe, shape, [0]))
   rescale = jnp.exp2(peak - safe)
   acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
