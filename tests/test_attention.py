@@ -87,6 +87,17 @@ def _reference(case: Case, seg, kv_seg):
   return make
 
 
+def _every_feature_vjp(implementation: str):
+  """(q, k, v, bias, seg, kv_seg, do) -> the gradients of one call with every mask feature on
+  (causal, window, segments, soft cap, bias): what the lowering and AOT tests compile."""
+  def fn(q, k, v, bias, seg, kv_seg, do):
+    op = functools.partial(jk.flash_attention, segment_ids=seg, kv_segment_ids=kv_seg,
+                           causal=True, logits_soft_cap=30.0, local_window_size=(64, 0),
+                           implementation=implementation)
+    return jax.vjp(lambda q, k, v, b: op(q, k, v, bias=b), q, k, v, bias)[1](do)
+  return fn
+
+
 class AttentionTest:
   IMPL = "xla"
 
@@ -221,14 +232,7 @@ class TestAttentionTriton(AttentionTest):
     bias = jax.ShapeDtypeStruct((1, 8, 200, 300), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
     kv_seg = jax.ShapeDtypeStruct((2, 300), jnp.int32)
-
-    def fn(q, k, v, bias, seg, kv_seg, do):
-      op = functools.partial(jk.flash_attention, segment_ids=seg, kv_segment_ids=kv_seg,
-                             causal=True, logits_soft_cap=30.0, local_window_size=(64, 0),
-                             implementation="triton")
-      return jax.vjp(lambda q, k, v, b: op(q, k, v, bias=b), q, k, v, bias)[1](do)
-
-    text = cuda_lowering(fn, q, k, k, bias, seg, kv_seg, q)
+    text = cuda_lowering(_every_feature_vjp("triton"), q, k, k, bias, seg, kv_seg, q)
     for name in ("jk_attention_fwd", "jk_attention_dkdv", "jk_attention_dq",
                  "jk_attention_dbias"):
       assert f'name = "{name}"' in text, name
@@ -266,16 +270,8 @@ class TestAttentionMosaicGpu(AttentionTest):
     k = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
     kv_seg = jax.ShapeDtypeStruct((2, 300), jnp.int32)
-
     bias = jax.ShapeDtypeStruct((1, 8, 200, 300), jnp.float32)
-
-    def fn(q, k, v, bias, seg, kv_seg, do):
-      op = functools.partial(jk.flash_attention, segment_ids=seg, kv_segment_ids=kv_seg,
-                             causal=True, logits_soft_cap=30.0, local_window_size=(64, 0),
-                             implementation="mosaic_gpu")
-      return jax.vjp(lambda q, k, v, b: op(q, k, v, bias=b), q, k, v, bias)[1](do)
-
-    text = cuda_lowering(fn, q, k, k, bias, seg, kv_seg, q)
+    text = cuda_lowering(_every_feature_vjp("mosaic_gpu"), q, k, k, bias, seg, kv_seg, q)
     assert "mosaic_gpu" in text
     for name in ("jk_attention_dkdv", "jk_attention_dq", "jk_attention_dbias"):
       assert f'name = "{name}"' in text, name
@@ -325,14 +321,7 @@ class TestAttentionMosaicTpu(AttentionTest):
     bias = jax.ShapeDtypeStruct((1, 8, 300, 500), jnp.float32)
     seg = jax.ShapeDtypeStruct((2, 300), jnp.int32)
     kv_seg = jax.ShapeDtypeStruct((2, 500), jnp.int32)
-
-    def fn(q, k, v, bias, seg, kv_seg, do):
-      op = functools.partial(jk.flash_attention, segment_ids=seg, kv_segment_ids=kv_seg,
-                             causal=True, logits_soft_cap=30.0, local_window_size=(64, 0),
-                             implementation="mosaic_tpu")
-      return jax.vjp(lambda q, k, v, b: op(q, k, v, bias=b), q, k, v, bias)[1](do)
-
-    text = aot_compile(tpu_mesh, fn, q, k, k, bias, seg, kv_seg, q)
+    text = aot_compile(tpu_mesh, _every_feature_vjp("mosaic_tpu"), q, k, k, bias, seg, kv_seg, q)
     for name in ("jk_attention_fwd", "jk_attention_dkdv", "jk_attention_dq",
                  "jk_attention_dbias"):
       assert name in text, name
