@@ -88,12 +88,15 @@ def _reference(case: Case, seg, kv_seg):
 
 
 def _every_feature_vjp(implementation: str):
-  """(q, k, v, bias, seg, kv_seg, do) -> the gradients of one call with every mask feature on
-  (causal, window, segments, soft cap, bias): what the lowering and AOT tests compile."""
+  """(q, k, v, bias or None, seg, kv_seg, do) -> the gradients of one call with every mask
+  feature on (causal, window, segments, soft cap, and the bias where one is given): what the
+  lowering and AOT tests compile."""
   def fn(q, k, v, bias, seg, kv_seg, do):
     op = functools.partial(jk.flash_attention, segment_ids=seg, kv_segment_ids=kv_seg,
                            causal=True, logits_soft_cap=30.0, local_window_size=(64, 0),
                            implementation=implementation)
+    if bias is None:
+      return jax.vjp(op, q, k, v)[1](do)
     return jax.vjp(lambda q, k, v, b: op(q, k, v, bias=b), q, k, v, bias)[1](do)
   return fn
 
@@ -239,9 +242,10 @@ class TestAttentionTriton(AttentionTest):
 
 
 class TestAttentionMosaicGpu(AttentionTest):
-  """The Hopper forward (its backward is Triton's): 16-bit inputs, head dims of multiples of 64.
-  Interpreted on the CPU its two products are plain dots (the interpreter has no
-  wgmma from registers); the schedule, barriers, ring and masks are the kernel's own."""
+  """The Hopper kernels: 16-bit inputs, head dims of multiples of 64; the backward is the Mosaic
+  GPU dq and dk/dv kernels' (with a bias, Triton's). Interpreted on the CPU the products are
+  plain dots and the accumulators float32 shared memory (the interpreter has no wgmma from
+  registers); the schedule, barriers, rings and masks are the kernels' own."""
 
   IMPL = "mosaic_gpu"
   DTYPES = (jnp.bfloat16, jnp.float16)
@@ -252,11 +256,16 @@ class TestAttentionMosaicGpu(AttentionTest):
 
   def test_block_edges(self):
     """Several query tiles and key blocks: partial ones at both ends, a window that leaves one
-    warpgroup of a tile idle through steps its partner computes, GQA, segments, the cap."""
+    warpgroup of a tile idle through steps its partner computes, GQA, segments, the cap; with
+    a bias (the Triton backward) and without (the Mosaic GPU backward, whose dk/dv kernel walks
+    both query heads of the group through 128-query blocks)."""
     config = attention_mosaic_gpu.Config(block_q=64, block_kv=64, stages=2)
-    self.check(Case(batch=1, q_len=130, kv_len=150, kv_heads=1, group=2, head_dim=64,
-                    dtype=jnp.bfloat16, window=(40, 70), segments=2, soft_cap=3.0,
-                    bias=(1, 2)), config)
+    case = Case(batch=1, q_len=130, kv_len=150, kv_heads=1, group=2, head_dim=64,
+                dtype=jnp.bfloat16, window=(40, 70), segments=2, soft_cap=3.0)
+    self.check(case.replace(bias=(1, 2)), config)
+    config = attention_mosaic_gpu.Config(block_q=64, block_kv=64, stages=2, bwd_block_q=128,
+                                         bwd_block_kv=128, bwd_stages=3)
+    self.check(case.replace(q_len=200, window=(150, 20)), config)
 
   def test_unsupported_calls_say_why(self):
     q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)
@@ -266,13 +275,19 @@ class TestAttentionMosaicGpu(AttentionTest):
       assert "16-bit" in jk.supports("flash_attention", self.IMPL, q, q, q).reason
 
   def test_lowers_for_cuda(self):
+    """Without a bias, forward, dq and dk/dv are Mosaic GPU kernels; with one, the backward is
+    the Triton kernels'."""
     q = jax.ShapeDtypeStruct((2, 200, 8, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
     kv_seg = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+    text = cuda_lowering(_every_feature_vjp("mosaic_gpu"), q, k, k, None, seg, kv_seg, q)
+    assert text.count("custom_call @mosaic_gpu") == 3, text.count("custom_call @mosaic_gpu")
+    for name in ("jk_attention_fwd_mgpu", "jk_attention_dq_mgpu", "jk_attention_dkdv_mgpu"):
+      assert name in text, name
     bias = jax.ShapeDtypeStruct((1, 8, 200, 300), jnp.float32)
     text = cuda_lowering(_every_feature_vjp("mosaic_gpu"), q, k, k, bias, seg, kv_seg, q)
-    assert "mosaic_gpu" in text
+    assert "jk_attention_fwd_mgpu" in text
     for name in ("jk_attention_dkdv", "jk_attention_dq", "jk_attention_dbias"):
       assert f'name = "{name}"' in text, name
 

@@ -23,7 +23,9 @@ are padded to whole blocks where they are not (one copy of q, k and v, and of th
 the keys past S are masked in the last block. The log-sum-exp is written (B, N, T) and
 transposed by XLA (a few hundred KiB).
 
-The backward runs on the Triton kernels (``triton.backward``) with ``Config.backward``.
+The backward is two more kernels of the same make (a dq kernel, and a dk/dv kernel that walks
+the queries for each block of keys), below; with a bias, or past head dim 128, it is the
+Triton kernels' (``triton.backward``, with ``Config.backward``).
 """
 
 from __future__ import annotations
@@ -58,13 +60,19 @@ class Config:
   block_q: int = 64  # queries of one compute warpgroup (the CTA takes two blocks)
   block_kv: int = 128  # keys a step
   stages: int = 2  # key/value blocks in flight
-  backward: triton.Config | None = None  # the backward's Triton kernels (None: its heuristic)
+  bwd_block_q: int = 64  # the dk/dv kernel's queries a step (its CTA takes 2 x 64 keys)
+  bwd_block_kv: int = 64  # the dq kernel's keys a step (its CTA takes 2 x 64 queries)
+  bwd_stages: int = 2  # blocks in flight in either backward kernel
+  # The Triton backward's config, for the calls the Mosaic GPU backward does not serve (a bias,
+  # head dims past 128); None: Triton's heuristic.
+  backward: triton.Config | None = None
 
   def __post_init__(self):
     check_fields(self, ("block_q",), lambda v: v == 64, "64 (a wgmma's rows per warpgroup)")
     check_fields(self, ("block_kv",), lambda v: v % 64 == 0 and 64 <= v <= 256,
                  "a multiple of 64 up to 256")
-    check_fields(self, ("stages",), lambda v: v >= 2, ">= 2")
+    check_fields(self, ("bwd_block_q", "bwd_block_kv"), lambda v: v in (64, 128), "64 or 128")
+    check_fields(self, ("stages", "bwd_stages"), lambda v: v >= 2, ">= 2")
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
@@ -101,6 +109,20 @@ def smem_bytes(problem, config: Config) -> int:
   return q + kv + extras + bias
 
 
+def backward_smem_bytes(problem, config: Config) -> tuple[int, int]:
+  """Shared memory of the (dq, dk/dv) kernels: each holds two blocks of 64 rows (queries with
+  their dO, or keys with their v) and a ring of the other side's blocks."""
+  itemsize = jnp.dtype(problem.dtype).itemsize
+  h, c = problem.head_dim, config
+  segments = 4 if problem.segments else 0
+  held = 2 * 2 * 64 * h * itemsize
+  dq = held + 2 * 64 * (8 + segments) + c.bwd_stages * c.bwd_block_kv * (
+      2 * h * itemsize + segments)
+  dkv = held + 2 * 64 * segments + c.bwd_stages * c.bwd_block_q * (
+      2 * h * itemsize + 8 + segments)
+  return dq, dkv
+
+
 def config_error(problem, config: Config, chip) -> str | None:
   del chip
   need = smem_bytes(problem, config)
@@ -108,6 +130,11 @@ def config_error(problem, config: Config, chip) -> str | None:
     return f"it needs {need} bytes of shared memory, over a CTA's {SMEM_BYTES}"
   if problem.head_dim > 128 and config.block_kv > 64:
     return f"block_kv {config.block_kv} at head dim {problem.head_dim} spills registers: use 64"
+  if problem.bias is None and problem.head_dim <= 128:  # the Mosaic GPU backward's
+    for kernel, need in zip(("dq", "dk/dv"), backward_smem_bytes(problem, config)):
+      if need > SMEM_BYTES:
+        return (f"its {kernel} kernel needs {need} bytes of shared memory, over a CTA's "
+                f"{SMEM_BYTES}: fewer bwd_stages or smaller backward blocks")
   return None
 
 
@@ -126,15 +153,16 @@ class _Walk(NamedTuple):
   end: Any
 
 
-def _ring(tile, call: Call, c: Config, meet=None):
-  """(lo, hi, walks): the ring's key blocks for the CTA's two query blocks, and each's walk;
-  with ``meet`` (first, end), only key blocks in [first, end) (those whose segments can meet
-  the tile's)."""
+def _ring(tile, n_rows: int, n_cols: int, block: int, window: Window, meet=None):
+  """(lo, hi, walks): the ring's blocks of ``block`` columns for a CTA's two blocks of 64 rows
+  (queries against keys: the forward's and dq's; keys against queries, ``window`` seen from
+  the keys: dk/dv's), and each block's walk; with ``meet`` (first, end), only the column
+  blocks in [first, end) (those whose segments can meet the tile's)."""
   raw, some = [], []
   for w in (0, 1):
-    row0 = (2 * tile + w) * c.block_q
-    rows = jnp.clip(call.q_len - row0, 0, c.block_q)  # none past T
-    raw.append(key_blocks(row0, rows, c.block_kv, call.kv_len, call.window))
+    row0 = (2 * tile + w) * 64
+    rows = jnp.clip(n_rows - row0, 0, 64)  # none past the end
+    raw.append(key_blocks(row0, rows, block, n_cols, window))
     some.append((rows > 0) & (raw[-1][3] > raw[-1][0]))
   big = jnp.int32(1 << 30)
   lo = jnp.minimum(*(jnp.where(s, r[0], big) for s, r in zip(some, raw)))
@@ -201,7 +229,7 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
   kh = lax.div(n, jnp.int32(call.group))
   wg = lax.axis_index("wg")
   meet = None if meet_ref is None else (meet_ref[b, tile, 0], meet_ref[b, tile, 1])
-  lo, hi, walks = _ring(tile, call, c, meet)
+  lo, hi, walks = _ring(tile, call.q_len, call.kv_len, c.block_kv, call.window, meet)
   slot_of = lambda j: lax.rem(j - lo, jnp.int32(c.stages))
 
   def rendezvous():
@@ -489,7 +517,7 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
     q_seg, kv_seg = edge(q_seg, t_pad), edge(kv_seg, s_pad)
     operands += [q_seg, kv_seg, _meeting_blocks(q_seg, kv_seg, 2 * c.block_q, c.block_kv)]
   out, lse = plgpu.kernel(
-      functools.partial(_kernel, call=call, config=c, interpret=bool(interpret)),
+      _named("jk_attention_fwd_mgpu", _kernel, call=call, config=c, interpret=bool(interpret)),
       out_type=[jax.ShapeDtypeStruct((b, t_pad, n, h), q.dtype),
                 jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)],
       grid=(n, tiles, b),
@@ -501,6 +529,14 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
       **({"interpret": interpret} if interpret else {}),
   )(*operands)
   return out[:, :t], jnp.swapaxes(lse[:, :, :t], 1, 2)
+
+
+def _named(name: str, body, **kwargs):
+  """``body`` with ``kwargs`` bound, named ``name``: plgpu.kernel names its kernel after its
+  body (a profile's rows, the lowering's)."""
+  out = functools.partial(body, **kwargs)
+  out.__name__ = name
+  return out
 
 
 def _meeting_blocks(q_seg, kv_seg, rows: int, cols: int):
@@ -521,14 +557,465 @@ def _meeting_blocks(q_seg, kv_seg, rows: int, cols: int):
   return jnp.stack([first, end], axis=-1).astype(jnp.int32)
 
 
+# --------------------------------------------------------------------------- #
+# The backward: a dq kernel and a dk/dv kernel
+# --------------------------------------------------------------------------- #
+#
+# Both recompute P from q, k and the saved log-sum-exp (base 2, +inf where a query sees nothing
+# or is padding, so that its P is 0) and take delta = rowsum(dO * O) - d(lse) from XLA. The dq
+# kernel is the forward's CTA: two warpgroups of 64 queries and a producer streaming k and v
+# blocks along their walk; a step is S = q k^T and dP = dO v^T (issued together), dS, and
+# dq += dS k. The dk/dv kernel turns it around: two warpgroups of 64 keys each (k and v held in
+# shared memory), the producer streaming q, dO, the log-sum-exp and delta along the queries
+# that see them, for every query head of the key head's group (GQA's sum stays in the
+# accumulators); a step is S^T = k q^T, P^T, then dP^T = v dO^T with dv += P^T dO behind it,
+# dS^T once dP^T is in, and dk += dS^T q. Masks walk as the forward's do, from the other side
+# for dk/dv (``common.query_blocks``). The products run as JAX's and tokamax's Mosaic GPU
+# backward kernels run theirs (read before writing these).
+
+
+def backward_unsupported(call: Call) -> str | None:
+  """Why the Mosaic GPU backward cannot serve a call (the Triton backward then does), or None."""
+  if call.bias_shape is not None:
+    return "a bias (its gradient is the Triton kernels')"
+  if call.head_dim > 128:
+    return f"head dim {call.head_dim}: dk and dv accumulators past 128 spill registers"
+  return None
+
+
+def _with_accumulators(shapes, scratch, body, interpret):
+  """body(*accumulators): zeroed float32 wgmma accumulators of ``shapes``; interpreted (the
+  interpreter's wgmma reads no registers), the warpgroup's float32 shared-memory ``scratch``."""
+  if interpret:
+    for ref in scratch:
+      ref[...] = jnp.zeros(ref.shape, jnp.float32)
+    return body(*scratch)
+  return pl.run_scoped(body, *[plgpu.ACC(shape, jnp.float32) for shape in shapes])
+
+
+def _mma(acc, a, b_smem, interpret):
+  """acc += a @ b (a in registers, b a shared-memory block), issued; :func:`_wait` for it."""
+  if interpret:
+    acc[...] += lax.dot_general(a, b_smem[...], (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+  else:
+    plgpu.wgmma(acc, a, b_smem)
+
+
+def _wait(in_flight: int, interpret):
+  """Waits until at most ``in_flight`` of this warpgroup's wgmma groups still run."""
+  if not interpret:
+    plgpu.wgmma_wait(in_flight)
+
+
+def _products_then(pairs, then, interpret):
+  """[a @ b^T for (a, b) in pairs] (shared-memory blocks), issued together, ``then()`` run
+  while they are in flight."""
+  if interpret:
+    then()
+    return [lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) for a, b in pairs]
+
+  def products(*accs):
+    for acc, (a, b) in zip(accs, pairs):
+      plgpu.wgmma(acc, a, _transposed(b))
+    then()
+    plgpu.wgmma_wait(0)
+    return [acc[...] for acc in accs]
+
+  return pl.run_scoped(products, *[plgpu.ACC((a.shape[0], b.shape[0]), jnp.float32)
+                                   for a, b in pairs])
+
+
+def _dp_and_dv(v_tile, do_smem, p16, dv_acc, interpret):
+  """dP^T = v dO^T, with dv += P^T dO issued behind it: returns dP^T as soon as its own product
+  is done (dv's may still run)."""
+  if interpret:
+    _mma(dv_acc, p16, do_smem, interpret)
+    return lax.dot_general(v_tile[...], do_smem[...], (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+  def products(acc):
+    plgpu.wgmma(acc, v_tile, _transposed(do_smem))
+    plgpu.wgmma(dv_acc, p16, do_smem)
+    return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+
+  return pl.run_scoped(products, plgpu.ACC((v_tile.shape[0], do_smem.shape[0]), jnp.float32))
+
+
+def _probabilities(qk, lse2, mask, axis: int, call: Call):
+  """(P, tanh or None) of a block from its raw q k^T (or its transpose: the queries along
+  ``axis``), P from the saved log-sum-exp in base 2, 0 where ``mask`` hides a score."""
+  if call.soft_cap is None:
+    th, x, scale2 = None, qk, call.scale * LOG2E
+  else:
+    th = jnp.tanh(qk * (call.scale / call.soft_cap))
+    x, scale2 = th, call.soft_cap * LOG2E
+  p = jnp.exp2(x * scale2 - lax.broadcast_in_dim(lse2, qk.shape, [axis]))
+  return p if mask is None else jnp.where(mask, p, 0.0), th
+
+
+def _grad_logits(p, th, dp, delta, axis: int):
+  """dS, the gradient of q k^T before the scale: P (dP - delta), times the cap's derivative."""
+  ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [axis]))
+  return ds if th is None else ds * (1.0 - th * th)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Call,
+               config: Config, interpret):
+  c = config
+  if call.segments:
+    q_seg_ref, kv_seg_ref, meet_ref, dq_ref = refs
+  else:
+    (dq_ref,), q_seg_ref, kv_seg_ref, meet_ref = refs, None, None, None
+  h, bkv = call.head_dim, c.bwd_block_kv
+  transforms = _mosaic_gpu.swizzled(h, call.dtype)
+  extra = {}
+  if call.segments:
+    extra = dict(q_seg_smem=plgpu.SMEM((2, 64), jnp.int32),
+                 kv_seg_smem=plgpu.SMEM((c.bwd_stages, bkv), jnp.int32))
+  if interpret:
+    extra["scratch"] = plgpu.SMEM((2, 64, h), jnp.float32)
+  segs = int(call.segments)
+
+  @functools.partial(
+      pl.run_scoped, collective_axes="wg",
+      q_smem=plgpu.SMEM((2, 64, h), call.dtype, transforms=transforms),
+      do_smem=plgpu.SMEM((2, 64, h), call.dtype, transforms=transforms),
+      lse_smem=plgpu.SMEM((2, 64), jnp.float32),
+      delta_smem=plgpu.SMEM((2, 64), jnp.float32),
+      k_smem=plgpu.SMEM((c.bwd_stages, bkv, h), call.dtype, transforms=transforms),
+      v_smem=plgpu.SMEM((c.bwd_stages, bkv, h), call.dtype, transforms=transforms),
+      q_full=plgpu.Barrier(num_arrivals=4 + segs, num_barriers=2),
+      k_full=plgpu.Barrier(num_arrivals=1 + segs, num_barriers=c.bwd_stages),
+      v_full=plgpu.Barrier(num_barriers=c.bwd_stages),
+      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=c.bwd_stages),
+      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=c.bwd_stages),
+      **extra)
+  def _scope(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_full, k_full, v_full,
+             k_free, v_free, q_seg_smem=None, kv_seg_smem=None, scratch=None):
+    b = lax.axis_index("batch")
+    n = lax.axis_index("heads")
+    tile = lax.axis_size("q") - 1 - lax.axis_index("q")  # the longest causal tiles first
+    kh = lax.div(n, jnp.int32(call.group))
+    wg = lax.axis_index("wg")
+    meet = None if meet_ref is None else (meet_ref[b, tile, 0], meet_ref[b, tile, 1])
+    lo, hi, walks = _ring(tile, call.q_len, call.kv_len, bkv, call.window, meet)
+    slot_of = lambda j: lax.rem(j - lo, jnp.int32(c.bwd_stages))
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+      def load(j):
+        keys = pl.ds(j * bkv, bkv)
+        slot = slot_of(j)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh], k_smem.at[slot], k_full.at[slot])
+        if call.segments:
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[slot],
+                                  k_full.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_smem.at[slot], v_full.at[slot])
+
+      _produce(lo, hi, c.bwd_stages, slot_of, load, (k_free, v_free))
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(_mosaic_gpu.consumer_registers(PRODUCER_REGISTERS),
+                              action="increase")
+      row0 = tile * 128 + wg * 64
+      walk = _Walk(*(jnp.where(wg == 0, x, y) for x, y in zip(*walks)))
+      queries = pl.ds(row0, 64)
+      q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+      arrive = q_full.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, queries, n], q_tile, arrive)
+      plgpu.copy_gmem_to_smem(do_ref.at[b, queries, n], do_tile, arrive)
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, n, queries], lse_smem.at[wg], arrive)
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, n, queries], delta_smem.at[wg], arrive)
+      if call.segments:
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[b, queries], q_seg_smem.at[wg], arrive)
+      plgpu.barrier_wait(arrive)
+      rows = plgpu.Layout.WGMMA.reduce(1)
+      lse2 = _load(lse_smem.at[wg], rows, interpret)
+      delta = _load(delta_smem.at[wg], rows, interpret)
+      q_seg = _load(q_seg_smem.at[wg], rows, interpret) if call.segments else None
+
+      def idle(j, carry):
+        slot = slot_of(j)
+        plgpu.barrier_wait(k_full.at[slot])
+        plgpu.barrier_wait(v_full.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        return carry
+
+      def step(dq_acc, positions: bool):
+        def run(j, carry):
+          slot = slot_of(j)
+          plgpu.barrier_wait(k_full.at[slot])
+          plgpu.barrier_wait(v_full.at[slot])
+          k_slot = k_smem.at[slot]
+          qk, dp = _products_then([(q_tile, k_slot), (do_tile, v_smem.at[slot])],
+                                  lambda: None, interpret)
+          plgpu.barrier_arrive(v_free.at[slot])
+          shape = qk.shape
+          mask = None
+          if positions or call.segments:
+            kv_seg = None
+            if call.segments:
+              kv_seg = lax.broadcast_in_dim(
+                  _load(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret),
+                  shape, [1])
+            q_pos = row0 + _iota(shape, 0, interpret)
+            k_pos = j * bkv + _iota(shape, 1, interpret)
+            mask = visible(q_pos, k_pos, call.window if positions else Window(None, None),
+                           None if q_seg is None else lax.broadcast_in_dim(q_seg, shape, [0]),
+                           kv_seg)
+            if positions and call.kv_len % bkv:  # padded keys: their P would not be 0
+              end = k_pos < call.kv_len
+              mask = end if mask is None else mask & end
+          p, th = _probabilities(qk, lse2, mask, 0, call)
+          ds = _grad_logits(p, th, dp, delta, 0)
+          _mma(dq_acc, ds.astype(call.dtype), k_slot, interpret)
+          _wait(0, interpret)
+          plgpu.barrier_arrive(k_free.at[slot])
+          return carry
+        return run
+
+      def accumulate(dq_acc):
+        lax.fori_loop(lo, walk.first, idle, None)
+        lax.fori_loop(walk.first, walk.full_first, step(dq_acc, True), None)
+        lax.fori_loop(walk.full_first, walk.full_end, step(dq_acc, False), None)
+        lax.fori_loop(walk.full_end, walk.end, step(dq_acc, True), None)
+        lax.fori_loop(walk.end, hi, idle, None)
+        _wait(0, interpret)
+        return dq_acc[...]
+
+      dq = _with_accumulators([(64, h)], [] if scratch is None else [scratch.at[wg]],
+                              accumulate, interpret)
+      q_tile[...] = (dq * call.scale).astype(call.dtype)  # q's block is free: every product ran
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, queries, n])
+      plgpu.wait_smem_to_gmem(0)
+
+
+def _produce(lo, end, stages, slot_of, load, frees):
+  """A producer warpgroup's ring: ``load(j)`` for every step j in [lo, end), each refill of a
+  slot waiting for its release on every barrier of ``frees`` (in order); then the releases no
+  refill waited for, so that every barrier ends with each phase observed."""
+  @pl.loop(lo, end)
+  def _(j):
+    @pl.when(j - lo >= stages)
+    def _():
+      for free in frees:
+        plgpu.barrier_wait(free.at[slot_of(j)])
+    load(j)
+
+  @pl.loop(jnp.maximum(end - stages, lo), end)
+  def _(j):
+    for free in frees:
+      plgpu.barrier_wait(free.at[slot_of(j)])
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Call,
+                config: Config, interpret):
+  c = config
+  if call.segments:
+    q_seg_ref, kv_seg_ref, meet_ref, dk_ref, dv_ref = refs
+  else:
+    (dk_ref, dv_ref), q_seg_ref, kv_seg_ref, meet_ref = refs, None, None, None
+  h, bq, stages = call.head_dim, c.bwd_block_q, c.bwd_stages
+  transforms = _mosaic_gpu.swizzled(h, call.dtype)
+  extra = {}
+  if call.segments:
+    extra = dict(kv_seg_smem=plgpu.SMEM((2, 64), jnp.int32),
+                 q_seg_smem=plgpu.SMEM((stages, bq), jnp.int32))
+  if interpret:
+    extra["scratch"] = plgpu.SMEM((2, 2, 64, h), jnp.float32)
+  segs = int(call.segments)
+
+  @functools.partial(
+      pl.run_scoped, collective_axes="wg",
+      k_smem=plgpu.SMEM((2, 64, h), call.dtype, transforms=transforms),
+      v_smem=plgpu.SMEM((2, 64, h), call.dtype, transforms=transforms),
+      q_smem=plgpu.SMEM((stages, bq, h), call.dtype, transforms=transforms),
+      do_smem=plgpu.SMEM((stages, bq, h), call.dtype, transforms=transforms),
+      lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
+      delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
+      kv_full=plgpu.Barrier(num_arrivals=2 + segs, num_barriers=2),
+      q_full=plgpu.Barrier(num_arrivals=2 + segs, num_barriers=stages),
+      do_full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      q_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      do_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      **extra)
+  def _scope(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_full, q_full, do_full,
+             q_free, do_free, kv_seg_smem=None, q_seg_smem=None, scratch=None):
+    b = lax.axis_index("batch")
+    kh = lax.axis_index("heads")
+    tile = lax.axis_index("kv")  # under a causal mask the first key tiles see the most queries
+    wg = lax.axis_index("wg")
+    meet = None if meet_ref is None else (meet_ref[b, tile, 0], meet_ref[b, tile, 1])
+    # The keys' side of the window: query i sees key j iff j - right <= i <= j + left.
+    lo, hi, walks = _ring(tile, call.kv_len, call.q_len, bq,
+                          Window(call.window.right, call.window.left), meet)
+    span = hi - lo
+    # Steps run over the group's query heads, each over the query blocks [lo, hi).
+    slot_of = lambda step: lax.rem(step, jnp.int32(stages))
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+      def load(step):
+        g = lax.div(step, jnp.maximum(span, 1))
+        queries = pl.ds((lo + step - g * span) * bq, bq)
+        n = kh * call.group + g
+        slot = slot_of(step)
+        arrive = q_full.at[slot]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, queries, n], q_smem.at[slot], arrive)
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, n, queries], lse_smem.at[slot], arrive)
+        if call.segments:
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, queries], q_seg_smem.at[slot], arrive)
+        arrive = do_full.at[slot]
+        plgpu.copy_gmem_to_smem(do_ref.at[b, queries, n], do_smem.at[slot], arrive)
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, n, queries], delta_smem.at[slot], arrive)
+
+      _produce(jnp.int32(0), call.group * span, stages, slot_of, load, (q_free, do_free))
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(_mosaic_gpu.consumer_registers(PRODUCER_REGISTERS),
+                              action="increase")
+      row0 = tile * 128 + wg * 64
+      walk = _Walk(*(jnp.where(wg == 0, x, y) for x, y in zip(*walks)))
+      keys = pl.ds(row0, 64)
+      k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+      arrive = kv_full.at[wg]
+      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh], k_tile, arrive)
+      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_tile, arrive)
+      if call.segments:
+        plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[wg], arrive)
+      plgpu.barrier_wait(arrive)
+      kv_seg = None
+      if call.segments:
+        kv_seg = _load(kv_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret)
+      cols = plgpu.Layout.WGMMA.reduce(0)  # a vector along the queries
+
+      def idle(base):
+        def run(i, carry):
+          slot = slot_of(base + i)
+          plgpu.barrier_wait(q_full.at[slot])
+          plgpu.barrier_wait(do_full.at[slot])
+          plgpu.barrier_arrive(q_free.at[slot])
+          plgpu.barrier_arrive(do_free.at[slot])
+          return carry
+        return run
+
+      def step(base, dk_acc, dv_acc, positions: bool):
+        def run(i, carry):
+          slot = slot_of(base + i)
+          q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
+          plgpu.barrier_wait(q_full.at[slot])
+          (kq,) = _products_then([(k_tile, q_slot)], lambda: None, interpret)
+          shape = kq.shape
+          lse2 = _load(lse_smem.at[slot], cols, interpret)
+          mask = None
+          if positions or call.segments:
+            q_seg = None
+            if call.segments:
+              q_seg = lax.broadcast_in_dim(_load(q_seg_smem.at[slot], cols, interpret),
+                                           shape, [1])
+            k_pos = row0 + _iota(shape, 0, interpret)
+            q_pos = i * bq + _iota(shape, 1, interpret)
+            mask = visible(q_pos, k_pos, call.window if positions else Window(None, None),
+                           q_seg, None if kv_seg is None else
+                           lax.broadcast_in_dim(kv_seg, shape, [0]))
+          plgpu.barrier_wait(do_full.at[slot])
+          delta = _load(delta_smem.at[slot], cols, interpret)
+          p, th = _probabilities(kq, lse2, mask, 1, call)
+          # dv's product is issued behind dP^T's, and runs on while dS^T is computed.
+          dp = _dp_and_dv(v_tile, do_slot, p.astype(call.dtype), dv_acc, interpret)
+          ds = _grad_logits(p, th, dp, delta, 1)
+          _mma(dk_acc, ds.astype(call.dtype), q_slot, interpret)
+          _wait(1, interpret)  # dv's product is done: dO's slot is free
+          plgpu.barrier_arrive(do_free.at[slot])
+          _wait(0, interpret)
+          plgpu.barrier_arrive(q_free.at[slot])
+          return carry
+        return run
+
+      def accumulate(dk_acc, dv_acc):
+        def head(g, carry):
+          base = g * span - lo  # the step of query block i is base + i
+          lax.fori_loop(lo, walk.first, idle(base), None)
+          lax.fori_loop(walk.first, walk.full_first, step(base, dk_acc, dv_acc, True), None)
+          lax.fori_loop(walk.full_first, walk.full_end, step(base, dk_acc, dv_acc, False),
+                        None)
+          lax.fori_loop(walk.full_end, walk.end, step(base, dk_acc, dv_acc, True), None)
+          lax.fori_loop(walk.end, hi, idle(base), None)
+          return carry
+
+        lax.fori_loop(0, call.group, head, None)
+        _wait(0, interpret)
+        return dk_acc[...], dv_acc[...]
+
+      scratch_ = [] if scratch is None else [scratch.at[0, wg], scratch.at[1, wg]]
+      dk, dv = _with_accumulators([(64, h), (64, h)], scratch_, accumulate, interpret)
+      k_tile[...] = (dk * call.scale).astype(call.dtype)  # every product has run
+      v_tile[...] = dv.astype(call.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[b, keys, kh])
+      plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[b, keys, kh])
+      plgpu.wait_smem_to_gmem(0)
+
+
 def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window,
              scale: float, soft_cap: float | None, config: Config, interpret=False):
-  """The Triton kernels' backward (``triton.backward``) with ``config.backward`` (None: the
-  Triton heuristic's for the shape)."""
-  bwd = config.backward
-  if bwd is None:
-    shape = types.SimpleNamespace(head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1])
-    bwd = triton.heuristic(shape, hardware.DEFAULT_GPU)
-  return triton.backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, window=window,
-                         scale=scale, soft_cap=soft_cap, config=bwd,
-                         interpret=bool(interpret))
+  """(dq, dk, dv, dbias or None) from the saved output and log-sum-exp: the Mosaic GPU dq and
+  dk/dv kernels, or where they do not serve the call (:func:`backward_unsupported`) the Triton
+  kernels' backward with ``config.backward`` (None: the Triton heuristic's)."""
+  call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
+  if backward_unsupported(call) is not None:
+    bwd = config.backward
+    if bwd is None:
+      shape = types.SimpleNamespace(head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1])
+      bwd = triton.heuristic(shape, hardware.DEFAULT_GPU)
+    return triton.backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, window=window,
+                           scale=scale, soft_cap=soft_cap, config=bwd,
+                           interpret=bool(interpret))
+  c = config
+  b, t, n, h = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
+  # Whole tiles of 2 x 64 rows on both sides (TMA reads rows in swizzle tiles of 8, and no copy
+  # may run past an array). The padded queries get P = 0 (their lse is +inf); the padded keys
+  # are masked in the dq kernel and their dk and dv rows dropped.
+  t_pad, s_pad = round_up(t, 128), round_up(s, 128)
+  length = lambda x, to: pad_to(x, (x.shape[0], to, *x.shape[2:]))
+  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+  if dlse is not None:
+    delta = delta - jnp.swapaxes(dlse.astype(jnp.float32), 1, 2)
+  lse2 = jnp.swapaxes(lse, 1, 2) * LOG2E
+  lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)  # a query that sees nothing: P = 0
+  stats = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=fill)
+  operands = [length(q, t_pad), length(k, s_pad), length(v, s_pad), length(dout, t_pad),
+              stats(lse2, jnp.inf), stats(delta, 0.0)]
+  dq_extra = dkv_extra = []
+  if call.segments:
+    edge = lambda x, to: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, to - x.shape[1])),
+                                 mode="edge")
+    q_seg, kv_seg = edge(q_seg, t_pad), edge(kv_seg, s_pad)
+    dq_extra = [q_seg, kv_seg, _meeting_blocks(q_seg, kv_seg, 128, c.bwd_block_kv)]
+    dkv_extra = [q_seg, kv_seg, _meeting_blocks(kv_seg, q_seg, 128, c.bwd_block_q)]
+  params = dict(
+      num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+      **({"interpret": interpret} if interpret else {}))
+  dq = plgpu.kernel(
+      _named("jk_attention_dq_mgpu", _dq_kernel, call=call, config=c, interpret=bool(interpret)),
+      out_type=jax.ShapeDtypeStruct((b, t_pad, n, h), q.dtype),
+      grid=(n, t_pad // 128, b), grid_names=("heads", "q", "batch"), **params,
+  )(*operands, *dq_extra)
+  dk, dv = plgpu.kernel(
+      _named("jk_attention_dkdv_mgpu", _dkv_kernel, call=call, config=c,
+             interpret=bool(interpret)),
+      out_type=[jax.ShapeDtypeStruct((b, s_pad, kv_heads, h), k.dtype)] * 2,
+      grid=(kv_heads, s_pad // 128, b), grid_names=("heads", "kv", "batch"), **params,
+  )(*operands, *dkv_extra)
+  return dq[:, :t], dk[:, :s], dv[:, :s], None
