@@ -645,7 +645,7 @@ def _dp_and_dv(v_tile, do_smem, p16, dv_acc, interpret):
 
 def _probabilities(qk, lse2, mask, axis: int, call: Call):
   """(P, tanh or None) of a block from its raw q k^T (or its transpose: the queries along
-  ``axis``), P from the saved log-sum-exp in base 2, 0 where ``mask`` hides a score."""
+  ``axis``): P from the saved log-sum-exp in base 2, 0 where ``mask`` hides a score."""
   if call.soft_cap is None:
     th, x, scale2 = None, qk, call.scale * LOG2E
   else:
@@ -655,10 +655,15 @@ def _probabilities(qk, lse2, mask, axis: int, call: Call):
   return p if mask is None else jnp.where(mask, p, 0.0), th
 
 
-def _grad_logits(p, th, dp, delta, axis: int):
-  """dS, the gradient of q k^T before the scale: P (dP - delta), times the cap's derivative."""
-  ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [axis]))
-  return ds if th is None else ds * (1.0 - th * th)
+def _capped(p, th):
+  """P times the cap's derivative (1 - tanh^2), or P without a cap: taken as soon as P is, so
+  that one tile (not P and tanh) stays in registers through dP's product."""
+  return p if th is None else p * (1.0 - th * th)
+
+
+def _grad_logits(p_capped, dp, delta, axis: int):
+  """dS, the gradient of q k^T before the scale: P (dP - delta), with the cap's derivative."""
+  return p_capped * (dp - lax.broadcast_in_dim(delta, p_capped.shape, [axis]))
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Call,
@@ -773,7 +778,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
               end = k_pos < call.kv_len
               mask = end if mask is None else mask & end
           p, th = _probabilities(qk, lse2, mask, 0, call)
-          ds = _grad_logits(p, th, dp, delta, 0)
+          ds = _grad_logits(_capped(p, th), dp, delta, 0)
           _mma(dq_acc, ds.astype(call.dtype), k_slot, interpret)
           _wait(0, interpret)
           plgpu.barrier_arrive(k_free.at[slot])
@@ -931,9 +936,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
           plgpu.barrier_wait(do_full.at[slot])
           delta = _load(delta_smem.at[slot], cols, interpret)
           p, th = _probabilities(kq, lse2, mask, 1, call)
+          p16, p = p.astype(call.dtype), _capped(p, th)
           # dv's product is issued behind dP^T's, and runs on while dS^T is computed.
-          dp = _dp_and_dv(v_tile, do_slot, p.astype(call.dtype), dv_acc, interpret)
-          ds = _grad_logits(p, th, dp, delta, 1)
+          dp = _dp_and_dv(v_tile, do_slot, p16, dv_acc, interpret)
+          ds = _grad_logits(p, dp, delta, 1)
           _mma(dk_acc, ds.astype(call.dtype), q_slot, interpret)
           _wait(1, interpret)  # dv's product is done: dO's slot is free
           plgpu.barrier_arrive(do_free.at[slot])
