@@ -544,6 +544,28 @@ class TestDecodeTriton(DecodeTest):
     assert 'name = "jk_decode_attention"' in text
 
 
+class TestDecodeMosaicTpu(DecodeTest):
+  IMPL = "mosaic_tpu"
+
+  def test_chunks_blocks_and_heads_a_block(self):
+    """Several chunks a sequence, some past its length, windows that leave blocks behind, and
+    16 kv heads of float32 (two blocks of a sublane tile's 8 heads)."""
+    from jaxkernels.ops.attention import mosaic_tpu_decode
+    config = mosaic_tpu_decode.Config(block_k=32, splits=3, vmem_limit_bytes=16 << 20)
+    self.check(3, 2, 16, 2, 130, 64, jnp.float32, lengths=[2, 47, 130], window=40,
+               config=config)
+
+  @pytest.mark.parametrize("tpu_mesh", ["v5e", "v5p", "v6e"], indirect=True)
+  def test_compiles_for_tpu(self, tpu_mesh):
+    q = jax.ShapeDtypeStruct((8, 1, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((8, 32768, 8, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
+    text = aot_compile(tpu_mesh, lambda q, k, v, n: jk.decode_attention(
+        q, k, v, lengths=n, logits_soft_cap=30.0, local_window_size=4096,
+        implementation="mosaic_tpu"), q, k, k, lengths)
+    assert "jk_decode_attention" in text
+
+
 class TestDecodeErrors:
   q = jnp.ones((2, 1, 4, 16))
   k = jnp.ones((2, 10, 2, 16))

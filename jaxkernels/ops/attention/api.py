@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket
-from jaxkernels.ops.attention import mosaic_gpu, mosaic_tpu, reference, triton, triton_decode
+from jaxkernels.ops.attention import (mosaic_gpu, mosaic_tpu, mosaic_tpu_decode, reference,
+                                      triton, triton_decode)
 from jaxkernels.ops.attention.common import Window
 
 OP = "flash_attention"
@@ -469,7 +470,7 @@ def decode_attention(q, k_cache, v_cache, *, lengths, scale: float | None = None
                      logits_soft_cap: float | None = None, local_window_size: int | None = None,
                      implementation=None, config=None):
   """Attention of a few new queries (decoding) against a KV cache, split along the cache over
-  the GPU's SMs and combined by log-sum-exp (flash-decoding).
+  the GPU's SMs (or a TPU's TensorCores) and combined by log-sum-exp (flash-decoding).
 
   Args:
     q: (..., Tq, N, H) new queries, Tq small (1-16; the kernel takes up to 64 rows a group).
@@ -480,7 +481,7 @@ def decode_attention(q, k_cache, v_cache, *, lengths, scale: float | None = None
       positions up to its own.
     scale, logits_soft_cap: as for flash_attention.
     local_window_size: int: each query also sees no key more than this far behind it.
-    implementation: None (best available), "xla", "triton".
+    implementation: None (best available), "xla", "triton", "mosaic_tpu".
 
   Returns (..., Tq, N, H) in q's dtype; 0 for a query that sees no key. Differentiable (the
   reference's gradient).
@@ -532,4 +533,6 @@ def _decode_problem_of(q, k_cache, v_cache, *, lengths=None, scale=None, logits_
 _DECODE_KERNELS = backend.register(DECODE_OP, {
     "triton": backend.Kernels.of(DECODE_OP, "triton", triton_decode,
                                  forward=triton_decode.forward),
+    "mosaic_tpu": backend.Kernels.of(DECODE_OP, "mosaic_tpu", mosaic_tpu_decode,
+                                     forward=mosaic_tpu_decode.forward),
 }, _decode_problem_of)

@@ -136,3 +136,14 @@ def dot(a, b, call: Call, *, ta=False, tb=False):
   dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
   return lax.dot_general(a, b, dims, precision=call.precision,
                          preferred_element_type=jnp.float32)
+
+
+def combine(o_part, lse_part, dtype):
+  """Decode's chunks (flash-decoding): (splits, ...) partial outputs as one, weighted by
+  exp(lse - max lse); 0 where no chunk saw a key."""
+  peak = jnp.max(lse_part, axis=0)
+  safe = jnp.where(jnp.isneginf(peak), 0.0, peak)
+  w = jnp.exp(lse_part - safe)  # 0 for chunks that saw nothing
+  total = jnp.sum(w, axis=0)
+  out = jnp.sum(w[..., None] * o_part, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+  return out.astype(dtype)

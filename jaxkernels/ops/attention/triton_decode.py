@@ -6,7 +6,7 @@ cache is split along its length: a program takes one kv head of one sequence and
 its keys, and every query row of the kv head's GQA group (G heads x Tq queries, padded to 16
 rows for the tensor cores) against it, so each key and value is read once for the whole group.
 It writes a partial output and its log-sum-exp; XLA then combines the chunks by their
-log-sum-exps (``_online_softmax.combine``'s arithmetic) into the output. Keys past a sequence's
+log-sum-exps (``common.combine``) into the output. Keys past a sequence's
 length are never read: a chunk's loop stops there.
 """
 
@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxkernels import _online_softmax, _triton, hardware
 from jaxkernels._online_softmax import Running, finite
 from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
+from jaxkernels.ops.attention.common import combine
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -161,14 +162,3 @@ def forward(q, k_cache, v_cache, lengths, *, scale: float, soft_cap: float | Non
     v_cache.reshape(b * s, kv_heads * h), lengths.astype(jnp.int32))
   o_part = o_part.reshape(splits, b, tq, n, hp)[..., :h]
   return combine(o_part, lse_part.reshape(splits, b, tq, n), q.dtype)
-
-
-def combine(o_part, lse_part, dtype):
-  """The chunks' partial outputs as one, weighted by exp(lse - max lse); 0 where no chunk saw
-  a key."""
-  peak = jnp.max(lse_part, axis=0)
-  safe = jnp.where(jnp.isneginf(peak), 0.0, peak)
-  w = jnp.exp(lse_part - safe)  # 0 for chunks that saw nothing
-  total = jnp.sum(w, axis=0)
-  out = jnp.sum(w[..., None] * o_part, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
-  return out.astype(dtype)
