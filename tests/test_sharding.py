@@ -386,6 +386,45 @@ def test_tpu_compile_keeps_rows_split(tpu4, case):
       per_chip(split), per_chip(whole))
 
 
+ATTENTION_TPU_CASES = {
+    # q (8, 1024, 8, 128) against k/v (8, 1024, 2, 128), causal GQA, forward and every gradient.
+    "flash_attention": lambda q, k, v, n: jk.flash_attention(q, k, v, causal=True),
+    # one query against a 4K cache, lengths split with the batch (no gradient: inference's op).
+    "decode_attention": lambda q, k, v, n: jk.decode_attention(q[:, :1], k, v, lengths=n),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ATTENTION_TPU_CASES))
+def test_tpu_compile_keeps_attention_batch_split(tpu4, case):
+  """The batch split over 4 chips: the Mosaic TPU attention kernels run on each chip's quarter,
+  nothing is gathered, and a chip holds about a quarter of the unsharded call's arguments,
+  outputs and temporaries."""
+  op = ATTENTION_TPU_CASES[case]
+  b, t, s = 8, 1024 if case == "flash_attention" else 1, 1024 if case == "flash_attention" else 4096
+
+  def step(q, k, v, n):
+    if case == "decode_attention":
+      return op(q, k, v, n)
+    return jax.value_and_grad(lambda q, k, v: jnp.sum(op(q, k, v, n).astype(jnp.float32)),
+                              argnums=(0, 1, 2))(q, k, v)
+
+  def compiled(spec):
+    shard = NamedSharding(tpu4, spec)
+    q = jax.ShapeDtypeStruct((b, t, 8, 128), jnp.bfloat16, sharding=shard)
+    kv = jax.ShapeDtypeStruct((b, s, 2, 128), jnp.bfloat16, sharding=shard)
+    n = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=NamedSharding(tpu4, P(spec[0])))
+    return _tpu_compile(tpu4, step, q, kv, kv, n)
+
+  split = compiled(P("data", None, None, None))
+  whole = compiled(P(None, None, None, None))
+  text = split.as_text()
+  assert "all-gather" not in text and "all-to-all" not in text
+  assert ("jk_attention_fwd" if case == "flash_attention" else "jk_decode_attention") in text
+  per_chip = lambda c: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes +
+                        m.temp_size_in_bytes)(c.memory_analysis())
+  assert per_chip(split) <= 0.3 * per_chip(whole), (per_chip(split), per_chip(whole))
+
+
 @pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
 def test_cuda_lowering_splits_the_kernels(mesh, impl):
   """Exported for CUDA on the (4, 2) mesh, rows split over all 8 devices: each kernel runs in
@@ -411,4 +450,26 @@ def test_cuda_lowering_splits_the_kernels(mesh, impl):
   text = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[
       export.DisabledSafetyCheck.custom_call(CUSTOM_CALL)])(x, w).mlir_module()
   assert "manual_computation" in text and name in text
+  assert "all_gather" not in text and "all_to_all" not in text
+
+
+def test_cuda_lowering_splits_mosaic_gpu_attention(mesh):
+  """flash_attention's Mosaic GPU kernels (forward, dq, dk/dv) on the (4, 2) mesh, the batch
+  over one axis and the heads over the other: each runs in the manual computation on its
+  shard, nothing gathered."""
+  from jax import export
+
+  shard = NamedSharding(mesh, P("data", None, "model", None))
+  q = jax.ShapeDtypeStruct((8, 256, 8, 128), jnp.bfloat16, sharding=shard)
+  kv = jax.ShapeDtypeStruct((8, 256, 2, 128), jnp.bfloat16, sharding=shard)
+
+  def step(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(jk.flash_attention(
+        q, k, v, causal=True, implementation="mosaic_gpu").astype(jnp.float32)),
+        argnums=(0, 1, 2))(q, k, v)
+
+  text = export.export(jax.jit(step), platforms=["cuda"])(q, kv, kv).mlir_module()
+  assert "manual_computation" in text
+  for name in ("jk_attention_fwd_mgpu", "jk_attention_dq_mgpu", "jk_attention_dkdv_mgpu"):
+    assert name in text, name
   assert "all_gather" not in text and "all_to_all" not in text
