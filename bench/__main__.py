@@ -1,8 +1,9 @@
 """python -m bench [suite ...] [--smoke] [--sweep] [--out DIR]
 
 Runs the suites on whatever device JAX sees, with the anchors measured in the
-same run, prints a table, and appends the results as JSON under
-bench/results/<device>/ (or --out). On a CPU the default is the smoke size and
+same run, prints a table, and writes the results as JSON under
+bench/results/<device>/ (or --out), row by row: a run cut off keeps what it measured.
+Where the tree travelled without its .git, JAXKERNELS_COMMIT names the commit. On a CPU the default is the smoke size and
 the Pallas kernels run in interpret mode: numbers for correctness, not speed.
 """
 
@@ -52,6 +53,8 @@ def main(argv=None) -> int:
                             calls=args.calls if not on_cpu else 1)
   print(harness.environment_line(session), flush=True)
   suites = args.suites or list(DEFAULT)
+  path = harness.save(session, suites, args.out)
+  session.on_row = lambda: harness.save(session, suites, args.out, path)
   harness.copy_bandwidth(session)
   for name in suites:
     if name == "ceilings":
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
       SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run
     harness.copy_bandwidth(session).name = "copy (end of run)"
-  path = harness.save(session, suites, args.out)
+  harness.save(session, suites, args.out, path)
   print(harness.table(session.rows))
   print(harness.environment_line(session))
   print(f"results: {path}")

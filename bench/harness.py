@@ -64,6 +64,9 @@ class Session:
   rounds: int
   calls: int
   rows: list[Row] = dataclasses.field(default_factory=list)
+  # Called after each row: `python -m bench` rewrites its JSON, so that a run cut off by a time
+  # limit keeps every row it measured.
+  on_row: Callable[[], Any] | None = None
 
   def __post_init__(self):
     self.device = jax.devices()[0]
@@ -81,6 +84,8 @@ class Session:
     print(f"  {row.suite} {row.name} {row.impl}: {_fmt(row.ms, '.4f')} ms "
           f"{_fmt(row.gbps, '.0f')} GB/s err {_fmt(row.error, '.1e')} {row.config or ''} "
           f"{row.note}", flush=True)
+    if self.on_row is not None:
+      self.on_row()
     return row
 
 
@@ -200,7 +205,9 @@ def device_slug(device) -> str:
   return kind.lower().replace("nvidia ", "").replace(" ", "_")
 
 
-def save(session: Session, suites: Sequence[str], out_dir: str | None) -> pathlib.Path:
+def save(session: Session, suites: Sequence[str], out_dir: str | None,
+         path: pathlib.Path | None = None) -> pathlib.Path:
+  """Writes the session's rows as JSON (to ``path``, or a new stamped file) and returns where."""
   record = {
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "command": " ".join(["python -m bench", *sys.argv[1:]]),
@@ -220,10 +227,11 @@ def save(session: Session, suites: Sequence[str], out_dir: str | None) -> pathli
       "suites": list(suites),
       "rows": [dataclasses.asdict(r) for r in session.rows],
   }
-  directory = pathlib.Path(out_dir) if out_dir else RESULTS / device_slug(session.device)
-  directory.mkdir(parents=True, exist_ok=True)
-  stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
-  path = directory / f"{stamp}_{'-'.join(suites)}{'_smoke' if session.smoke else ''}.json"
+  if path is None:
+    directory = pathlib.Path(out_dir) if out_dir else RESULTS / device_slug(session.device)
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
+    path = directory / f"{stamp}_{'-'.join(suites)}{'_smoke' if session.smoke else ''}.json"
   path.write_text(json.dumps(record, indent=1))
   return path
 

@@ -24,6 +24,26 @@ def test_bench_smoke_softmax(tmp_path, capsys):
     assert row["note"] == "" and row["error"] <= row["tolerance"] and row["ms"] > 0
 
 
+@pytest.mark.cpu_only
+def test_a_run_cut_off_keeps_its_rows(tmp_path, monkeypatch):
+  """The JSON is rewritten after every row: a run stopped by a time limit keeps what it
+  measured (the device's calls end at 10 minutes)."""
+  from bench import harness
+
+  def suite(session, sweep=False):
+    del sweep
+    session.add(harness.Row("fake", "measured", "ours", "(1,)", "float32", ms=1.0))
+    raise TimeoutError("the call's time limit")
+
+  monkeypatch.setitem(bench_main.SUITES, "softmax", suite)
+  with pytest.raises(TimeoutError):
+    bench_main.main(["softmax", "--out", str(tmp_path)])
+  [path] = tmp_path.glob("*.json")
+  rows = json.loads(path.read_text())["rows"]
+  assert [(r["suite"], r["name"], r["ms"]) for r in rows if r["suite"] == "fake"] == [
+      ("fake", "measured", 1.0)]
+
+
 def test_plot_sweep_reads_logs_in_run_order(tmp_path):
   from bench import plot_sweep
 
