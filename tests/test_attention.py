@@ -504,6 +504,10 @@ class DecodeTest:
   def test_mqa_odd_head_dim(self):
     self.check(2, 2, 1, 6, 77, 24, jnp.bfloat16)
 
+  def test_a_length_past_the_cache_sees_all_of_it(self):
+    """As the reference: never a read past the cache's end."""
+    self.check(2, 1, 1, 2, 50, 32, jnp.float32, lengths=[57, 20])
+
   def test_gradient_is_the_references(self):
     q, k, v, lengths = self.check(2, 1, 1, 2, 40, 16, jnp.float32)
     with numerics.kernel_mode():

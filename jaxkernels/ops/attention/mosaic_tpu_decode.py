@@ -78,12 +78,13 @@ def unsupported(problem, chip) -> str | None:
 
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, peak_ref, total_ref, acc_ref, *,
-            tq: int, h: int, heads: int, blocks: int, block_k: int, scale: float,
+            tq: int, h: int, s_len: int, heads: int, blocks: int, block_k: int, scale: float,
             soft_cap: float | None, window_left: int | None, precision):
   b, sp, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   step = sp * blocks + j  # the key block, before the index maps' clamp
   length = lengths_ref[b]
-  first, end = _visible_blocks(length, tq, block_k, window_left)
+  cached = jnp.minimum(length, s_len)  # a length past S sees the whole cache, as the reference
+  first, end = _visible_blocks(length, tq, block_k, s_len, window_left)
 
   @pl.when(j == 0)
   def _():
@@ -97,11 +98,11 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, peak_ref, total_re
     keys = step * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
     # Row r is query r % Tq of its head: position length - Tq + r % Tq.
     pos = length - tq + lax.rem(lax.broadcasted_iota(jnp.int32, (rows, block_k), 0), tq)
-    mask = keys <= pos  # also hides the keys past the length, and a partial block's tail
+    mask = (keys <= pos) & (keys < cached)  # also a partial last block's tail
     if window_left is not None:
       mask = mask & (keys >= pos - window_left)
     # A partial last block's tail is whatever VMEM held: zeroed in v so that 0 x it is 0.
-    tail = (step * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)) < length
+    tail = (step * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)) < cached
     for head in range(heads):
       k = k_ref[:, head, :]
       v = jnp.where(tail, v_ref[:, head, :], jnp.zeros((), v_ref.dtype))
@@ -130,12 +131,12 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, peak_ref, total_re
                              -jnp.inf)
 
 
-def _visible_blocks(length, tq: int, block_k: int, window_left: int | None):
+def _visible_blocks(length, tq: int, block_k: int, s_len: int, window_left: int | None):
   """[first, end): the key blocks holding a key that one of the sequence's new queries sees."""
   first = 0
   if window_left is not None:
     first = jnp.maximum(length - tq - window_left, 0) // block_k
-  return first, (length + block_k - 1) // block_k
+  return first, (jnp.minimum(length, s_len) + block_k - 1) // block_k
 
 
 def forward(q, k_cache, v_cache, lengths, *, scale: float, soft_cap: float | None,
@@ -154,7 +155,7 @@ def forward(q, k_cache, v_cache, lengths, *, scale: float, soft_cap: float | Non
       b, kv_heads, rows, h)
 
   def cache_map(b_, kb, sp, j, lengths_ref):
-    first, end = _visible_blocks(lengths_ref[b_], tq, bk, window_left)
+    first, end = _visible_blocks(lengths_ref[b_], tq, bk, s, window_left)
     last = jnp.maximum(end - 1, 0)
     return b_, jnp.clip(sp * blocks + j, jnp.minimum(first, last), last), kb, 0
 
@@ -172,7 +173,7 @@ def forward(q, k_cache, v_cache, lengths, *, scale: float, soft_cap: float | Non
                       pltpu.VMEM((heads, rows, 1), jnp.float32),
                       pltpu.VMEM((heads, rows, h), jnp.float32)])
   kernel = functools.partial(
-      _kernel, tq=tq, h=h, heads=heads, blocks=blocks, block_k=bk, scale=float(scale),
+      _kernel, tq=tq, h=h, s_len=s, heads=heads, blocks=blocks, block_k=bk, scale=float(scale),
       soft_cap=soft_cap, window_left=window_left,
       precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
   o_part, lse_part = pl.pallas_call(

@@ -86,7 +86,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, *, batch, tq, heads, k
   length = pltriton.load(len_ref.at[b]).astype(jnp.int32)
   pos = length - tq + t  # each row's query position
   lo = sp * chunk
-  hi = jnp.minimum(lo + chunk, length)
+  hi = jnp.minimum(jnp.minimum(lo + chunk, length), s_len)  # a length past S: the whole cache
   if window_left is not None:
     lo = jnp.maximum(lo, (jnp.maximum(length - tq - window_left, 0) // block_k) * block_k)
 
