@@ -608,18 +608,15 @@ def _wait(in_flight: int, interpret):
     plgpu.wgmma_wait(in_flight)
 
 
-def _products_then(pairs, then, interpret):
-  """[a @ b^T for (a, b) in pairs] (shared-memory blocks), issued together, ``then()`` run
-  while they are in flight."""
+def _products(pairs, interpret):
+  """[a @ b^T for (a, b) in pairs] (shared-memory blocks), issued together."""
   if interpret:
-    then()
     return [lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) for a, b in pairs]
 
   def products(*accs):
     for acc, (a, b) in zip(accs, pairs):
       plgpu.wgmma(acc, a, _transposed(b))
-    then()
     plgpu.wgmma_wait(0)
     return [acc[...] for acc in accs]
 
@@ -758,8 +755,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
           plgpu.barrier_wait(k_full.at[slot])
           plgpu.barrier_wait(v_full.at[slot])
           k_slot = k_smem.at[slot]
-          qk, dp = _products_then([(q_tile, k_slot), (do_tile, v_smem.at[slot])],
-                                  lambda: None, interpret)
+          qk, dp = _products([(q_tile, k_slot), (do_tile, v_smem.at[slot])], interpret)
           plgpu.barrier_arrive(v_free.at[slot])
           shape = qk.shape
           mask = None
@@ -919,7 +915,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
           slot = slot_of(base + i)
           q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
           plgpu.barrier_wait(q_full.at[slot])
-          (kq,) = _products_then([(k_tile, q_slot)], lambda: None, interpret)
+          (kq,) = _products([(k_tile, q_slot)], interpret)
           shape = kq.shape
           lse2 = _load(lse_smem.at[slot], cols, interpret)
           mask = None

@@ -31,9 +31,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxkernels import _mosaic_tpu, hardware
 from jaxkernels._online_softmax import finite
 from jaxkernels._tiling import cdiv, check_fields, round_up
+from jaxkernels.ops.attention import mosaic_tpu
 from jaxkernels.ops.attention.common import combine
-
-MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,13 +67,8 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   return Config(block_k=block_k, splits=splits, vmem_limit_bytes=_mosaic_tpu.vmem_limit(chip))
 
 
-def unsupported(problem, chip) -> str | None:
-  del chip
-  if problem.dtype == jnp.float16:
-    return "float16 is not a TPU dtype (use bfloat16 or float32)"
-  if problem.head_dim > MAX_HEAD_DIM:
-    return f"head dim {problem.head_dim} is over {MAX_HEAD_DIM}"
-  return None
+# What the flash_attention kernels take (dtype and head dim) is what this kernel takes.
+unsupported = mosaic_tpu.unsupported
 
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, peak_ref, total_ref, acc_ref, *,
