@@ -15,7 +15,11 @@ from jaxkernels import _activations, hardware
 def interpret_params() -> Any:
   """The Mosaic GPU interpreter's params (threads, barriers, TMA and wgmma run on the CPU).
 
-  jax 0.10-0.11 keep the class private; this is the one place that names it.
+  jax 0.10-0.11 keep the class private; this is the one place that names it. Its warpgroups
+  are threads whose barrier waits block inside host callbacks, which XLA:CPU runs on a pool of
+  ``NPROC`` threads (default: the cores): with fewer than about eight, waiting warpgroups can
+  starve the one they wait for and the kernel hangs. Set ``NPROC=8`` (or more) in the
+  environment before jax starts; the tests do.
   """
   from jax._src.pallas.mosaic_gpu.interpret import params
   return params.InterpretGPUParams()

@@ -10,6 +10,12 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
+# The Mosaic GPU interpreter runs a CTA's warpgroups as threads whose barrier waits block inside
+# host callbacks, and XLA:CPU runs those on its pool of NPROC (default: the cores) threads: on
+# two cores, two blocked waits starve the third warpgroup and the kernel hangs. Enough threads
+# for the grid loop's callback, three warpgroups and their nested calls.
+os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 8)))
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 

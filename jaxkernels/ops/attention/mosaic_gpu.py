@@ -111,16 +111,13 @@ def smem_bytes(problem, config: Config) -> int:
 
 def backward_smem_bytes(problem, config: Config) -> tuple[int, int]:
   """Shared memory of the (dq, dk/dv) kernels: each holds two blocks of 64 rows (queries with
-  their dO, or keys with their v) and a ring of the other side's blocks."""
-  itemsize = jnp.dtype(problem.dtype).itemsize
-  h, c = problem.head_dim, config
-  segments = 4 if problem.segments else 0
-  held = 2 * 2 * 64 * h * itemsize
-  dq = held + 2 * 64 * (8 + segments) + c.bwd_stages * c.bwd_block_kv * (
-      2 * h * itemsize + segments)
-  dkv = held + 2 * 64 * segments + c.bwd_stages * c.bwd_block_q * (
-      2 * h * itemsize + 8 + segments)
-  return dq, dkv
+  their dO; keys with their v, or one block's two head-dim halves) and rings of the other
+  side's blocks."""
+  h, itemsize = problem.head_dim, jnp.dtype(problem.dtype).itemsize
+  segments = bool(problem.segments)
+  stages = _dq_stages(h, itemsize, segments, config)
+  return (_dq_bytes(h, itemsize, segments, config.bwd_block_kv, stages),
+          _dkv_bytes(h, itemsize, segments, config))
 
 
 def config_error(problem, config: Config, chip) -> str | None:
@@ -130,7 +127,7 @@ def config_error(problem, config: Config, chip) -> str | None:
     return f"it needs {need} bytes of shared memory, over a CTA's {SMEM_BYTES}"
   if problem.head_dim > 128 and config.block_kv > 64:
     return f"block_kv {config.block_kv} at head dim {problem.head_dim} spills registers: use 64"
-  if problem.bias is None and problem.head_dim <= 128:  # the Mosaic GPU backward's
+  if problem.bias is None:  # the Mosaic GPU backward's
     for kernel, need in zip(("dq", "dk/dv"), backward_smem_bytes(problem, config)):
       if need > SMEM_BYTES:
         return (f"its {kernel} kernel needs {need} bytes of shared memory, over a CTA's "
@@ -153,14 +150,16 @@ class _Walk(NamedTuple):
   end: Any
 
 
-def _ring(tile, n_rows: int, n_cols: int, block: int, window: Window, meet=None):
+def _ring(tile, n_rows: int, n_cols: int, block: int, window: Window, meet=None,
+          shared: bool = False):
   """(lo, hi, walks): the ring's blocks of ``block`` columns for a CTA's two blocks of 64 rows
   (queries against keys: the forward's and dq's; keys against queries, ``window`` seen from
-  the keys: dk/dv's), and each block's walk; with ``meet`` (first, end), only the column
+  the keys: dk/dv's), and each block's walk; with ``shared``, the two warpgroups' rows are the
+  same 64 (tile's; dk/dv's head-dim halves); with ``meet`` (first, end), only the column
   blocks in [first, end) (those whose segments can meet the tile's)."""
   raw, some = [], []
   for w in (0, 1):
-    row0 = (2 * tile + w) * 64
+    row0 = tile * 64 if shared else (2 * tile + w) * 64
     rows = jnp.clip(n_rows - row0, 0, 64)  # none past the end
     raw.append(key_blocks(row0, rows, block, n_cols, window))
     some.append((rows > 0) & (raw[-1][3] > raw[-1][0]))
@@ -578,9 +577,55 @@ def backward_unsupported(call: Call) -> str | None:
   """Why the Mosaic GPU backward cannot serve a call (the Triton backward then does), or None."""
   if call.bias_shape is not None:
     return "a bias (its gradient is the Triton kernels')"
-  if call.head_dim > 128:
-    return f"head dim {call.head_dim}: dk and dv accumulators past 128 spill registers"
   return None
+
+
+def head_parts(head_dim: int) -> int:
+  """The dk/dv kernel's split of the head dim: 1 (each compute warpgroup takes 64 keys with the
+  whole of dk and dv), or 2 past head dim 128, where 64 keys' dk and dv accumulators would take
+  256 registers a thread: both warpgroups then take the same 64 keys, warpgroup w the w-th half
+  of dk and dv's columns (and each computes the whole of S^T and dP^T)."""
+  return 1 if head_dim <= 128 else 2
+
+
+def _smem(*buffers: int) -> int:
+  """Shared memory of scoped buffers of these byte sizes: each starts on a 1024-byte boundary
+  (Pallas Mosaic GPU's alignment), and the barriers take at most one more KiB."""
+  return sum(round_up(nbytes, 1024) for nbytes in buffers) + 1024
+
+
+def _dq_bytes(h: int, itemsize: int, segments: bool, block_kv: int, stages) -> int:
+  k_stages, v_stages = stages
+  tile = 64 * h * itemsize
+  buffers = [2 * tile, 2 * tile, 2 * 64 * 4, 2 * 64 * 4,  # q, dO, lse, delta
+             k_stages * block_kv * h * itemsize, v_stages * block_kv * h * itemsize]
+  if segments:
+    buffers += [2 * 64 * 4, k_stages * block_kv * 4]
+  return _smem(*buffers)
+
+
+def _dq_stages(h: int, itemsize: int, segments: bool, config: Config) -> tuple[int, int]:
+  """The dq kernel's (key, value) ring depths: ``bwd_stages`` each, less where they would not
+  fit a CTA's shared memory (past head dim 128, 128 queries' q and dO take 128 KiB): the
+  values' ring first, down to one block (their slot is free as soon as dP's product is)."""
+  k_stages = v_stages = config.bwd_stages
+  while (_dq_bytes(h, itemsize, segments, config.bwd_block_kv, (k_stages, v_stages))
+         > SMEM_BYTES and k_stages + v_stages > 2):
+    if v_stages > 1 and v_stages >= k_stages:
+      v_stages -= 1
+    else:
+      k_stages -= 1
+  return k_stages, v_stages
+
+
+def _dkv_bytes(h: int, itemsize: int, segments: bool, config: Config) -> int:
+  stages, bq = config.bwd_stages, config.bwd_block_q
+  held = 2 * 64 * (h // head_parts(h)) * itemsize  # k or v: two blocks of 64 rows
+  ring = stages * bq * h * itemsize  # q or dO
+  buffers = [held, held, ring, ring, stages * bq * 4, stages * bq * 4]
+  if segments:
+    buffers += [2 * 64 * 4, stages * bq * 4]
+  return _smem(*buffers)
 
 
 def _with_accumulators(shapes, scratch, body, interpret):
@@ -608,36 +653,45 @@ def _wait(in_flight: int, interpret):
     plgpu.wgmma_wait(in_flight)
 
 
-def _products(pairs, interpret):
-  """[a @ b^T for (a, b) in pairs] (shared-memory blocks), issued together."""
+def _dot_t(pairs):
+  """The sum of a @ b^T over shared-memory blocks (a, b) (the parts of one contraction)."""
+  return sum(lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32) for a, b in pairs)
+
+
+def _products(groups, interpret):
+  """[sum of a @ b^T over (a, b) in group, for each group] (shared-memory blocks: a group's
+  pairs are one contraction's parts along the head dim), issued together."""
   if interpret:
-    return [lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) for a, b in pairs]
+    return [_dot_t(group) for group in groups]
 
   def products(*accs):
-    for acc, (a, b) in zip(accs, pairs):
-      plgpu.wgmma(acc, a, _transposed(b))
+    for acc, group in zip(accs, groups):
+      for a, b in group:
+        plgpu.wgmma(acc, a, _transposed(b))
     plgpu.wgmma_wait(0)
     return [acc[...] for acc in accs]
 
-  return pl.run_scoped(products, *[plgpu.ACC((a.shape[0], b.shape[0]), jnp.float32)
-                                   for a, b in pairs])
+  return pl.run_scoped(products, *[
+      plgpu.ACC((group[0][0].shape[0], group[0][1].shape[0]), jnp.float32) for group in groups])
 
 
-def _dp_and_dv(v_tile, do_smem, p16, dv_acc, interpret):
-  """dP^T = v dO^T, with dv += P^T dO issued behind it: returns dP^T as soon as its own product
-  is done (dv's may still run)."""
+def _dp_and_dv(pairs, do_own, p16, dv_acc, interpret):
+  """dP^T = v dO^T (``pairs``: its parts, (v, dO) blocks), with dv += P^T dO (dO's columns of
+  this warpgroup, ``do_own``) issued behind it: returns dP^T as soon as its own product is done
+  (dv's may still run)."""
   if interpret:
-    _mma(dv_acc, p16, do_smem, interpret)
-    return lax.dot_general(v_tile[...], do_smem[...], (((1,), (1,)), ((), ())),
-                           preferred_element_type=jnp.float32)
+    _mma(dv_acc, p16, do_own, interpret)
+    return _dot_t(pairs)
 
   def products(acc):
-    plgpu.wgmma(acc, v_tile, _transposed(do_smem))
-    plgpu.wgmma(dv_acc, p16, do_smem)
+    for a, b in pairs:
+      plgpu.wgmma(acc, a, _transposed(b))
+    plgpu.wgmma(dv_acc, p16, do_own)
     return plgpu.wgmma_accumulator_load(acc, wait_n=1)
 
-  return pl.run_scoped(products, plgpu.ACC((v_tile.shape[0], do_smem.shape[0]), jnp.float32))
+  return pl.run_scoped(products, plgpu.ACC((pairs[0][0].shape[0], pairs[0][1].shape[0]),
+                                           jnp.float32))
 
 
 def _probabilities(qk, lse2, mask, axis: int, call: Call):
@@ -663,6 +717,27 @@ def _grad_logits(p_capped, dp, delta, axis: int):
   return p_capped * (dp - lax.broadcast_in_dim(delta, p_capped.shape, [axis]))
 
 
+def _produce(lo, end, streams):
+  """A producer warpgroup's rings: for every step j in [lo, end) and each stream ``(stages,
+  free, load)``, ``load(j, slot)`` into slot (j - lo) mod stages, a refill first waiting for
+  the slot's release on ``free``; then the releases that no refill waited for, so that every
+  barrier ends with each phase observed."""
+  slot = lambda j, stages: lax.rem(j - lo, jnp.int32(stages))
+
+  @pl.loop(lo, end)
+  def _(j):
+    for stages, free, load in streams:
+      @pl.when(j - lo >= stages)
+      def _():
+        plgpu.barrier_wait(free.at[slot(j, stages)])
+      load(j, slot(j, stages))
+
+  for stages, free, _ in streams:
+    @pl.loop(jnp.maximum(end - stages, lo), end)
+    def _(j):
+      plgpu.barrier_wait(free.at[slot(j, stages)])
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Call,
                config: Config, interpret):
   c = config
@@ -671,11 +746,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
   else:
     (dq_ref,), q_seg_ref, kv_seg_ref, meet_ref = refs, None, None, None
   h, bkv = call.head_dim, c.bwd_block_kv
+  k_stages, v_stages = _dq_stages(h, jnp.dtype(call.dtype).itemsize, call.segments, c)
   transforms = _mosaic_gpu.swizzled(h, call.dtype)
   extra = {}
   if call.segments:
     extra = dict(q_seg_smem=plgpu.SMEM((2, 64), jnp.int32),
-                 kv_seg_smem=plgpu.SMEM((c.bwd_stages, bkv), jnp.int32))
+                 kv_seg_smem=plgpu.SMEM((k_stages, bkv), jnp.int32))
   if interpret:
     extra["scratch"] = plgpu.SMEM((2, 64, h), jnp.float32)
   segs = int(call.segments)
@@ -686,13 +762,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
       do_smem=plgpu.SMEM((2, 64, h), call.dtype, transforms=transforms),
       lse_smem=plgpu.SMEM((2, 64), jnp.float32),
       delta_smem=plgpu.SMEM((2, 64), jnp.float32),
-      k_smem=plgpu.SMEM((c.bwd_stages, bkv, h), call.dtype, transforms=transforms),
-      v_smem=plgpu.SMEM((c.bwd_stages, bkv, h), call.dtype, transforms=transforms),
+      k_smem=plgpu.SMEM((k_stages, bkv, h), call.dtype, transforms=transforms),
+      v_smem=plgpu.SMEM((v_stages, bkv, h), call.dtype, transforms=transforms),
       q_full=plgpu.Barrier(num_arrivals=4 + segs, num_barriers=2),
-      k_full=plgpu.Barrier(num_arrivals=1 + segs, num_barriers=c.bwd_stages),
-      v_full=plgpu.Barrier(num_barriers=c.bwd_stages),
-      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=c.bwd_stages),
-      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=c.bwd_stages),
+      k_full=plgpu.Barrier(num_arrivals=1 + segs, num_barriers=k_stages),
+      v_full=plgpu.Barrier(num_barriers=v_stages),
+      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=k_stages),
+      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=v_stages),
       **extra)
   def _scope(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_full, k_full, v_full,
              k_free, v_free, q_seg_smem=None, kv_seg_smem=None, scratch=None):
@@ -703,22 +779,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
     wg = lax.axis_index("wg")
     meet = None if meet_ref is None else (meet_ref[b, tile, 0], meet_ref[b, tile, 1])
     lo, hi, walks = _ring(tile, call.q_len, call.kv_len, bkv, call.window, meet)
-    slot_of = lambda j: lax.rem(j - lo, jnp.int32(c.bwd_stages))
+    k_slot_of = lambda j: lax.rem(j - lo, jnp.int32(k_stages))
+    v_slot_of = lambda j: lax.rem(j - lo, jnp.int32(v_stages))
 
     @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-      def load(j):
+      def load_k(j, slot):
         keys = pl.ds(j * bkv, bkv)
-        slot = slot_of(j)
         plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh], k_smem.at[slot], k_full.at[slot])
         if call.segments:
           plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[slot],
                                   k_full.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_smem.at[slot], v_full.at[slot])
 
-      _produce(lo, hi, c.bwd_stages, slot_of, load, (k_free, v_free))
+      def load_v(j, slot):
+        plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(j * bkv, bkv), kh], v_smem.at[slot],
+                                v_full.at[slot])
+
+      _produce(lo, hi, [(k_stages, k_free, load_k), (v_stages, v_free, load_v)])
 
     @pl.when(wg < 2)
     def _consumer():
@@ -742,28 +821,28 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
       q_seg = _load(q_seg_smem.at[wg], rows, interpret) if call.segments else None
 
       def idle(j, carry):
-        slot = slot_of(j)
-        plgpu.barrier_wait(k_full.at[slot])
-        plgpu.barrier_wait(v_full.at[slot])
-        plgpu.barrier_arrive(k_free.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
+        k_slot, v_slot = k_slot_of(j), v_slot_of(j)
+        plgpu.barrier_wait(k_full.at[k_slot])
+        plgpu.barrier_wait(v_full.at[v_slot])
+        plgpu.barrier_arrive(k_free.at[k_slot])
+        plgpu.barrier_arrive(v_free.at[v_slot])
         return carry
 
       def step(dq_acc, positions: bool):
         def run(j, carry):
-          slot = slot_of(j)
-          plgpu.barrier_wait(k_full.at[slot])
-          plgpu.barrier_wait(v_full.at[slot])
-          k_slot = k_smem.at[slot]
-          qk, dp = _products([(q_tile, k_slot), (do_tile, v_smem.at[slot])], interpret)
-          plgpu.barrier_arrive(v_free.at[slot])
+          k_slot, v_slot = k_slot_of(j), v_slot_of(j)
+          plgpu.barrier_wait(k_full.at[k_slot])
+          plgpu.barrier_wait(v_full.at[v_slot])
+          k_block = k_smem.at[k_slot]
+          qk, dp = _products([[(q_tile, k_block)], [(do_tile, v_smem.at[v_slot])]], interpret)
+          plgpu.barrier_arrive(v_free.at[v_slot])
           shape = qk.shape
           mask = None
           if positions or call.segments:
             kv_seg = None
             if call.segments:
               kv_seg = lax.broadcast_in_dim(
-                  _load(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret),
+                  _load(kv_seg_smem.at[k_slot], plgpu.Layout.WGMMA.reduce(0), interpret),
                   shape, [1])
             q_pos = row0 + _iota(shape, 0, interpret)
             k_pos = j * bkv + _iota(shape, 1, interpret)
@@ -775,9 +854,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
               mask = end if mask is None else mask & end
           p, th = _probabilities(qk, lse2, mask, 0, call)
           ds = _grad_logits(_capped(p, th), dp, delta, 0)
-          _mma(dq_acc, ds.astype(call.dtype), k_slot, interpret)
+          _mma(dq_acc, ds.astype(call.dtype), k_block, interpret)
           _wait(0, interpret)
-          plgpu.barrier_arrive(k_free.at[slot])
+          plgpu.barrier_arrive(k_free.at[k_slot])
           return carry
         return run
 
@@ -798,24 +877,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
       plgpu.wait_smem_to_gmem(0)
 
 
-def _produce(lo, end, stages, slot_of, load, frees):
-  """A producer warpgroup's ring: ``load(j)`` for every step j in [lo, end), each refill of a
-  slot waiting for its release on every barrier of ``frees`` (in order); then the releases no
-  refill waited for, so that every barrier ends with each phase observed."""
-  @pl.loop(lo, end)
-  def _(j):
-    @pl.when(j - lo >= stages)
-    def _():
-      for free in frees:
-        plgpu.barrier_wait(free.at[slot_of(j)])
-    load(j)
-
-  @pl.loop(jnp.maximum(end - stages, lo), end)
-  def _(j):
-    for free in frees:
-      plgpu.barrier_wait(free.at[slot_of(j)])
-
-
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Call,
                 config: Config, interpret):
   c = config
@@ -824,31 +885,42 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
   else:
     (dk_ref, dv_ref), q_seg_ref, kv_seg_ref, meet_ref = refs, None, None, None
   h, bq, stages = call.head_dim, c.bwd_block_q, c.bwd_stages
-  transforms = _mosaic_gpu.swizzled(h, call.dtype)
+  parts = head_parts(h)
+  part = h // parts
+
+  def in_part(ref, i):
+    """Columns [i part, (i + 1) part) of a gmem block of whole head-dim rows."""
+    return ref if parts == 1 else ref.at[..., pl.ds(i * part, part)]
+
+  transforms = _mosaic_gpu.swizzled(part, call.dtype)
   extra = {}
   if call.segments:
     extra = dict(kv_seg_smem=plgpu.SMEM((2, 64), jnp.int32),
                  q_seg_smem=plgpu.SMEM((stages, bq), jnp.int32))
   if interpret:
-    extra["scratch"] = plgpu.SMEM((2, 2, 64, h), jnp.float32)
+    extra["scratch"] = plgpu.SMEM((2, 2, 64, part), jnp.float32)
+  if parts > 1:
+    extra["done"] = plgpu.Barrier(num_arrivals=2)
   segs = int(call.segments)
 
+  # k and v: two blocks of 64 keys (one a warpgroup), or the two head-dim halves of one
+  # block. q and dO: a ring of blocks of bq queries, each in its head-dim parts.
   @functools.partial(
       pl.run_scoped, collective_axes="wg",
-      k_smem=plgpu.SMEM((2, 64, h), call.dtype, transforms=transforms),
-      v_smem=plgpu.SMEM((2, 64, h), call.dtype, transforms=transforms),
-      q_smem=plgpu.SMEM((stages, bq, h), call.dtype, transforms=transforms),
-      do_smem=plgpu.SMEM((stages, bq, h), call.dtype, transforms=transforms),
+      k_smem=plgpu.SMEM((2, 64, part), call.dtype, transforms=transforms),
+      v_smem=plgpu.SMEM((2, 64, part), call.dtype, transforms=transforms),
+      q_smem=plgpu.SMEM((stages, parts, bq, part), call.dtype, transforms=transforms),
+      do_smem=plgpu.SMEM((stages, parts, bq, part), call.dtype, transforms=transforms),
       lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
       delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
       kv_full=plgpu.Barrier(num_arrivals=2 + segs, num_barriers=2),
-      q_full=plgpu.Barrier(num_arrivals=2 + segs, num_barriers=stages),
-      do_full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      q_full=plgpu.Barrier(num_arrivals=parts + 1 + segs, num_barriers=stages),
+      do_full=plgpu.Barrier(num_arrivals=parts + 1, num_barriers=stages),
       q_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       do_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       **extra)
   def _scope(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_full, q_full, do_full,
-             q_free, do_free, kv_seg_smem=None, q_seg_smem=None, scratch=None):
+             q_free, do_free, kv_seg_smem=None, q_seg_smem=None, scratch=None, done=None):
     b = lax.axis_index("batch")
     kh = lax.axis_index("heads")
     tile = lax.axis_index("kv")  # under a causal mask the first key tiles see the most queries
@@ -856,7 +928,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
     meet = None if meet_ref is None else (meet_ref[b, tile, 0], meet_ref[b, tile, 1])
     # The keys' side of the window: query i sees key j iff j - right <= i <= j + left.
     lo, hi, walks = _ring(tile, call.kv_len, call.q_len, bq,
-                          Window(call.window.right, call.window.left), meet)
+                          Window(call.window.right, call.window.left), meet,
+                          shared=parts > 1)
     span = hi - lo
     # Steps run over the group's query heads, each over the query blocks [lo, hi).
     slot_of = lambda step: lax.rem(step, jnp.int32(stages))
@@ -865,36 +938,52 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
     def _producer():
       plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-      def load(step):
+      def block(step):
         g = lax.div(step, jnp.maximum(span, 1))
-        queries = pl.ds((lo + step - g * span) * bq, bq)
-        n = kh * call.group + g
-        slot = slot_of(step)
+        return kh * call.group + g, pl.ds((lo + step - g * span) * bq, bq)
+
+      def load_q(step, slot):
+        n, queries = block(step)
         arrive = q_full.at[slot]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, queries, n], q_smem.at[slot], arrive)
+        for i in range(parts):
+          plgpu.copy_gmem_to_smem(in_part(q_ref.at[b, queries, n], i), q_smem.at[slot, i],
+                                  arrive)
         plgpu.copy_gmem_to_smem(lse_ref.at[b, n, queries], lse_smem.at[slot], arrive)
         if call.segments:
           plgpu.copy_gmem_to_smem(q_seg_ref.at[b, queries], q_seg_smem.at[slot], arrive)
+
+      def load_do(step, slot):
+        n, queries = block(step)
         arrive = do_full.at[slot]
-        plgpu.copy_gmem_to_smem(do_ref.at[b, queries, n], do_smem.at[slot], arrive)
+        for i in range(parts):
+          plgpu.copy_gmem_to_smem(in_part(do_ref.at[b, queries, n], i), do_smem.at[slot, i],
+                                  arrive)
         plgpu.copy_gmem_to_smem(delta_ref.at[b, n, queries], delta_smem.at[slot], arrive)
 
-      _produce(jnp.int32(0), call.group * span, stages, slot_of, load, (q_free, do_free))
+      _produce(jnp.int32(0), call.group * span,
+               [(stages, q_free, load_q), (stages, do_free, load_do)])
 
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(_mosaic_gpu.consumer_registers(PRODUCER_REGISTERS),
                               action="increase")
-      row0 = tile * 128 + wg * 64
+      row0 = tile * 128 + wg * 64 if parts == 1 else tile * 64
       walk = _Walk(*(jnp.where(wg == 0, x, y) for x, y in zip(*walks)))
       keys = pl.ds(row0, 64)
-      k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+      # Each warpgroup loads its block of k and v (its keys, or its half of the head dim).
       arrive = kv_full.at[wg]
-      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh], k_tile, arrive)
-      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_tile, arrive)
+      plgpu.copy_gmem_to_smem(in_part(k_ref.at[b, keys, kh], wg), k_smem.at[wg], arrive)
+      plgpu.copy_gmem_to_smem(in_part(v_ref.at[b, keys, kh], wg), v_smem.at[wg], arrive)
       if call.segments:
         plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[wg], arrive)
-      plgpu.barrier_wait(arrive)
+      if parts == 1:
+        k_parts, v_parts = [k_smem.at[wg]], [v_smem.at[wg]]
+        plgpu.barrier_wait(arrive)
+      else:  # S^T and dP^T contract over both halves
+        k_parts, v_parts = [k_smem.at[0], k_smem.at[1]], [v_smem.at[0], v_smem.at[1]]
+        plgpu.barrier_wait(kv_full.at[0])
+        plgpu.barrier_wait(kv_full.at[1])
+      own = wg if parts > 1 else 0  # this warpgroup's columns of dk and dv, q and dO
       kv_seg = None
       if call.segments:
         kv_seg = _load(kv_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret)
@@ -913,9 +1002,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
       def step(base, dk_acc, dv_acc, positions: bool):
         def run(i, carry):
           slot = slot_of(base + i)
-          q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
+          q_parts = [q_smem.at[slot, p] for p in range(parts)]
+          do_parts = [do_smem.at[slot, p] for p in range(parts)]
           plgpu.barrier_wait(q_full.at[slot])
-          (kq,) = _products([(k_tile, q_slot)], interpret)
+          (kq,) = _products([list(zip(k_parts, q_parts))], interpret)
           shape = kq.shape
           lse2 = _load(lse_smem.at[slot], cols, interpret)
           mask = None
@@ -934,9 +1024,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
           p, th = _probabilities(kq, lse2, mask, 1, call)
           p16, p = p.astype(call.dtype), _capped(p, th)
           # dv's product is issued behind dP^T's, and runs on while dS^T is computed.
-          dp = _dp_and_dv(v_tile, do_slot, p16, dv_acc, interpret)
+          dp = _dp_and_dv(list(zip(v_parts, do_parts)), do_smem.at[slot, own], p16, dv_acc,
+                          interpret)
           ds = _grad_logits(p, dp, delta, 1)
-          _mma(dk_acc, ds.astype(call.dtype), q_slot, interpret)
+          _mma(dk_acc, ds.astype(call.dtype), q_smem.at[slot, own], interpret)
           _wait(1, interpret)  # dv's product is done: dO's slot is free
           plgpu.barrier_arrive(do_free.at[slot])
           _wait(0, interpret)
@@ -960,12 +1051,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
         return dk_acc[...], dv_acc[...]
 
       scratch_ = [] if scratch is None else [scratch.at[0, wg], scratch.at[1, wg]]
-      dk, dv = _with_accumulators([(64, h), (64, h)], scratch_, accumulate, interpret)
+      dk, dv = _with_accumulators([(64, part), (64, part)], scratch_, accumulate, interpret)
+      if done is not None:  # the other warpgroup's products may still read this one's halves
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+      k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
       k_tile[...] = (dk * call.scale).astype(call.dtype)  # every product has run
       v_tile[...] = dv.astype(call.dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[b, keys, kh])
-      plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[b, keys, kh])
+      plgpu.copy_smem_to_gmem(k_tile, in_part(dk_ref.at[b, keys, kh], wg))
+      plgpu.copy_smem_to_gmem(v_tile, in_part(dv_ref.at[b, keys, kh], wg))
       plgpu.wait_smem_to_gmem(0)
 
 
@@ -1005,7 +1100,7 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
                                  mode="edge")
     q_seg, kv_seg = edge(q_seg, t_pad), edge(kv_seg, s_pad)
     dq_extra = [q_seg, kv_seg, _meeting_blocks(q_seg, kv_seg, 128, c.bwd_block_kv)]
-    dkv_extra = [q_seg, kv_seg, _meeting_blocks(kv_seg, q_seg, 128, c.bwd_block_q)]
+    dkv_extra = [q_seg, kv_seg, _meeting_blocks(kv_seg, q_seg, 128 // head_parts(h), c.bwd_block_q)]
   params = dict(
       num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
       **({"interpret": interpret} if interpret else {}))
@@ -1018,6 +1113,7 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
       _named("jk_attention_dkdv_mgpu", _dkv_kernel, call=call, config=c,
              interpret=bool(interpret)),
       out_type=[jax.ShapeDtypeStruct((b, s_pad, kv_heads, h), k.dtype)] * 2,
-      grid=(kv_heads, s_pad // 128, b), grid_names=("heads", "kv", "batch"), **params,
+      grid=(kv_heads, s_pad // (128 // head_parts(h)), b), grid_names=("heads", "kv", "batch"),
+      **params,
   )(*operands, *dkv_extra)
   return dq[:, :t], dk[:, :s], dv[:, :s], None
