@@ -267,6 +267,18 @@ class TestAttentionMosaicGpu(AttentionTest):
                                          bwd_block_kv=128, bwd_stages=3)
     self.check(case.replace(q_len=200, window=(150, 20)), config)
 
+  def test_head_dim_256(self):
+    """Past head dim 128: the dk/dv kernel's warpgroups share 64 keys, each its half of dk and
+    dv's columns (and the dq kernel's value ring is one block deep); causal, GQA, a cap, partial
+    blocks at both ends."""
+    self.check(Case(batch=1, q_len=200, kv_len=150, kv_heads=2, group=2, head_dim=256,
+                    dtype=jnp.bfloat16, causal=True, soft_cap=3.0),
+               attention_mosaic_gpu.Config(block_kv=64))
+    q = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
+    too_big = attention_mosaic_gpu.Config(block_kv=64, bwd_block_q=128)
+    with numerics.kernel_mode(), pytest.raises(ValueError, match="dk/dv kernel needs"):
+      jk.flash_attention(q, q, q, implementation=self.IMPL, config=too_big)
+
   def test_unsupported_calls_say_why(self):
     q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)
     with numerics.kernel_mode():

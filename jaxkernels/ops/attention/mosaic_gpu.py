@@ -24,8 +24,8 @@ the keys past S are masked in the last block. The log-sum-exp is written (B, N, 
 transposed by XLA (a few hundred KiB).
 
 The backward is two more kernels of the same make (a dq kernel, and a dk/dv kernel that walks
-the queries for each block of keys), below; with a bias, or past head dim 128, it is the
-Triton kernels' (``triton.backward``, with ``Config.backward``).
+the queries for each block of keys), below; with a bias it is the Triton kernels'
+(``triton.backward``, with ``Config.backward``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ from jaxkernels.ops.attention.common import Call, Window, key_blocks, visible
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 PRODUCER_REGISTERS = 40
+# The dk/dv kernel past head dim 128 (its warpgroups take head-dim halves): a producer of 24
+# registers leaves 240 to each compute warpgroup; 4.72 -> 4.44 ms at GQA h256 (its spills went
+# from 96 to 52 bytes), while at 128 the kernels were no faster (bench/NOTES.md attention-6).
+HALVES_PRODUCER_REGISTERS = 24
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 
@@ -563,12 +567,15 @@ def _meeting_blocks(q_seg, kv_seg, rows: int, cols: int):
 # Both recompute P from q, k and the saved log-sum-exp (base 2, +inf where a query sees nothing
 # or is padding, so that its P is 0) and take delta = rowsum(dO * O) - d(lse) from XLA. The dq
 # kernel is the forward's CTA: two warpgroups of 64 queries and a producer streaming k and v
-# blocks along their walk; a step is S = q k^T and dP = dO v^T (issued together), dS, and
-# dq += dS k. The dk/dv kernel turns it around: two warpgroups of 64 keys each (k and v held in
+# blocks along their walk; a step is dP = dO v^T and S = q k^T (issued together, v's slot
+# released as soon as dP is in), dS, and dq += dS k. The dk/dv kernel turns it around: two warpgroups of 64 keys each (k and v held in
 # shared memory), the producer streaming q, dO, the log-sum-exp and delta along the queries
 # that see them, for every query head of the key head's group (GQA's sum stays in the
 # accumulators); a step is S^T = k q^T, P^T, then dP^T = v dO^T with dv += P^T dO behind it,
-# dS^T once dP^T is in, and dk += dS^T q. Masks walk as the forward's do, from the other side
+# dS^T once dP^T is in, and dk += dS^T q. Past head dim 128 (64 keys' dk and dv would take 256
+# registers a thread) both warpgroups take the same 64 keys and each accumulates its half of
+# dk's and dv's columns, computing the whole S^T and dP^T from both halves of k, q, v and dO
+# (``head_parts``: 1.5x the dk/dv kernel's tensor work, no exchange between warpgroups). Masks walk as the forward's do, from the other side
 # for dk/dv (``common.query_blocks``). The products run as JAX's and tokamax's Mosaic GPU
 # backward kernels run theirs (read before writing these).
 
@@ -659,16 +666,23 @@ def _dot_t(pairs):
                              preferred_element_type=jnp.float32) for a, b in pairs)
 
 
-def _products(groups, interpret):
+def _products(groups, interpret, after_first=None):
   """[sum of a @ b^T over (a, b) in group, for each group] (shared-memory blocks: a group's
-  pairs are one contraction's parts along the head dim), issued together."""
+  pairs are one contraction's parts along the head dim), issued together; ``after_first()``
+  runs as soon as the first group's are done."""
   if interpret:
-    return [_dot_t(group) for group in groups]
+    out = [_dot_t(group) for group in groups]
+    if after_first is not None:
+      after_first()
+    return out
 
   def products(*accs):
     for acc, group in zip(accs, groups):
       for a, b in group:
         plgpu.wgmma(acc, a, _transposed(b))
+    if after_first is not None:
+      plgpu.wgmma_wait(sum(len(group) for group in groups[1:]))
+      after_first()
     plgpu.wgmma_wait(0)
     return [acc[...] for acc in accs]
 
@@ -834,8 +848,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
           plgpu.barrier_wait(k_full.at[k_slot])
           plgpu.barrier_wait(v_full.at[v_slot])
           k_block = k_smem.at[k_slot]
-          qk, dp = _products([[(q_tile, k_block)], [(do_tile, v_smem.at[v_slot])]], interpret)
-          plgpu.barrier_arrive(v_free.at[v_slot])
+          # dP's product first: its value slot is released (and refilled: past head dim 128
+          # the ring holds one) while S's runs.
+          dp, qk = _products([[(do_tile, v_smem.at[v_slot])], [(q_tile, k_block)]], interpret,
+                             after_first=lambda: plgpu.barrier_arrive(v_free.at[v_slot]))
           shape = qk.shape
           mask = None
           if positions or call.segments:
@@ -887,6 +903,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
   h, bq, stages = call.head_dim, c.bwd_block_q, c.bwd_stages
   parts = head_parts(h)
   part = h // parts
+  producer_registers = PRODUCER_REGISTERS if parts == 1 else HALVES_PRODUCER_REGISTERS
 
   def in_part(ref, i):
     """Columns [i part, (i + 1) part) of a gmem block of whole head-dim rows."""
@@ -936,7 +953,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
 
     @pl.when(wg == 2)
     def _producer():
-      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+      plgpu.set_max_registers(producer_registers, action="decrease")
 
       def block(step):
         g = lax.div(step, jnp.maximum(span, 1))
@@ -965,7 +982,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
 
     @pl.when(wg < 2)
     def _consumer():
-      plgpu.set_max_registers(_mosaic_gpu.consumer_registers(PRODUCER_REGISTERS),
+      plgpu.set_max_registers(_mosaic_gpu.consumer_registers(producer_registers),
                               action="increase")
       row0 = tile * 128 + wg * 64 if parts == 1 else tile * 64
       walk = _Walk(*(jnp.where(wg == 0, x, y) for x, y in zip(*walks)))
