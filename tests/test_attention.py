@@ -239,6 +239,11 @@ class TestAttentionTriton(AttentionTest):
     for name in ("jk_attention_fwd", "jk_attention_dkdv", "jk_attention_dq",
                  "jk_attention_dbias"):
       assert f'name = "{name}"' in text, name
+    # A bias broadcast over the heads: the dbias kernel sums them in a loop (its index
+    # arithmetic once failed to lower there).
+    bias = jax.ShapeDtypeStruct((1, 1, 200, 300), jnp.bfloat16)
+    assert 'name = "jk_attention_dbias"' in cuda_lowering(
+        _every_feature_vjp("triton"), q, k, k, bias, seg, kv_seg, q)
 
 
 class TestAttentionMosaicGpu(AttentionTest):
@@ -269,8 +274,8 @@ class TestAttentionMosaicGpu(AttentionTest):
 
   def test_head_dim_256(self):
     """Past head dim 128: the dk/dv kernel's warpgroups share 64 keys, each its half of dk and
-    dv's columns (and the dq kernel's value ring is one block deep); causal, GQA, a cap, partial
-    blocks at both ends."""
+    dv's columns (and the dq kernel's key and value rings are one block deep); causal, GQA, a
+    cap, partial blocks at both ends."""
     self.check(Case(batch=1, q_len=200, kv_len=150, kv_heads=2, group=2, head_dim=256,
                     dtype=jnp.bfloat16, causal=True, soft_cap=3.0),
                attention_mosaic_gpu.Config(block_kv=64))

@@ -52,9 +52,9 @@ from jaxkernels.ops.attention.common import Call, Window, key_blocks, visible
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 PRODUCER_REGISTERS = 40
-# The dk/dv kernel past head dim 128 (its warpgroups take head-dim halves): a producer of 24
-# registers leaves 240 to each compute warpgroup; 4.72 -> 4.44 ms at GQA h256 (its spills went
-# from 96 to 52 bytes), while at 128 the kernels were no faster (bench/NOTES.md attention-6).
+# The backward kernels past head dim 128: a producer of 24 registers leaves 240 to each compute
+# warpgroup; at GQA h256 dk/dv 4.72 -> 4.44 ms, dq 4.75 -> 4.34 (fewer spills), while at 128
+# the kernels were no faster (bench/NOTES.md attention-6).
 HALVES_PRODUCER_REGISTERS = 24
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
@@ -613,16 +613,15 @@ def _dq_bytes(h: int, itemsize: int, segments: bool, block_kv: int, stages) -> i
 
 def _dq_stages(h: int, itemsize: int, segments: bool, config: Config) -> tuple[int, int]:
   """The dq kernel's (key, value) ring depths: ``bwd_stages`` each, less where they would not
-  fit a CTA's shared memory (past head dim 128, 128 queries' q and dO take 128 KiB): the
-  values' ring first, down to one block (their slot is free as soon as dP's product is)."""
-  k_stages = v_stages = config.bwd_stages
-  while (_dq_bytes(h, itemsize, segments, config.bwd_block_kv, (k_stages, v_stages))
-         > SMEM_BYTES and k_stages + v_stages > 2):
-    if v_stages > 1 and v_stages >= k_stages:
-      v_stages -= 1
-    else:
-      k_stages -= 1
-  return k_stages, v_stages
+  fit a CTA's shared memory (past head dim 128, 128 queries' q and dO take 128 KiB, and the
+  rings hold one block each). Always equal: at head dim 256 a key ring of two blocks beside a
+  value ring of one fits and ran dq 27% faster, but compiled its causal dq was wrong (right
+  interpreted, and without a mask; not understood, bench/NOTES.md attention-6)."""
+  stages = config.bwd_stages
+  while (_dq_bytes(h, itemsize, segments, config.bwd_block_kv, (stages, stages)) > SMEM_BYTES
+         and stages > 1):
+    stages -= 1
+  return stages, stages
 
 
 def _dkv_bytes(h: int, itemsize: int, segments: bool, config: Config) -> int:
@@ -761,6 +760,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
     (dq_ref,), q_seg_ref, kv_seg_ref, meet_ref = refs, None, None, None
   h, bkv = call.head_dim, c.bwd_block_kv
   k_stages, v_stages = _dq_stages(h, jnp.dtype(call.dtype).itemsize, call.segments, c)
+  producer_registers = PRODUCER_REGISTERS if h <= 128 else HALVES_PRODUCER_REGISTERS
   transforms = _mosaic_gpu.swizzled(h, call.dtype)
   extra = {}
   if call.segments:
@@ -798,7 +798,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
 
     @pl.when(wg == 2)
     def _producer():
-      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+      plgpu.set_max_registers(producer_registers, action="decrease")
 
       def load_k(j, slot):
         keys = pl.ds(j * bkv, bkv)
@@ -815,7 +815,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
 
     @pl.when(wg < 2)
     def _consumer():
-      plgpu.set_max_registers(_mosaic_gpu.consumer_registers(PRODUCER_REGISTERS),
+      plgpu.set_max_registers(_mosaic_gpu.consumer_registers(producer_registers),
                               action="increase")
       row0 = tile * 128 + wg * 64
       walk = _Walk(*(jnp.where(wg == 0, x, y) for x, y in zip(*walks)))
@@ -848,8 +848,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
           plgpu.barrier_wait(k_full.at[k_slot])
           plgpu.barrier_wait(v_full.at[v_slot])
           k_block = k_smem.at[k_slot]
-          # dP's product first: its value slot is released (and refilled: past head dim 128
-          # the ring holds one) while S's runs.
+          # dP's product first: its value slot is released (and refilled) while S's runs.
           dp, qk = _products([[(do_tile, v_smem.at[v_slot])], [(q_tile, k_block)]], interpret,
                              after_first=lambda: plgpu.barrier_arrive(v_free.at[v_slot]))
           shape = qk.shape

@@ -180,6 +180,14 @@ def _bias_tile(bias_ref, b, n, q_pos, k_pos, call: Call, q_mask, k_mask):
   return _load(bias_ref, index, mask).astype(jnp.float32)
 
 
+def _divmod(x, d: int):
+  """(x // d, x % d) of a non-negative traced int32 by lax.div and lax.rem: jnp's ``%`` guards
+  against a zero divisor with a select that Pallas Triton's lowering (jax 0.10-0.11) types i1
+  inside a loop under a cond (the dbias kernel's, with a bias broadcast over the heads)."""
+  d = jnp.int32(d)
+  return lax.div(x, d), lax.rem(x, d)
+
+
 def _visible(q_pos, k_pos, call: Call, q_seg, kv_seg, *, positions: bool, k_edge: bool):
   """The block's mask (None: all visible): the window where ``positions``, the keys' end where
   ``k_edge``, segments where the call has them."""
@@ -202,11 +210,11 @@ def _query_block(call: Call, block_q: int):
   """(b, n, kv head, first query, query positions, their _Rows) of a program of a grid
   (query blocks, B*N)."""
   bn = pl.program_id(1)
-  b, n = bn // call.heads, bn % call.heads
+  b, n = _divmod(bn, call.heads)
   t0 = pl.program_id(0) * block_q
   q_pos = t0 + jnp.arange(block_q)
   qt = _Rows(b, q_pos, call.q_len, n, call, mask_rows=call.q_len % block_q != 0)
-  return b, n, n // call.group, t0, q_pos, qt
+  return b, n, _divmod(n, call.group)[0], t0, q_pos, qt
 
 
 def _keys_meet(kv_seg_ref, b, q_seg, s_len: int, block_k: int):
@@ -368,7 +376,7 @@ def _dkdv_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
   r, (lse_ref, delta_ref, do_ref), (dk_ref, dv_ref) = _split(refs, call, 2)
   t_len, s_len = call.q_len, call.kv_len
   bk_ = pl.program_id(1)
-  b, kh = bk_ // call.kv_heads, bk_ % call.kv_heads
+  b, kh = _divmod(bk_, call.kv_heads)
   s0 = pl.program_id(0) * block_k
   k_pos = s0 + jnp.arange(block_k)
   kt = _Rows(b, k_pos, s_len, kh, call, mask_rows=s_len % block_k != 0)
@@ -441,7 +449,7 @@ def _dbias_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
   bb, nb = call.bias_shape[:2]
   t0, s0 = pl.program_id(0) * block_q, pl.program_id(1) * block_k
   owner = pl.program_id(2)
-  b_own, n_own = owner // nb, owner % nb
+  b_own, n_own = _divmod(owner, nb)
   q_pos = t0 + jnp.arange(block_q)
   k_pos = s0 + jnp.arange(block_k)
   q_edge, k_edge = t_len % block_q != 0, s_len % block_k != 0
@@ -452,9 +460,9 @@ def _dbias_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
   reps_n = call.heads // nb
 
   def one(idx, acc):
-    b = b_own if bb > 1 else idx // reps_n
-    n = n_own if nb > 1 else idx % reps_n
-    kh = n // call.group
+    b = b_own if bb > 1 else _divmod(idx, reps_n)[0]
+    n = n_own if nb > 1 else _divmod(idx, reps_n)[1]
+    kh = _divmod(n, call.group)[0]
     qt = _Rows(b, q_pos, t_len, n, call, mask_rows=q_edge)
     kt = _Rows(b, k_pos, s_len, kh, call, mask_rows=k_edge)
     q, do = qt.load(r["q"]), qt.load(do_ref)
@@ -472,7 +480,7 @@ def _dbias_kernel(*refs, call: Call, block_q: int, block_k: int, math_):
 
   acc = jnp.zeros((block_q, block_k), jnp.float32)
   acc = lax.cond((j >= first) & (j < end), tile, lambda a: a, acc)
-  index = (owner // nb, owner % nb, q_pos[:, None], k_pos[None, :])
+  index = (*_divmod(owner, nb), q_pos[:, None], k_pos[None, :])
   mask = _both(None if not q_edge else (q_pos < t_len)[:, None],
                None if not k_edge else (k_pos < s_len)[None, :])
   pltriton.store(db_ref.at[index], acc.astype(db_ref.dtype), mask=mask)
