@@ -64,11 +64,12 @@ class Config:
   block_q: int = 64  # queries of one compute warpgroup (the CTA takes two blocks)
   block_kv: int = 128  # keys a step
   stages: int = 2  # key/value blocks in flight
-  bwd_block_q: int = 64  # the dk/dv kernel's queries a step (its CTA takes 2 x 64 keys)
+  bwd_block_q: int = 64  # the dk/dv kernel's queries a step (its CTA takes 2 x 64 keys, or
+  # 64 past head dim 128)
   bwd_block_kv: int = 64  # the dq kernel's keys a step (its CTA takes 2 x 64 queries)
-  bwd_stages: int = 2  # blocks in flight in either backward kernel
-  # The Triton backward's config, for the calls the Mosaic GPU backward does not serve (a bias,
-  # head dims past 128); None: Triton's heuristic.
+  bwd_stages: int = 2  # blocks in flight in either backward kernel (fewer where they do not fit)
+  # The Triton backward's config, for the calls the Mosaic GPU backward does not serve (a
+  # bias); None: Triton's heuristic.
   backward: triton.Config | None = None
 
   def __post_init__(self):
