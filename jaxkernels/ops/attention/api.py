@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxkernels import _checks, backend, partitioning
+from jaxkernels import _checks, backend, partitioning, remat
 from jaxkernels._tiling import bucket
 from jaxkernels.ops.attention import (mosaic_gpu, mosaic_tpu, mosaic_tpu_decode, reference,
                                       triton, triton_decode)
@@ -22,8 +22,8 @@ OP = "flash_attention"
 MAX_HEAD_DIM = 256
 # Names under which the forward's residuals are saved, for remat policies
 # (jax.checkpoint_policies.save_only_these_names and friends).
-OUTPUT_NAME = "attention_out"
-LSE_NAME = "attention_lse"
+OUTPUT_NAME = remat.ATTENTION_OUT  # the checkpoint names of the saved output and LSE
+LSE_NAME = remat.ATTENTION_LSE
 
 
 def _dtype_reason(dtype) -> str | None:
