@@ -569,16 +569,17 @@ def _meeting_blocks(q_seg, kv_seg, rows: int, cols: int):
 # or is padding, so that its P is 0) and take delta = rowsum(dO * O) - d(lse) from XLA. The dq
 # kernel is the forward's CTA: two warpgroups of 64 queries and a producer streaming k and v
 # blocks along their walk; a step is dP = dO v^T and S = q k^T (issued together, v's slot
-# released as soon as dP is in), dS, and dq += dS k. The dk/dv kernel turns it around: two warpgroups of 64 keys each (k and v held in
-# shared memory), the producer streaming q, dO, the log-sum-exp and delta along the queries
-# that see them, for every query head of the key head's group (GQA's sum stays in the
-# accumulators); a step is S^T = k q^T, P^T, then dP^T = v dO^T with dv += P^T dO behind it,
-# dS^T once dP^T is in, and dk += dS^T q. Past head dim 128 (64 keys' dk and dv would take 256
-# registers a thread) both warpgroups take the same 64 keys and each accumulates its half of
-# dk's and dv's columns, computing the whole S^T and dP^T from both halves of k, q, v and dO
-# (``head_parts``: 1.5x the dk/dv kernel's tensor work, no exchange between warpgroups). Masks walk as the forward's do, from the other side
-# for dk/dv (``common.query_blocks``). The products run as JAX's and tokamax's Mosaic GPU
-# backward kernels run theirs (read before writing these).
+# released as soon as dP is in), dS, and dq += dS k. The dk/dv kernel turns it around: two
+# warpgroups of 64 keys each (k and v held in shared memory), the producer streaming q, dO, the
+# log-sum-exp and delta along the queries that see them, for every query head of the key head's
+# group (GQA's sum stays in the accumulators); a step is S^T = k q^T, P^T, then dP^T = v dO^T
+# with dv += P^T dO behind it, dS^T once dP^T is in, and dk += dS^T q. Past head dim 128 (64
+# keys' dk and dv would take 256 registers a thread) both warpgroups take the same 64 keys and
+# each accumulates its half of dk's and dv's columns, computing the whole S^T and dP^T from both
+# halves of k, q, v and dO (``head_parts``: 1.5x the dk/dv kernel's tensor work, no exchange
+# between warpgroups). Masks walk as the forward's do, from the other side for dk/dv
+# (``common.query_blocks``). The products run as JAX's and tokamax's Mosaic GPU backward kernels
+# run theirs (read before writing these).
 
 
 def backward_unsupported(call: Call) -> str | None:
