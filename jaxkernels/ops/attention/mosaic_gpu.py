@@ -55,7 +55,7 @@ PRODUCER_REGISTERS = 40
 # The backward kernels past head dim 128: a producer of 24 registers leaves 240 to each compute
 # warpgroup; at GQA h256 dk/dv 4.72 -> 4.44 ms, dq 4.75 -> 4.34 (fewer spills), while at 128
 # the kernels were no faster (bench/NOTES.md attention-6).
-HALVES_PRODUCER_REGISTERS = 24
+WIDE_PRODUCER_REGISTERS = 24
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 
@@ -597,33 +597,37 @@ def head_parts(head_dim: int) -> int:
   return 1 if head_dim <= 128 else 2
 
 
+def _backward_producer_registers(head_dim: int) -> int:
+  """The backward kernels' producer registers (the compute warpgroups take the rest)."""
+  return PRODUCER_REGISTERS if head_dim <= 128 else WIDE_PRODUCER_REGISTERS
+
+
 def _smem(*buffers: int) -> int:
   """Shared memory of scoped buffers of these byte sizes: each starts on a 1024-byte boundary
   (Pallas Mosaic GPU's alignment), and the barriers take at most one more KiB."""
   return sum(round_up(nbytes, 1024) for nbytes in buffers) + 1024
 
 
-def _dq_bytes(h: int, itemsize: int, segments: bool, block_kv: int, stages) -> int:
-  k_stages, v_stages = stages
+def _dq_bytes(h: int, itemsize: int, segments: bool, block_kv: int, stages: int) -> int:
   tile = 64 * h * itemsize
   buffers = [2 * tile, 2 * tile, 2 * 64 * 4, 2 * 64 * 4,  # q, dO, lse, delta
-             k_stages * block_kv * h * itemsize, v_stages * block_kv * h * itemsize]
+             stages * block_kv * h * itemsize, stages * block_kv * h * itemsize]  # k, v
   if segments:
-    buffers += [2 * 64 * 4, k_stages * block_kv * 4]
+    buffers += [2 * 64 * 4, stages * block_kv * 4]
   return _smem(*buffers)
 
 
-def _dq_stages(h: int, itemsize: int, segments: bool, config: Config) -> tuple[int, int]:
-  """The dq kernel's (key, value) ring depths: ``bwd_stages`` each, less where they would not
-  fit a CTA's shared memory (past head dim 128, 128 queries' q and dO take 128 KiB, and the
-  rings hold one block each). Always equal: at head dim 256 a key ring of two blocks beside a
-  value ring of one fits and ran dq 27% faster, but compiled its causal dq was wrong (right
-  interpreted, and without a mask; not understood, bench/NOTES.md attention-6)."""
+def _dq_stages(h: int, itemsize: int, segments: bool, config: Config) -> int:
+  """The dq kernel's ring depth (keys and values alike): ``bwd_stages``, less where it would
+  not fit a CTA's shared memory (past head dim 128, 128 queries' q and dO take 128 KiB, and
+  the rings hold one block each). At head dim 256 a key ring of two blocks beside a value ring
+  of one fits and ran dq 27% faster, but compiled its causal dq was wrong (right interpreted,
+  and without a mask; not understood, bench/NOTES.md attention-6)."""
   stages = config.bwd_stages
-  while (_dq_bytes(h, itemsize, segments, config.bwd_block_kv, (stages, stages)) > SMEM_BYTES
+  while (_dq_bytes(h, itemsize, segments, config.bwd_block_kv, stages) > SMEM_BYTES
          and stages > 1):
     stages -= 1
-  return stages, stages
+  return stages
 
 
 def _dkv_bytes(h: int, itemsize: int, segments: bool, config: Config) -> int:
@@ -732,25 +736,26 @@ def _grad_logits(p_capped, dp, delta, axis: int):
   return p_capped * (dp - lax.broadcast_in_dim(delta, p_capped.shape, [axis]))
 
 
-def _produce(lo, end, streams):
-  """A producer warpgroup's rings: for every step j in [lo, end) and each stream ``(stages,
-  free, load)``, ``load(j, slot)`` into slot (j - lo) mod stages, a refill first waiting for
-  the slot's release on ``free``; then the releases that no refill waited for, so that every
-  barrier ends with each phase observed."""
-  slot = lambda j, stages: lax.rem(j - lo, jnp.int32(stages))
+def _produce(lo, end, stages: int, streams):
+  """A producer warpgroup's rings of ``stages`` slots: for every step j in [lo, end) and each
+  stream ``(free, load)``, ``load(j, slot)`` into slot (j - lo) mod stages, a refill first
+  waiting for the slot's release on ``free`` (each stream on its own, so that one ring's
+  refill does not wait for another's release); then the releases that no refill waited for,
+  so that every barrier ends with each phase observed."""
+  slot = lambda j: lax.rem(j - lo, jnp.int32(stages))
 
   @pl.loop(lo, end)
   def _(j):
-    for stages, free, load in streams:
+    for free, load in streams:
       @pl.when(j - lo >= stages)
       def _():
-        plgpu.barrier_wait(free.at[slot(j, stages)])
-      load(j, slot(j, stages))
+        plgpu.barrier_wait(free.at[slot(j)])
+      load(j, slot(j))
 
-  for stages, free, _ in streams:
-    @pl.loop(jnp.maximum(end - stages, lo), end)
-    def _(j):
-      plgpu.barrier_wait(free.at[slot(j, stages)])
+  @pl.loop(jnp.maximum(end - stages, lo), end)
+  def _(j):
+    for free, _ in streams:
+      plgpu.barrier_wait(free.at[slot(j)])
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Call,
@@ -761,13 +766,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
   else:
     (dq_ref,), q_seg_ref, kv_seg_ref, meet_ref = refs, None, None, None
   h, bkv = call.head_dim, c.bwd_block_kv
-  k_stages, v_stages = _dq_stages(h, jnp.dtype(call.dtype).itemsize, call.segments, c)
-  producer_registers = PRODUCER_REGISTERS if h <= 128 else HALVES_PRODUCER_REGISTERS
+  stages = _dq_stages(h, jnp.dtype(call.dtype).itemsize, call.segments, c)
+  producer_registers = _backward_producer_registers(h)
   transforms = _mosaic_gpu.swizzled(h, call.dtype)
   extra = {}
   if call.segments:
     extra = dict(q_seg_smem=plgpu.SMEM((2, 64), jnp.int32),
-                 kv_seg_smem=plgpu.SMEM((k_stages, bkv), jnp.int32))
+                 kv_seg_smem=plgpu.SMEM((stages, bkv), jnp.int32))
   if interpret:
     extra["scratch"] = plgpu.SMEM((2, 64, h), jnp.float32)
   segs = int(call.segments)
@@ -778,13 +783,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
       do_smem=plgpu.SMEM((2, 64, h), call.dtype, transforms=transforms),
       lse_smem=plgpu.SMEM((2, 64), jnp.float32),
       delta_smem=plgpu.SMEM((2, 64), jnp.float32),
-      k_smem=plgpu.SMEM((k_stages, bkv, h), call.dtype, transforms=transforms),
-      v_smem=plgpu.SMEM((v_stages, bkv, h), call.dtype, transforms=transforms),
+      k_smem=plgpu.SMEM((stages, bkv, h), call.dtype, transforms=transforms),
+      v_smem=plgpu.SMEM((stages, bkv, h), call.dtype, transforms=transforms),
       q_full=plgpu.Barrier(num_arrivals=4 + segs, num_barriers=2),
-      k_full=plgpu.Barrier(num_arrivals=1 + segs, num_barriers=k_stages),
-      v_full=plgpu.Barrier(num_barriers=v_stages),
-      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=k_stages),
-      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=v_stages),
+      k_full=plgpu.Barrier(num_arrivals=1 + segs, num_barriers=stages),
+      v_full=plgpu.Barrier(num_barriers=stages),
+      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       **extra)
   def _scope(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_full, k_full, v_full,
              k_free, v_free, q_seg_smem=None, kv_seg_smem=None, scratch=None):
@@ -795,8 +800,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
     wg = lax.axis_index("wg")
     meet = None if meet_ref is None else (meet_ref[b, tile, 0], meet_ref[b, tile, 1])
     lo, hi, walks = _ring(tile, call.q_len, call.kv_len, bkv, call.window, meet)
-    k_slot_of = lambda j: lax.rem(j - lo, jnp.int32(k_stages))
-    v_slot_of = lambda j: lax.rem(j - lo, jnp.int32(v_stages))
+    slot_of = lambda j: lax.rem(j - lo, jnp.int32(stages))
 
     @pl.when(wg == 2)
     def _producer():
@@ -813,7 +817,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
         plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(j * bkv, bkv), kh], v_smem.at[slot],
                                 v_full.at[slot])
 
-      _produce(lo, hi, [(k_stages, k_free, load_k), (v_stages, v_free, load_v)])
+      _produce(lo, hi, stages, [(k_free, load_k), (v_free, load_v)])
 
     @pl.when(wg < 2)
     def _consumer():
@@ -837,29 +841,29 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
       q_seg = _load(q_seg_smem.at[wg], rows, interpret) if call.segments else None
 
       def idle(j, carry):
-        k_slot, v_slot = k_slot_of(j), v_slot_of(j)
-        plgpu.barrier_wait(k_full.at[k_slot])
-        plgpu.barrier_wait(v_full.at[v_slot])
-        plgpu.barrier_arrive(k_free.at[k_slot])
-        plgpu.barrier_arrive(v_free.at[v_slot])
+        slot = slot_of(j)
+        plgpu.barrier_wait(k_full.at[slot])
+        plgpu.barrier_wait(v_full.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
         return carry
 
       def step(dq_acc, positions: bool):
         def run(j, carry):
-          k_slot, v_slot = k_slot_of(j), v_slot_of(j)
-          plgpu.barrier_wait(k_full.at[k_slot])
-          plgpu.barrier_wait(v_full.at[v_slot])
-          k_block = k_smem.at[k_slot]
+          slot = slot_of(j)
+          plgpu.barrier_wait(k_full.at[slot])
+          plgpu.barrier_wait(v_full.at[slot])
+          k_block = k_smem.at[slot]
           # dP's product first: its value slot is released (and refilled) while S's runs.
-          dp, qk = _products([[(do_tile, v_smem.at[v_slot])], [(q_tile, k_block)]], interpret,
-                             after_first=lambda: plgpu.barrier_arrive(v_free.at[v_slot]))
+          dp, qk = _products([[(do_tile, v_smem.at[slot])], [(q_tile, k_block)]], interpret,
+                             after_first=lambda: plgpu.barrier_arrive(v_free.at[slot]))
           shape = qk.shape
           mask = None
           if positions or call.segments:
             kv_seg = None
             if call.segments:
               kv_seg = lax.broadcast_in_dim(
-                  _load(kv_seg_smem.at[k_slot], plgpu.Layout.WGMMA.reduce(0), interpret),
+                  _load(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret),
                   shape, [1])
             q_pos = row0 + _iota(shape, 0, interpret)
             k_pos = j * bkv + _iota(shape, 1, interpret)
@@ -873,7 +877,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
           ds = _grad_logits(_capped(p, th), dp, delta, 0)
           _mma(dq_acc, ds.astype(call.dtype), k_block, interpret)
           _wait(0, interpret)
-          plgpu.barrier_arrive(k_free.at[k_slot])
+          plgpu.barrier_arrive(k_free.at[slot])
           return carry
         return run
 
@@ -904,7 +908,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
   h, bq, stages = call.head_dim, c.bwd_block_q, c.bwd_stages
   parts = head_parts(h)
   part = h // parts
-  producer_registers = PRODUCER_REGISTERS if parts == 1 else HALVES_PRODUCER_REGISTERS
+  producer_registers = _backward_producer_registers(h)
 
   def in_part(ref, i):
     """Columns [i part, (i + 1) part) of a gmem block of whole head-dim rows."""
@@ -978,8 +982,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
                                   arrive)
         plgpu.copy_gmem_to_smem(delta_ref.at[b, n, queries], delta_smem.at[slot], arrive)
 
-      _produce(jnp.int32(0), call.group * span,
-               [(stages, q_free, load_q), (stages, do_free, load_do)])
+      _produce(jnp.int32(0), call.group * span, stages, [(q_free, load_q), (do_free, load_do)])
 
     @pl.when(wg < 2)
     def _consumer():
