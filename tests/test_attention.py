@@ -274,11 +274,10 @@ class TestAttentionMosaicGpu(AttentionTest):
 
   def test_head_dim_256(self):
     """Past head dim 128: the dk/dv kernel's warpgroups share 64 keys, each its half of dk and
-    dv's columns (and the dq kernel's key and value rings are one block deep); causal, GQA, a
-    cap, partial blocks at both ends."""
+    dv's columns, and the dq kernel takes 32 keys a step (a 64-byte swizzle); causal, GQA,
+    segments, a cap, partial blocks at both ends, the heuristic's config."""
     self.check(Case(batch=1, q_len=130, kv_len=100, kv_heads=1, group=2, head_dim=256,
-                    dtype=jnp.bfloat16, causal=True, soft_cap=3.0),
-               attention_mosaic_gpu.Config(block_kv=64))
+                    dtype=jnp.bfloat16, causal=True, segments=2, soft_cap=3.0), None)
     q = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
     too_big = attention_mosaic_gpu.Config(block_kv=64, bwd_block_q=128)
     with numerics.kernel_mode(), pytest.raises(ValueError, match="dk/dv kernel needs"):

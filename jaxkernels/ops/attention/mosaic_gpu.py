@@ -66,7 +66,8 @@ class Config:
   stages: int = 2  # key/value blocks in flight
   bwd_block_q: int = 64  # the dk/dv kernel's queries a step (its CTA takes 2 x 64 keys, or
   # 64 past head dim 128)
-  bwd_block_kv: int = 64  # the dq kernel's keys a step (its CTA takes 2 x 64 queries)
+  bwd_block_kv: int = 64  # the dq kernel's keys a step (its CTA takes 2 x 64 queries); 32
+  # past head dim 128, where two blocks of 64 keys do not fit beside 128 queries' q and dO
   bwd_stages: int = 2  # blocks in flight in either backward kernel (fewer where they do not fit)
   # The Triton backward's config, for the calls the Mosaic GPU backward does not serve (a
   # bias); None: Triton's heuristic.
@@ -76,7 +77,8 @@ class Config:
     check_fields(self, ("block_q",), lambda v: v == 64, "64 (a wgmma's rows per warpgroup)")
     check_fields(self, ("block_kv",), lambda v: v % 64 == 0 and 64 <= v <= 256,
                  "a multiple of 64 up to 256")
-    check_fields(self, ("bwd_block_q", "bwd_block_kv"), lambda v: v in (64, 128), "64 or 128")
+    check_fields(self, ("bwd_block_q",), lambda v: v in (64, 128), "64 or 128")
+    check_fields(self, ("bwd_block_kv",), lambda v: v in (32, 64, 128), "32, 64 or 128")
     check_fields(self, ("stages", "bwd_stages"), lambda v: v >= 2, ">= 2")
 
 
@@ -84,12 +86,14 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   """FlashAttention-3's blocks: 2 x 64 queries against 128 keys at head dim 128 (64 keys at
   128 with 3 stages: 0.53 against 0.43 ms), 256 keys at 64 (0.604 against 0.621 ms for 128),
   64 keys past 128 (registers: the accumulator alone takes 128 a thread at 256). H100, B=2
-  T=S=4096, bench/NOTES.md attention-4."""
+  T=S=4096, bench/NOTES.md attention-4. The dq kernel past 128 takes 32 keys a step, two
+  blocks in flight: at 256 its ring of one 64-key block ran 4.26 ms, this 2.63 (attention-7)."""
   h = problem.head_dim
   block_kv = 256 if h <= 64 else 128 if h <= 128 else 64
   if problem.bias is not None:  # a bias tile a stage beside k and v: 64 keys fit
     block_kv = 64
-  return Config(block_q=64, block_kv=block_kv, stages=2, backward=triton.heuristic(problem, chip))
+  return Config(block_q=64, block_kv=block_kv, stages=2, bwd_block_kv=64 if h <= 128 else 32,
+                backward=triton.heuristic(problem, chip))
 
 
 def unsupported(problem, chip) -> str | None:
@@ -568,7 +572,7 @@ def _meeting_blocks(q_seg, kv_seg, rows: int, cols: int):
 # Both recompute P from q, k and the saved log-sum-exp (base 2, +inf where a query sees nothing
 # or is padding, so that its P is 0) and take delta = rowsum(dO * O) - d(lse) from XLA. The dq
 # kernel is the forward's CTA: two warpgroups of 64 queries and a producer streaming k and v
-# blocks along their walk; a step is dP = dO v^T and S = q k^T (issued together, v's slot
+# blocks along their walk (of 32 keys past head dim 128, so that two are in flight); a step is dP = dO v^T and S = q k^T (issued together, v's slot
 # released as soon as dP is in), dS, and dq += dS k. The dk/dv kernel turns it around: two
 # warpgroups of 64 keys each (k and v held in shared memory), the producer streaming q, dO, the
 # log-sum-exp and delta along the queries that see them, for every query head of the key head's
@@ -619,10 +623,8 @@ def _dq_bytes(h: int, itemsize: int, segments: bool, block_kv: int, stages: int)
 
 def _dq_stages(h: int, itemsize: int, segments: bool, config: Config) -> int:
   """The dq kernel's ring depth (keys and values alike): ``bwd_stages``, less where it would
-  not fit a CTA's shared memory (past head dim 128, 128 queries' q and dO take 128 KiB, and
-  the rings hold one block each). At head dim 256 a key ring of two blocks beside a value ring
-  of one fits and ran dq 27% faster, but compiled its causal dq was wrong (right interpreted,
-  and without a mask; not understood, bench/NOTES.md attention-6)."""
+  not fit a CTA's shared memory (past head dim 128, 128 queries' q and dO take 128 KiB: rings
+  of 64-key blocks hold one block each, of 32-key blocks two or three)."""
   stages = config.bwd_stages
   while (_dq_bytes(h, itemsize, segments, config.bwd_block_kv, stages) > SMEM_BYTES
          and stages > 1):
@@ -768,7 +770,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
   h, bkv = call.head_dim, c.bwd_block_kv
   stages = _dq_stages(h, jnp.dtype(call.dtype).itemsize, call.segments, c)
   producer_registers = _backward_producer_registers(h)
-  transforms = _mosaic_gpu.swizzled(h, call.dtype)
+  # dq's product contracts over the keys: wgmma's K (bkv) is a multiple of the swizzle's lanes
+  # (a 64-byte swizzle for 32 keys a step).
+  transforms = _mosaic_gpu.swizzled(min(h, bkv), call.dtype)
   extra = {}
   if call.segments:
     extra = dict(q_seg_smem=plgpu.SMEM((2, 64), jnp.int32),
