@@ -14,12 +14,14 @@ import sys
 
 import jax
 
-from bench import attention, ceilings, elementwise, harness, matmul, norms, sharding, softmax
+from bench import (attention, ceilings, cross_entropy, elementwise, harness, matmul, norms,
+                   sharding, softmax)
 
 SUITES = {
     "norms": norms.run,
     "elementwise": elementwise.run,
     "softmax": softmax.run,
+    "cross_entropy": cross_entropy.run,
     "ceilings": ceilings.run,
     "matmul": matmul.run,
     "sharding": sharding.run,

@@ -8,6 +8,9 @@ from jaxkernels.backend import (
 )
 from jaxkernels import timing as timing, tuning as tuning
 from jaxkernels.partitioning import ShardingWarning as ShardingWarning
+from jaxkernels.ops.cross_entropy.api import (
+    linear_softmax_cross_entropy as linear_softmax_cross_entropy,
+    softmax_cross_entropy as softmax_cross_entropy)
 from jaxkernels.ops.attention.api import (decode_attention as decode_attention,
                                           flash_attention as flash_attention)
 from jaxkernels.ops.matmul.api import matmul as matmul

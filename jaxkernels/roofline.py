@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxkernels import hardware
@@ -92,6 +93,17 @@ def softmax_fwd(x) -> Cost:
 
 def softmax_bwd(x) -> Cost:
   return Cost(4 * x.size, 3 * nbytes(x), 0)
+
+
+def cross_entropy_fwd(logits) -> Cost:
+  """Softmax cross-entropy's loss and log-sum-exp: one read of the logits."""
+  return Cost(5 * logits.size, nbytes(logits), logits.size)
+
+
+def cross_entropy_bwd(logits, dlogits_dtype) -> Cost:
+  """Its gradient: the logits read, the gradient written."""
+  return Cost(6 * logits.size, nbytes(logits) + logits.size * jnp.dtype(dlogits_dtype).itemsize,
+              logits.size)
 
 
 def bias_activation_fwd(x, bias, activation: str) -> Cost:

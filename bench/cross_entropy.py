@@ -1,0 +1,89 @@
+"""Softmax cross-entropy: the row kernels on logits against XLA; and the loss fused with the
+output projection against the optax path (logits = x @ w, then optax's loss on them), in time
+and in the compiled program's memory."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+import jaxkernels as jk
+from bench import harness
+from jaxkernels import roofline, timing
+from jaxkernels.ops.cross_entropy import reference
+
+VOCAB = 128256  # Llama 3's
+LINEAR = (16384, 2048, 131072)  # tokens, width, vocabulary: the issue's bar
+SMOKE_LINEAR = (300, 64, 1000)
+
+
+def _rows_case(session):
+  rows, vocab = (300, 1000) if session.smoke else (8192, VOCAB)
+  labels = jax.random.randint(jax.random.key(1), (rows,), 0, vocab)  # the same for every set
+
+  def draw(seed):
+    k = jax.random.split(jax.random.key(seed), 2)
+    return (3 * jax.random.normal(k[0], (rows, vocab), jnp.bfloat16),), \
+        jax.random.normal(k[1], (rows,), jnp.float32)
+
+  (logits,), _ = draw(0)
+  return harness.Case(
+      suite="cross_entropy", name="cross_entropy rows", inputs=draw,
+      op=lambda impl, cfg: (lambda z: jk.softmax_cross_entropy(
+          z, labels, reduction="none", z_loss=1e-4, implementation=impl, config=cfg)),
+      reference=lambda cd: (lambda z: reference.softmax_cross_entropy(
+          z, labels, z_loss=1e-4, compute_dtype=cd)[0].astype(jnp.float32)),
+      fwd_cost=roofline.cross_entropy_fwd(logits),
+      bwd_cost=roofline.cross_entropy_bwd(logits, logits.dtype), grads=(0,),
+      dtype=jnp.bfloat16)
+
+
+def _optax_loss(x, w, labels):
+  import optax
+  logits = jnp.dot(x, w)
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                         labels).mean()
+
+
+def _linear(session):
+  """Loss and both gradients at LINEAR: time, the compiled program's temporaries and outputs,
+  and the loss against the float32 reference."""
+  tokens, dim, vocab = SMOKE_LINEAR if session.smoke else LINEAR
+  k = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k[0], (tokens, dim), jnp.bfloat16)
+  w = (jax.random.normal(k[1], (dim, vocab), jnp.float32) / dim ** 0.5).astype(jnp.bfloat16)
+  labels = jax.random.randint(k[2], (tokens,), 0, vocab)
+  want = float(jnp.mean(reference.linear_softmax_cross_entropy(x, w, labels)[0]))
+  impls = {"optax": _optax_loss}
+  for impl in ("xla", session.kernel):
+    impls[impl] = lambda x, w, y, impl=impl: jk.linear_softmax_cross_entropy(
+        x, w, y, implementation=impl)
+  context = jk.interpret_mode if session.interpret else contextlib.nullcontext
+  shape = f"{tokens}x{dim}x{vocab}"
+  for impl, fn in impls.items():
+    row = harness.Row("cross_entropy", "linear cross_entropy fwd+bwd", impl, shape, "bfloat16")
+    try:
+      with context():
+        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+        compiled = step.lower(x, w, labels).compile()
+        memory = compiled.memory_analysis()
+        held = memory.temp_size_in_bytes + memory.output_size_in_bytes
+        loss = float(step(x, w, labels)[0])
+        seconds = timing.time_sets(step, [(x, w, labels)], rounds=session.rounds,
+                                   calls=session.calls)
+    except Exception as e:  # noqa: BLE001 - one that fails (out of memory) is a row
+      row.note = f"FAILED: {type(e).__name__}: {str(e)[:200]}"
+      session.add(row)
+      continue
+    row.ms = seconds * 1e3
+    row.tflops = 6 * tokens * dim * vocab / seconds / 1e12
+    row.error = abs(loss - want) / abs(want)
+    row.note = f"memory {held / 2**20:.0f} MiB (temporaries + outputs)"
+    session.add(row)
+
+
+def run(session: harness.Session, sweep: bool = False) -> None:
+  harness.run_case(session, _rows_case(session), sweep=sweep)
+  _linear(session)

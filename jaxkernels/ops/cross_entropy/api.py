@@ -1,0 +1,369 @@
+"""Softmax cross-entropy, on logits and fused with the output projection: validation, dispatch
+and the custom_vjp boundaries.
+
+``softmax_cross_entropy`` runs the row kernels (loss and log-sum-exp in one read of the logits;
+their gradient in one more read and one write). ``linear_softmax_cross_entropy`` never holds
+the (tokens, vocab) logits: it walks the tokens in chunks, each chunk's logits a float32 matmul
+that the row kernels read and that dies with the chunk. Reduced to a mean or a sum, the loss's
+cotangent is one number, so the forward computes the gradients as it goes (the chunk's logits
+gradient, then dx and dW from it: three matmuls a chunk, as an unfused forward and backward
+take) and the backward only scales them. Unreduced, the backward recomputes each chunk's logits
+(a fourth matmul) for the per-token cotangents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxkernels import _checks, backend, partitioning
+from jaxkernels._tiling import bucket, round_up
+from jaxkernels.ops.cross_entropy import mosaic_tpu, reference, triton
+
+OP = "cross_entropy"
+LINEAR_OP = "linear_cross_entropy"
+REDUCTIONS = ("mean", "sum", "none")
+CHUNK_ELEMENTS = 1 << 27  # a chunk's logits: 512 MiB of float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One call as the row kernels see it: the logits as (M, V) rows."""
+
+  logits: jax.ShapeDtypeStruct
+
+  @classmethod
+  def of(cls, logits) -> Problem:
+    rows = math.prod(logits.shape[:-1])
+    return cls(jax.ShapeDtypeStruct((rows, logits.shape[-1]), logits.dtype))
+
+  def key(self) -> str:
+    rows, cols = self.logits.shape
+    return f"{self.logits.dtype}|{bucket(rows)}x{cols}"
+
+  def reason(self) -> str | None:
+    return _checks.kernel_dtype_reason(logits=self.logits)
+
+  def __str__(self) -> str:
+    return f"cross-entropy of {self.logits.shape} {self.logits.dtype} logits"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  label_smoothing: float
+  z_loss: float
+  ignore_index: int | None
+
+  def kwargs(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- #
+# Validation
+# --------------------------------------------------------------------------- #
+
+
+def _labels(op, labels, shape, against):
+  if not (hasattr(labels, "shape") and hasattr(labels, "dtype")):
+    labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"{op}: labels must have an integer dtype, got {labels.dtype}")
+  if tuple(labels.shape) != tuple(shape):
+    raise ValueError(f"{op}: labels must have the shape of {against}, {tuple(shape)}, got "
+                     f"{tuple(labels.shape)}")
+  return labels.astype(jnp.int32)
+
+
+def _options(op, label_smoothing, z_loss, ignore_index, reduction) -> tuple[_Options, str]:
+  for name, value, ok, accepted in (
+      ("label_smoothing", label_smoothing, lambda v: 0 <= v < 1, "a float in [0, 1)"),
+      ("z_loss", z_loss, lambda v: 0 <= v < math.inf, "a finite float >= 0")):
+    if (isinstance(value, (bool, jax.core.Tracer)) or not isinstance(value, numbers.Real)
+        or not ok(float(value))):
+      raise ValueError(f"{op}: {name} must be {accepted} (a Python number), got {value!r}")
+  if ignore_index is not None and (isinstance(ignore_index, bool)
+                                   or not isinstance(ignore_index, numbers.Integral)
+                                   or not -2**31 <= ignore_index < 2**31):
+    raise ValueError(f"{op}: ignore_index must be None or a Python int (int32), got "
+                     f"{ignore_index!r}")
+  _checks.choice(op, "reduction", reduction, REDUCTIONS)
+  return _Options(float(label_smoothing), float(z_loss),
+                  None if ignore_index is None else int(ignore_index)), reduction
+
+
+def _reduce(loss, labels, options: _Options, reduction: str, valid=None):
+  """The per-token ``loss`` reduced: a mean over the tokens not ignored (0 where there are
+  none), a sum, or as it is."""
+  if reduction == "none":
+    return loss
+  if reduction == "sum":
+    return jnp.sum(loss)
+  return jnp.sum(loss) / jnp.maximum(_count(labels, options, valid), 1.0)
+
+
+def _count(labels, options: _Options, valid=None):
+  kept = jnp.ones(labels.shape, bool) if options.ignore_index is None else (
+      labels != options.ignore_index)
+  if valid is not None:
+    kept = kept & valid
+  return jnp.sum(kept, dtype=jnp.float32)
+
+
+# --------------------------------------------------------------------------- #
+# The rows: kernels or the reference
+# --------------------------------------------------------------------------- #
+
+
+def _forward(plan, options: _Options, logits, labels):
+  """(loss, lse) of (M, V) rows."""
+  if plan is None:
+    return reference.softmax_cross_entropy(logits, labels, **options.kwargs())
+  return plan.run(plan.kernels.forward, logits, labels)
+
+
+def _backward(plan, options: _Options, logits, labels, lse, g, dtype):
+  """d loss / d logits of (M, V) rows for the per-row cotangent ``g``, in ``dtype``."""
+  if plan is None:
+    loss = lambda z: reference.softmax_cross_entropy(z, labels, **options.kwargs())[0]
+    return jax.vjp(loss, logits.astype(jnp.float32))[1](g)[0].astype(dtype)
+  return plan.run(plan.kernels.backward, logits, labels, lse, g, dtype=dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rows(plan, options, logits, labels):
+  return _forward(plan, options, logits, labels)[0]
+
+
+def _rows_fwd(plan, options, logits, labels):
+  loss, lse = _forward(plan, options, logits, labels)
+  return loss, (logits, labels, lse)
+
+
+def _rows_bwd(plan, options, saved, g):
+  logits, labels, lse = saved
+  return _backward(plan, options, logits, labels, lse, g, logits.dtype), None
+
+
+_rows.defvjp(_rows_fwd, _rows_bwd)
+
+
+def _plan(implementation, where, logits_like, config, options: _Options, empty: bool):
+  """The row kernels' plan for ``logits_like`` rows on the device of ``where``."""
+  return backend.plan(OP, implementation, backend.target_of(where), Problem.of(logits_like),
+                      _KERNELS, config, empty=empty, **options.kwargs())
+
+
+def _per_token(logits, labels, options: _Options, implementation, config):
+  split, out = partitioning.rowwise(
+      OP, implementation,
+      lambda logits, labels: _per_token(logits, labels[..., 0], options, implementation,
+                                        config)[..., None],
+      rows={"logits": logits, "labels": labels[..., None]}, reduced=-1)
+  if split:
+    return out[..., 0]
+  plan = _plan(implementation, logits, logits, config, options, empty=logits.size == 0)
+  if plan is None:
+    return reference.softmax_cross_entropy(logits, labels, **options.kwargs())[0]
+  vocab = logits.shape[-1]
+  return _rows(plan, options, logits.reshape(-1, vocab), labels.reshape(-1)).reshape(
+      labels.shape)
+
+
+def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                          ignore_index: int | None = None, reduction: str = "mean",
+                          implementation=None, config=None):
+  """Softmax cross-entropy of integer labels, statistics in float32.
+
+  Per token, with V classes: ``logsumexp(z) - (1 - e) z[label] - (e / V) sum(z)`` (label
+  smoothing e) ``+ z_loss * logsumexp(z)**2`` (PaLM's z-loss). A token whose label is
+  ``ignore_index`` gives 0 and no gradient, and is left out of the mean; a label outside
+  [0, V) otherwise gives NaN.
+
+  Args:
+    logits: (..., V) bfloat16, float16 or float32.
+    labels: (...) integers.
+    label_smoothing, z_loss: Python floats, in [0, 1) and >= 0.
+    ignore_index: None, or the label that marks padding (e.g. -100).
+    reduction: "mean" (over the tokens not ignored; 0 if none is), "sum" or "none" (float32,
+      shaped like ``labels``).
+    implementation: None (best available), "xla", "triton" or "mosaic_tpu".
+    config: the chosen kernel's Config; None picks one for the shape and device.
+  """
+  logits = _checks.array(OP, "logits", logits)
+  if logits.shape[-1] == 0:
+    raise ValueError(f"{OP}: logits must have at least one class (a last axis > 0), got shape "
+                     f"{tuple(logits.shape)}")
+  labels = _labels(OP, labels, logits.shape[:-1], "logits without its last axis")
+  options, reduction = _options(OP, label_smoothing, z_loss, ignore_index, reduction)
+  loss = _per_token(logits, labels, options, implementation, config)
+  return _reduce(loss, labels, options, reduction)
+
+
+# --------------------------------------------------------------------------- #
+# Fused with the output projection
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class _Linear:
+  """What a linear cross-entropy call fixes: the row kernels' plan (None: the reference's
+  math), its options, the chunk of tokens."""
+
+  plan: backend.Plan | None
+  options: _Options
+  chunk: int
+
+
+def _chunks(spec: _Linear, *arrays):
+  """Each array's tokens (the leading axis) as (chunks, chunk, ...)."""
+  return [a.reshape(-1, spec.chunk, *a.shape[1:]) for a in arrays]
+
+
+def _logits(x, w):
+  return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _linear_loss(spec: _Linear, x, w, labels):
+  def step(_, chunk):
+    x_c, labels_c = chunk
+    return None, _forward(spec.plan, spec.options, _logits(x_c, w), labels_c)
+  _, (loss, lse) = lax.scan(step, None, _chunks(spec, x, labels))
+  return loss.reshape(-1), lse.reshape(-1)
+
+
+def _linear_grads(spec: _Linear, x, w, labels, lse, g):
+  """(dx, dw) for the per-token cotangent ``g``, chunk by chunk (the logits recomputed when
+  ``lse`` is given, else computed with the loss: then (loss, dx, dw))."""
+  dtype = x.dtype
+
+  def step(dw, chunk):
+    x_c, labels_c, g_c, lse_c = chunk
+    logits = _logits(x_c, w)
+    loss = None
+    if lse_c is None:
+      loss, lse_c = _forward(spec.plan, spec.options, logits, labels_c)
+    dlogits = _backward(spec.plan, spec.options, logits, labels_c, lse_c, g_c, dtype)
+    dx = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32).astype(dtype)
+    dw = dw + jnp.dot(x_c.T, dlogits, preferred_element_type=jnp.float32)
+    return dw, (loss, dx)
+
+  chunks = _chunks(spec, x, labels, g) + ([None] if lse is None else _chunks(spec, lse))
+  dw, (loss, dx) = lax.scan(step, jnp.zeros(w.shape, jnp.float32), tuple(chunks))
+  dx, dw = dx.reshape(x.shape), dw.astype(w.dtype)
+  return (dx, dw) if lse is not None else (loss.reshape(-1), dx, dw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _linear_rows(spec, x, w, labels):
+  return _linear_loss(spec, x, w, labels)[0]
+
+
+def _linear_rows_fwd(spec, x, w, labels):
+  loss, lse = _linear_loss(spec, x, w, labels)
+  return loss, (x, w, labels, lse)
+
+
+def _linear_rows_bwd(spec, saved, g):
+  x, w, labels, lse = saved
+  return (*_linear_grads(spec, x, w, labels, lse, g), None)
+
+
+_linear_rows.defvjp(_linear_rows_fwd, _linear_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _linear_total(spec, x, w, labels, weights):
+  """sum(weights * loss): the loss's reductions, whose cotangent is one number."""
+  return jnp.sum(weights * _linear_loss(spec, x, w, labels)[0])
+
+
+def _linear_total_fwd(spec, x, w, labels, weights):
+  loss, dx, dw = _linear_grads(spec, x, w, labels, None, weights)
+  return jnp.sum(weights * loss), (dx, dw)
+
+
+def _linear_total_bwd(spec, saved, g):
+  dx, dw = saved
+  return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None
+
+
+_linear_total.defvjp(_linear_total_fwd, _linear_total_bwd)
+
+
+def _chunk(tokens: int, vocab: int, chunk_size) -> int:
+  if chunk_size is not None:
+    if (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+        or chunk_size < 1):
+      raise ValueError(f"{LINEAR_OP}: chunk_size must be None or an int >= 1, got "
+                       f"{chunk_size!r}")
+    return min(int(chunk_size), max(tokens, 1))
+  # A power of two of tokens whose float32 logits take about CHUNK_ELEMENTS, 16 at least.
+  chunk = max(16, 1 << max(0, (CHUNK_ELEMENTS // max(vocab, 1)).bit_length() - 1))
+  return min(chunk, round_up(max(tokens, 1), 16))
+
+
+def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
+                                 z_loss: float = 0.0, ignore_index: int | None = None,
+                                 reduction: str = "mean", chunk_size: int | None = None,
+                                 implementation=None, config=None):
+  """``softmax_cross_entropy(x @ w, labels, ...)`` without the (tokens, V) logits in memory.
+
+  The tokens go through in chunks of ``chunk_size`` (default: about 2**27 logits a chunk, in
+  float32); a chunk's logits are a float32 matmul read by the row kernels and gone with the
+  chunk. The matmuls are XLA's (cuBLAS, the TPU's MXU); the gradients are x's dtype for x and
+  w's for w, accumulated in float32.
+
+  Args:
+    x: (..., D) the final hidden states, bfloat16, float16 or float32.
+    w: (D, V) the output projection (a tied embedding's transpose).
+    labels: (...) integers, shaped like x without its last axis.
+    label_smoothing, z_loss, ignore_index, reduction: as for :func:`softmax_cross_entropy`.
+    chunk_size: tokens a chunk, or None.
+    implementation: None (best available), "xla", "triton" or "mosaic_tpu": the row kernels'.
+    config: their Config (for a (chunk, V) float32 problem); None picks one.
+  """
+  op = LINEAR_OP
+  x = _checks.array(op, "x", x)
+  w = _checks.array(op, "w", w, min_rank=2)
+  if w.ndim != 2 or w.shape[0] != x.shape[-1] or w.shape[1] == 0:
+    raise ValueError(f"{op}: w must be (D, V) with D = x's last dimension {x.shape[-1]} and "
+                     f"V > 0, got {tuple(w.shape)}")
+  labels = _labels(op, labels, x.shape[:-1], "x without its last axis")
+  options, reduction = _options(op, label_smoothing, z_loss, ignore_index, reduction)
+  tokens, vocab = math.prod(x.shape[:-1]), w.shape[1]
+  chunk = _chunk(tokens, vocab, chunk_size)
+  padded = round_up(max(tokens, 1), chunk)
+  flat_x = jnp.pad(x.reshape(tokens, -1), ((0, padded - tokens), (0, 0)))
+  flat_labels = jnp.pad(labels.reshape(tokens), (0, padded - tokens))
+  valid = jnp.arange(padded) < tokens
+  logits_like = jax.ShapeDtypeStruct((chunk, vocab), jnp.float32)
+  plan = _plan(implementation, x, logits_like, config, options, empty=tokens == 0)
+  spec = _Linear(plan, options, chunk)
+  if reduction == "none":
+    loss = _linear_rows(spec, flat_x, w, flat_labels)
+    return jnp.where(valid, loss, 0.0)[:tokens].reshape(labels.shape)
+  weights = valid.astype(jnp.float32)
+  if reduction == "mean":
+    weights = weights / jnp.maximum(_count(flat_labels, options, valid), 1.0)
+  if options.ignore_index is not None:
+    weights = jnp.where(flat_labels == options.ignore_index, 0.0, weights)
+  return _linear_total(spec, flat_x, w, flat_labels, lax.stop_gradient(weights))
+
+
+def _problem_of(logits, labels=None, **unused):
+  logits = _checks.array(OP, "logits", logits)
+  return Problem.of(logits), (logits,)
+
+
+_KERNELS = backend.register(OP, {
+    "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
+                                 backward=triton.backward),
+    "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
+                                     backward=mosaic_tpu.backward),
+}, _problem_of)

@@ -1,0 +1,208 @@
+"""Pallas Triton kernels for softmax cross-entropy over rows of logits (CUDA GPUs, sm80+).
+
+The forward reads each row once: the online softmax (``_online_softmax``, one running maximum
+and sum per lane, reduced across the row once at the end) gives the log-sum-exp; the label's
+logit is one load; label smoothing adds a running sum of the logits. The backward reads the row
+again and writes its gradient, g * (softmax * (1 + 2 z_loss lse) - target), with the target
+(1 - e) * onehot + e / V built from column indices, never stored. Rows wider than a register
+pass are walked as softmax's are (``_triton.RowSteps``: one row a program, unrolled chunks;
+rows off a 16-byte vector boundary through the flat view).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxkernels import _online_softmax, _triton, hardware, roofline
+from jaxkernels._activations import exp
+from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
+from jaxkernels._triton import FLAT_MAX_ELEMENTS, RowSteps, load_vector, store_vector
+
+MAX_ONE_PASS_COLS = 16384
+TARGET_TILE = 8192
+# The online path's shape, softmax's (ops/softmax/triton.py: one program of 32 warps an SM, 4
+# chunks a step).
+ONLINE_WARPS = 32
+ONLINE_UNROLL = 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  block_rows: int
+  block_cols: int  # next_pow2(V) for one pass, else the chunk width
+  num_warps: int
+  bwd_block_rows: int
+  bwd_num_warps: int
+  unroll: int = 1  # chunks a loop step, forward
+  bwd_unroll: int = 1  # and backward
+
+  def __post_init__(self):
+    check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
+                        "bwd_num_warps"), is_pow2, "a power of two (Triton tiles are)")
+    check_fields(self, ("unroll", "bwd_unroll"), lambda v: v >= 1, ">= 1")
+
+
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """problem: the call's ``cross_entropy.api.Problem`` (logits as (M, V) rows)."""
+  del chip
+  n_rows, n_cols = problem.logits.shape
+  padded = next_pow2(n_cols)
+  if padded > MAX_ONE_PASS_COLS:
+    chunk = 8192 if n_cols >= 65536 else 4096
+    return Config(block_rows=1, block_cols=chunk, num_warps=ONLINE_WARPS, bwd_block_rows=1,
+                  bwd_num_warps=ONLINE_WARPS, unroll=ONLINE_UNROLL, bwd_unroll=ONLINE_UNROLL)
+  block_rows = max(1, min(TARGET_TILE // padded, next_pow2(n_rows)))
+  num_warps = max(4, min(16, block_rows * padded // 1024))
+  return Config(block_rows=block_rows, block_cols=padded, num_warps=num_warps,
+                bwd_block_rows=block_rows, bwd_num_warps=num_warps)
+
+
+def unsupported(problem, chip) -> str | None:
+  del problem, chip
+  return None
+
+
+def _columns(steps: RowSteps, index):
+  """The class (column) of each element of a chunk at ``index``."""
+  return index - steps.start[:, None] if steps.flat else index[1]
+
+
+def _at(steps: RowSteps, cols):
+  """The index of column ``cols`` (one per row) of each of the program's rows."""
+  return steps.start + cols if steps.flat else (steps.rows, cols)
+
+
+def _labels(labels_ref, steps: RowSteps):
+  """The program's rows' labels, int32 (not through float32: any int32 ignore_index holds)."""
+  if steps.row_mask is None:
+    return pltriton.load(labels_ref.at[steps.rows])
+  return pltriton.load(labels_ref.at[steps.rows], mask=steps.row_mask, other=0)
+
+
+def _fwd_kernel(logits_ref, labels_ref, loss_ref, lse_ref, *, n_rows, n_cols, block_rows,
+                block_cols, unroll, vec, flat, label_smoothing, z_loss, ignore_index):
+  steps = RowSteps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
+                   unroll=unroll, vec=vec, flat=flat)
+  rows = steps.rows
+
+  def load(chunks):
+    return [load_vector(logits_ref, o, m, -jnp.inf, _triton.stream_cache_modifier())
+            for o, m in chunks]
+
+  def online(chunks, xs, state):
+    running, total = state
+    running = _online_softmax.lanes_update(running, xs)
+    if label_smoothing:  # the sum of the logits, masked lanes out of it
+      for (_, m), x in zip(chunks, xs):
+        total = total + (x if m is None else jnp.where(m, x, 0.0))
+    return running, total
+
+  start = (_online_softmax.Running(steps.lanes(-jnp.inf), steps.lanes(0.0)), steps.lanes(0.0))
+  lanes, total = steps.walk(load, online, start, prefetch=False)
+  edges = steps.edges()
+  edge_xs = load(edges)
+  peak, sum_exp = _online_softmax.merge_lanes(lanes, edge_xs)
+  lse = peak + jnp.log(sum_exp)
+
+  labels = _labels(labels_ref, steps)
+  in_range = (labels >= 0) & (labels < n_cols)
+  mask = in_range if steps.row_mask is None else in_range & steps.row_mask
+  picked = load_vector(logits_ref, _at(steps, jnp.clip(labels, 0, n_cols - 1)), mask, 0.0)
+  loss = lse - (1.0 - label_smoothing) * picked
+  if label_smoothing:
+    row_sum = jnp.sum(total, axis=1)
+    for (_, m), x in zip(edges, edge_xs):
+      row_sum = row_sum + jnp.sum(jnp.where(m, x, 0.0), axis=1)
+    loss = loss - (label_smoothing / n_cols) * row_sum
+  if z_loss:
+    loss = loss + z_loss * lse * lse
+  loss = jnp.where(in_range, loss, jnp.nan)
+  if ignore_index is not None:
+    loss = jnp.where(labels == ignore_index, 0.0, loss)
+  store_vector(loss_ref, rows, loss, steps.row_mask)
+  store_vector(lse_ref, rows, lse, steps.row_mask)
+
+
+def _bwd_kernel(logits_ref, labels_ref, lse_ref, g_ref, dlogits_ref, *, n_rows, n_cols,
+                block_rows, block_cols, unroll, vec, flat, label_smoothing, z_loss,
+                ignore_index):
+  steps = RowSteps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
+                   unroll=unroll, vec=vec, flat=flat)
+  rows = steps.rows
+  labels = _labels(labels_ref, steps)
+  lse = load_vector(lse_ref, rows, steps.row_mask, 0.0)
+  g = load_vector(g_ref, rows, steps.row_mask, 0.0)
+  if ignore_index is not None:
+    g = jnp.where(labels == ignore_index, 0.0, g)
+  # A fully masked row (lse -inf) has no softmax: 0, not exp(x + inf).
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  scale = (g * (1.0 + 2.0 * z_loss * jnp.where(jnp.isinf(lse), 0.0, lse)))[:, None]
+  smooth = (g * (label_smoothing / n_cols))[:, None]
+  hit = (g * (1.0 - label_smoothing))[:, None]
+
+  def load(chunks):
+    return [load_vector(logits_ref, o, m, -jnp.inf, _triton.stream_cache_modifier())
+            for o, m in chunks]
+
+  def write(chunks, xs, carry):
+    for (o, m), x in zip(chunks, xs):
+      d = scale * exp(x - lse[:, None]) - smooth
+      d = d - jnp.where(_columns(steps, o) == labels[:, None], hit, 0.0)
+      store_vector(dlogits_ref, o, d, m)
+    return carry
+
+  steps.walk(load, write, jnp.int32(0), prefetch=False)
+  edges = steps.edges()
+  write(edges, load(edges), None)
+
+
+def _row_call(kernel, logits, rows_in, out_shapes, block_rows, num_warps, unroll, config, cost,
+              name, interpret, options):
+  n_rows, n_cols = logits.shape
+  vec = 16 // min(jnp.dtype(s.dtype).itemsize for s in (logits, *out_shapes)
+                  if len(s.shape) == 2)
+  flat = (config.block_cols < n_cols and n_cols % vec != 0
+          and n_rows * n_cols < FLAT_MAX_ELEMENTS)
+  view = lambda s: jax.ShapeDtypeStruct((n_rows * n_cols,), s.dtype) if (
+      flat and len(s.shape) == 2) else s
+  out = pl.pallas_call(
+      functools.partial(kernel, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows,
+                        block_cols=config.block_cols, unroll=unroll, vec=vec, flat=flat,
+                        **options),
+      out_shape=[view(s) for s in out_shapes],
+      grid=(cdiv(n_rows, block_rows),),
+      compiler_params=_triton.params(num_warps),
+      cost_estimate=cost.estimate(),
+      interpret=interpret,
+      name=name,
+  )(logits.reshape(-1) if flat else logits, *rows_in)
+  return [o.reshape(s.shape) for o, s in zip(out, out_shapes)]
+
+
+def forward(logits, labels, *, label_smoothing, z_loss, ignore_index, config: Config,
+            interpret=False):
+  """(loss, lse) per row of ``logits`` (M, V), float32."""
+  rows = jax.ShapeDtypeStruct((logits.shape[0],), jnp.float32)
+  return tuple(_row_call(
+      _fwd_kernel, logits, [labels], [rows, rows], config.block_rows, config.num_warps,
+      config.unroll, config, roofline.cross_entropy_fwd(logits), "jk_cross_entropy_fwd",
+      interpret, dict(label_smoothing=label_smoothing, z_loss=z_loss,
+                      ignore_index=ignore_index)))
+
+
+def backward(logits, labels, lse, g, *, label_smoothing, z_loss, ignore_index, config: Config,
+             dtype=None, interpret=False):
+  """d loss / d logits for the cotangent ``g`` of each row's loss, in ``dtype`` (the logits')."""
+  dtype = logits.dtype if dtype is None else dtype
+  (dlogits,) = _row_call(
+      _bwd_kernel, logits, [labels, lse, g], [jax.ShapeDtypeStruct(logits.shape, dtype)],
+      config.bwd_block_rows, config.bwd_num_warps, config.bwd_unroll, config,
+      roofline.cross_entropy_bwd(logits, dtype), "jk_cross_entropy_bwd", interpret,
+      dict(label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index))
+  return dlogits

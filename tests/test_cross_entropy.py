@@ -1,0 +1,266 @@
+"""Softmax cross-entropy, on logits and fused with the output projection: every backend against
+the float64 oracle, forward and backward; ignored, masked and out-of-range rows; memory."""
+
+from __future__ import annotations
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import Phase, given, settings, strategies as st
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxkernels as jk
+from jaxkernels.ops.cross_entropy import api, reference
+from jaxkernels.ops.cross_entropy import mosaic_tpu as ce_mosaic_tpu
+from jaxkernels.ops.cross_entropy import triton as ce_triton
+from tests import numerics
+from tests.conftest import aot_compile, cuda_lowering
+
+IGNORE = -100
+# Each backend's drawn test is its own (hypothesis wants one executor a test function).
+DRAWN = settings(max_examples=6, deadline=None, phases=(Phase.explicit, Phase.generate))
+
+
+def _reduced(loss, labels, reduction, ignore_index):
+  if reduction == "none":
+    return loss
+  if reduction == "sum":
+    return jnp.sum(loss)
+  kept = labels != ignore_index if ignore_index is not None else jnp.ones(labels.shape, bool)
+  return jnp.sum(loss) / jnp.maximum(jnp.sum(kept), 1).astype(loss.dtype)
+
+
+def _inputs(shape, vocab, dtype, *tags, ignored=0.2):
+  gen = numerics.rng("cross_entropy", shape, vocab, jnp.dtype(dtype).name, *tags)
+  logits = numerics.normal(gen, (*shape, vocab), dtype, 3.0)
+  labels = jnp.asarray(gen.integers(0, vocab, shape), jnp.int32)
+  labels = jnp.where(jnp.asarray(gen.random(shape) < ignored), IGNORE, labels)
+  return gen, logits, labels
+
+
+class CrossEntropyTest:
+  IMPL = "xla"
+
+  def check(self, logits, labels, dtype, reduction="none", config=None, **options):
+    gen = numerics.rng("ct", logits.shape, reduction)
+    out_shape = labels.shape if reduction == "none" else ()
+    ct = numerics.normal(gen, out_shape, jnp.float32)
+    with numerics.kernel_mode():
+      support = jk.supports("cross_entropy", self.IMPL, logits)
+      if not support:
+        pytest.skip(support.reason)
+      fn = lambda z: jk.softmax_cross_entropy(z, labels, reduction=reduction,
+                                              implementation=self.IMPL, config=config,
+                                              **options)
+      out, vjp = jax.vjp(fn, logits)
+      got = (out, vjp(ct))
+    chex.assert_shape(got[0], out_shape)
+    chex.assert_type(got[0], jnp.float32)
+    ignore = options.get("ignore_index")
+    ref = lambda cd: lambda z: _reduced(
+        reference.softmax_cross_entropy(z, labels, compute_dtype=cd, **options)[0], labels,
+        reduction, ignore)
+    numerics.assert_matches(got, ref, (logits,), ct, dtype=dtype, reduction=logits.shape[-1])
+    return got
+
+  def check_drawn(self, data):
+    """Odd row counts and vocabularies, every dtype and option, ignored rows, reductions."""
+    shape = (data.draw(st.integers(1, 3)), data.draw(st.integers(1, 13)))
+    vocab = data.draw(st.sampled_from([1, 7, 128, 301, 1000]))
+    dtype = data.draw(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]))
+    options = dict(label_smoothing=data.draw(st.sampled_from([0.0, 0.1])),
+                   z_loss=data.draw(st.sampled_from([0.0, 1e-3])),
+                   ignore_index=data.draw(st.sampled_from([None, IGNORE])))
+    reduction = data.draw(st.sampled_from(api.REDUCTIONS))
+    _, logits, labels = _inputs(shape, vocab, dtype, "drawn",
+                                ignored=0.2 if options["ignore_index"] is not None else 0.0)
+    self.check(logits, labels, dtype, reduction, **options)
+
+  def test_masked_and_ignored_rows(self):
+    """Classes masked with -inf take no share; an ignored row gives 0 and zero gradients, even
+    one whose logits are all -inf (no NaN anywhere)."""
+    _, logits, labels = _inputs((6,), 40, jnp.float32, "masked", ignored=0.0)
+    logits = logits.at[1, 20:].set(-jnp.inf).at[4].set(-jnp.inf)
+    labels = labels.at[1].set(5).at[4].set(IGNORE)
+    loss, (dz,) = self.check(logits, labels, jnp.float32, ignore_index=IGNORE)
+    assert float(loss[4]) == 0.0 and np.all(np.asarray(dz[4]) == 0)
+    assert np.all(np.asarray(dz[1, 20:]) == 0) and np.all(np.isfinite(np.asarray(dz)))
+
+  def test_out_of_range_label_is_nan(self):
+    _, logits, labels = _inputs((4,), 30, jnp.float32, "range", ignored=0.0)
+    labels = labels.at[2].set(30).at[3].set(-1)
+    with numerics.kernel_mode():
+      loss = jk.softmax_cross_entropy(logits, labels, reduction="none", implementation=self.IMPL)
+    loss = np.asarray(loss)
+    assert np.all(np.isfinite(loss[:2])) and np.all(np.isnan(loss[2:]))
+
+
+class TestCrossEntropyXla(CrossEntropyTest):
+  IMPL = "xla"
+
+  @DRAWN
+  @given(data=st.data())
+  def test_drawn(self, data):
+    self.check_drawn(data)
+
+
+class TestCrossEntropyTriton(CrossEntropyTest):
+  IMPL = "triton"
+
+  @DRAWN
+  @given(data=st.data())
+  def test_drawn(self, data):
+    self.check_drawn(data)
+
+  @pytest.mark.parametrize("vocab,dtype", [(300, jnp.float32), (301, jnp.bfloat16)])
+  def test_online_path(self, vocab, dtype):
+    """Rows wider than a config's chunk: the online walk, unrolled, a partial row block, and
+    (301: rows off a 16-byte vector boundary) the flat view with its head and tail."""
+    _, logits, labels = _inputs((5,), vocab, dtype, "online")
+    logits = logits.at[2, 64:].set(-jnp.inf)
+    labels = labels.at[2].set(3)
+    config = ce_triton.Config(block_rows=2, block_cols=64, num_warps=4, bwd_block_rows=2,
+                              bwd_num_warps=4, unroll=2, bwd_unroll=3)
+    self.check(logits, labels, dtype, "none", config, label_smoothing=0.1, z_loss=1e-3,
+               ignore_index=IGNORE)
+
+  @pytest.mark.parametrize("width", [50257, 128256])
+  def test_lowers_for_cuda(self, width):
+    z = jax.ShapeDtypeStruct((64, width), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((64,), jnp.int32)
+    fn = lambda z, y: jax.grad(lambda z: jk.softmax_cross_entropy(
+        z, y, z_loss=1e-4, label_smoothing=0.1, ignore_index=IGNORE,
+        implementation=self.IMPL))(z)
+    text = cuda_lowering(fn, z, labels)
+    assert 'name = "jk_cross_entropy_fwd"' in text and 'name = "jk_cross_entropy_bwd"' in text
+
+
+class TestCrossEntropyMosaicTpu(CrossEntropyTest):
+  IMPL = "mosaic_tpu"
+
+  @DRAWN
+  @given(data=st.data())
+  def test_drawn(self, data):
+    self.check_drawn(data)
+
+  def test_vocabulary_blocks(self):
+    """A vocabulary in blocks (the running statistics across grid steps), the last one
+    partial, a partial row block."""
+    _, logits, labels = _inputs((20,), 300, jnp.float32, "blocks")
+    config = ce_mosaic_tpu.Config(block_rows=8, block_cols=128, vmem_limit_bytes=1 << 24)
+    self.check(logits, labels, jnp.float32, "none", config, label_smoothing=0.1, z_loss=1e-3,
+               ignore_index=IGNORE)
+
+  def test_aot_compiles(self, tpu_mesh):
+    z = jax.ShapeDtypeStruct((256, 32000), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((256,), jnp.int32)
+    fn = lambda z, y: jax.grad(lambda z: jk.softmax_cross_entropy(
+        z, y, z_loss=1e-4, implementation=self.IMPL))(z)
+    text = aot_compile(tpu_mesh, fn, z, labels)
+    assert "jk_cross_entropy_fwd" in text and "jk_cross_entropy_bwd" in text
+
+
+class TestLinearCrossEntropy:
+  """x @ w's cross-entropy in chunks of tokens (a partial last chunk), against the reference
+  that holds the whole logits: loss and both gradients, every reduction."""
+
+  def check(self, impl, reduction, dtype=jnp.float32, chunk_size=16, **options):
+    gen, _, labels = _inputs((3, 11), 257, jnp.float32, "linear", reduction, ignored=0.2)
+    x = numerics.normal(gen, (3, 11, 48), dtype)
+    w = numerics.normal(gen, (48, 257), dtype, 0.3)
+    out_shape = labels.shape if reduction == "none" else ()
+    ct = numerics.normal(gen, out_shape, jnp.float32)
+    with numerics.kernel_mode():
+      fn = lambda x, w: jk.linear_softmax_cross_entropy(
+          x, w, labels, reduction=reduction, chunk_size=chunk_size, implementation=impl,
+          ignore_index=IGNORE, **options)
+      out, vjp = jax.vjp(fn, x, w)
+      got = (out, vjp(ct))
+    chex.assert_shape(got[0], out_shape)
+    chex.assert_trees_all_equal_dtypes(got[1], (x, w))
+    ref = lambda cd: lambda x, w: _reduced(
+        reference.linear_softmax_cross_entropy(x, w, labels, compute_dtype=cd,
+                                               ignore_index=IGNORE, **options)[0],
+        labels, reduction, IGNORE)
+    numerics.assert_matches(got, ref, (x, w), ct, dtype=dtype, reduction=257)
+
+  @pytest.mark.parametrize("reduction", api.REDUCTIONS)
+  @pytest.mark.parametrize("impl", ["xla", "triton"])
+  def test_matches_reference(self, impl, reduction):
+    self.check(impl, reduction, label_smoothing=0.1, z_loss=1e-3)
+
+  def test_bfloat16(self):
+    self.check("triton", "mean", jnp.bfloat16)
+
+  def test_memory_is_a_chunk(self):
+    """The compiled loss-and-gradient holds a chunk's logits, not the whole (tokens, V) array:
+    its temporaries under a quarter of the full logits' float32 bytes."""
+    tokens, dim, vocab = 4096, 64, 8192
+    x = jax.ShapeDtypeStruct((tokens, dim), jnp.float32)
+    w = jax.ShapeDtypeStruct((dim, vocab), jnp.float32)
+    labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1))).lower(x, w, labels).compile()
+    ours = grad(lambda x, w, y: jk.linear_softmax_cross_entropy(
+        x, w, y, chunk_size=256, implementation="xla"))
+    full = grad(lambda x, w, y: jnp.mean(
+        reference.linear_softmax_cross_entropy(x, w, y)[0]))
+    logits_bytes = tokens * vocab * 4
+    ours_temp = ours.memory_analysis().temp_size_in_bytes
+    assert ours_temp < logits_bytes / 4, (ours_temp, logits_bytes)
+    assert full.memory_analysis().temp_size_in_bytes >= logits_bytes  # the check can fail
+
+
+@pytest.mark.cpu_only
+def test_sharded_rows():
+  """Logits split over the batch on a mesh of 8 host devices: the row kernels run per shard,
+  the per-token loss stays split, the mean is the whole batch's."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  _, logits, labels = _inputs((8, 4), 128, jnp.float32, "sharded")
+  spec = P(("data", "model"), None)
+  z = jax.device_put(logits, NamedSharding(mesh, P(*spec, None)))
+  y = jax.device_put(labels, NamedSharding(mesh, spec))
+  with jk.interpret_mode("triton"), warnings.catch_warnings():
+    warnings.simplefilter("error", jk.ShardingWarning)
+    loss = jax.jit(lambda z, y: jk.softmax_cross_entropy(
+        z, y, reduction="none", ignore_index=IGNORE))(z, y)
+    mean = jax.jit(lambda z, y: jk.softmax_cross_entropy(z, y, ignore_index=IGNORE))(z, y)
+  assert loss.sharding.spec == spec
+  want = reference.softmax_cross_entropy(logits, labels, ignore_index=IGNORE)[0]
+  chex.assert_trees_all_close(loss, want, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(mean, _reduced(want, labels, "mean", IGNORE), atol=1e-5)
+
+
+class TestCrossEntropyErrors:
+  Z = jnp.zeros((2, 5))
+  Y = jnp.zeros((2,), jnp.int32)
+
+  @pytest.mark.parametrize("kwargs,error,match", [
+      (dict(labels=jnp.zeros((2,))), TypeError, "labels must have an integer dtype"),
+      (dict(labels=jnp.zeros((3,), jnp.int32)), ValueError,
+       r"labels must have the shape of logits without its last axis, \(2,\)"),
+      (dict(label_smoothing=1.0), ValueError, r"label_smoothing must be a float in \[0, 1\)"),
+      (dict(z_loss=-1.0), ValueError, "z_loss must be a finite float >= 0"),
+      (dict(ignore_index=1.5), ValueError, "ignore_index must be None or a Python int"),
+      (dict(reduction="avg"), ValueError, r"reduction='avg' is not one of \('mean'"),
+      (dict(logits=jnp.zeros((2, 0))), ValueError, "logits must have at least one class"),
+  ])
+  def test_softmax_cross_entropy(self, kwargs, error, match):
+    args = dict(logits=self.Z, labels=self.Y)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+      jk.softmax_cross_entropy(args.pop("logits"), args.pop("labels"), **args)
+
+  def test_linear(self):
+    x, y = jnp.zeros((2, 4)), self.Y
+    with pytest.raises(ValueError, match=r"w must be \(D, V\) with D = x's last dimension 4"):
+      jk.linear_softmax_cross_entropy(x, jnp.zeros((3, 5)), y)
+    with pytest.raises(ValueError, match="chunk_size must be None or an int >= 1, got 0"):
+      jk.linear_softmax_cross_entropy(x, jnp.zeros((4, 5)), y, chunk_size=0)
+    with pytest.raises(ValueError, match=r"labels must have the shape of x without its last"):
+      jk.linear_softmax_cross_entropy(x, jnp.zeros((4, 5)), jnp.zeros((3,), jnp.int32))
