@@ -3,8 +3,9 @@ and the custom_vjp boundaries.
 
 ``softmax_cross_entropy`` runs the row kernels (loss and log-sum-exp in one read of the logits;
 their gradient in one more read and one write). ``linear_softmax_cross_entropy`` never holds
-the (tokens, vocab) logits: it walks the tokens in chunks, each chunk's logits a float32 matmul
-that the row kernels read and that dies with the chunk. Reduced to a mean or a sum, the loss's
+the (tokens, vocab) logits: it walks the tokens in chunks, each chunk's logits a matmul (float32
+accumulation, stored in x's dtype as an unfused model's are) that the row kernels read and that
+dies with the chunk. Reduced to a mean or a sum, the loss's
 cotangent is one number, so the forward computes the gradients as it goes (the chunk's logits
 gradient, then dx and dW from it: three matmuls a chunk, as an unfused forward and backward
 take) and the backward only scales them. Unreduced, the backward recomputes each chunk's logits
@@ -29,7 +30,9 @@ from jaxkernels.ops.cross_entropy import mosaic_tpu, reference, triton
 OP = "cross_entropy"
 LINEAR_OP = "linear_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
-CHUNK_ELEMENTS = 1 << 27  # a chunk's logits: 512 MiB of float32
+# A chunk's logits: 512 MiB of bfloat16. Fewer, larger chunks read and write dW's float32
+# accumulator fewer times (2 GiB a chunk at D=2048, V=128K).
+CHUNK_ELEMENTS = 1 << 28
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +229,9 @@ def _chunks(spec: _Linear, *arrays):
 
 
 def _logits(x, w):
-  return jnp.dot(x, w, preferred_element_type=jnp.float32)
+  """A chunk's logits, accumulated in float32 and stored in x's dtype (half the bytes the row
+  kernels read in bfloat16; the statistics are float32 again inside them)."""
+  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def _linear_loss(spec: _Linear, x, w, labels):
@@ -314,9 +319,9 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
                                  implementation=None, config=None):
   """``softmax_cross_entropy(x @ w, labels, ...)`` without the (tokens, V) logits in memory.
 
-  The tokens go through in chunks of ``chunk_size`` (default: about 2**27 logits a chunk, in
-  float32); a chunk's logits are a float32 matmul read by the row kernels and gone with the
-  chunk. The matmuls are XLA's (cuBLAS, the TPU's MXU); the gradients are x's dtype for x and
+  The tokens go through in chunks of ``chunk_size`` (default: about 2**28 logits a chunk); a
+  chunk's logits are a matmul accumulated in float32 and stored in x's dtype, read by the row
+  kernels and gone with the chunk. The matmuls are XLA's (cuBLAS, the TPU's MXU); the gradients are x's dtype for x and
   w's for w, accumulated in float32.
 
   Args:
@@ -326,7 +331,7 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
     label_smoothing, z_loss, ignore_index, reduction: as for :func:`softmax_cross_entropy`.
     chunk_size: tokens a chunk, or None.
     implementation: None (best available), "xla", "triton" or "mosaic_tpu": the row kernels'.
-    config: their Config (for a (chunk, V) float32 problem); None picks one.
+    config: their Config (for a (chunk, V) problem of x's dtype); None picks one.
   """
   op = LINEAR_OP
   x = _checks.array(op, "x", x)
@@ -342,7 +347,7 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
   flat_x = jnp.pad(x.reshape(tokens, -1), ((0, padded - tokens), (0, 0)))
   flat_labels = jnp.pad(labels.reshape(tokens), (0, padded - tokens))
   valid = jnp.arange(padded) < tokens
-  logits_like = jax.ShapeDtypeStruct((chunk, vocab), jnp.float32)
+  logits_like = jax.ShapeDtypeStruct((chunk, vocab), x.dtype)
   plan = _plan(implementation, x, logits_like, config, options, empty=tokens == 0)
   spec = _Linear(plan, options, chunk)
   if reduction == "none":
