@@ -22,7 +22,7 @@ from tests.conftest import aot_compile, cuda_lowering
 
 IGNORE = -100
 # Each backend's drawn test is its own (hypothesis wants one executor a test function).
-DRAWN = settings(max_examples=6, deadline=None, phases=(Phase.explicit, Phase.generate))
+DRAWN = settings(max_examples=4, deadline=None, phases=(Phase.explicit, Phase.generate))
 
 
 def _reduced(loss, labels, reduction, ignore_index):
@@ -168,7 +168,7 @@ class TestLinearCrossEntropy:
   """x @ w's cross-entropy in chunks of tokens (a partial last chunk), against the reference
   that holds the whole logits: loss and both gradients, every reduction."""
 
-  def check(self, impl, reduction, dtype=jnp.float32, chunk_size=16, **options):
+  def check(self, impl, reduction, dtype=jnp.float32, chunk_size=16, config=None, **options):
     gen, _, labels = _inputs((3, 11), 257, jnp.float32, "linear", reduction, ignored=0.2)
     x = numerics.normal(gen, (3, 11, 48), dtype)
     w = numerics.normal(gen, (48, 257), dtype, 0.3)
@@ -177,7 +177,7 @@ class TestLinearCrossEntropy:
     with numerics.kernel_mode():
       fn = lambda x, w: jk.linear_softmax_cross_entropy(
           x, w, labels, reduction=reduction, chunk_size=chunk_size, implementation=impl,
-          ignore_index=IGNORE, **options)
+          config=config, ignore_index=IGNORE, **options)
       out, vjp = jax.vjp(fn, x, w)
       got = (out, vjp(ct))
     chex.assert_shape(got[0], out_shape)
@@ -195,6 +195,24 @@ class TestLinearCrossEntropy:
 
   def test_bfloat16(self):
     self.check("triton", "mean", jnp.bfloat16)
+
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+  def test_fused_online(self, dtype):
+    """The loss and its gradient in one Triton launch (the gradient written over the logits),
+    on the online walk: 257 columns off a vector boundary (the flat view), unrolled."""
+    config = ce_triton.Config(block_rows=2, block_cols=64, num_warps=4, bwd_block_rows=2,
+                              bwd_num_warps=4, unroll=2, bwd_unroll=3)
+    self.check("triton", "sum", dtype, config=config, label_smoothing=0.1, z_loss=1e-3)
+
+  def test_lowers_for_cuda(self):
+    """Reduced, the loss and gradient of a chunk are one kernel."""
+    x = jax.ShapeDtypeStruct((4096, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((256, 50257), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((4096,), jnp.int32)
+    fn = jax.grad(lambda x, w, y: jk.linear_softmax_cross_entropy(
+        x, w, y, implementation="triton"), argnums=(0, 1))
+    text = cuda_lowering(fn, x, w, labels)
+    assert 'name = "jk_cross_entropy_fused"' in text
 
   def test_memory_is_a_chunk(self):
     """The compiled loss-and-gradient holds a chunk's logits, not the whole (tokens, V) array:

@@ -138,6 +138,15 @@ def _backward(plan, options: _Options, logits, labels, lse, g, dtype):
   return plan.run(plan.kernels.backward, logits, labels, lse, g, dtype=dtype)
 
 
+def _loss_and_backward(plan, options: _Options, logits, labels, g, dtype):
+  """(loss, lse, dlogits) of (M, V) rows: on the kernels, one launch where the backend fuses
+  them (Triton: dlogits written over the logits, which are spent)."""
+  if plan is None:
+    loss, lse = _forward(plan, options, logits, labels)
+    return loss, lse, _backward(plan, options, logits, labels, lse, g, dtype)
+  return plan.run(plan.kernels.backward, logits, labels, None, g, dtype=dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _rows(plan, options, logits, labels):
   return _forward(plan, options, logits, labels)[0]
@@ -252,8 +261,10 @@ def _linear_grads(spec: _Linear, x, w, labels, lse, g):
     logits = _logits(x_c, w)
     loss = None
     if lse_c is None:
-      loss, lse_c = _forward(spec.plan, spec.options, logits, labels_c)
-    dlogits = _backward(spec.plan, spec.options, logits, labels_c, lse_c, g_c, dtype)
+      loss, _, dlogits = _loss_and_backward(spec.plan, spec.options, logits, labels_c, g_c,
+                                            dtype)
+    else:
+      dlogits = _backward(spec.plan, spec.options, logits, labels_c, lse_c, g_c, dtype)
     dx = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32).astype(dtype)
     dw = dw + jnp.dot(x_c.T, dlogits, preferred_element_type=jnp.float32)
     return dw, (loss, dx)

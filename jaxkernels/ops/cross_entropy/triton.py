@@ -85,12 +85,9 @@ def _labels(labels_ref, steps: RowSteps):
   return pltriton.load(labels_ref.at[steps.rows], mask=steps.row_mask, other=0)
 
 
-def _fwd_kernel(logits_ref, labels_ref, loss_ref, lse_ref, *, n_rows, n_cols, block_rows,
-                block_cols, unroll, vec, flat, label_smoothing, z_loss, ignore_index):
-  steps = RowSteps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
-                   unroll=unroll, vec=vec, flat=flat)
-  rows = steps.rows
-
+def _statistics(logits_ref, labels_ref, steps: RowSteps, n_cols, label_smoothing, z_loss,
+                ignore_index):
+  """(labels, loss, lse) of the program's rows, from one walk along them."""
   def load(chunks):
     return [load_vector(logits_ref, o, m, -jnp.inf, _triton.stream_cache_modifier())
             for o, m in chunks]
@@ -125,19 +122,13 @@ def _fwd_kernel(logits_ref, labels_ref, loss_ref, lse_ref, *, n_rows, n_cols, bl
   loss = jnp.where(in_range, loss, jnp.nan)
   if ignore_index is not None:
     loss = jnp.where(labels == ignore_index, 0.0, loss)
-  store_vector(loss_ref, rows, loss, steps.row_mask)
-  store_vector(lse_ref, rows, lse, steps.row_mask)
+  return labels, loss, lse
 
 
-def _bwd_kernel(logits_ref, labels_ref, lse_ref, g_ref, dlogits_ref, *, n_rows, n_cols,
-                block_rows, block_cols, unroll, vec, flat, label_smoothing, z_loss,
-                ignore_index):
-  steps = RowSteps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
-                   unroll=unroll, vec=vec, flat=flat)
-  rows = steps.rows
-  labels = _labels(labels_ref, steps)
-  lse = load_vector(lse_ref, rows, steps.row_mask, 0.0)
-  g = load_vector(g_ref, rows, steps.row_mask, 0.0)
+def _write_grad(logits_ref, dlogits_ref, steps: RowSteps, labels, lse, g, n_cols,
+                label_smoothing, z_loss, ignore_index):
+  """dlogits of the program's rows: g (p (1 + 2 z_loss lse) - target), from a walk that reads
+  each chunk and then writes its gradient (the same place, where they alias)."""
   if ignore_index is not None:
     g = jnp.where(labels == ignore_index, 0.0, g)
   # A fully masked row (lse -inf) has no softmax: 0, not exp(x + inf).
@@ -162,8 +153,42 @@ def _bwd_kernel(logits_ref, labels_ref, lse_ref, g_ref, dlogits_ref, *, n_rows, 
   write(edges, load(edges), None)
 
 
+def _steps(n_rows, n_cols, block_rows, block_cols, unroll, vec, flat):
+  return RowSteps(n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
+                  unroll=unroll, vec=vec, flat=flat)
+
+
+def _fwd_kernel(logits_ref, labels_ref, loss_ref, lse_ref, *, n_rows, n_cols, block_rows,
+                block_cols, unroll, vec, flat, **options):
+  steps = _steps(n_rows, n_cols, block_rows, block_cols, unroll, vec, flat)
+  _, loss, lse = _statistics(logits_ref, labels_ref, steps, n_cols, **options)
+  store_vector(loss_ref, steps.rows, loss, steps.row_mask)
+  store_vector(lse_ref, steps.rows, lse, steps.row_mask)
+
+
+def _bwd_kernel(logits_ref, labels_ref, lse_ref, g_ref, dlogits_ref, *, n_rows, n_cols,
+                block_rows, block_cols, unroll, vec, flat, **options):
+  steps = _steps(n_rows, n_cols, block_rows, block_cols, unroll, vec, flat)
+  labels = _labels(labels_ref, steps)
+  lse = load_vector(lse_ref, steps.rows, steps.row_mask, 0.0)
+  g = load_vector(g_ref, steps.rows, steps.row_mask, 0.0)
+  _write_grad(logits_ref, dlogits_ref, steps, labels, lse, g, n_cols, **options)
+
+
+def _fused_kernel(logits_ref, labels_ref, g_ref, loss_ref, lse_ref, dlogits_ref, *, n_rows,
+                  n_cols, block_rows, block_cols, unroll, vec, flat, **options):
+  """Loss, lse and the gradient in one launch: the row's second read (the gradient's) follows
+  its first in the same program, from the L2 where the rows in flight fit it."""
+  steps = _steps(n_rows, n_cols, block_rows, block_cols, unroll, vec, flat)
+  labels, loss, lse = _statistics(logits_ref, labels_ref, steps, n_cols, **options)
+  store_vector(loss_ref, steps.rows, loss, steps.row_mask)
+  store_vector(lse_ref, steps.rows, lse, steps.row_mask)
+  g = load_vector(g_ref, steps.rows, steps.row_mask, 0.0)
+  _write_grad(logits_ref, dlogits_ref, steps, labels, lse, g, n_cols, **options)
+
+
 def _row_call(kernel, logits, rows_in, out_shapes, block_rows, num_warps, unroll, config, cost,
-              name, interpret, options):
+              name, interpret, options, aliases=None):
   n_rows, n_cols = logits.shape
   vec = 16 // min(jnp.dtype(s.dtype).itemsize for s in (logits, *out_shapes)
                   if len(s.shape) == 2)
@@ -179,6 +204,7 @@ def _row_call(kernel, logits, rows_in, out_shapes, block_rows, num_warps, unroll
       grid=(cdiv(n_rows, block_rows),),
       compiler_params=_triton.params(num_warps),
       cost_estimate=cost.estimate(),
+      input_output_aliases=aliases or {},
       interpret=interpret,
       name=name,
   )(logits.reshape(-1) if flat else logits, *rows_in)
@@ -198,11 +224,21 @@ def forward(logits, labels, *, label_smoothing, z_loss, ignore_index, config: Co
 
 def backward(logits, labels, lse, g, *, label_smoothing, z_loss, ignore_index, config: Config,
              dtype=None, interpret=False):
-  """d loss / d logits for the cotangent ``g`` of each row's loss, in ``dtype`` (the logits')."""
+  """d loss / d logits for the cotangent ``g`` of each row's loss, in ``dtype`` (the logits').
+  With ``lse`` None, the loss too, in one launch: (loss, lse, dlogits), dlogits written over
+  the logits where their dtypes agree (the logits are then spent)."""
   dtype = logits.dtype if dtype is None else dtype
+  options = dict(label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index)
+  grad = jax.ShapeDtypeStruct(logits.shape, dtype)
+  if lse is None:
+    rows = jax.ShapeDtypeStruct((logits.shape[0],), jnp.float32)
+    cost = roofline.cross_entropy_fwd(logits) + roofline.cross_entropy_bwd(logits, dtype)
+    return tuple(_row_call(
+        _fused_kernel, logits, [labels, g], [rows, rows, grad], config.bwd_block_rows,
+        config.bwd_num_warps, config.bwd_unroll, config, cost, "jk_cross_entropy_fused",
+        interpret, options, aliases={0: 2} if jnp.dtype(dtype) == logits.dtype else None))
   (dlogits,) = _row_call(
-      _bwd_kernel, logits, [labels, lse, g], [jax.ShapeDtypeStruct(logits.shape, dtype)],
-      config.bwd_block_rows, config.bwd_num_warps, config.bwd_unroll, config,
-      roofline.cross_entropy_bwd(logits, dtype), "jk_cross_entropy_bwd", interpret,
-      dict(label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index))
+      _bwd_kernel, logits, [labels, lse, g], [grad], config.bwd_block_rows,
+      config.bwd_num_warps, config.bwd_unroll, config, roofline.cross_entropy_bwd(logits, dtype),
+      "jk_cross_entropy_bwd", interpret, options)
   return dlogits
