@@ -26,7 +26,7 @@ bench: $(VENV)/.bench-$(ACCEL)
 	$(PY) -m bench $(ARGS)
 
 test: $(VENV)/.test
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(ARGS)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n auto --maxprocesses=4 $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -15,11 +15,17 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 # two cores, two blocked waits starve the third warpgroup and the kernel hangs. Enough threads
 # for the grid loop's callback, three warpgroups and their nested calls.
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 8)))
+# pytest-xdist's workers each load libtpu for the TPU AOT compiles; its lockfile would let only
+# one of them (the others' compiles would skip).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tests import numerics  # noqa: E402
+
+# xdist's workers start after this (the controller's) import: they draw the same session seed.
+os.environ.setdefault("JAXKERNELS_TEST_SEED", str(numerics.SEED))
 
 TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 
