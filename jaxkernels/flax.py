@@ -1,0 +1,171 @@
+"""Flax NNX drop-ins whose forward and backward are jaxkernels' ops, for people with their own
+models: an ``attention_fn`` for ``nnx.MultiHeadAttention``, RMSNorm and LayerNorm (with the
+pre-norm residual add fused in), the gated MLP, and the output head with the fused loss.
+
+Parameters are float32 by default (``param_dtype``) and cast to ``dtype`` (the activations',
+default: the input's) for the op, as Flax's own layers do. Every module takes
+``implementation`` (None: the best kernel for the device; "xla": the references) and passes it
+to its ops.
+
+Example::
+
+    from flax import nnx
+    import jaxkernels.flax as jkf
+
+    attention = nnx.MultiHeadAttention(num_heads=16, in_features=1024, decode=False,
+                                       attention_fn=jkf.attention_fn, rngs=rngs)
+    y = attention(x, is_causal=True)  # flash attention, causal without a (T, S) mask
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jaxkernels as jk
+from jaxkernels import remat
+
+Dtype = Any
+
+
+def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                 dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                 precision=None, module=None, is_causal=False, *, implementation=None,
+                 **unused):
+  """``flax.nnx.dot_product_attention``'s signature on ``jaxkernels.flash_attention``.
+
+  q (batch..., T, N, H), k and v (batch..., S, K, H) with N a multiple of K. ``is_causal``
+  is the cheap mask (blocks above the diagonal skipped); a boolean ``mask`` (broadcastable
+  to (batch..., N, T, S)) becomes an additive bias of the same shape (0 or -inf), with the
+  memory of a (T, S) array and, on Hopper, the Triton backward: pass ``is_causal`` (or call
+  ``flash_attention`` with segment ids and windows) where the mask is one of those. A query
+  that sees no key gives 0 (Flax gives the mean of v). ``functools.partial`` picks
+  ``implementation``.
+
+  Raises:
+    NotImplementedError: attention dropout (``dropout_rate`` > 0 and not deterministic), or
+      asked for the attention weights (``module``: the module sows them), neither of which a
+      flash kernel has.
+  """
+  del broadcast_dropout, dropout_rng, precision, unused
+  if dropout_rate and not deterministic:
+    raise NotImplementedError(
+        f"jaxkernels.flax.attention_fn: attention dropout (dropout_rate={dropout_rate}) is not "
+        "supported: flash attention never forms the weights it would drop; use dropout_rate=0 "
+        "or deterministic=True")
+  if module is not None:
+    raise NotImplementedError(
+        "jaxkernels.flax.attention_fn: the attention weights cannot be sown (flash attention "
+        "never forms them); call the module with sow_weights=False")
+  if dtype is not None:
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
+  if mask is not None:
+    masked = jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32)
+    bias = masked if bias is None else bias + masked
+  return jk.flash_attention(query, key, value, causal=is_causal, bias=bias,
+                            implementation=implementation)
+
+
+def _param(rngs: nnx.Rngs | None, init, shape, dtype):
+  key = rngs.params() if rngs is not None else jax.random.key(0)
+  return nnx.Param(init(key, shape, dtype))
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis; ``norm(x, residual=r)`` returns ``(y, h)`` with h = x + r and
+  y = rms_norm(h) from one pass over memory (the pre-norm block's residual add)."""
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Dtype | None = None,
+               param_dtype: Dtype = jnp.float32, scale_init=nnx.initializers.ones,
+               implementation: str | None = None, rngs: nnx.Rngs | None = None):
+    self.scale = _param(rngs, scale_init, (num_features,), param_dtype)
+    self.epsilon, self.dtype, self.implementation = epsilon, dtype, implementation
+
+  def __call__(self, x, residual=None):
+    dtype = self.dtype or x.dtype
+    out = jk.rms_norm(x.astype(dtype), self.scale[...].astype(dtype), eps=self.epsilon,
+                      residual=residual, implementation=self.implementation)
+    if residual is None:
+      return remat.tag(out, remat.NORM_OUT)
+    y, h = out
+    return remat.tag(y, remat.NORM_OUT), remat.tag(h, remat.RESIDUAL)
+
+
+class LayerNorm(nnx.Module):
+  """LayerNorm over the last axis, with the same fused residual as :class:`RMSNorm`."""
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, use_bias: bool = True,
+               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
+               scale_init=nnx.initializers.ones, bias_init=nnx.initializers.zeros,
+               implementation: str | None = None, rngs: nnx.Rngs | None = None):
+    self.scale = _param(rngs, scale_init, (num_features,), param_dtype)
+    self.bias = _param(rngs, bias_init, (num_features,), param_dtype) if use_bias else None
+    self.epsilon, self.dtype, self.implementation = epsilon, dtype, implementation
+
+  def __call__(self, x, residual=None):
+    dtype = self.dtype or x.dtype
+    bias = None if self.bias is None else self.bias[...].astype(dtype)
+    out = jk.layer_norm(x.astype(dtype), self.scale[...].astype(dtype), bias,
+                        eps=self.epsilon, residual=residual, implementation=self.implementation)
+    if residual is None:
+      return remat.tag(out, remat.NORM_OUT)
+    y, h = out
+    return remat.tag(y, remat.NORM_OUT), remat.tag(h, remat.RESIDUAL)
+
+
+class GLUMLP(nnx.Module):
+  """The gated MLP: ``down(act(x @ gate) * (x @ up))`` (SwiGLU with "silu", GeGLU with
+  "gelu"): the gate and up projections one matmul of x against their weights side by side
+  (x read once), the gate's activation and product one fused pass (``glu``), the hidden
+  activations tagged ``mlp_hidden`` for the remat policies."""
+
+  def __init__(self, in_features: int, hidden_features: int, *, activation: str = "silu",
+               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
+               kernel_init=nnx.initializers.lecun_normal(), implementation: str | None = None,
+               rngs: nnx.Rngs | None = None):
+    self.gate_up = _param(rngs, kernel_init, (in_features, 2 * hidden_features), param_dtype)
+    self.down = _param(rngs, kernel_init, (hidden_features, in_features), param_dtype)
+    self.hidden, self.activation = hidden_features, activation
+    self.dtype, self.implementation = dtype, implementation
+
+  def __call__(self, x):
+    dtype = self.dtype or x.dtype
+    matmul = functools.partial(jk.matmul, implementation=self.implementation)
+    both = matmul(x.astype(dtype), self.gate_up[...].astype(dtype))
+    gate, up = both[..., :self.hidden], both[..., self.hidden:]
+    hidden = jk.glu(gate, up, activation=self.activation, implementation=self.implementation)
+    hidden = remat.tag(hidden, remat.MLP_HIDDEN)
+    return matmul(hidden, self.down[...].astype(dtype))
+
+
+class LMHead(nnx.Module):
+  """The output projection and its loss: ``head(x)`` gives the logits; ``head(x, labels)``
+  the fused cross-entropy (``linear_softmax_cross_entropy``: the (tokens, V) logits never
+  held). ``tied``: an ``nnx.Embed`` whose table (V, D) is the projection, transposed."""
+
+  def __init__(self, in_features: int, vocab: int, *, tied: nnx.Embed | None = None,
+               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
+               kernel_init=nnx.initializers.lecun_normal(), implementation: str | None = None,
+               rngs: nnx.Rngs | None = None):
+    self.tied = tied
+    self.kernel = None if tied is not None else _param(rngs, kernel_init, (in_features, vocab),
+                                                       param_dtype)
+    self.dtype, self.implementation = dtype, implementation
+
+  def weight(self, dtype):
+    w = self.tied.embedding[...].T if self.tied is not None else self.kernel[...]
+    return w.astype(dtype)
+
+  def __call__(self, x, labels=None, **loss_options):
+    """Logits (x's dtype), or with ``labels`` the loss (float32; ``loss_options``: those of
+    ``linear_softmax_cross_entropy``, reduction "mean" by default)."""
+    dtype = self.dtype or x.dtype
+    x = x.astype(dtype)
+    if labels is None:
+      return jk.matmul(x, self.weight(dtype), implementation=self.implementation)
+    return jk.linear_softmax_cross_entropy(x, self.weight(dtype), labels,
+                                           implementation=self.implementation, **loss_options)

@@ -1,0 +1,129 @@
+"""jaxkernels.flax: each NNX drop-in against Flax's own layer (or plain jnp) with the same
+parameters, forward and gradients, on the kernels (interpreted Triton) and on XLA."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxkernels.flax as jkf
+from tests import numerics
+
+IMPLS = ["xla", "triton"]
+TOL = dict(atol=2e-5, rtol=2e-5)  # float32 throughout: the kernels' and Flax's sums differ
+
+
+def _x(*shape, tag="x"):
+  return numerics.normal(numerics.rng("flax", shape, tag), shape, jnp.float32)
+
+
+def _grads(module, fn, *args):
+  """(output, the gradient of sum(output * ct) by the module's parameters)."""
+  out = fn(module, *args)
+  ct = numerics.normal(numerics.rng("flax ct", out.shape), out.shape, jnp.float32)
+  grads = nnx.grad(lambda m: jnp.sum(fn(m, *args) * ct))(module)
+  return out, grads
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rms_norm_matches_flax(impl):
+  x, r = _x(4, 7, 96), _x(4, 7, 96, tag="r")
+  ours = jkf.RMSNorm(96, implementation=impl, rngs=nnx.Rngs(0))
+  theirs = nnx.RMSNorm(96, epsilon=1e-6, rngs=nnx.Rngs(0))
+  ours.scale[...] = theirs.scale[...] = _x(96, tag="scale")
+  with numerics.kernel_mode():
+    y, g = _grads(ours, lambda m, x: m(x), x)
+    y2, h = ours(x, residual=r)
+  want, want_g = _grads(theirs, lambda m, x: m(x), x)
+  chex.assert_trees_all_close(y, want, **TOL)
+  chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), **TOL)
+  chex.assert_trees_all_close(h, x + r, **TOL)
+  chex.assert_trees_all_close(y2, theirs(x + r), **TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_layer_norm_matches_flax(impl):
+  x = _x(5, 64)
+  ours = jkf.LayerNorm(64, implementation=impl, rngs=nnx.Rngs(0))
+  theirs = nnx.LayerNorm(64, epsilon=1e-6, rngs=nnx.Rngs(0))
+  ours.scale[...] = theirs.scale[...] = _x(64, tag="scale")
+  ours.bias[...] = theirs.bias[...] = _x(64, tag="bias")
+  with numerics.kernel_mode():
+    y, g = _grads(ours, lambda m, x: m(x), x)
+  want, want_g = _grads(theirs, lambda m, x: m(x), x)
+  chex.assert_trees_all_close(y, want, **TOL)
+  chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), **TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_glu_mlp_matches_jnp(impl):
+  x = _x(2, 5, 32)
+  mlp = jkf.GLUMLP(32, 48, implementation=impl, rngs=nnx.Rngs(1))
+
+  def plain(m, x):
+    w = m.gate_up[...]
+    return (jax.nn.silu(x @ w[:, :48]) * (x @ w[:, 48:])) @ m.down[...]
+
+  with numerics.kernel_mode():
+    y, g = _grads(mlp, lambda m, x: m(x), x)
+  want, want_g = _grads(mlp, plain, x)
+  chex.assert_trees_all_close(y, want, **TOL)
+  chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), atol=1e-4,
+                              rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_fn_in_multi_head_attention(impl):
+  """nnx.MultiHeadAttention with our attention_fn against its own, causal by is_causal and by
+  a boolean mask (turned into a bias)."""
+  x = _x(2, 9, 32)
+  make = lambda fn: nnx.MultiHeadAttention(num_heads=2, in_features=32, qkv_features=32,
+                                           decode=False, attention_fn=fn, rngs=nnx.Rngs(2))
+  ours = make(functools.partial(jkf.attention_fn, implementation=impl))
+  theirs = make(nnx.dot_product_attention)
+  mask = nnx.make_causal_mask(jnp.ones((2, 9)))
+  for kwargs in (dict(is_causal=True), dict(mask=mask)):
+    with numerics.kernel_mode():
+      y, g = _grads(ours, lambda m, x: m(x, **kwargs), x)
+    want, want_g = _grads(theirs, lambda m, x: m(x, **kwargs), x)
+    chex.assert_trees_all_close(y, want, atol=1e-4, rtol=1e-4)
+    chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), atol=1e-4,
+                                rtol=1e-4)
+
+
+def test_attention_fn_says_what_it_cannot_do():
+  q = jnp.ones((1, 4, 2, 16))
+  with pytest.raises(NotImplementedError, match="attention dropout"):
+    jkf.attention_fn(q, q, q, dropout_rate=0.1, deterministic=False)
+  jkf.attention_fn(q, q, q, dropout_rate=0.1, deterministic=True)  # no dropout to apply
+  with pytest.raises(NotImplementedError, match="cannot be sown"):
+    jkf.attention_fn(q, q, q, module=object())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head(tied):
+  """Logits, and the fused loss against optax's on those logits; tied to an embedding."""
+  x, labels = _x(3, 6, 16), jnp.asarray(np.arange(18).reshape(3, 6) % 40, jnp.int32)
+  embed = nnx.Embed(40, 16, rngs=nnx.Rngs(3)) if tied else None
+  head = jkf.LMHead(16, 40, tied=embed, implementation="triton", rngs=nnx.Rngs(4))
+  with numerics.kernel_mode():
+    logits = head(x)
+    loss, g = nnx.value_and_grad(lambda m: m(x, labels, z_loss=1e-4))(head)
+  w = head.weight(jnp.float32)
+  chex.assert_trees_all_close(logits, x @ w, **TOL)
+
+  def optax_loss(m):
+    z = x @ m.weight(jnp.float32)
+    return (optax.softmax_cross_entropy_with_integer_labels(z, labels).mean()
+            + 1e-4 * jnp.mean(jax.nn.logsumexp(z, axis=-1) ** 2))
+
+  want, want_g = nnx.value_and_grad(optax_loss)(head)
+  chex.assert_trees_all_close(loss, want, **TOL)
+  chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), **TOL)
