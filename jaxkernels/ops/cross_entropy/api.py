@@ -22,6 +22,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket, round_up
@@ -352,6 +353,10 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
                      f"V > 0, got {tuple(w.shape)}")
   labels = _labels(op, labels, x.shape[:-1], "x without its last axis")
   options, reduction = _options(op, label_smoothing, z_loss, ignore_index, reduction)
+  found = next((lay for lay in map(partitioning.layout, (x, w, labels)) if lay), None)
+  if found is not None:
+    return _linear_sharded(found[0], x, w, labels, options, reduction, chunk_size,
+                           implementation, config)
   tokens, vocab = math.prod(x.shape[:-1]), w.shape[1]
   chunk = _chunk(tokens, vocab, chunk_size)
   padded = round_up(max(tokens, 1), chunk)
@@ -370,6 +375,45 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
   if options.ignore_index is not None:
     weights = jnp.where(flat_labels == options.ignore_index, 0.0, weights)
   return _linear_total(spec, flat_x, w, flat_labels, lax.stop_gradient(weights))
+
+
+def _linear_sharded(mesh, x, w, labels, options: _Options, reduction, chunk_size,
+                    implementation, config):
+  """The fused loss on a mesh of Explicit axes: each shard of tokens (x's leading axes, split
+  as x is) runs it with the whole w (gathered where it is split: the vocabulary and D are
+  reduced over); the shards' sums and token counts are added after. dw sums over the shards
+  (shard_map's transpose of w's replication)."""
+  op = LINEAR_OP
+  have = partitioning.layout(x)
+  spec = list(have[1]) if have else [None] * x.ndim
+  if partitioning.axes(spec[-1]):
+    partitioning.gathered(op, implementation, "x", x, x.ndim - 1, partitioning.axes(spec[-1]),
+                          mesh)
+    spec[-1] = None
+  have_w = partitioning.layout(w)
+  for dim, entry in enumerate(have_w[1] if have_w else ()):
+    if partitioning.axes(entry):
+      partitioning.gathered(op, implementation, "w", w, dim, partitioning.axes(entry), mesh,
+                            why="each shard of tokens needs the whole projection")
+  partitioning.check_divides(op, "x", x.shape, spec, mesh)
+  rows = spec[:-1]
+  row_axes = tuple(a for entry in rows for a in partitioning.axes(entry))
+  kwargs = dict(**options.kwargs(), chunk_size=chunk_size, implementation=implementation,
+                config=config)
+
+  def call(x, w, labels):
+    if reduction == "none":
+      return linear_softmax_cross_entropy(x, w, labels, reduction="none", **kwargs)
+    total = linear_softmax_cross_entropy(x, w, labels, reduction="sum", **kwargs)
+    return jnp.stack([total, _count(labels, options)])[None]
+
+  out_spec = P(*rows) if reduction == "none" else P(partitioning.entry(row_axes), None)
+  out = partitioning.run(mesh, call, {"x": x, "w": w, "labels": labels},
+                         {"x": P(*rows, None), "w": P(), "labels": P(*rows)}, out_spec)
+  if reduction == "none":
+    return out
+  total, count = jnp.sum(out[:, 0]), lax.stop_gradient(jnp.sum(out[:, 1]))
+  return total if reduction == "sum" else total / jnp.maximum(count, 1.0)
 
 
 def _problem_of(logits, labels=None, **unused):

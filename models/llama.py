@@ -1,0 +1,232 @@
+"""A decoder-only Llama-style transformer in Flax NNX, built only on jaxkernels' public API.
+
+Each block is  h = x + attn(norm(x)); x' = h + mlp(norm(h))  with every residual add fused into
+the norm after it (``jaxkernels.flax.RMSNorm(x, residual=...)``), rotary positions, grouped-query
+attention through ``flash_attention`` (causal), the SwiGLU MLP through ``matmul`` and ``glu``
+(``jaxkernels.flax.GLUMLP``), and the next-token loss fused with the output projection
+(``linear_softmax_cross_entropy``: the (tokens, vocab) logits are never held). The layers are
+one ``nnx.scan`` over stacked parameters, each step under ``nnx.remat`` with a policy by name
+(``jaxkernels.remat``). The residual stream is float32, the activations ``dtype``.
+
+``kernels="xla"`` runs the same model as a user of plain JAX would: XLA's ops,
+``jax.nn.dot_product_attention`` (cuDNN on a GPU) and optax's loss on the whole logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jaxkernels as jk
+import jaxkernels.flax as jkf
+from jaxkernels import remat
+
+KERNELS = ("jaxkernels", "xla")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  vocab: int
+  width: int
+  depth: int
+  heads: int
+  kv_heads: int
+  mlp_width: int
+  max_len: int
+  rope_theta: float = 10000.0
+  tied: bool = False  # the output projection is the embedding's transpose
+  norm_eps: float = 1e-5
+  z_loss: float = 0.0
+  dtype: str = "bfloat16"  # activations; parameters stay float32
+  kernels: str = "jaxkernels"
+  remat: str = "none"  # a jaxkernels.remat policy, per block
+
+  def __post_init__(self):
+    if self.kernels not in KERNELS:
+      raise ValueError(f"Config: kernels={self.kernels!r} is not one of {KERNELS}")
+    if self.remat not in remat.POLICIES:
+      raise ValueError(f"Config: remat={self.remat!r} is not one of {remat.POLICIES}")
+    if self.width % self.heads or self.heads % self.kv_heads:
+      raise ValueError(f"Config: width {self.width} must split into heads {self.heads}, and "
+                       f"heads into kv_heads {self.kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"Config: head dim {self.head_dim} must be even (rotary pairs)")
+
+  @property
+  def head_dim(self) -> int:
+    return self.width // self.heads
+
+  @property
+  def matmul_params(self) -> int:
+    """Parameters that multiply each token: the blocks' projections and the output head."""
+    qkv = self.width * (self.heads + 2 * self.kv_heads) * self.head_dim
+    block = qkv + self.width * self.width + 3 * self.width * self.mlp_width
+    return self.depth * block + self.width * self.vocab
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs a token: 6 x matmul parameters, and causal attention's 4·T·width a layer
+    forward (halved by the mask), times 3 for the backward."""
+    return 6 * self.matmul_params + 6 * self.depth * seq_len * self.width
+
+
+PRESETS = {
+    # Trains on a laptop CPU in a minute: bytes as tokens.
+    "tiny": Config(vocab=256, width=64, depth=2, heads=4, kv_heads=2, mlp_width=172,
+                   max_len=128, dtype="float32"),
+    "125m": Config(vocab=32000, width=768, depth=12, heads=12, kv_heads=4, mlp_width=2048,
+                   max_len=2048),
+    "350m": Config(vocab=32000, width=1024, depth=24, heads=16, kv_heads=4, mlp_width=2816,
+                   max_len=2048),
+    "1b": Config(vocab=32000, width=2048, depth=16, heads=16, kv_heads=4, mlp_width=5632,
+                 max_len=2048),
+}
+
+
+def preset(name: str, **changes) -> Config:
+  """The preset called ``name``, with ``changes`` (any Config field)."""
+  if name not in PRESETS:
+    raise ValueError(f"preset {name!r} does not exist; presets: {', '.join(PRESETS)}")
+  return dataclasses.replace(PRESETS[name], **changes)
+
+
+def rotary(positions, head_dim: int, theta: float):
+  """(cos, sin), each (T, head_dim / 2), float32."""
+  inverse = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles = positions.astype(jnp.float32)[:, None] * inverse[None, :]
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def _rotate(x, cos, sin):
+  """x (B, T, N, H) rotated pairwise (the two halves of H: Llama's layout)."""
+  first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  cos, sin = cos[:, None, :], sin[:, None, :]
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin],
+                         axis=-1).astype(x.dtype)
+
+
+def _lookup(table, tokens):
+  """table[tokens] in float32, split as the tokens are: on a mesh of Explicit axes a gather
+  must say how its output is split (the batch, as data parallelism splits it)."""
+  spec = jax.typeof(tokens).sharding.spec
+  split = any(axes is not None for axes in spec)
+  return table.at[tokens].get(out_sharding=P(*spec, None) if split else None).astype(
+      jnp.float32)
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    impl = "xla" if cfg.kernels == "xla" else None
+    init = nnx.initializers.normal(0.02)
+    qkv_width = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+    self.attn_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=impl,
+                                 rngs=rngs)
+    self.qkv = nnx.Param(init(rngs.params(), (cfg.width, qkv_width), jnp.float32))
+    self.out = nnx.Param(init(rngs.params(), (cfg.heads * cfg.head_dim, cfg.width),
+                              jnp.float32) / (2 * cfg.depth) ** 0.5)
+    self.mlp_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=impl,
+                                rngs=rngs)
+    self.mlp = jkf.GLUMLP(cfg.width, cfg.mlp_width, kernel_init=init, implementation=impl,
+                          rngs=rngs)
+
+  def __call__(self, delta, stream, cos, sin):
+    """(this block's output delta, the residual stream before it): delta is the previous
+    block's output, added to ``stream`` inside the first norm."""
+    cfg = self.cfg
+    dtype = jnp.dtype(cfg.dtype)
+    impl = "xla" if cfg.kernels == "xla" else None
+    normed, stream = self.attn_norm(delta.astype(dtype), residual=stream)
+    b, t, _ = normed.shape
+    qkv = jk.matmul(normed, self.qkv[...].astype(dtype), implementation=impl)
+    q, k, v = jnp.split(qkv, [cfg.heads * cfg.head_dim, (cfg.heads + cfg.kv_heads) *
+                              cfg.head_dim], axis=-1)
+    q = remat.tag(_rotate(q.reshape(b, t, cfg.heads, cfg.head_dim), cos, sin), remat.QUERY)
+    k = remat.tag(_rotate(k.reshape(b, t, cfg.kv_heads, cfg.head_dim), cos, sin), remat.KEY)
+    v = remat.tag(v.reshape(b, t, cfg.kv_heads, cfg.head_dim), remat.VALUE)
+    if cfg.kernels == "xla":
+      cudnn = jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
+      attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                              implementation="cudnn" if cudnn else None)
+    else:
+      attended = jk.flash_attention(q, k, v, causal=True)
+    delta = jk.matmul(attended.reshape(b, t, -1), self.out[...].astype(dtype),
+                      implementation=impl)
+    normed, stream = self.mlp_norm(delta, residual=stream)
+    return self.mlp(normed), stream
+
+
+class Llama(nnx.Module):
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = nnx.Embed(cfg.vocab, cfg.width, embedding_init=nnx.initializers.normal(0.02),
+                           rngs=rngs)
+
+    @nnx.split_rngs(splits=cfg.depth)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return Block(cfg, rngs=rngs)
+
+    self.blocks = blocks(rngs)
+    impl = "xla" if cfg.kernels == "xla" else None
+    self.final_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=impl,
+                                  rngs=rngs)
+    self.head = jkf.LMHead(cfg.width, cfg.vocab, tied=self.embed if cfg.tied else None,
+                           kernel_init=nnx.initializers.normal(0.02), implementation=impl,
+                           rngs=rngs)
+
+  def hidden(self, tokens):
+    """(B, T) tokens -> (B, T, width) final hidden states (after the last norm)."""
+    cfg = self.cfg
+    cos, sin = rotary(jnp.arange(tokens.shape[1]), cfg.head_dim, cfg.rope_theta)
+    stream = _lookup(self.embed.embedding[...], tokens)  # the residual stream stays float32
+    delta = jnp.zeros_like(stream, jnp.dtype(cfg.dtype))  # split as the stream is
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @functools.partial(nnx.remat, policy=remat.policy(cfg.remat))
+    def layer(carry, block):
+      return block(*carry, cos, sin)
+
+    delta, stream = layer((delta, stream), self.blocks)
+    normed, _ = self.final_norm(delta, residual=stream)
+    return normed
+
+  def __call__(self, tokens):
+    """(B, T) tokens -> (B, T, vocab) logits (what the loss never materializes)."""
+    return self.head(self.hidden(tokens))
+
+
+def loss_fn(model: Llama, tokens):
+  """Next-token cross-entropy (mean over positions), with the config's z-loss."""
+  cfg = model.cfg
+  hidden = model.hidden(tokens[:, :-1])
+  labels = tokens[:, 1:]
+  if cfg.kernels == "jaxkernels":
+    return model.head(hidden, labels, z_loss=cfg.z_loss)
+  logits = model.head(hidden).astype(jnp.float32)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  if cfg.z_loss:
+    loss = loss + cfg.z_loss * jax.nn.logsumexp(logits, axis=-1) ** 2
+  return jnp.mean(loss)
+
+
+@nnx.jit
+def train_step(model: Llama, optimizer: nnx.Optimizer, tokens):
+  loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+  optimizer.update(model, grads)
+  return loss
+
+
+def mfu(cfg: Config, tokens_per_second: float, seq_len: int, peak_flops: float) -> float:
+  """Model FLOPs utilisation, in percent of ``peak_flops`` (:meth:`Config.flops_per_token`)."""
+  return 100.0 * cfg.flops_per_token(seq_len) * tokens_per_second / peak_flops
+
+
+def make(cfg: Config, seed: int = 0, learning_rate: float = 3e-3):
+  model = Llama(cfg, rngs=nnx.Rngs(seed))
+  return model, nnx.Optimizer(model, optax.adamw(learning_rate), wrt=nnx.Param)
