@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import _activations
-from jaxkernels._tiling import cdiv
+from jaxkernels._tiling import cdiv, next_pow2
 
 # The custom-call target Triton kernels lower to (for jax.export's safety checks).
 CUSTOM_CALL = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
@@ -192,6 +192,32 @@ def store_vector(ref, index, value, mask):
 # The flat view's offsets are int32 (Pallas kernels trace without 64-bit integers): arrays of
 # more elements take the 2-D indexing, whose offsets Pallas widens itself.
 FLAT_MAX_ELEMENTS = 2**31
+
+# The shape of a walk along whole rows (softmax's, cross-entropy's). Rows up to ONE_PASS_COLS
+# wide sit in registers, ROW_TILE elements a program (as for the norms, bench/NOTES.md). Wider
+# rows take the online path, from the H200 sweeps (bench/NOTES.md, runs 29-30): one program of
+# 32 warps an SM (64 registers a thread), so few rows are in flight (132 x 128 KiB at 65536
+# columns, under the 50 MB L2: their second read can come from it, not measured); 4 chunks a
+# step, a step at most half the row: 16384 columns, 32768 from 65536 on. Against the former 2
+# rows x 4096 columns on 8 warps with a reduction per chunk: 1024x65536 softmax forward
+# +16-23%, backward +25%; 2048x32768 forward +39%, backward +25%.
+ONE_PASS_COLS = 16384
+ROW_TILE = 8192
+ONLINE_WARPS = 32
+ONLINE_UNROLL = 4
+
+
+def row_walk(n_rows: int, n_cols: int) -> dict[str, int]:
+  """``block_rows``, ``block_cols``, ``num_warps`` and ``unroll`` of a :class:`RowSteps` walk
+  along (n_rows, n_cols): whole rows a program up to ONE_PASS_COLS, else one row a program in
+  unrolled chunks (the online path)."""
+  padded = next_pow2(n_cols)
+  if padded > ONE_PASS_COLS:
+    return dict(block_rows=1, block_cols=8192 if n_cols >= 65536 else 4096,
+                num_warps=ONLINE_WARPS, unroll=ONLINE_UNROLL)
+  block_rows = max(1, min(ROW_TILE // padded, next_pow2(n_rows)))
+  return dict(block_rows=block_rows, block_cols=padded,
+              num_warps=max(4, min(16, block_rows * padded // 1024)), unroll=1)
 
 
 class RowSteps:

@@ -116,7 +116,7 @@ class TestSoftmaxTriton(SoftmaxTest):
     assert np.all(np.asarray(y[1]) == 0) and np.all(np.isfinite(np.asarray(dx, np.float32)))
 
   def test_online_heuristic(self):
-    """Past MAX_ONE_PASS_COLS the heuristic takes one row a program, unrolled chunks."""
+    """Past _triton.ONE_PASS_COLS the heuristic takes one row a program, unrolled chunks."""
     x = jax.ShapeDtypeStruct((1024, 65536), jnp.bfloat16)
     config = softmax_triton.heuristic(Problem.of(x, -1), None)
     assert config.block_cols < 65536 and config.block_rows == config.bwd_block_rows == 1

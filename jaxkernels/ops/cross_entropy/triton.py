@@ -21,16 +21,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import _online_softmax, _triton, hardware, roofline
 from jaxkernels._activations import exp
-from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
+from jaxkernels._tiling import cdiv, check_fields, is_pow2
 from jaxkernels._triton import FLAT_MAX_ELEMENTS, RowSteps, load_vector, store_vector
-
-MAX_ONE_PASS_COLS = 16384
-TARGET_TILE = 8192
-# The online path's shape, softmax's (ops/softmax/triton.py: one program of 32 warps an SM, 4
-# chunks a step).
-ONLINE_WARPS = 32
-ONLINE_UNROLL = 4
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
@@ -49,18 +41,14 @@ class Config:
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """problem: the call's ``cross_entropy.api.Problem`` (logits as (M, V) rows)."""
+  """problem: the call's ``cross_entropy.api.Problem`` (logits as (M, V) rows); softmax's row
+  walk (``_triton.row_walk``), forward and backward alike."""
   del chip
-  n_rows, n_cols = problem.logits.shape
-  padded = next_pow2(n_cols)
-  if padded > MAX_ONE_PASS_COLS:
-    chunk = 8192 if n_cols >= 65536 else 4096
-    return Config(block_rows=1, block_cols=chunk, num_warps=ONLINE_WARPS, bwd_block_rows=1,
-                  bwd_num_warps=ONLINE_WARPS, unroll=ONLINE_UNROLL, bwd_unroll=ONLINE_UNROLL)
-  block_rows = max(1, min(TARGET_TILE // padded, next_pow2(n_rows)))
-  num_warps = max(4, min(16, block_rows * padded // 1024))
-  return Config(block_rows=block_rows, block_cols=padded, num_warps=num_warps,
-                bwd_block_rows=block_rows, bwd_num_warps=num_warps)
+  walk = _triton.row_walk(*problem.logits.shape)
+  return Config(block_rows=walk["block_rows"], block_cols=walk["block_cols"],
+                num_warps=walk["num_warps"], bwd_block_rows=walk["block_rows"],
+                bwd_num_warps=walk["num_warps"], unroll=walk["unroll"],
+                bwd_unroll=walk["unroll"])
 
 
 def unsupported(problem, chip) -> str | None:

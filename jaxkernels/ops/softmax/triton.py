@@ -1,6 +1,6 @@
 """Pallas Triton kernels for softmax over the last axis, forward and backward (CUDA GPUs, sm80+).
 
-Rows up to ``MAX_ONE_PASS_COLS`` wide stay in registers: one read, one write.
+Rows up to ``_triton.ONE_PASS_COLS`` wide stay in registers: one read, one write.
 Wider rows (vocabularies) use the online softmax: one pass keeps a running
 maximum and a sum rescaled as the maximum grows, a second writes the output.
 The backward, dx = y * (dy - sum(dy * y)), is the same shape of work.
@@ -26,20 +26,8 @@ from jax.experimental import pallas as pl
 from jaxkernels import _online_softmax, _triton, hardware, roofline
 from jaxkernels._activations import exp
 from jaxkernels._online_softmax import finite
-from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
+from jaxkernels._tiling import cdiv, check_fields, is_pow2
 from jaxkernels._triton import FLAT_MAX_ELEMENTS, RowSteps, Tile, load_vector, store_vector
-
-MAX_ONE_PASS_COLS = 16384
-TARGET_TILE = 8192  # as for the norms (bench/NOTES.md)
-# Online path, from the H200 sweeps (bench/NOTES.md, runs 29-30): one program of 32 warps an SM
-# (64 registers a thread), so few rows are in flight (132 x 128 KiB at 65536 columns, under the
-# 50 MB L2: their second read can come from it, not measured); 4 chunks a step, a step at most
-# half the row: 16384 columns, 32768 from 65536 on. Against the former 2 rows x 4096 columns on
-# 8 warps with a reduction per chunk: 1024x65536 forward +16-23%, backward +25%; 2048x32768
-# forward +39%, backward +25%.
-ONLINE_WARPS = 32
-ONLINE_UNROLL = 4
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
@@ -62,19 +50,14 @@ class Config:
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """problem: the call's ``softmax.api.Problem`` (x the (M, N) rows view)."""
+  """problem: the call's ``softmax.api.Problem`` (x the (M, N) rows view); the row walk's
+  shape (``_triton.row_walk``), forward and backward alike."""
   del chip
-  n_rows, n_cols = problem.x.shape
-  padded = next_pow2(n_cols)
-  if padded > MAX_ONE_PASS_COLS:  # online: one row a program
-    chunk = 8192 if n_cols >= 65536 else 4096
-    return Config(block_rows=1, block_cols=chunk, num_warps=ONLINE_WARPS,
-                  bwd_block_rows=1, bwd_num_warps=ONLINE_WARPS, unroll=ONLINE_UNROLL,
-                  bwd_unroll=ONLINE_UNROLL)
-  block_rows = max(1, min(TARGET_TILE // padded, next_pow2(n_rows)))
-  num_warps = max(4, min(16, block_rows * padded // 1024))
-  return Config(block_rows=block_rows, block_cols=padded, num_warps=num_warps,
-                bwd_block_rows=block_rows, bwd_num_warps=num_warps)
+  walk = _triton.row_walk(*problem.x.shape)
+  return Config(block_rows=walk["block_rows"], block_cols=walk["block_cols"],
+                num_warps=walk["num_warps"], bwd_block_rows=walk["block_rows"],
+                bwd_num_warps=walk["num_warps"], unroll=walk["unroll"],
+                bwd_unroll=walk["unroll"])
 
 
 def unsupported(problem, chip) -> str | None:
