@@ -164,6 +164,13 @@ class TestCrossEntropyMosaicTpu(CrossEntropyTest):
         z, y, z_loss=1e-4, implementation=self.IMPL))(z)
     text = aot_compile(tpu_mesh, fn, z, labels)
     assert "jk_cross_entropy_fwd" in text and "jk_cross_entropy_bwd" in text
+    # Fused with the projection: the chunks' matmuls and row kernels in one compiled program.
+    x, w = jax.ShapeDtypeStruct((2048, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256, 32000),
+                                                                                 jnp.bfloat16)
+    linear = jax.grad(lambda x, w, y: jk.linear_softmax_cross_entropy(
+        x, w, y, implementation=self.IMPL), argnums=(0, 1))
+    text = aot_compile(tpu_mesh, linear, x, w, jax.ShapeDtypeStruct((2048,), jnp.int32))
+    assert "jk_cross_entropy_fwd" in text and "jk_cross_entropy_bwd" in text
 
 
 class TestLinearCrossEntropy:
