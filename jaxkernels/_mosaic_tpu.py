@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxkernels import hardware
+from jaxkernels._tiling import check_fields
 
 # Largest row block of the row-wise kernels (norms, elementwise, softmax): past ~1024 rows per
 # step the per-step overhead (~0.35 us) is already under 5% of the step's HBM time on every
@@ -47,3 +49,29 @@ def row_mask(block_index, block_rows: int, n_rows: int):
   """
   rows = block_index * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
   return rows < n_rows
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+  """Blocks of ``block_rows`` x ``block_cols`` over an (M, N) array, and the scoped VMEM asked
+  for: the fields of the elementwise ops' and cross-entropy's Mosaic TPU configs (each op's
+  Config derives from it)."""
+
+  block_rows: int
+  block_cols: int
+  vmem_limit_bytes: int
+
+  def __post_init__(self):
+    check_fields(self, ("block_rows", "block_cols", "vmem_limit_bytes"), lambda v: v >= 1,
+                 ">= 1")
+
+  def blocks(self, x) -> tuple[int, int]:
+    """(rows, cols) of a block of the (M, N) array x, checked against TPU tiling."""
+    n_rows, n_cols = x.shape
+    rows, cols = min(self.block_rows, n_rows), min(self.block_cols, n_cols)
+    packing = sublanes(x.dtype)
+    if rows != n_rows and rows % packing:
+      raise ValueError(f"block_rows={rows} must be a multiple of {packing} or cover all {n_rows=}")
+    if cols != n_cols and cols % 128:
+      raise ValueError(f"block_cols={cols} must be a multiple of 128 or cover all {n_cols=}")
+    return rows, cols

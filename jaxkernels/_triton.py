@@ -7,6 +7,7 @@ machine) that touch Triton kernels are absorbed here and nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -17,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import _activations
-from jaxkernels._tiling import cdiv, next_pow2
+from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
 
 # The custom-call target Triton kernels lower to (for jax.export's safety checks).
 CUSTOM_CALL = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
@@ -207,17 +208,37 @@ ONLINE_WARPS = 32
 ONLINE_UNROLL = 4
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowWalkConfig:
+  """The blocks of a :class:`RowSteps` walk, forward and backward: the fields of softmax's and
+  cross-entropy's Triton configs (each op's Config derives from it)."""
+
+  block_rows: int
+  block_cols: int  # next_pow2(N) for one pass, else the chunk width
+  num_warps: int
+  bwd_block_rows: int
+  bwd_num_warps: int
+  unroll: int = 1  # online path: chunks a loop step, forward
+  bwd_unroll: int = 1  # and backward
+
+  def __post_init__(self):
+    check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
+                        "bwd_num_warps"), is_pow2, "a power of two (Triton tiles are)")
+    check_fields(self, ("unroll", "bwd_unroll"), lambda v: v >= 1, ">= 1")
+
+
 def row_walk(n_rows: int, n_cols: int) -> dict[str, int]:
-  """``block_rows``, ``block_cols``, ``num_warps`` and ``unroll`` of a :class:`RowSteps` walk
-  along (n_rows, n_cols): whole rows a program up to ONE_PASS_COLS, else one row a program in
-  unrolled chunks (the online path)."""
+  """A :class:`RowWalkConfig`'s fields for (n_rows, n_cols), forward and backward alike:
+  whole rows a program up to ONE_PASS_COLS, else one row a program in unrolled chunks (the
+  online path)."""
   padded = next_pow2(n_cols)
   if padded > ONE_PASS_COLS:
-    return dict(block_rows=1, block_cols=8192 if n_cols >= 65536 else 4096,
-                num_warps=ONLINE_WARPS, unroll=ONLINE_UNROLL)
-  block_rows = max(1, min(ROW_TILE // padded, next_pow2(n_rows)))
-  return dict(block_rows=block_rows, block_cols=padded,
-              num_warps=max(4, min(16, block_rows * padded // 1024)), unroll=1)
+    rows, cols, warps, unroll = 1, 8192 if n_cols >= 65536 else 4096, ONLINE_WARPS, ONLINE_UNROLL
+  else:
+    rows, cols, unroll = max(1, min(ROW_TILE // padded, next_pow2(n_rows))), padded, 1
+    warps = max(4, min(16, rows * padded // 1024))
+  return dict(block_rows=rows, block_cols=cols, num_warps=warps, bwd_block_rows=rows,
+              bwd_num_warps=warps, unroll=unroll, bwd_unroll=unroll)
 
 
 class RowSteps:

@@ -22,40 +22,23 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxkernels import _mosaic_tpu, hardware, roofline
 from jaxkernels._activations import exp
 from jaxkernels._mosaic_tpu import sublanes, vmem_limit
-from jaxkernels._tiling import cdiv, check_fields, round_up
+from jaxkernels._tiling import cdiv, round_up
 
 TARGET_ELEMENTS = 256 * 1024  # a block's elements: 1 MiB of float32 a temporary
 WHOLE_ROW_COLS = 8192  # vocabularies up to this take whole rows a block
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-  block_rows: int
-  block_cols: int
-  vmem_limit_bytes: int
-
-  def __post_init__(self):
-    check_fields(self, ("block_rows", "block_cols", "vmem_limit_bytes"), lambda v: v >= 1,
-                 ">= 1")
-
-  def blocks(self, logits) -> tuple[int, int]:
-    """(rows, cols) of a block of ``logits``, checked against the TPU's tiling."""
-    n_rows, n_cols = logits.shape
-    rows, cols = min(self.block_rows, n_rows), min(self.block_cols, n_cols)
-    packing = sublanes(logits.dtype, jnp.float32)
-    if rows != n_rows and rows % packing:
-      raise ValueError(f"block_rows={rows} must be a multiple of {packing} or cover all "
-                       f"{n_rows=}")
-    if cols != n_cols and cols % 128:
-      raise ValueError(f"block_cols={cols} must be a multiple of 128 or cover all {n_cols=}")
-    return rows, cols
+class Config(_mosaic_tpu.BlockConfig):
+  """Blocks of the logits' (M, V) rows (``_mosaic_tpu.BlockConfig``): a row block's per-row
+  float32 statistics take the same rows, whose packing the logits' dtype sets."""
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``cross_entropy.api.Problem`` (logits as (M, V) rows)."""
   n_rows, n_cols = problem.logits.shape
   cols = n_cols if n_cols <= WHOLE_ROW_COLS else 4096
-  packing = sublanes(problem.logits.dtype, jnp.float32)
+  packing = sublanes(problem.logits.dtype)
   rows = max(packing, TARGET_ELEMENTS // round_up(cols, 128) // packing * packing)
   return Config(block_rows=n_rows if n_rows <= rows else rows, block_cols=cols,
                 vmem_limit_bytes=vmem_limit(chip))

@@ -21,34 +21,19 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import _online_softmax, _triton, hardware, roofline
 from jaxkernels._activations import exp
-from jaxkernels._tiling import cdiv, check_fields, is_pow2
+from jaxkernels._tiling import cdiv
 from jaxkernels._triton import FLAT_MAX_ELEMENTS, RowSteps, load_vector, store_vector
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-  block_rows: int
-  block_cols: int  # next_pow2(V) for one pass, else the chunk width
-  num_warps: int
-  bwd_block_rows: int
-  bwd_num_warps: int
-  unroll: int = 1  # chunks a loop step, forward
-  bwd_unroll: int = 1  # and backward
-
-  def __post_init__(self):
-    check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
-                        "bwd_num_warps"), is_pow2, "a power of two (Triton tiles are)")
-    check_fields(self, ("unroll", "bwd_unroll"), lambda v: v >= 1, ">= 1")
+class Config(_triton.RowWalkConfig):
+  """The row walk's blocks (``_triton.RowWalkConfig``), for the logits' rows."""
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``cross_entropy.api.Problem`` (logits as (M, V) rows); softmax's row
-  walk (``_triton.row_walk``), forward and backward alike."""
+  walk (``_triton.row_walk``)."""
   del chip
-  walk = _triton.row_walk(*problem.logits.shape)
-  return Config(block_rows=walk["block_rows"], block_cols=walk["block_cols"],
-                num_warps=walk["num_warps"], bwd_block_rows=walk["block_rows"],
-                bwd_num_warps=walk["num_warps"], unroll=walk["unroll"],
-                bwd_unroll=walk["unroll"])
+  return Config(**_triton.row_walk(*problem.logits.shape))
 
 
 def unsupported(problem, chip) -> str | None:

@@ -17,31 +17,15 @@ from jax.experimental import pallas as pl
 
 from jaxkernels import _activations, _mosaic_tpu, hardware, roofline
 from jaxkernels._mosaic_tpu import MAX_BLOCK_ROWS, sublanes, vmem_limit
-from jaxkernels._tiling import cdiv, check_fields
+from jaxkernels._tiling import cdiv
 
 # Widest block: rows up to this wide are whole; wider ones are cut into lane-aligned blocks.
 MAX_BLOCK_COLS = 4096
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-  block_rows: int
-  block_cols: int
-  vmem_limit_bytes: int
-
-  def __post_init__(self):
-    check_fields(self, ("block_rows", "block_cols", "vmem_limit_bytes"), lambda v: v >= 1, ">= 1")
-
-  def blocks(self, x) -> tuple[int, int]:
-    """(rows, cols) of a block of the (M, N) array x, checked against TPU tiling."""
-    n_rows, n_cols = x.shape
-    rows, cols = min(self.block_rows, n_rows), min(self.block_cols, n_cols)
-    packing = sublanes(x.dtype)
-    if rows != n_rows and rows % packing:
-      raise ValueError(f"block_rows={rows} must be a multiple of {packing} or cover all {n_rows=}")
-    if cols != n_cols and cols % 128:
-      raise ValueError(f"block_cols={cols} must be a multiple of 128 or cover all {n_cols=}")
-    return rows, cols
+class Config(_mosaic_tpu.BlockConfig):
+  """Blocks of the (M, N) rows view (``_mosaic_tpu.BlockConfig``)."""
 
 
 # Arrays of x's size that move per step, the most of any pass (glu's backward: gate, up, dy in;

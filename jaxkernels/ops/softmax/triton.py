@@ -26,38 +26,22 @@ from jax.experimental import pallas as pl
 from jaxkernels import _online_softmax, _triton, hardware, roofline
 from jaxkernels._activations import exp
 from jaxkernels._online_softmax import finite
-from jaxkernels._tiling import cdiv, check_fields, is_pow2
+from jaxkernels._tiling import cdiv
 from jaxkernels._triton import FLAT_MAX_ELEMENTS, RowSteps, Tile, load_vector, store_vector
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-  block_rows: int
-  block_cols: int  # next_pow2(N) for one pass, else the chunk width
-  num_warps: int
-  bwd_block_rows: int
-  bwd_num_warps: int
-  unroll: int = 1  # online path: chunks a loop step, forward
-  bwd_unroll: int = 1  # and backward
+class Config(_triton.RowWalkConfig):
   # Online path: a step's loads issued before the previous step's math. Off by default: on the
   # H200 it took the 65536-wide backward to 3040 GB/s (2834 with the default config) but
   # spilled registers at 32768 columns (run 30).
   prefetch: bool = False
 
-  def __post_init__(self):
-    check_fields(self, ("block_rows", "block_cols", "num_warps", "bwd_block_rows",
-                        "bwd_num_warps"), is_pow2, "a power of two (Triton tiles are)")
-    check_fields(self, ("unroll", "bwd_unroll"), lambda v: v >= 1, ">= 1")
-
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``softmax.api.Problem`` (x the (M, N) rows view); the row walk's
-  shape (``_triton.row_walk``), forward and backward alike."""
+  shape (``_triton.row_walk``)."""
   del chip
-  walk = _triton.row_walk(*problem.x.shape)
-  return Config(block_rows=walk["block_rows"], block_cols=walk["block_cols"],
-                num_warps=walk["num_warps"], bwd_block_rows=walk["block_rows"],
-                bwd_num_warps=walk["num_warps"], unroll=walk["unroll"],
-                bwd_unroll=walk["unroll"])
+  return Config(**_triton.row_walk(*problem.x.shape))
 
 
 def unsupported(problem, chip) -> str | None:
