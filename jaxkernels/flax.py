@@ -70,7 +70,16 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
                             implementation=implementation)
 
 
+def _tag_norm(out, residual):
+  """A norm's output tagged ``norm_out``, and with a residual the stream ``residual``."""
+  if residual is None:
+    return remat.tag(out, remat.NORM_OUT)
+  y, h = out
+  return remat.tag(y, remat.NORM_OUT), remat.tag(h, remat.RESIDUAL)
+
+
 def _param(rngs: nnx.Rngs | None, init, shape, dtype):
+  """A parameter from ``init``; a norm's constant init needs no ``rngs`` (key 0 then)."""
   key = rngs.params() if rngs is not None else jax.random.key(0)
   return nnx.Param(init(key, shape, dtype))
 
@@ -89,10 +98,7 @@ class RMSNorm(nnx.Module):
     dtype = self.dtype or x.dtype
     out = jk.rms_norm(x.astype(dtype), self.scale[...].astype(dtype), eps=self.epsilon,
                       residual=residual, implementation=self.implementation)
-    if residual is None:
-      return remat.tag(out, remat.NORM_OUT)
-    y, h = out
-    return remat.tag(y, remat.NORM_OUT), remat.tag(h, remat.RESIDUAL)
+    return _tag_norm(out, residual)
 
 
 class LayerNorm(nnx.Module):
@@ -111,10 +117,7 @@ class LayerNorm(nnx.Module):
     bias = None if self.bias is None else self.bias[...].astype(dtype)
     out = jk.layer_norm(x.astype(dtype), self.scale[...].astype(dtype), bias,
                         eps=self.epsilon, residual=residual, implementation=self.implementation)
-    if residual is None:
-      return remat.tag(out, remat.NORM_OUT)
-    y, h = out
-    return remat.tag(y, remat.NORM_OUT), remat.tag(h, remat.RESIDUAL)
+    return _tag_norm(out, residual)
 
 
 class GLUMLP(nnx.Module):
@@ -126,7 +129,7 @@ class GLUMLP(nnx.Module):
   def __init__(self, in_features: int, hidden_features: int, *, activation: str = "silu",
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                kernel_init=nnx.initializers.lecun_normal(), implementation: str | None = None,
-               rngs: nnx.Rngs | None = None):
+               rngs: nnx.Rngs):
     self.gate_up = _param(rngs, kernel_init, (in_features, 2 * hidden_features), param_dtype)
     self.down = _param(rngs, kernel_init, (hidden_features, in_features), param_dtype)
     self.hidden, self.activation = hidden_features, activation
@@ -151,6 +154,8 @@ class LMHead(nnx.Module):
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                kernel_init=nnx.initializers.lecun_normal(), implementation: str | None = None,
                rngs: nnx.Rngs | None = None):
+    if tied is None and rngs is None:
+      raise ValueError("LMHead: an untied projection needs rngs for its initializer")
     self.tied = tied
     self.kernel = None if tied is not None else _param(rngs, kernel_init, (in_features, vocab),
                                                        param_dtype)

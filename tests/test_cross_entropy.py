@@ -291,7 +291,8 @@ def test_sharded_linear(reduction):
   with jk.interpret_mode("triton"):
     got = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(
         jax.device_put(x, NamedSharding(mesh, P(*spec, None))),
-        jax.device_put(w, NamedSharding(mesh, P())), jax.device_put(labels, NamedSharding(mesh, spec)))
+        jax.device_put(w, NamedSharding(mesh, P())),
+        jax.device_put(labels, NamedSharding(mesh, spec)))
   assert got[1][0].sharding.spec[0] == ("data", "model")  # dx stays split as x was
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
 

@@ -38,8 +38,9 @@ def test_tiny_loss_falls():
 
 
 def test_kernels_match_the_xla_path():
-  """kernels="jaxkernels" (on the CPU the Triton kernels, interpreted) against kernels="xla" (XLA ops, optax's loss on the whole logits): the first step's
-  loss and every gradient, same parameters."""
+  """kernels="jaxkernels" (on the CPU the Triton kernels, interpreted) against kernels="xla"
+  (XLA ops, optax's loss on the whole logits): the first step's loss and every gradient, same
+  parameters."""
   tokens = _tokens(TINY, seed_label="match")
   want_model, _ = llama.make(dataclasses.replace(TINY, kernels="xla"), seed=3)
   with jax.default_matmul_precision("highest"):
@@ -61,12 +62,12 @@ def test_kernels_match_the_xla_path():
 @pytest.mark.parametrize("policy", ["full", "minimal", "dots"])
 def test_remat_changes_no_number(policy):
   tokens = _tokens(TINY, seed_label="remat")
-  grads = []
-  for name in ("none", policy):
-    model, _ = llama.make(dataclasses.replace(TINY, remat=name, kernels="xla"), seed=1)
-    grads.append(nnx.value_and_grad(llama.loss_fn)(model, tokens))
-  np.testing.assert_allclose(grads[0][0], grads[1][0], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(nnx.state(grads[0][1])), jax.tree.leaves(nnx.state(grads[1][1]))):
+  (loss, grads), (want_loss, want_grads) = [
+      nnx.value_and_grad(llama.loss_fn)(
+          llama.make(dataclasses.replace(TINY, remat=name, kernels="xla"), seed=1)[0], tokens)
+      for name in (policy, "none")]
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(nnx.state(grads)), jax.tree.leaves(nnx.state(want_grads))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 

@@ -84,7 +84,7 @@ def _labels(op, labels, shape, against):
   return labels.astype(jnp.int32)
 
 
-def _options(op, label_smoothing, z_loss, ignore_index, reduction) -> tuple[_Options, str]:
+def _options(op, label_smoothing, z_loss, ignore_index, reduction) -> _Options:
   for name, value, ok, accepted in (
       ("label_smoothing", label_smoothing, lambda v: 0 <= v < 1, "a float in [0, 1)"),
       ("z_loss", z_loss, lambda v: 0 <= v < math.inf, "a finite float >= 0")):
@@ -98,17 +98,17 @@ def _options(op, label_smoothing, z_loss, ignore_index, reduction) -> tuple[_Opt
                      f"{ignore_index!r}")
   _checks.choice(op, "reduction", reduction, REDUCTIONS)
   return _Options(float(label_smoothing), float(z_loss),
-                  None if ignore_index is None else int(ignore_index)), reduction
+                  None if ignore_index is None else int(ignore_index))
 
 
-def _reduce(loss, labels, options: _Options, reduction: str, valid=None):
+def _reduce(loss, labels, options: _Options, reduction: str):
   """The per-token ``loss`` reduced: a mean over the tokens not ignored (0 where there are
   none), a sum, or as it is."""
   if reduction == "none":
     return loss
   if reduction == "sum":
     return jnp.sum(loss)
-  return jnp.sum(loss) / jnp.maximum(_count(labels, options, valid), 1.0)
+  return jnp.sum(loss) / jnp.maximum(_count(labels, options), 1.0)
 
 
 def _count(labels, options: _Options, valid=None):
@@ -213,7 +213,7 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     raise ValueError(f"{OP}: logits must have at least one class (a last axis > 0), got shape "
                      f"{tuple(logits.shape)}")
   labels = _labels(OP, labels, logits.shape[:-1], "logits without its last axis")
-  options, reduction = _options(OP, label_smoothing, z_loss, ignore_index, reduction)
+  options = _options(OP, label_smoothing, z_loss, ignore_index, reduction)
   loss = _per_token(logits, labels, options, implementation, config)
   return _reduce(loss, labels, options, reduction)
 
@@ -333,8 +333,8 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
 
   The tokens go through in chunks of ``chunk_size`` (default: about 2**28 logits a chunk); a
   chunk's logits are a matmul accumulated in float32 and stored in x's dtype, read by the row
-  kernels and gone with the chunk. The matmuls are XLA's (cuBLAS, the TPU's MXU); the gradients are x's dtype for x and
-  w's for w, accumulated in float32.
+  kernels and gone with the chunk. The matmuls are XLA's (cuBLAS, the TPU's MXU); the gradients
+  are x's dtype for x and w's for w, accumulated in float32.
 
   Args:
     x: (..., D) the final hidden states, bfloat16, float16 or float32.
@@ -352,7 +352,7 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
     raise ValueError(f"{op}: w must be (D, V) with D = x's last dimension {x.shape[-1]} and "
                      f"V > 0, got {tuple(w.shape)}")
   labels = _labels(op, labels, x.shape[:-1], "x without its last axis")
-  options, reduction = _options(op, label_smoothing, z_loss, ignore_index, reduction)
+  options = _options(op, label_smoothing, z_loss, ignore_index, reduction)
   found = next((lay for lay in map(partitioning.layout, (x, w, labels)) if lay), None)
   if found is not None:
     return _linear_sharded(found[0], x, w, labels, options, reduction, chunk_size,
@@ -368,12 +368,11 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
   spec = _Linear(plan, options, chunk)
   if reduction == "none":
     loss = _linear_rows(spec, flat_x, w, flat_labels)
-    return jnp.where(valid, loss, 0.0)[:tokens].reshape(labels.shape)
+    return loss[:tokens].reshape(labels.shape)
+  # The padding's weight is 0; an ignored token's loss and gradient are 0 in the row kernels.
   weights = valid.astype(jnp.float32)
   if reduction == "mean":
     weights = weights / jnp.maximum(_count(flat_labels, options, valid), 1.0)
-  if options.ignore_index is not None:
-    weights = jnp.where(flat_labels == options.ignore_index, 0.0, weights)
   return _linear_total(spec, flat_x, w, flat_labels, lax.stop_gradient(weights))
 
 
