@@ -59,6 +59,11 @@ class Config:
       raise ValueError(f"Config: head dim {self.head_dim} must be even (rotary pairs)")
 
   @property
+  def implementation(self) -> str | None:
+    """The ops' implementation: the references for kernels="xla", else the device's best."""
+    return "xla" if self.kernels == "xla" else None
+
+  @property
   def head_dim(self) -> int:
     return self.width // self.heads
 
@@ -122,7 +127,7 @@ def _lookup(table, tokens):
 class Block(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    impl = "xla" if cfg.kernels == "xla" else None
+    impl = cfg.implementation
     init = nnx.initializers.normal(0.02)
     qkv_width = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     self.attn_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=impl,
@@ -136,11 +141,12 @@ class Block(nnx.Module):
                           rngs=rngs)
 
   def __call__(self, delta, stream, cos, sin):
-    """(this block's output delta, the residual stream before it): delta is the previous
-    block's output, added to ``stream`` inside the first norm."""
+    """(this block's MLP output, the residual stream up to it): ``delta`` is the previous
+    block's output, added to ``stream`` inside the first norm; the MLP's output is added
+    inside the next block's (or the final) norm."""
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
-    impl = "xla" if cfg.kernels == "xla" else None
+    impl = cfg.implementation
     normed, stream = self.attn_norm(delta.astype(dtype), residual=stream)
     b, t, _ = normed.shape
     qkv = jk.matmul(normed, self.qkv[...].astype(dtype), implementation=impl)
@@ -173,7 +179,7 @@ class Llama(nnx.Module):
       return Block(cfg, rngs=rngs)
 
     self.blocks = blocks(rngs)
-    impl = "xla" if cfg.kernels == "xla" else None
+    impl = cfg.implementation
     self.final_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=impl,
                                   rngs=rngs)
     self.head = jkf.LMHead(cfg.width, cfg.vocab, tied=self.embed if cfg.tied else None,
