@@ -14,8 +14,8 @@ import sys
 
 import jax
 
-from bench import (attention, ceilings, cross_entropy, elementwise, harness, matmul, norms,
-                   sharding, softmax)
+from bench import (attention, ceilings, cross_entropy, elementwise, harness, matmul, model,
+                   norms, sharding, softmax)
 
 SUITES = {
     "norms": norms.run,
@@ -26,6 +26,7 @@ SUITES = {
     "matmul": matmul.run,
     "sharding": sharding.run,
     "attention": attention.run,
+    "model": model.run,
 }
 DEFAULT = ("norms", "elementwise", "softmax")
 
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
   parser.add_argument("--tune", action="store_true", help="matmul: autotune ours first")
   parser.add_argument("--only", default=None,
                       help="matmul: run only these parts, comma-separated (checks,headline,sweep); "
-                           "attention: only these shapes, by name")
+                           "attention: only these shapes, by name; model: only these presets")
   parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results/<device>)")
   args = parser.parse_args(argv)
 
@@ -67,6 +68,8 @@ def main(argv=None) -> int:
                  only=args.only.split(",") if args.only else None)
     elif name == "attention":
       attention.run(session, sweep=args.sweep, only=args.only.split(",") if args.only else None)
+    elif name == "model":
+      model.run(session, only=args.only.split(",") if args.only else None)
     else:
       SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run

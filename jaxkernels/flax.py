@@ -7,9 +7,16 @@ default: the input's) for the op, as Flax's own layers do. Every module takes
 ``implementation`` (None: the best kernel for the device; "xla": the references) and passes it
 to its ops.
 
+Fully sharded data parallelism: the layers with weight matrices take ``axes``, logical names
+for their dimensions, which they record on each parameter (``nnx.get_partition_spec`` reads
+them; the caller maps them onto mesh axes and places the parameters). A weight split over a
+mesh is cast to ``dtype`` and gathered whole before its op (the gather moves ``dtype``'s
+bytes); its gradient comes back split the same way (a reduce-scatter).
+
 Example::
 
     from flax import nnx
+from jax.sharding import PartitionSpec as P
     import jaxkernels.flax as jkf
 
     attention = nnx.MultiHeadAttention(num_heads=16, in_features=1024, decode=False,
@@ -25,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jaxkernels as jk
 from jaxkernels import remat
@@ -78,10 +86,27 @@ def _tag_norm(out, residual):
   return remat.tag(y, remat.NORM_OUT), remat.tag(h, remat.RESIDUAL)
 
 
-def _param(rngs: nnx.Rngs | None, init, shape, dtype):
-  """A parameter from ``init``; a norm's constant init needs no ``rngs`` (key 0 then)."""
+def _param(rngs: nnx.Rngs | None, init, shape, dtype, axes=None):
+  """A parameter from ``init``; a norm's constant init needs no ``rngs`` (key 0 then).
+  ``axes``: logical names of its dimensions, recorded for the caller to lay it out by (the
+  parameter is created whole, wherever JAX puts it, never placed by Flax on creation)."""
   key = rngs.params() if rngs is not None else jax.random.key(0)
-  return nnx.Param(init(key, shape, dtype))
+  if axes is None:
+    return nnx.Param(init(key, shape, dtype))
+  if len(axes) != len(shape):
+    raise ValueError(f"axes={axes!r} names {len(axes)} dimensions; the parameter has shape "
+                     f"{shape}")
+  return nnx.Param(init(key, shape, dtype), out_sharding=tuple(axes), eager_sharding=False)
+
+
+def whole_weight(value, dtype):
+  """A weight in ``dtype``, whole: one split over a mesh of Explicit axes (fully sharded data
+  parallelism) is cast and then gathered, so the gather moves ``dtype``'s bytes; under
+  ``jax.grad`` the gather's transpose sums the gradient back onto the split."""
+  w = value.astype(dtype)
+  if any(axes is not None for axes in jax.typeof(w).sharding.spec):
+    w = jax.sharding.reshard(w, P())
+  return w
 
 
 class RMSNorm(nnx.Module):
@@ -129,20 +154,24 @@ class GLUMLP(nnx.Module):
   def __init__(self, in_features: int, hidden_features: int, *, activation: str = "silu",
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                kernel_init=nnx.initializers.lecun_normal(), implementation: str | None = None,
-               rngs: nnx.Rngs):
-    self.gate_up = _param(rngs, kernel_init, (in_features, 2 * hidden_features), param_dtype)
-    self.down = _param(rngs, kernel_init, (hidden_features, in_features), param_dtype)
+               axes: tuple[str | None, str | None] | None = None, rngs: nnx.Rngs):
+    """``axes``: (the features' name, the hidden dimension's name) for the parameters' layout:
+    gate_up is (in, hidden), down (hidden, in)."""
+    self.gate_up = _param(rngs, kernel_init, (in_features, 2 * hidden_features), param_dtype,
+                          axes)
+    self.down = _param(rngs, kernel_init, (hidden_features, in_features), param_dtype,
+                       None if axes is None else axes[::-1])
     self.hidden, self.activation = hidden_features, activation
     self.dtype, self.implementation = dtype, implementation
 
   def __call__(self, x):
     dtype = self.dtype or x.dtype
     matmul = functools.partial(jk.matmul, implementation=self.implementation)
-    both = matmul(x.astype(dtype), self.gate_up[...].astype(dtype))
+    both = matmul(x.astype(dtype), whole_weight(self.gate_up[...], dtype))
     gate, up = both[..., :self.hidden], both[..., self.hidden:]
     hidden = jk.glu(gate, up, activation=self.activation, implementation=self.implementation)
     hidden = remat.tag(hidden, remat.MLP_HIDDEN)
-    return matmul(hidden, self.down[...].astype(dtype))
+    return matmul(hidden, whole_weight(self.down[...], dtype))
 
 
 class LMHead(nnx.Module):
@@ -153,17 +182,19 @@ class LMHead(nnx.Module):
   def __init__(self, in_features: int, vocab: int, *, tied: nnx.Embed | None = None,
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                kernel_init=nnx.initializers.lecun_normal(), implementation: str | None = None,
+               axes: tuple[str | None, str | None] | None = None,
                rngs: nnx.Rngs | None = None):
+    """``axes``: (the features' name, the vocabulary's name) for an untied kernel's layout."""
     if tied is None and rngs is None:
       raise ValueError("LMHead: an untied projection needs rngs for its initializer")
     self.tied = tied
     self.kernel = None if tied is not None else _param(rngs, kernel_init, (in_features, vocab),
-                                                       param_dtype)
+                                                       param_dtype, axes)
     self.dtype, self.implementation = dtype, implementation
 
   def weight(self, dtype):
     w = self.tied.embedding[...].T if self.tied is not None else self.kernel[...]
-    return w.astype(dtype)
+    return whole_weight(w, dtype)
 
   def __call__(self, x, labels=None, **loss_options):
     """Logits (x's dtype), or with ``labels`` the loss (float32; ``loss_options``: those of

@@ -10,6 +10,12 @@ one ``nnx.scan`` over stacked parameters, each step under ``nnx.remat`` with a p
 
 ``kernels="xla"`` runs the same model as a user of plain JAX would: XLA's ops,
 ``jax.nn.dot_product_attention`` (cuDNN on a GPU) and optax's loss on the whole logits.
+
+Every weight matrix records logical names for its dimensions (``nnx.get_partition_spec``);
+:data:`RULES` maps them onto a mesh's ``data`` and ``fsdp`` axes and :func:`place` lays a
+model (and its optimizer) out by them: fully sharded data parallelism, each weight split over
+``fsdp`` along its width and gathered whole (in ``dtype``) where a layer uses it, the batch
+split over both axes.
 """
 
 from __future__ import annotations
@@ -21,13 +27,18 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
 import jaxkernels.flax as jkf
 from jaxkernels import remat
 
 KERNELS = ("jaxkernels", "xla")
+
+# Logical axis -> mesh axis. The width ("embed") of every weight is split over fsdp; a stacked
+# layer axis, the heads, the MLP's hidden width and the vocabulary stay whole.
+RULES = {"embed": "fsdp", "layers": None, "heads": None, "mlp": None, "vocab": None}
+BATCH = ("data", "fsdp")  # the mesh axes that split the batch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,10 +85,13 @@ class Config:
     block = qkv + self.width * self.width + 3 * self.width * self.mlp_width
     return self.depth * block + self.width * self.vocab
 
-  def flops_per_token(self, seq_len: int) -> float:
-    """Training FLOPs a token: 6 x matmul parameters, and causal attention's 4·T·width a layer
-    forward (halved by the mask), times 3 for the backward."""
-    return 6 * self.matmul_params + 6 * self.depth * seq_len * self.width
+  def flops_per_token(self, seq_len: int, *, causal_half: bool = False) -> float:
+    """Training FLOPs a token, as PaLM's appendix B counts them (and the issue's table of
+    plain-JAX MFUs): 6 x matmul parameters, plus attention's 4·T·width a layer forward times 3
+    for the backward, as if no mask skipped anything. ``causal_half``: the attention term
+    halved, the work a causal kernel does (the count is then 7-12% lower at the presets)."""
+    attention = 12 * self.depth * seq_len * self.width
+    return 6 * self.matmul_params + (attention / 2 if causal_half else attention)
 
 
 PRESETS = {
@@ -124,6 +138,28 @@ def _lookup(table, tokens):
       jnp.float32)
 
 
+def _named(init, *axes):
+  """``init`` whose parameters carry the logical names ``axes`` (laid out by :func:`place`)."""
+  return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+def place(tree, mesh: jax.sharding.Mesh):
+  """``tree`` (a model, an optimizer, or their ``nnx.state``) laid out on ``mesh`` by its
+  parameters' logical names and :data:`RULES`; what has no names is replicated."""
+  def mesh_spec(spec):
+    return P(*(RULES.get(axis) if axis is not None else None for axis in spec))
+
+  state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
+  specs = nnx.get_partition_spec(state)
+  placed = jax.device_put(state, jax.tree.map(
+      lambda spec: NamedSharding(mesh, mesh_spec(spec)), specs,
+      is_leaf=lambda x: isinstance(x, P)))
+  if isinstance(tree, nnx.State):
+    return placed
+  nnx.update(tree, placed)
+  return tree
+
+
 class Block(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -132,13 +168,14 @@ class Block(nnx.Module):
     qkv_width = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     self.attn_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=impl,
                                  rngs=rngs)
-    self.qkv = nnx.Param(init(rngs.params(), (cfg.width, qkv_width), jnp.float32))
-    self.out = nnx.Param(init(rngs.params(), (cfg.heads * cfg.head_dim, cfg.width),
-                              jnp.float32) / (2 * cfg.depth) ** 0.5)
+    self.qkv = nnx.Param(_named(init, "embed", "heads")(rngs.params(), (cfg.width, qkv_width)))
+    out_init = nnx.initializers.normal(0.02 / (2 * cfg.depth) ** 0.5)
+    self.out = nnx.Param(_named(out_init, "heads", "embed")(
+        rngs.params(), (cfg.heads * cfg.head_dim, cfg.width)))
     self.mlp_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=impl,
                                 rngs=rngs)
     self.mlp = jkf.GLUMLP(cfg.width, cfg.mlp_width, kernel_init=init, implementation=impl,
-                          rngs=rngs)
+                          axes=("embed", "mlp"), rngs=rngs)
 
   def __call__(self, delta, stream, cos, sin):
     """(this block's MLP output, the residual stream up to it): ``delta`` is the previous
@@ -149,7 +186,7 @@ class Block(nnx.Module):
     impl = cfg.implementation
     normed, stream = self.attn_norm(delta.astype(dtype), residual=stream)
     b, t, _ = normed.shape
-    qkv = jk.matmul(normed, self.qkv[...].astype(dtype), implementation=impl)
+    qkv = jk.matmul(normed, jkf.whole_weight(self.qkv[...], dtype), implementation=impl)
     q, k, v = jnp.split(qkv, [cfg.heads * cfg.head_dim, (cfg.heads + cfg.kv_heads) *
                               cfg.head_dim], axis=-1)
     q = remat.tag(_rotate(q.reshape(b, t, cfg.heads, cfg.head_dim), cos, sin), remat.QUERY)
@@ -161,7 +198,7 @@ class Block(nnx.Module):
                                               implementation="cudnn" if cudnn else None)
     else:
       attended = jk.flash_attention(q, k, v, causal=True)
-    delta = jk.matmul(attended.reshape(b, t, -1), self.out[...].astype(dtype),
+    delta = jk.matmul(attended.reshape(b, t, -1), jkf.whole_weight(self.out[...], dtype),
                       implementation=impl)
     normed, stream = self.mlp_norm(delta, residual=stream)
     return self.mlp(normed), stream
@@ -170,11 +207,11 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = nnx.Embed(cfg.vocab, cfg.width, embedding_init=nnx.initializers.normal(0.02),
-                           rngs=rngs)
+    self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs, embedding_init=_named(
+        nnx.initializers.normal(0.02), "vocab", "embed"))
 
     @nnx.split_rngs(splits=cfg.depth)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def blocks(rngs):
       return Block(cfg, rngs=rngs)
 
@@ -184,13 +221,14 @@ class Llama(nnx.Module):
                                   rngs=rngs)
     self.head = jkf.LMHead(cfg.width, cfg.vocab, tied=self.embed if cfg.tied else None,
                            kernel_init=nnx.initializers.normal(0.02), implementation=impl,
-                           rngs=rngs)
+                           axes=("embed", "vocab"), rngs=rngs)
 
   def hidden(self, tokens):
     """(B, T) tokens -> (B, T, width) final hidden states (after the last norm)."""
     cfg = self.cfg
     cos, sin = rotary(jnp.arange(tokens.shape[1]), cfg.head_dim, cfg.rope_theta)
-    stream = _lookup(self.embed.embedding[...], tokens)  # the residual stream stays float32
+    # The residual stream stays float32.
+    stream = _lookup(jkf.whole_weight(self.embed.embedding[...], jnp.float32), tokens)
     delta = jnp.zeros_like(stream, jnp.dtype(cfg.dtype))  # split as the stream is
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
@@ -228,9 +266,11 @@ def train_step(model: Llama, optimizer: nnx.Optimizer, tokens):
   return loss
 
 
-def mfu(cfg: Config, tokens_per_second: float, seq_len: int, peak_flops: float) -> float:
+def mfu(cfg: Config, tokens_per_second: float, seq_len: int, peak_flops: float, *,
+        causal_half: bool = False) -> float:
   """Model FLOPs utilisation, in percent of ``peak_flops`` (:meth:`Config.flops_per_token`)."""
-  return 100.0 * cfg.flops_per_token(seq_len) * tokens_per_second / peak_flops
+  return (100.0 * cfg.flops_per_token(seq_len, causal_half=causal_half) * tokens_per_second
+          / peak_flops)
 
 
 def make(cfg: Config, seed: int = 0, learning_rate: float = 3e-3):

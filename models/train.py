@@ -1,0 +1,358 @@
+"""python -m models.train --preset tiny [--steps N] [--checkpoint-dir DIR] ...
+
+Trains the Llama model (``models.llama``) on a byte-level text corpus: optax's AdamW under a
+linear warmup and cosine decay, with the gradients' global norm clipped; a progress bar with
+the loss, tokens/s and MFU; orbax checkpoints. Run again with the same ``--checkpoint-dir`` and
+it resumes where the last checkpoint stopped, on the same batches, to the same loss curve as a
+run that was never stopped: the batch of step s is drawn from (seed, s) alone, and the
+checkpoint holds the parameters, the optimizer's state and its step.
+
+The corpus is the text of the Python standard library's modules (``--corpus`` takes a file or
+a directory of text instead): nothing is fetched. Tokens are bytes (the presets' vocabularies
+are at least 256).
+
+The step runs on a mesh with ``data`` and ``fsdp`` axes over every local device (``--data``
+devices on ``data``, the rest on ``fsdp``): the parameters and the optimizer's state laid out by
+their logical names (``llama.place``), the batch split over both axes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import pathlib
+import sys
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxkernels import hardware, remat
+from models import llama
+
+CORPUS_BYTES = 8 << 20  # the standard library's first 8 MiB of module text, in path order
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  """What, with the model's Config and the corpus, decides the loss curve; a checkpoint
+  directory holds one of each, and a resumed run must match it."""
+
+  steps: int = 300
+  batch: int = 16
+  seq_len: int = 128
+  learning_rate: float = 3e-3
+  warmup: int = 30
+  final_lr_ratio: float = 0.1  # the cosine ends at learning_rate times this
+  weight_decay: float = 0.1  # on the weight matrices, not the norms' scales
+  clip: float = 1.0  # the gradients' global norm
+  seed: int = 0  # the parameters' and the batches'
+
+  def __post_init__(self):
+    for name in ("steps", "batch", "seq_len"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"TrainConfig: {name}={getattr(self, name)} must be at least 1")
+    if not 0 <= self.warmup < self.steps:
+      raise ValueError(f"TrainConfig: warmup={self.warmup} must be in [0, steps={self.steps})")
+
+
+def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=tc.learning_rate, warmup_steps=tc.warmup,
+      decay_steps=tc.steps, end_value=tc.learning_rate * tc.final_lr_ratio)
+  return optax.chain(
+      optax.clip_by_global_norm(tc.clip),
+      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay,
+                  mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+
+
+# The corpus.
+
+def corpus(path: str | None = None, limit: int = CORPUS_BYTES) -> tuple[np.ndarray, str]:
+  """(the bytes, as uint8; what they are): ``path`` (a file, or a directory's files in path
+  order), else the Python standard library's module text. At most ``limit`` bytes."""
+  if path is None:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py"))
+    described = f"the Python {sys.version_info.major}.{sys.version_info.minor} standard library"
+  else:
+    root = pathlib.Path(path)
+    if not root.exists():
+      raise FileNotFoundError(f"--corpus {path}: no such file or directory")
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    described = str(path)
+  chunks, size = [], 0
+  for file in files:
+    if size >= limit:
+      break
+    chunks.append(file.read_bytes()[:limit - size])
+    size += len(chunks[-1])
+  data = np.frombuffer(b"".join(chunks), np.uint8)
+  return data, f"{described}: {len(data)} bytes"
+
+
+def fingerprint(data: np.ndarray) -> str:
+  return hashlib.sha256(data.tobytes()).hexdigest()[:16]
+
+
+def batch_at(data: np.ndarray, step: int, tc: TrainConfig) -> np.ndarray:
+  """Step ``step``'s (batch, seq_len + 1) windows of the corpus: drawn from (seed, step) alone,
+  so that a resumed run sees the batches an uninterrupted one would."""
+  span = tc.seq_len + 1
+  if len(data) < tc.batch * span:
+    raise ValueError(f"the corpus ({len(data)} bytes) is shorter than one batch: batch "
+                     f"{tc.batch} x (seq_len {tc.seq_len} + 1) = {tc.batch * span} tokens")
+  starts = np.random.default_rng([tc.seed, step]).integers(0, len(data) - span + 1, tc.batch)
+  return np.stack([data[s:s + span] for s in starts]).astype(np.int32)
+
+
+# The step.
+
+def mesh(data: int = 1, devices=None) -> jax.sharding.Mesh:
+  """``data`` x (the rest) devices on axes ("data", "fsdp"), both Explicit."""
+  devices = jax.local_devices() if devices is None else devices
+  if data < 1 or len(devices) % data:
+    raise ValueError(f"--data {data} must divide the {len(devices)} local devices")
+  return jax.make_mesh((data, len(devices) // data), llama.BATCH,
+                       axis_types=(AxisType.Explicit,) * 2, devices=devices)
+
+
+def init(cfg: llama.Config, tc: TrainConfig, where: jax.sharding.Mesh | None = None):
+  """(graphdef, state) of the model and its optimizer, laid out on ``where``."""
+  model = llama.Llama(cfg, rngs=nnx.Rngs(tc.seed))
+  opt = nnx.Optimizer(model, optimizer(tc), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, opt))
+  return graphdef, (llama.place(state, where) if where is not None else state)
+
+
+def step_fn(graphdef):
+  """The jitted train step: (state, tokens) -> (state, {"loss", "grad_norm"}), the old state's
+  buffers donated to the new."""
+
+  def step(state, tokens):
+    model, opt = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(llama.loss_fn)(model, tokens)
+    opt.update(model, grads)
+    return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def shard_batch(tokens, where: jax.sharding.Mesh | None):
+  if where is None:
+    return jnp.asarray(tokens)
+  return jax.device_put(tokens, NamedSharding(where, P(llama.BATCH, None)))
+
+
+# Checkpoints.
+
+def _identity(cfg: llama.Config, tc: TrainConfig, data: np.ndarray) -> dict:
+  return {"model": dataclasses.asdict(cfg), "train": dataclasses.asdict(tc),
+          "corpus": fingerprint(data)}
+
+
+def _differences(want: dict, got: dict, prefix="") -> list[str]:
+  out = []
+  for key in sorted(set(want) | set(got)):
+    a, b = want.get(key), got.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _differences(a, b, f"{prefix}{key}.")
+    elif a != b:
+      out.append(f"{prefix}{key}: {b!r} there, {a!r} here")
+  return out
+
+
+class Checkpoints:
+  """Orbax checkpoints of (state, identity) in ``directory``, kept ``keep`` deep. Opening a
+  directory that holds another run's checkpoints raises before anything is written."""
+
+  def __init__(self, directory: str, identity: dict, keep: int = 2):
+    import orbax.checkpoint as ocp
+    self._ocp = ocp
+    self.directory = pathlib.Path(directory).absolute()
+    if self.directory.exists() and not self.directory.is_dir():
+      raise ValueError(f"--checkpoint-dir {directory}: is a file, not a directory")
+    self.manager = ocp.CheckpointManager(
+        self.directory, item_names=("state", "identity"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+    self.identity = identity
+    step = self.latest()
+    if step is not None:
+      try:
+        there = self.manager.restore(step, args=ocp.args.Composite(
+            identity=ocp.args.JsonRestore()))["identity"]
+      except Exception as e:  # noqa: BLE001 - a directory some other program wrote
+        raise ValueError(f"--checkpoint-dir {directory}: step {step} there is not a "
+                         f"models.train checkpoint ({type(e).__name__}); nothing was "
+                         "changed") from e
+      differences = _differences(identity, there)
+      if differences:
+        raise ValueError(
+            f"--checkpoint-dir {directory}: its checkpoints were written by another config; "
+            f"nothing was changed. Differences: {'; '.join(differences)}. Pass the same "
+            "options to resume, or another directory to start afresh")
+
+  def latest(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state) -> None:
+    ocp = self._ocp
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(nnx.to_pure_dict(state)),
+        identity=ocp.args.JsonSave(self.identity)))
+
+  def restore(self, step: int, state):
+    """``state`` (the freshly initialised one: its shapes, dtypes and layout) with step
+    ``step``'s values."""
+    ocp = self._ocp
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          nnx.to_pure_dict(state))
+    values = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target)))["state"]
+    nnx.replace_by_pure_dict(state, values)
+    return state
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+# The loop.
+
+class Progress:
+  """One line, redrawn in place on a terminal; on a pipe, a line every ``every`` steps."""
+
+  def __init__(self, total: int, every: int, stream=sys.stderr):
+    self.total, self.every, self.stream = total, every, stream
+    self.live = stream.isatty()
+
+  def show(self, step: int, text: str) -> None:
+    if self.live:
+      done = int(30 * step / self.total)
+      self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{self.total} {text}")
+      if step == self.total:
+        self.stream.write("\n")
+      self.stream.flush()
+    elif step % self.every == 0 or step == self.total:
+      print(f"step {step}/{self.total} {text}", file=self.stream, flush=True)
+
+
+def peak_flops(devices) -> float | None:
+  chip = hardware.chip_for(devices[0].device_kind)
+  return None if chip is None else chip.peak_flops["bfloat16"] * len(devices)
+
+
+def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
+          checkpoint_dir: str | None = None, checkpoint_every: int = 100,
+          data_axis: int = 1, metrics_path: str | None = None, log_every: int = 10,
+          stream=sys.stderr) -> list[float]:
+  """Trains to ``tc.steps``, resuming from ``checkpoint_dir``'s latest checkpoint; returns the
+  losses of the steps this call ran."""
+  data, described = corpus(corpus_path)
+  batch_at(data, 0, tc)  # a corpus shorter than one batch fails here, before anything is written
+  where = mesh(data_axis)
+  if tc.batch % where.size:
+    raise ValueError(f"--batch {tc.batch} must be a multiple of the {where.size} devices it is "
+                     "split over")
+  checkpoints = None
+  if checkpoint_dir is not None:
+    checkpoints = Checkpoints(checkpoint_dir, _identity(cfg, tc, data))
+  graphdef, state = init(cfg, tc, where)
+  start = 0
+  if checkpoints is not None and checkpoints.latest() is not None:
+    start = checkpoints.latest()
+    state = checkpoints.restore(start, state)
+  print(f"{cfg.kernels} {described}; mesh {dict(where.shape)}; "
+        f"{sum(x.size for x in jax.tree.leaves(nnx.state(state, nnx.Param)))/1e6:.1f}M "
+        f"parameters; " + (f"resumed at step {start}" if start else "from step 0"),
+        file=stream, flush=True)
+  step = step_fn(graphdef)
+  progress = Progress(tc.steps, log_every, stream)
+  peak = peak_flops(list(where.devices.flat))
+  tokens_per_step = tc.batch * tc.seq_len
+  metrics_file = open(metrics_path, "a") if metrics_path else None
+  losses = []
+  with jax.set_mesh(where):
+    pending, clock = None, time.perf_counter()
+    for s in range(start, tc.steps):
+      state, metrics = step(state, shard_batch(batch_at(data, s, tc), where))
+      if pending is not None:  # the previous step's numbers, read while this one runs
+        losses.append(_report(*pending, clock, tokens_per_step, cfg, tc, peak, progress,
+                              metrics_file))
+        clock = time.perf_counter()
+      pending = (s + 1, metrics)
+      if checkpoints is not None and ((s + 1) % checkpoint_every == 0 or s + 1 == tc.steps):
+        checkpoints.save(s + 1, state)
+    if pending is not None:
+      losses.append(_report(*pending, clock, tokens_per_step, cfg, tc, peak, progress,
+                            metrics_file))
+  if checkpoints is not None:
+    checkpoints.close()
+  if metrics_file:
+    metrics_file.close()
+  return losses
+
+
+def _report(step, metrics, since, tokens_per_step, cfg, tc, peak, progress, metrics_file):
+  loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+  seconds = time.perf_counter() - since
+  rate = tokens_per_step / seconds
+  mfu = f"{llama.mfu(cfg, rate, tc.seq_len, peak):.1f}%" if peak else "n/a"
+  progress.show(step, f"loss {loss:.4f} | {rate:,.0f} tokens/s | MFU {mfu}")
+  if metrics_file:
+    metrics_file.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad_norm,
+                                   "tokens_per_s": rate}) + "\n")
+    metrics_file.flush()
+  return loss
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m models.train", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--preset", default="tiny", help=f"one of {', '.join(llama.PRESETS)}")
+  parser.add_argument("--kernels", default="jaxkernels", help=f"one of {llama.KERNELS}")
+  parser.add_argument("--remat", default=None, help=f"one of {remat.POLICIES}")
+  for field in dataclasses.fields(TrainConfig):
+    parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default),
+                        default=field.default)
+  parser.add_argument("--corpus", default=None, help="a text file or directory (default: the "
+                      "Python standard library's modules)")
+  parser.add_argument("--checkpoint-dir", default=None, help="resume from it, save into it")
+  parser.add_argument("--checkpoint-every", type=int, default=100)
+  parser.add_argument("--data", type=int, default=1, help="devices on the data axis (the "
+                      "rest on fsdp)")
+  parser.add_argument("--metrics", default=None, help="append each step's numbers here (JSON "
+                      "lines)")
+  parser.add_argument("--log-every", type=int, default=10)
+  args = parser.parse_args(argv)
+  try:
+    changes = {"kernels": args.kernels}
+    if args.remat is not None:
+      changes["remat"] = args.remat
+    cfg = llama.preset(args.preset, **changes)
+    tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    if tc.seq_len > cfg.max_len:
+      raise ValueError(f"--seq-len {tc.seq_len} is longer than the preset's max_len "
+                       f"{cfg.max_len}")
+    losses = train(cfg, tc, corpus_path=args.corpus, checkpoint_dir=args.checkpoint_dir,
+                   checkpoint_every=args.checkpoint_every, data_axis=args.data,
+                   metrics_path=args.metrics, log_every=args.log_every)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"python -m models.train: error: {e}", file=sys.stderr)
+    return 2
+  if losses:
+    print(f"final loss {losses[-1]:.4f} ({math.exp(min(losses[-1], 50)):.2f} perplexity per "
+          "byte)", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
