@@ -18,7 +18,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 from bench import harness
 
@@ -28,7 +27,27 @@ POLICIES = ("none", "dots", "full")
 SMOKE = {"tiny": 4}
 
 
-def measure(preset: str, kernels: str, policy: str, batch: int, seq: int, steps: int) -> dict:
+def kernel_breakdown(step, state, tokens, top: int = 25) -> list[tuple[str, float, int]]:
+  """(kernel name, ms per step, launches) of one train step's most expensive kernels, by CUPTI
+  (JAX's Mosaic GPU profiler); [] where it is not available. ``step`` must not donate."""
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, runs = profiler.measure(step, aggregate=False, iterations=3)(state, tokens)
+  except (ImportError, RuntimeError):
+    return []
+  totals: dict[str, list] = {}
+  for name, ms in runs[-1]:
+    entry = totals.setdefault(name[:90], [0.0, 0])
+    entry[0] += ms
+    entry[1] += 1
+  ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+  return [(name, round(ms, 3), n) for name, (ms, n) in ranked[:top]] + [
+      ("(all kernels)", round(sum(ms for ms, _ in totals.values()), 3),
+       sum(n for _, n in totals.values()))]
+
+
+def measure(preset: str, kernels: str, policy: str, batch: int, seq: int, steps: int,
+            profile: bool = False) -> dict:
   """One train step's time, memory and loss on this process's first device."""
   from models import llama, train
   cfg = llama.preset(preset, kernels=kernels, remat=policy)
@@ -52,7 +71,9 @@ def measure(preset: str, kernels: str, policy: str, batch: int, seq: int, steps:
     losses.append(float(metrics["loss"]))
     times.append((time.perf_counter() - start) / steps)
   seconds = sorted(times)[1]
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = jax.devices()[0].memory_stats() or {}  # before the profile's second copy of state
+  breakdown = kernel_breakdown(train.step_fn(graphdef, donate=False), state, tokens) \
+      if profile else []
   rate = batch * seq / seconds
   chip = harness.hardware.chip_for(jax.devices()[0].device_kind)
   peak = chip.peak_flops["bfloat16"] if chip else None
@@ -64,6 +85,7 @@ def measure(preset: str, kernels: str, policy: str, batch: int, seq: int, steps:
       "tflops": cfg.flops_per_token(seq) * rate / 1e12,
       "mfu": llama.mfu(cfg, rate, seq, peak) if peak else None,
       "mfu_causal_half": llama.mfu(cfg, rate, seq, peak, causal_half=True) if peak else None,
+      "kernels": breakdown,
   }
 
 

@@ -133,9 +133,9 @@ def init(cfg: llama.Config, tc: TrainConfig, where: jax.sharding.Mesh | None = N
   return graphdef, (llama.place(state, where) if where is not None else state)
 
 
-def step_fn(graphdef):
+def step_fn(graphdef, donate: bool = True):
   """The jitted train step: (state, tokens) -> (state, {"loss", "grad_norm"}), the old state's
-  buffers donated to the new."""
+  buffers donated to the new (unless ``donate`` is False)."""
 
   def step(state, tokens):
     model, opt = nnx.merge(graphdef, state)
@@ -143,7 +143,7 @@ def step_fn(graphdef):
     opt.update(model, grads)
     return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.global_norm(grads)}
 
-  return jax.jit(step, donate_argnums=0)
+  return jax.jit(step, donate_argnums=0 if donate else ())
 
 
 def shard_batch(tokens, where: jax.sharding.Mesh | None):

@@ -35,7 +35,17 @@ def epilogue(acc, *, bias=None, activation=None, residual=None, a_scale=None, b_
 
 def matmul(a, b, *, bias=None, activation=None, residual=None, a_scale=None, b_scale=None,
            out_dtype, precision=None):
-  acc = lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), precision=precision,
+  dims = (((a.ndim - 1,), (0,)), ((), ()))
+  plain = bias is None and activation is None and residual is None and a_scale is None and \
+      b_scale is None
+  if plain and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype == b.dtype == out_dtype:
+    # No epilogue: the product straight in the operands' dtype, as jnp.dot gives it. XLA still
+    # accumulates in float32 and rounds once; and under autodiff the gradients' matmuls take
+    # the cotangent in that dtype too, where a float32 product would hand them a float32
+    # cotangent and make them float32 matmuls (tf32 on a GPU, at twice the bytes: the plain-JAX
+    # Llama's step ran 1.6x slower so, bench/NOTES.md model-1).
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype)
+  acc = lax.dot_general(a, b, dims, precision=precision,
                         preferred_element_type=accumulator_dtype(a.dtype))
   return epilogue(acc, bias=bias, activation=activation, residual=residual, a_scale=a_scale,
                   b_scale=b_scale).astype(out_dtype)
