@@ -47,10 +47,10 @@ def kernel_breakdown(step, state, tokens, top: int = 25) -> list[tuple[str, floa
 
 
 def measure(preset: str, kernels: str, policy: str, batch: int, seq: int, steps: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, scan_layers: bool = True) -> dict:
   """One train step's time, memory and loss on this process's first device."""
   from models import llama, train
-  cfg = llama.preset(preset, kernels=kernels, remat=policy)
+  cfg = llama.preset(preset, kernels=kernels, remat=policy, scan_layers=scan_layers)
   seq = min(seq, cfg.max_len)
   tc = train.TrainConfig(batch=batch, seq_len=seq, steps=10_000, warmup=10)
   graphdef, state = train.init(cfg, tc)

@@ -57,6 +57,7 @@ class Config:
   dtype: str = "bfloat16"  # activations; parameters stay float32
   kernels: str = "jaxkernels"
   remat: str = "none"  # a jaxkernels.remat policy, per block
+  scan_layers: bool = True  # one nnx.scan over the stacked layers, else the layers unrolled
 
   def __post_init__(self):
     if self.kernels not in KERNELS:
@@ -231,12 +232,22 @@ class Llama(nnx.Module):
     stream = _lookup(jkf.whole_weight(self.embed.embedding[...], jnp.float32), tokens)
     delta = jnp.zeros_like(stream, jnp.dtype(cfg.dtype))  # split as the stream is
 
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
     @functools.partial(nnx.remat, policy=remat.policy(cfg.remat))
     def layer(carry, block):
       return block(*carry, cos, sin)
 
-    delta, stream = layer((delta, stream), self.blocks)
+    if cfg.scan_layers:
+      delta, stream = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+          (delta, stream), self.blocks)
+    else:  # one program per layer: no stacked residuals to slice in and out of
+      graphdef, stacked = nnx.split(self.blocks)
+      layers = jax.tree.map(lambda x: jnp.split(x, cfg.depth), stacked)
+      carry = (delta, stream)
+      for i in range(cfg.depth):
+        state = jax.tree.map(lambda parts: parts[i][0], layers,
+                             is_leaf=lambda x: isinstance(x, list))
+        carry = layer(carry, nnx.merge(graphdef, state))
+      delta, stream = carry
     normed, _ = self.final_norm(delta, residual=stream)
     return normed
 
