@@ -47,6 +47,8 @@ def main(argv=None) -> int:
   parser.add_argument("--only", default=None,
                       help="matmul: run only these parts, comma-separated (checks,headline,sweep); "
                            "attention: only these shapes, by name; model: only these presets")
+  parser.add_argument("--remat", action="store_true",
+                      help="model: every remat policy and auto, with the largest batch each fits")
   parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results/<device>)")
   args = parser.parse_args(argv)
 
@@ -69,7 +71,8 @@ def main(argv=None) -> int:
     elif name == "attention":
       attention.run(session, sweep=args.sweep, only=args.only.split(",") if args.only else None)
     elif name == "model":
-      model.run(session, only=args.only.split(",") if args.only else None)
+      (model.run_remat if args.remat else model.run)(
+          session, only=args.only.split(",") if args.only else None)
     else:
       SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run

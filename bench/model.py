@@ -12,6 +12,7 @@ with the causal half of attention, the work the kernels do.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -46,13 +47,27 @@ def kernel_breakdown(step, state, tokens, top: int = 25) -> list[tuple[str, floa
        sum(n for _, n in totals.values()))]
 
 
-def measure(preset: str, kernels: str, policy: str, batch: int, seq: int, steps: int,
-            profile: bool = False, scan_layers: bool = True) -> dict:
-  """One train step's time, memory and loss on this process's first device."""
+def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
+            profile: bool = False, scan_layers: bool = False, budget: int | None = None,
+            largest: bool = False) -> dict:
+  """One train step's time, memory and loss on this process's first device. ``policy``
+  "auto" chooses under ``budget`` bytes; ``largest``: also the largest batch whose compiled
+  step fits the device, from the compiled peaks at ``batch`` and twice it (linear in batch)."""
+  from jaxkernels import remat
   from models import llama, train
   cfg = llama.preset(preset, kernels=kernels, remat=policy, scan_layers=scan_layers)
   seq = min(seq, cfg.max_len)
   tc = train.TrainConfig(batch=batch, seq_len=seq, steps=10_000, warmup=10)
+  chosen = None
+  if policy == "auto":
+    cfg, choice = train.auto_remat(cfg, tc, budget)
+    chosen = str(choice)
+  fits = None
+  if largest and (jax.devices()[0].memory_stats() or {}).get("bytes_limit"):
+    peaks = [remat.compiled_peak_bytes(_compile(cfg, dataclasses.replace(tc, batch=b)))
+             for b in (batch, 2 * batch)]
+    per_sample = (peaks[1] - peaks[0]) / batch
+    fits = int(batch + (remat.device_budget(fraction=1.0) - peaks[0]) // per_sample)
   graphdef, state = train.init(cfg, tc)
   tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, cfg.vocab)
   start = time.perf_counter()
@@ -85,8 +100,16 @@ def measure(preset: str, kernels: str, policy: str, batch: int, seq: int, steps:
       "tflops": cfg.flops_per_token(seq) * rate / 1e12,
       "mfu": llama.mfu(cfg, rate, seq, peak) if peak else None,
       "mfu_causal_half": llama.mfu(cfg, rate, seq, peak, causal_half=True) if peak else None,
-      "kernels": breakdown,
+      "kernels": breakdown, "auto": chosen, "largest_batch": fits,
   }
+
+
+def _compile(cfg, tc):
+  from flax import nnx
+  from models import train
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: train._model_and_optimizer(cfg, tc)))
+  tokens = jax.ShapeDtypeStruct((tc.batch, tc.seq_len + 1), jax.numpy.int32)
+  return train.step_fn(graphdef).lower(state, tokens).compile()
 
 
 def _child(args: dict, timeout: float = 540) -> dict:
@@ -108,37 +131,71 @@ def _child(args: dict, timeout: float = 540) -> dict:
                                                    f"exit {done.returncode}")}
 
 
-def run(session: harness.Session, sweep: bool = False, only=None, policies=None) -> None:
+def _row(session, preset, batch, kernels, policy, scan, got, best_xla):
+  seq = min(SEQ, 128) if session.smoke else SEQ
+  impl = f"{kernels}, remat {policy}" + (", scan" if scan else "")
+  row = harness.Row("model", f"{preset} train step", impl, f"batch {batch} x {seq}", "bfloat16")
+  if "error" in got:
+    row.note = f"FAILED: {got['error']}"
+    return session.add(row)
+  row.ms, row.tflops, row.pct_roofline = got["ms"], got["tflops"], got["mfu"]
+  if kernels != "xla" and best_xla:
+    row.vs_xla = best_xla / got["ms"]
+  peak = got["peak_bytes"]
+  row.note = "; ".join(part for part in (
+      f"{got['tokens_per_s']:,.0f} tokens/s",
+      f"MFU {got['mfu']:.1f}% (causal half {got['mfu_causal_half']:.1f}%)" if got["mfu"] else "",
+      f"peak {peak / 2**30:.1f} GiB" if peak else "",
+      f"compiled {got['compiled_bytes'] / 2**30:.1f} GiB",
+      f"largest batch {got['largest_batch']}" if got.get("largest_batch") else "",
+      got.get("auto") or "",
+      f"loss {got['losses'][0]:.3f}->{got['losses'][-1]:.3f}",
+      f"compile {got['compile_s']:.0f} s") if part)
+  return session.add(row)
+
+
+def run(session: harness.Session, sweep: bool = False, only=None) -> None:
+  """Per preset: the plain-JAX twin and ours, unrolled, under none, dots and full; and each
+  scanned under its fastest policy of the issue's table (dots; none for ours)."""
   del sweep
   models = SMOKE if session.smoke else MODELS
   if only:
     models = {name: batch for name, batch in models.items() if name in only}
-  policies = policies or POLICIES
+  steps = 2 if session.smoke else 10
   for preset, batch in models.items():
     best_xla = None
-    for kernels in ("xla", "jaxkernels"):
-      for policy in policies:
-        got = _child({"preset": preset, "kernels": kernels, "policy": policy, "batch": batch,
-                      "seq": SEQ, "steps": 2 if session.smoke else 10})
-        row = harness.Row("model", f"{preset} train step", f"{kernels}, remat {policy}",
-                          f"batch {batch} x {min(SEQ, 128) if session.smoke else SEQ}",
-                          "bfloat16")
-        if "error" in got:
-          row.note = f"FAILED: {got['error']}"
-          session.add(row)
-          continue
-        row.ms, row.tflops = got["ms"], got["tflops"]
-        row.pct_roofline = got["mfu"]
-        if kernels == "xla":
-          best_xla = min(best_xla or got["ms"], got["ms"])
-        elif best_xla:
-          row.vs_xla = best_xla / got["ms"]
-        peak = got["peak_bytes"]
-        row.note = (f"{got['tokens_per_s']:,.0f} tokens/s; MFU "
-                    + (f"{got['mfu']:.1f}% (causal half {got['mfu_causal_half']:.1f}%)"
-                       if got["mfu"] else "n/a")
-                    + (f"; peak {peak / 2**30:.1f} GiB" if peak else "")
-                    + f"; compiled {got['compiled_bytes'] / 2**30:.1f} GiB"
-                    + f"; loss {got['losses'][0]:.3f}->{got['losses'][-1]:.3f}"
-                    + f"; compile {got['compile_s']:.0f} s")
-        session.add(row)
+    cases = [(k, p, False) for k in ("xla", "jaxkernels") for p in POLICIES]
+    cases[3:3] = [("xla", "dots", True)]
+    cases.append(("jaxkernels", "none", True))
+    for kernels, policy, scan in cases:
+      got = _child({"preset": preset, "kernels": kernels, "policy": policy, "batch": batch,
+                    "seq": SEQ, "steps": steps, "scan_layers": scan})
+      if kernels == "xla" and "ms" in got:
+        best_xla = min(best_xla or got["ms"], got["ms"])
+      _row(session, preset, batch, kernels, policy, scan, got, best_xla)
+
+
+REMAT_PRESET = ("1b", 4)
+
+
+def run_remat(session: harness.Session, only=None) -> None:
+  """Every remat policy on our kernels, measured, with the largest batch each fits; then
+  "auto" under a budget halfway between "none"'s compiled peak and "full"'s (one that "none"
+  overflows)."""
+  preset, batch = ("tiny", 4) if session.smoke else REMAT_PRESET
+  if only:
+    preset = only[0]
+  from jaxkernels import remat
+  peaks = {}
+  for policy in remat.POLICIES:
+    got = _child({"preset": preset, "kernels": "jaxkernels", "policy": policy, "batch": batch,
+                  "seq": SEQ, "steps": 2 if session.smoke else 5, "largest": True})
+    if "compiled_bytes" in got:
+      peaks[policy] = got["compiled_bytes"]
+    _row(session, preset, batch, "jaxkernels", policy, False, got, None)
+  if "none" in peaks and "full" in peaks:
+    budget = (peaks["none"] + peaks["full"]) // 2
+    got = _child({"preset": preset, "kernels": "jaxkernels", "policy": "auto", "batch": batch,
+                  "seq": SEQ, "steps": 2 if session.smoke else 5, "budget": budget})
+    _row(session, preset, batch, "jaxkernels", "auto", False, got, None).note += (
+        f"; budget {budget / 2**30:.2f} GiB")

@@ -5,8 +5,10 @@ the norm after it (``jaxkernels.flax.RMSNorm(x, residual=...)``), rotary positio
 attention through ``flash_attention`` (causal), the SwiGLU MLP through ``matmul`` and ``glu``
 (``jaxkernels.flax.GLUMLP``), and the next-token loss fused with the output projection
 (``linear_softmax_cross_entropy``: the (tokens, vocab) logits are never held). The layers are
-one ``nnx.scan`` over stacked parameters, each step under ``nnx.remat`` with a policy by name
-(``jaxkernels.remat``). The residual stream is float32, the activations ``dtype``.
+stacked parameters, each under ``nnx.remat`` with a policy by name (``jaxkernels.remat``), one
+for all or one per layer, walked unrolled (the default: 20% faster a step on an H100 at 350m,
+bench/NOTES.md model-1) or by one ``nnx.scan`` (``scan_layers``: one layer's program to
+compile). The residual stream is float32, the activations ``dtype``.
 
 ``kernels="xla"`` runs the same model as a user of plain JAX would: XLA's ops,
 ``jax.nn.dot_product_attention`` (cuDNN on a GPU) and optax's loss on the whole logits.
@@ -21,7 +23,6 @@ split over both axes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,14 +57,27 @@ class Config:
   z_loss: float = 0.0
   dtype: str = "bfloat16"  # activations; parameters stay float32
   kernels: str = "jaxkernels"
-  remat: str = "none"  # a jaxkernels.remat policy, per block
-  scan_layers: bool = True  # one nnx.scan over the stacked layers, else the layers unrolled
+  # A jaxkernels.remat policy for every block, or one per block. "auto" is resolved by
+  # models.train.auto_remat (per layer, under a memory budget) before a model is built.
+  remat: str | tuple[str, ...] = "none"
+  scan_layers: bool = False  # one nnx.scan over the stacked layers, else the layers unrolled
 
   def __post_init__(self):
     if self.kernels not in KERNELS:
       raise ValueError(f"Config: kernels={self.kernels!r} is not one of {KERNELS}")
-    if self.remat not in remat.POLICIES:
-      raise ValueError(f"Config: remat={self.remat!r} is not one of {remat.POLICIES}")
+    accepted = (*remat.POLICIES, "auto")
+    if isinstance(self.remat, str):
+      if self.remat not in accepted:
+        raise ValueError(f"Config: remat={self.remat!r} is not one of {accepted}")
+    else:
+      object.__setattr__(self, "remat", tuple(self.remat))
+      bad = [name for name in self.remat if name not in remat.POLICIES]
+      if len(self.remat) != self.depth or bad:
+        raise ValueError(f"Config: remat={self.remat!r}: one policy per layer ({self.depth}), "
+                         f"each one of {remat.POLICIES}")
+      if self.scan_layers and len(set(self.remat)) > 1:
+        raise ValueError("Config: per-layer remat policies need scan_layers=False (a scan has "
+                         "one body)")
     if self.width % self.heads or self.heads % self.kv_heads:
       raise ValueError(f"Config: width {self.width} must split into heads {self.heads}, and "
                        f"heads into kv_heads {self.kv_heads}")
@@ -74,6 +88,13 @@ class Config:
   def implementation(self) -> str | None:
     """The ops' implementation: the references for kernels="xla", else the device's best."""
     return "xla" if self.kernels == "xla" else None
+
+  def layer_policies(self) -> tuple[str, ...]:
+    """Each layer's remat policy."""
+    if self.remat == "auto":
+      raise ValueError("Config: remat='auto' must be resolved first (models.train.auto_remat "
+                       "picks a policy per layer under a memory budget)")
+    return (self.remat,) * self.depth if isinstance(self.remat, str) else self.remat
 
   @property
   def head_dim(self) -> int:
@@ -144,17 +165,21 @@ def _named(init, *axes):
   return nnx.with_partitioning(init, axes, eager_sharding=False)
 
 
-def place(tree, mesh: jax.sharding.Mesh):
-  """``tree`` (a model, an optimizer, or their ``nnx.state``) laid out on ``mesh`` by its
-  parameters' logical names and :data:`RULES`; what has no names is replicated."""
+def shardings(state: nnx.State, mesh: jax.sharding.Mesh):
+  """``state``'s layout on ``mesh``: each leaf's NamedSharding from its parameters' logical
+  names and :data:`RULES`; what has no names is replicated."""
   def mesh_spec(spec):
     return P(*(RULES.get(axis) if axis is not None else None for axis in spec))
 
+  return jax.tree.map(lambda spec: NamedSharding(mesh, mesh_spec(spec)),
+                      nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, P))
+
+
+def place(tree, mesh: jax.sharding.Mesh):
+  """``tree`` (a model, an optimizer, or their ``nnx.state``) laid out on ``mesh``
+  (:func:`shardings`)."""
   state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
-  specs = nnx.get_partition_spec(state)
-  placed = jax.device_put(state, jax.tree.map(
-      lambda spec: NamedSharding(mesh, mesh_spec(spec)), specs,
-      is_leaf=lambda x: isinstance(x, P)))
+  placed = jax.device_put(state, shardings(state, mesh))
   if isinstance(tree, nnx.State):
     return placed
   nnx.update(tree, placed)
@@ -232,13 +257,15 @@ class Llama(nnx.Module):
     stream = _lookup(jkf.whole_weight(self.embed.embedding[...], jnp.float32), tokens)
     delta = jnp.zeros_like(stream, jnp.dtype(cfg.dtype))  # split as the stream is
 
-    @functools.partial(nnx.remat, policy=remat.policy(cfg.remat))
-    def layer(carry, block):
-      return block(*carry, cos, sin)
+    policies = cfg.layer_policies()
+
+    def layer(policy):
+      return nnx.remat(lambda carry, block: block(*carry, cos, sin),
+                       policy=remat.policy(policy))
 
     if cfg.scan_layers:
-      delta, stream = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
-          (delta, stream), self.blocks)
+      delta, stream = nnx.scan(layer(policies[0]), in_axes=(nnx.Carry, 0),
+                               out_axes=nnx.Carry)((delta, stream), self.blocks)
     else:  # one program per layer: no stacked residuals to slice in and out of
       graphdef, stacked = nnx.split(self.blocks)
       layers = jax.tree.map(lambda x: jnp.split(x, cfg.depth), stacked)
@@ -246,7 +273,7 @@ class Llama(nnx.Module):
       for i in range(cfg.depth):
         state = jax.tree.map(lambda parts: parts[i][0], layers,
                              is_leaf=lambda x: isinstance(x, list))
-        carry = layer(carry, nnx.merge(graphdef, state))
+        carry = layer(policies[i])(carry, nnx.merge(graphdef, state))
       delta, stream = carry
     normed, _ = self.final_norm(delta, residual=stream)
     return normed

@@ -19,6 +19,7 @@ their logical names (``llama.place``), the batch split over both axes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -127,9 +128,7 @@ def mesh(data: int = 1, devices=None) -> jax.sharding.Mesh:
 
 def init(cfg: llama.Config, tc: TrainConfig, where: jax.sharding.Mesh | None = None):
   """(graphdef, state) of the model and its optimizer, laid out on ``where``."""
-  model = llama.Llama(cfg, rngs=nnx.Rngs(tc.seed))
-  opt = nnx.Optimizer(model, optimizer(tc), wrt=nnx.Param)
-  graphdef, state = nnx.split((model, opt))
+  graphdef, state = nnx.split(_model_and_optimizer(cfg, tc))
   return graphdef, (llama.place(state, where) if where is not None else state)
 
 
@@ -146,6 +145,42 @@ def step_fn(graphdef, donate: bool = True):
   return jax.jit(step, donate_argnums=0 if donate else ())
 
 
+def auto_remat(cfg: llama.Config, tc: TrainConfig, budget: int | None = None,
+               where: jax.sharding.Mesh | None = None):
+  """(cfg with one remat policy per layer, the ``jaxkernels.remat.AutoChoice``): per layer the
+  least recomputation whose compiled train step fits ``budget`` bytes a device (default: 95%
+  of what the first device's allocator may hold). Compiles, never runs, the candidates."""
+  if budget is None:
+    budget = remat.device_budget()
+  tokens = jax.ShapeDtypeStruct((tc.batch, tc.seq_len + 1), jnp.int32,
+                                sharding=None if where is None else
+                                NamedSharding(where, P(llama.BATCH, None)))
+
+  def peak(policies):
+    planned = dataclasses.replace(cfg, remat=policies)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: _model_and_optimizer(planned, tc)))
+    if where is not None:
+      state = _abstract_on(state, where)
+    with jax.set_mesh(where) if where is not None else contextlib.nullcontext():
+      compiled = step_fn(graphdef).lower(state, tokens).compile()
+    return remat.compiled_peak_bytes(compiled)
+
+  choice = remat.auto(peak, cfg.depth, budget, uniform=cfg.scan_layers)
+  return dataclasses.replace(cfg, remat=choice.policies), choice
+
+
+def _model_and_optimizer(cfg, tc):
+  model = llama.Llama(cfg, rngs=nnx.Rngs(tc.seed))
+  return model, nnx.Optimizer(model, optimizer(tc), wrt=nnx.Param)
+
+
+def _abstract_on(state, where):
+  """Abstract ``state`` with the layout ``llama.place`` gives on ``where``."""
+  shardings = llama.shardings(state, where)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                      shardings)
+
+
 def shard_batch(tokens, where: jax.sharding.Mesh | None):
   if where is None:
     return jnp.asarray(tokens)
@@ -155,8 +190,9 @@ def shard_batch(tokens, where: jax.sharding.Mesh | None):
 # Checkpoints.
 
 def _identity(cfg: llama.Config, tc: TrainConfig, data: np.ndarray) -> dict:
-  return {"model": dataclasses.asdict(cfg), "train": dataclasses.asdict(tc),
-          "corpus": fingerprint(data)}
+  """What a checkpoint directory's run was, as its JSON holds it."""
+  return json.loads(json.dumps({"model": dataclasses.asdict(cfg),
+                                "train": dataclasses.asdict(tc), "corpus": fingerprint(data)}))
 
 
 def _differences(want: dict, got: dict, prefix="") -> list[str]:
@@ -253,9 +289,10 @@ def peak_flops(devices) -> float | None:
 def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 100,
           data_axis: int = 1, metrics_path: str | None = None, log_every: int = 10,
-          stream=sys.stderr) -> list[float]:
+          remat_budget: int | None = None, stream=sys.stderr) -> list[float]:
   """Trains to ``tc.steps``, resuming from ``checkpoint_dir``'s latest checkpoint; returns the
-  losses of the steps this call ran."""
+  losses of the steps this call ran. ``remat_budget``: bytes a device for remat="auto"
+  (default: 95% of the device's memory)."""
   data, described = corpus(corpus_path)
   batch_at(data, 0, tc)  # a corpus shorter than one batch fails here, before anything is written
   where = mesh(data_axis)
@@ -265,6 +302,9 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   checkpoints = None
   if checkpoint_dir is not None:
     checkpoints = Checkpoints(checkpoint_dir, _identity(cfg, tc, data))
+  if cfg.remat == "auto":
+    cfg, choice = auto_remat(cfg, tc, remat_budget, where)
+    print(choice, file=stream, flush=True)
   graphdef, state = init(cfg, tc, where)
   start = 0
   if checkpoints is not None and checkpoints.latest() is not None:
@@ -319,7 +359,9 @@ def main(argv=None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--preset", default="tiny", help=f"one of {', '.join(llama.PRESETS)}")
   parser.add_argument("--kernels", default="jaxkernels", help=f"one of {llama.KERNELS}")
-  parser.add_argument("--remat", default=None, help=f"one of {remat.POLICIES}")
+  parser.add_argument("--remat", default=None, help=f"one of {remat.POLICIES}, or auto")
+  parser.add_argument("--remat-budget", type=float, default=None, help="GiB a device for "
+                      "--remat auto (default: 95%% of the device's memory)")
   for field in dataclasses.fields(TrainConfig):
     parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default),
                         default=field.default)
@@ -344,7 +386,9 @@ def main(argv=None) -> int:
                        f"{cfg.max_len}")
     losses = train(cfg, tc, corpus_path=args.corpus, checkpoint_dir=args.checkpoint_dir,
                    checkpoint_every=args.checkpoint_every, data_axis=args.data,
-                   metrics_path=args.metrics, log_every=args.log_every)
+                   metrics_path=args.metrics, log_every=args.log_every,
+                   remat_budget=None if args.remat_budget is None else
+                   int(args.remat_budget * 2**30))
   except (ValueError, FileNotFoundError) as e:
     print(f"python -m models.train: error: {e}", file=sys.stderr)
     return 2

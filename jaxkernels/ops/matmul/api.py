@@ -12,7 +12,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxkernels import _activations, _checks, backend, partitioning
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxkernels import _activations, _checks, backend, partitioning, remat
 from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, reference, triton
 from jaxkernels.ops.matmul.common import (FLOAT8, FLOATS, INT8, NEEDS_PREACTIVATION, Problem,
                                           is_quantized)
@@ -55,8 +57,10 @@ def _differentiable_fwd(plan, p, a, b, bias, residual):
   if _saves_preactivation(p):
     y, z = _run(plan, dataclasses.replace(p, save_preactivation=True), a, b, bias=bias,
                 residual=residual, forward=True)
-    return y, (a, b, bias, residual, z)
-  y = _run(plan, p, a, b, bias=bias, residual=residual, forward=True)
+    return checkpoint_name(y, remat.MATMUL_OUT), (a, b, bias, residual, z)
+  # Named, as XLA's dot_general is by its primitive, for the "dots" policies to keep.
+  y = checkpoint_name(_run(plan, p, a, b, bias=bias, residual=residual, forward=True),
+                      remat.MATMUL_OUT)
   return y, (a, b, bias, residual, y if p.activation == "relu" else None)
 
 
