@@ -49,6 +49,9 @@ def main(argv=None) -> int:
                            "attention: only these shapes, by name; model: only these presets")
   parser.add_argument("--remat", action="store_true",
                       help="model: every remat policy and auto, with the largest batch each fits")
+  parser.add_argument("--tpu", action="store_true",
+                      help="model: the train step AOT-compiled for v5e, v5p and v6e, each remat "
+                           "policy's compiled peak memory (any host; needs libtpu)")
   parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results/<device>)")
   args = parser.parse_args(argv)
 
@@ -70,6 +73,8 @@ def main(argv=None) -> int:
                  only=args.only.split(",") if args.only else None)
     elif name == "attention":
       attention.run(session, sweep=args.sweep, only=args.only.split(",") if args.only else None)
+    elif name == "model" and args.tpu:
+      model.tpu_compiled(session)
     elif name == "model":
       (model.run_remat if args.remat else model.run)(
           session, only=args.only.split(",") if args.only else None)

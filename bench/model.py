@@ -64,7 +64,7 @@ def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
     chosen = str(choice)
   fits = None
   if largest and (jax.devices()[0].memory_stats() or {}).get("bytes_limit"):
-    peaks = [remat.compiled_peak_bytes(_compile(cfg, dataclasses.replace(tc, batch=b)))
+    peaks = [train.compiled_peak(cfg, dataclasses.replace(tc, batch=b))
              for b in (batch, 2 * batch)]
     per_sample = (peaks[1] - peaks[0]) / batch
     fits = int(batch + (remat.device_budget(fraction=1.0) - peaks[0]) // per_sample)
@@ -103,13 +103,6 @@ def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
       "kernels": breakdown, "auto": chosen, "largest_batch": fits,
   }
 
-
-def _compile(cfg, tc):
-  from flax import nnx
-  from models import train
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: train._model_and_optimizer(cfg, tc)))
-  tokens = jax.ShapeDtypeStruct((tc.batch, tc.seq_len + 1), jax.numpy.int32)
-  return train.step_fn(graphdef).lower(state, tokens).compile()
 
 
 def _child(args: dict, timeout: float = 540) -> dict:
@@ -199,3 +192,44 @@ def run_remat(session: harness.Session, only=None) -> None:
                   "seq": SEQ, "steps": 2 if session.smoke else 5, "budget": budget})
     _row(session, preset, batch, "jaxkernels", "auto", False, got, None).note += (
         f"; budget {budget / 2**30:.2f} GiB")
+
+
+TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+TPU_PRESET = ("350m", 8)
+
+
+def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLOGIES),
+                 preset=None) -> None:
+  """The train step on our kernels AOT-compiled for each TPU generation (one chip of a
+  topology; libtpu's compiler, no TPU needed): each policy's peak memory by the compiled
+  program's memory analysis. Compiled, not measured: no time."""
+  import numpy as np
+  from jax.experimental import topologies
+  from jax.sharding import AxisType, Mesh
+
+  from jaxkernels import remat
+  from models import llama, train
+  name, batch = preset or TPU_PRESET
+  policies = policies or remat.POLICIES
+  tc = train.TrainConfig(batch=batch, seq_len=min(SEQ, llama.PRESETS[name].max_len),
+                         steps=10_000, warmup=10)
+  for chip in chips:
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=TPU_TOPOLOGIES[chip])
+    mesh = Mesh(np.array(topology.devices[:1]).reshape(1, 1), llama.BATCH,
+                axis_types=(AxisType.Explicit,) * 2)
+    for policy in policies:
+      row = harness.Row("model", f"{name} train step, compiled for {chip}",
+                        f"jaxkernels, remat {policy}", f"batch {batch} x {tc.seq_len}",
+                        "bfloat16")
+      start = time.perf_counter()
+      try:
+        peak = train.compiled_peak(llama.preset(name, remat=policy), tc, mesh)
+        row.note = (f"compiled peak {peak / 2**30:.2f} GiB (not measured); compile "
+                    f"{time.perf_counter() - start:.0f} s")
+      except Exception as e:  # noqa: BLE001 - one that does not compile is a row
+        message = str(e)
+        if "RESOURCE_EXHAUSTED" in message:  # the compiler's own sum: what it would need
+          row.note = "does not fit: " + message[message.index("RESOURCE_EXHAUSTED"):][:200]
+        else:
+          row.note = f"FAILED: {type(e).__name__}: {message[:300]}"
+      session.add(row)

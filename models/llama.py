@@ -232,6 +232,7 @@ class Block(nnx.Module):
 
 class Llama(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    cfg.layer_policies()  # "auto" must have been resolved
     self.cfg = cfg
     self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs, embedding_init=_named(
         nnx.initializers.normal(0.02), "vocab", "embed"))

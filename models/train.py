@@ -140,7 +140,7 @@ def step_fn(graphdef, donate: bool = True):
     model, opt = nnx.merge(graphdef, state)
     loss, grads = nnx.value_and_grad(llama.loss_fn)(model, tokens)
     opt.update(model, grads)
-    return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
   return jax.jit(step, donate_argnums=0 if donate else ())
 
@@ -152,21 +152,25 @@ def auto_remat(cfg: llama.Config, tc: TrainConfig, budget: int | None = None,
   of what the first device's allocator may hold). Compiles, never runs, the candidates."""
   if budget is None:
     budget = remat.device_budget()
+  choice = remat.auto(
+      lambda policies: compiled_peak(dataclasses.replace(cfg, remat=policies), tc, where),
+      cfg.depth, budget, uniform=cfg.scan_layers)
+  return dataclasses.replace(cfg, remat=choice.policies), choice
+
+
+def compiled_peak(cfg: llama.Config, tc: TrainConfig,
+                  where: jax.sharding.Mesh | None = None) -> int:
+  """The peak bytes a device of the train step's compiled program needs (compiled for the
+  first device, or ``where``; never run)."""
   tokens = jax.ShapeDtypeStruct((tc.batch, tc.seq_len + 1), jnp.int32,
                                 sharding=None if where is None else
                                 NamedSharding(where, P(llama.BATCH, None)))
-
-  def peak(policies):
-    planned = dataclasses.replace(cfg, remat=policies)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: _model_and_optimizer(planned, tc)))
-    if where is not None:
-      state = _abstract_on(state, where)
-    with jax.set_mesh(where) if where is not None else contextlib.nullcontext():
-      compiled = step_fn(graphdef).lower(state, tokens).compile()
-    return remat.compiled_peak_bytes(compiled)
-
-  choice = remat.auto(peak, cfg.depth, budget, uniform=cfg.scan_layers)
-  return dataclasses.replace(cfg, remat=choice.policies), choice
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: _model_and_optimizer(cfg, tc)))
+  if where is not None:
+    state = _abstract_on(state, where)
+  with jax.set_mesh(where) if where is not None else contextlib.nullcontext():
+    compiled = step_fn(graphdef).lower(state, tokens).compile()
+  return remat.compiled_peak_bytes(compiled)
 
 
 def _model_and_optimizer(cfg, tc):
@@ -310,7 +314,7 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   if checkpoints is not None and checkpoints.latest() is not None:
     start = checkpoints.latest()
     state = checkpoints.restore(start, state)
-  print(f"{cfg.kernels} {described}; mesh {dict(where.shape)}; "
+  print(f"kernels={cfg.kernels}; corpus: {described}; mesh {dict(where.shape)}; "
         f"{sum(x.size for x in jax.tree.leaves(nnx.state(state, nnx.Param)))/1e6:.1f}M "
         f"parameters; " + (f"resumed at step {start}" if start else "from step 0"),
         file=stream, flush=True)

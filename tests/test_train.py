@@ -1,0 +1,164 @@
+"""python -m models.train: a run killed mid-way resumes to the loss curve of a run never
+stopped; the step laid out fully sharded over 8 devices matches one device step for step;
+remat="auto" fits its budget; bad input names itself and leaves checkpoints alone."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxkernels import remat
+from models import llama, train
+
+ROOT = pathlib.Path(__file__).parent.parent
+# Tiny, short and small: 8 sequences (one a device on the test run's 8 host devices).
+ARGS = ["--preset", "tiny", "--steps", "24", "--warmup", "3", "--batch", "8", "--seq-len", "32",
+        "--checkpoint-every", "6", "--log-every", "6"]
+
+
+def _launch(tmp_path, name, *extra):
+  metrics = tmp_path / f"{name}.jsonl"
+  process = subprocess.Popen(
+      [sys.executable, "-m", "models.train", *ARGS, "--metrics", str(metrics), *extra],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+  return process, metrics
+
+
+def _curve(metrics) -> dict[int, float]:
+  """step -> loss; a step run twice (after a resume) must give the same loss both times."""
+  curve = {}
+  for line in metrics.read_text().splitlines():
+    row = json.loads(line)
+    assert curve.setdefault(row["step"], row["loss"]) == row["loss"], row
+  return curve
+
+
+def test_killed_run_resumes_to_the_same_curve(tmp_path):
+  whole, whole_metrics = _launch(tmp_path, "whole")
+  assert whole.wait(timeout=300) == 0, whole.stdout.read()
+  want = _curve(whole_metrics)
+  assert sorted(want) == list(range(1, 25))
+  assert want[24] < want[1] - 0.5, want  # it learned
+
+  checkpoints = tmp_path / "checkpoints"
+  killed, metrics = _launch(tmp_path, "resumed", "--checkpoint-dir", str(checkpoints))
+  deadline = time.monotonic() + 300
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 14):
+    assert killed.poll() is None, killed.stdout.read()
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  killed.send_signal(signal.SIGKILL)  # past the checkpoint of step 12, before the last one
+  killed.wait()
+  assert max(_curve(metrics)) < 24
+  resumed, _ = _launch(tmp_path, "resumed", "--checkpoint-dir", str(checkpoints))
+  out = resumed.communicate(timeout=300)[0]
+  assert resumed.returncode == 0, out
+  # From the last checkpoint that was whole: the kill may land in a save (orbax writes to a
+  # temporary directory and renames it when done), and then it is the one before.
+  resumed_at = int(re.search(r"resumed at step (\d+)", out).group(1))
+  assert resumed_at in (6, 12, 18) and resumed_at <= max(_curve(metrics)), out
+  assert _curve(metrics) == want  # every step's loss, bit for bit
+
+
+def test_fully_sharded_step_matches_one_device():
+  """The batch over (data 2, fsdp 4), every weight split over fsdp along its width: the same
+  losses, step for step, as on one device, and the weights and Adam's moments stay split."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  cfg = llama.preset("tiny", max_len=32)
+  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  data, _ = train.corpus()
+  losses = []
+  for where in (None, train.mesh(data=2)):
+    graphdef, state = train.init(cfg, tc, where)
+    step = train.step_fn(graphdef)
+    got = []
+    with jax.set_mesh(where) if where is not None else contextlib.nullcontext():
+      for s in range(3):
+        state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
+        got.append(float(metrics["loss"]))
+    losses.append(got)
+    if where is not None:
+      model, opt = nnx.merge(graphdef, state)
+      assert model.blocks.qkv[...].sharding.spec == P(None, "fsdp", None)
+      assert model.blocks.mlp.down[...].sharding.spec == P(None, None, "fsdp")
+      assert model.embed.embedding[...].sharding.spec == P(None, "fsdp")
+      moments = jax.tree.leaves(nnx.state(opt))
+      assert sum("fsdp" in str(x.sharding.spec) for x in moments) == 2 * 6  # mu and nu of the 6 weight matrices
+  # Float32 throughout; the gradients' sums over the batch and the gathers run in another order.
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
+def test_auto_remat_fits_its_budget_and_says_so():
+  cfg = llama.preset("tiny", max_len=32, depth=4)
+  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  peaks = {policy: train.compiled_peak(dataclasses.replace(cfg, remat=policy), tc)
+           for policy in ("none", "full")}
+  assert peaks["full"] < peaks["none"]
+  budget = (peaks["none"] + peaks["full"]) // 2  # "none" overflows it
+  planned, choice = train.auto_remat(dataclasses.replace(cfg, remat="auto"), tc, budget)
+  assert choice.peak_bytes <= budget < peaks["none"]
+  assert planned.remat == choice.policies and len(choice.policies) == 4
+  assert set(choice.policies) <= set(remat.LADDER) and choice.policies != ("none",) * 4
+  assert "remat auto:" in str(choice) and "budget" in str(choice)
+  with pytest.raises(ValueError, match="over the budget of"):
+    train.auto_remat(dataclasses.replace(cfg, remat="auto"), tc, peaks["full"] // 4)
+
+
+def test_auto_steps_layers_down_the_ladder():
+  """A synthetic program: 100 bytes plus each layer's saved bytes under its policy."""
+  saved = {"none": 10, "dots": 6, "minimal": 3, "full": 1}
+  peak = lambda plan: 100 + sum(saved[p] for p in plan)
+  assert remat.auto(peak, 24, 400).policies == ("none",) * 24
+  choice = remat.auto(peak, 24, 200)
+  assert peak(choice.policies) <= 200 and "none" not in choice.policies
+  assert choice.policies.count("dots") > 0 and choice.policies.count("minimal") > 0
+  assert remat.auto(peak, 24, 200, uniform=True).policies == ("minimal",) * 24
+  with pytest.raises(ValueError, match="ladder has 'most'"):
+    remat.auto(peak, 2, 200, ladder=("none", "most"))
+
+
+def _main(capsys, *argv):
+  code = train.main(list(argv))
+  return code, capsys.readouterr().err
+
+
+def test_bad_input_names_itself(tmp_path, capsys):
+  code, err = _main(capsys, "--preset", "huge")
+  assert code == 2 and "preset 'huge' does not exist; presets: tiny, 125m, 350m, 1b" in err
+  code, err = _main(capsys, "--remat", "most")
+  assert code == 2 and "remat='most' is not one of" in err
+  short = tmp_path / "short.txt"
+  short.write_text("too short")
+  code, err = _main(capsys, "--corpus", str(short), "--steps", "2", "--warmup", "0")
+  assert code == 2 and "the corpus (9 bytes) is shorter than one batch" in err
+  code, err = _main(capsys, "--corpus", str(tmp_path / "nowhere"))
+  assert code == 2 and "no such file or directory" in err
+
+
+def test_another_configs_checkpoints_are_refused_and_kept(tmp_path, capsys):
+  directory = tmp_path / "run"
+  common = ["--steps", "4", "--warmup", "1", "--batch", "8", "--seq-len", "32",
+            "--checkpoint-dir", str(directory), "--checkpoint-every", "2"]
+  assert train.main(common) == 0
+  before = {p: p.stat().st_mtime_ns for p in directory.rglob("*")}
+  code, err = _main(capsys, *common[:-4], "--learning-rate", "0.01", *common[-4:])
+  assert code == 2
+  assert "written by another config; nothing was changed" in err
+  assert "train.learning_rate: 0.003 there, 0.01 here" in err
+  assert {p: p.stat().st_mtime_ns for p in directory.rglob("*")} == before
