@@ -318,6 +318,8 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
         f"{sum(x.size for x in jax.tree.leaves(nnx.state(state, nnx.Param)))/1e6:.1f}M "
         f"parameters; " + (f"resumed at step {start}" if start else "from step 0"),
         file=stream, flush=True)
+  if start >= tc.steps:
+    print(f"nothing to do: the checkpoint is at step {start} of {tc.steps}", file=stream)
   step = step_fn(graphdef)
   progress = Progress(tc.steps, log_every, stream)
   peak = peak_flops(list(where.devices.flat))

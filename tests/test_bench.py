@@ -103,3 +103,27 @@ def test_time_rounds_cancels_a_rounds_fixed_cost(monkeypatch):
   steady, whole = timing.time_rounds(run, rounds=3, calls=10)
   assert abs(steady - per_program) < 1e-12
   assert abs(whole - (per_program + fixed / 10)) < 1e-12
+
+
+@pytest.mark.cpu_only
+def test_model_step_is_measured_and_plotted(tmp_path):
+  """bench.model measures a train step (time, compiled memory, losses) and the remat plot reads
+  its rows and the TPU compiled rows back."""
+  from bench import harness, model, plot_remat
+
+  got = model.measure("tiny", "jaxkernels", "dots", batch=2, seq=32, steps=1)
+  assert got["ms"] > 0 and got["compiled_bytes"] > 0 and len(got["losses"]) == 6
+  assert all(0 < loss < 10 for loss in got["losses"])
+  session = harness.Session(smoke=True, rounds=1, calls=1)
+  model._row(session, "1b", 4, "jaxkernels", "dots", False,
+             {**got, "peak_bytes": 3 << 30, "mfu": None}, None)
+  model._row(session, "1b", 4, "jaxkernels", "full", False, {"error": "out of memory"}, None)
+  compiled = harness.Row("model", "350m train step, compiled for v5e", "jaxkernels, remat none",
+                         "batch 8 x 2048", "bfloat16",
+                         note="does not fit: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the "
+                              "total memory required for HLO temporaries (19.69G) exceeds")
+  for name, rows in (("gpu", session.rows), ("tpu", [compiled])):
+    (tmp_path / f"{name}.json").write_text(json.dumps({"rows": [r.__dict__ for r in rows]}))
+  assert plot_remat.gpu_points([tmp_path / "gpu.json"], "1b") == {"dots": (3.0, got["ms"])}
+  assert plot_remat.tpu_bars([tmp_path / "tpu.json"]) == {"v5e": {"none": (19.69, False)}}
+  assert session.rows[1].note == "FAILED: out of memory"
