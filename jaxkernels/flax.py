@@ -16,7 +16,6 @@ bytes); its gradient comes back split the same way (a reduce-scatter).
 Example::
 
     from flax import nnx
-from jax.sharding import PartitionSpec as P
     import jaxkernels.flax as jkf
 
     attention = nnx.MultiHeadAttention(num_heads=16, in_features=1024, decode=False,

@@ -8,8 +8,8 @@ import math
 import numbers
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -254,7 +254,7 @@ def _attention_fwd(plan, q, k, v, bias, q_seg, kv_seg):
   out, lse = plan.run(plan.kernels.forward, q, k, v, bias, q_seg, kv_seg)
   # The barrier keeps XLA's GPU dynamic-slice fusion from taking the kernel into the fusion
   # that writes the saved output into a scan's stacked residuals: it cloned the kernel there,
-  # so that each layer ran its attention forward twice (bench/NOTES.md model-1).
+  # so that each layer ran its attention forward twice (bench/NOTES.md model-2).
   out, lse = lax.optimization_barrier((out, lse))
   saved_out, saved_lse = checkpoint_name(out, OUTPUT_NAME), checkpoint_name(lse, LSE_NAME)
   return (out, lse), (q, k, v, bias, q_seg, kv_seg, saved_out, saved_lse)

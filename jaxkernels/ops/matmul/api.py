@@ -10,9 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
-
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from jaxkernels import _activations, _checks, backend, partitioning, remat
 from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, reference, triton
