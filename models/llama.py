@@ -6,7 +6,7 @@ attention through ``flash_attention`` (causal), the SwiGLU MLP through ``matmul`
 (``jaxkernels.flax.GLUMLP``), and the next-token loss fused with the output projection
 (``linear_softmax_cross_entropy``: the (tokens, vocab) logits are never held). The layers are
 stacked parameters, each under ``nnx.remat`` with a policy by name (``jaxkernels.remat``), one
-for all or one per layer, walked unrolled (the default: 20% faster a step on an H100 at 350m,
+for all or one per layer, walked unrolled (the default: a step 22% shorter on an H100 at 350m,
 bench/NOTES.md model-1) or by one ``nnx.scan`` (``scan_layers``: one layer's program to
 compile). The residual stream is float32, the activations ``dtype``.
 
