@@ -73,7 +73,6 @@ def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
   start = time.perf_counter()
   compiled = train.step_fn(graphdef).lower(state, tokens).compile()
   compile_s = time.perf_counter() - start
-  memory = compiled.memory_analysis()
   losses = []
   for _ in range(3):  # warm-up
     state, metrics = compiled(state, tokens)
@@ -90,19 +89,16 @@ def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
   breakdown = kernel_breakdown(train.step_fn(graphdef, donate=False), state, tokens) \
       if profile else []
   rate = batch * seq / seconds
-  chip = harness.hardware.chip_for(jax.devices()[0].device_kind)
-  peak = chip.peak_flops["bfloat16"] if chip else None
+  peak = train.peak_flops(jax.devices()[:1])
   return {
       "ms": seconds * 1e3, "tokens_per_s": rate, "losses": losses, "compile_s": compile_s,
       "peak_bytes": stats.get("peak_bytes_in_use"),
-      "compiled_bytes": memory.temp_size_in_bytes + memory.argument_size_in_bytes
-      + memory.output_size_in_bytes - memory.alias_size_in_bytes,
+      "compiled_bytes": remat.compiled_peak_bytes(compiled),
       "tflops": cfg.flops_per_token(seq) * rate / 1e12,
       "mfu": llama.mfu(cfg, rate, seq, peak) if peak else None,
       "mfu_causal_half": llama.mfu(cfg, rate, seq, peak, causal_half=True) if peak else None,
       "kernels": breakdown, "auto": chosen, "largest_batch": fits,
   }
-
 
 
 def _child(args: dict, timeout: float = 540) -> dict:
@@ -194,7 +190,7 @@ def run_remat(session: harness.Session, only=None) -> None:
         f"; budget {budget / 2**30:.2f} GiB")
 
 
-TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+TPU_TOPOLOGIES = harness.hardware.TPU_TOPOLOGIES
 TPU_PRESET = ("350m", 8)
 
 

@@ -179,6 +179,9 @@ _BY_NAME = {chip.name: chip for chip in CHIPS}
 # configs are sized for the smallest VMEM among the chips we compile for.
 SMALLEST_VMEM_TPU = _BY_NAME["TPU v4"]
 DEFAULT_GPU = _BY_NAME["H100"]
+# A small topology of each TPU generation we compile for, by name for
+# jax.experimental.topologies.get_topology_desc: AOT compiles from a host without a TPU.
+TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 
 
 def chip_for(device_kind: str) -> Chip | None:

@@ -7,7 +7,7 @@ attention through ``flash_attention`` (causal), the SwiGLU MLP through ``matmul`
 (``linear_softmax_cross_entropy``: the (tokens, vocab) logits are never held). The layers are
 stacked parameters, each under ``nnx.remat`` with a policy by name (``jaxkernels.remat``), one
 for all or one per layer, walked unrolled (the default: a step 22% shorter on an H100 at 350m,
-bench/NOTES.md model-1) or by one ``nnx.scan`` (``scan_layers``: one layer's program to
+bench/NOTES.md model-2) or by one ``nnx.scan`` (``scan_layers``: one layer's program to
 compile). The residual stream is float32, the activations ``dtype``.
 
 ``kernels="xla"`` runs the same model as a user of plain JAX would: XLA's ops,
@@ -111,7 +111,7 @@ class Config:
     """Training FLOPs a token, as PaLM's appendix B counts them (and the issue's table of
     plain-JAX MFUs): 6 x matmul parameters, plus attention's 4·T·width a layer forward times 3
     for the backward, as if no mask skipped anything. ``causal_half``: the attention term
-    halved, the work a causal kernel does (the count is then 7-12% lower at the presets)."""
+    halved, the work a causal kernel does (the count is then 7-13% lower at the presets)."""
     attention = 12 * self.depth * seq_len * self.width
     return 6 * self.matmul_params + (attention / 2 if causal_half else attention)
 

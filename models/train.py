@@ -163,8 +163,7 @@ def compiled_peak(cfg: llama.Config, tc: TrainConfig,
   """The peak bytes a device of the train step's compiled program needs (compiled for the
   first device, or ``where``; never run)."""
   tokens = jax.ShapeDtypeStruct((tc.batch, tc.seq_len + 1), jnp.int32,
-                                sharding=None if where is None else
-                                NamedSharding(where, P(llama.BATCH, None)))
+                                sharding=batch_sharding(where))
   graphdef, state = nnx.split(nnx.eval_shape(lambda: _model_and_optimizer(cfg, tc)))
   if where is not None:
     state = _abstract_on(state, where)
@@ -185,10 +184,15 @@ def _abstract_on(state, where):
                       shardings)
 
 
+def batch_sharding(where: jax.sharding.Mesh | None) -> NamedSharding | None:
+  """The batch's layout on ``where``: its rows split over both axes."""
+  return None if where is None else NamedSharding(where, P(llama.BATCH, None))
+
+
 def shard_batch(tokens, where: jax.sharding.Mesh | None):
   if where is None:
     return jnp.asarray(tokens)
-  return jax.device_put(tokens, NamedSharding(where, P(llama.BATCH, None)))
+  return jax.device_put(tokens, batch_sharding(where))
 
 
 # Checkpoints.

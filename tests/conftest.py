@@ -22,12 +22,13 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from jaxkernels import hardware  # noqa: E402
 from tests import numerics  # noqa: E402
 
 # xdist's workers start after this (the controller's) import: they draw the same session seed.
 os.environ.setdefault("JAXKERNELS_TEST_SEED", str(numerics.SEED))
 
-TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+TPU_TOPOLOGIES = hardware.TPU_TOPOLOGIES
 
 
 def pytest_report_header(config):
