@@ -239,9 +239,12 @@ def _chunks(spec: _Linear, *arrays):
 
 
 def _logits(x, w):
-  """A chunk's logits, accumulated in float32 and stored in x's dtype (half the bytes the row
-  kernels read in bfloat16; the statistics are float32 again inside them)."""
-  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  """A chunk's logits, stored in x's dtype (half the bytes the row kernels read in bfloat16;
+  the statistics are float32 again inside them). Asked for in x's dtype, the GEMM still
+  accumulates in float32 (cuBLAS's compute type, the MXU's accumulator) and rounds once as it
+  writes; asked for in float32 and cast, XLA wrote the float32 logits and converted them in a
+  pass of their own (4.2 of 46 ms at 16384 x 2048 x 131072 on an H100, cross-entropy-2)."""
+  return jnp.dot(x, w, preferred_element_type=x.dtype)
 
 
 def _linear_loss(spec: _Linear, x, w, labels):
@@ -266,7 +269,7 @@ def _linear_grads(spec: _Linear, x, w, labels, lse, g):
                                             dtype)
     else:
       dlogits = _backward(spec.plan, spec.options, logits, labels_c, lse_c, g_c, dtype)
-    dx = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32).astype(dtype)
+    dx = jnp.dot(dlogits, w.T, preferred_element_type=dtype)
     dw = dw + jnp.dot(x_c.T, dlogits, preferred_element_type=jnp.float32)
     return dw, (loss, dx)
 
