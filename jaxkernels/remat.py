@@ -15,8 +15,12 @@ forward kernel); the model tags its projections, norms and residual stream. Poli
 - ``attention``: keep attention's output and log-sum-exp only.
 - ``minimal``: keep the residual stream and attention's output and log-sum-exp: a layer's
   backward recomputes its norms, projections and MLP, never its attention forward.
-- ``offload``: keep every named tensor in host memory instead of the device's (saved on the
-  device, moved to pinned host memory, brought back for the backward).
+- ``offload``: ``minimal``'s tensors (the residual stream, attention's output and
+  log-sum-exp) kept in host memory instead of the device's: moved to pinned host memory as the
+  forward makes them, brought back for the backward; the rest recomputed. Its transfers cross
+  the host link (PCIe on a GPU), so it offloads the fewest bytes that spare the attention
+  forward; offloading every named tensor moved ~9 GiB each way a step at 1b and ran 4x slower
+  than ``none`` on an H100 (bench/NOTES.md model-3).
 
 And ``auto`` (:func:`auto`): per layer, the policy of :data:`LADDER` that recomputes least while
 the compiled program's peak memory fits a budget (bytes, or :func:`device_budget`).
@@ -80,7 +84,8 @@ def policy(name: str) -> Callable[..., Any]:
     return cp.save_only_these_names(RESIDUAL, ATTENTION_OUT, ATTENTION_LSE)
   if name == "offload":
     return cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=list(NAMES),
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[RESIDUAL, ATTENTION_OUT, ATTENTION_LSE],
         offload_src="device", offload_dst="pinned_host")
   raise ValueError(f"policy: name={name!r} is not a remat policy; accepted: "
                    f"{', '.join(POLICIES)}")

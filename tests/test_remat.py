@@ -64,10 +64,13 @@ class RematTest(parameterized.TestCase):
     assert "f32[8,16] output of dot_general" in dots and "f32[1,8,8]" in dots
     assert "f32[8,16] output of dot_general" in no_batch and "f32[1,8,8]" not in no_batch
 
-  def test_offload_keeps_the_names_in_host_memory(self):
+  def test_offload_keeps_minimal_s_tensors_in_host_memory(self):
     saved = _saved("offload")
     assert not _names(saved)  # none left on the device
-    assert "f32<host>[8,16]" in saved and "f32<host>[1,24,2]" in saved, saved
+    # minimal's three (the residual, attention's output and LSE), each moved to the host; the
+    # norm's output (also f32[8,16]) is recomputed.
+    host = sorted(re.findall(r"f32<host>\[([\d,]+)\]", saved))
+    assert host == ["1,24,2", "1,24,2,16", "8,16"], saved
 
   @parameterized.parameters(*remat.POLICIES)
   def test_gradients_do_not_depend_on_the_policy(self, policy):
