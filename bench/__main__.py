@@ -49,6 +49,9 @@ def main(argv=None) -> int:
                            "attention: only these shapes, by name; model: only these presets")
   parser.add_argument("--remat", action="store_true",
                       help="model: every remat policy and auto, with the largest batch each fits")
+  parser.add_argument("--policies", default=None,
+                      help="model --remat/--tpu: only these remat policies, comma-separated "
+                           "(auto runs when none and full are among them)")
   parser.add_argument("--tpu", action="store_true",
                       help="model: the train step AOT-compiled for v5e, v5p and v6e, each remat "
                            "policy's compiled peak memory (any host; needs libtpu)")
@@ -73,11 +76,15 @@ def main(argv=None) -> int:
                  only=args.only.split(",") if args.only else None)
     elif name == "attention":
       attention.run(session, sweep=args.sweep, only=args.only.split(",") if args.only else None)
-    elif name == "model" and args.tpu:
-      model.tpu_compiled(session)
+    elif name == "model" and (args.tpu or args.remat):
+      policies = args.policies.split(",") if args.policies else None
+      if args.tpu:
+        model.tpu_compiled(session, policies=policies)
+      else:
+        model.run_remat(session, only=args.only.split(",") if args.only else None,
+                        policies=policies)
     elif name == "model":
-      (model.run_remat if args.remat else model.run)(
-          session, only=args.only.split(",") if args.only else None)
+      model.run(session, only=args.only.split(",") if args.only else None)
     else:
       SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run

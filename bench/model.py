@@ -34,7 +34,8 @@ def kernel_breakdown(step, state, tokens, top: int = 25) -> list[tuple[str, floa
   try:
     from jax.experimental.mosaic.gpu import profiler
     _, runs = profiler.measure(step, aggregate=False, iterations=3)(state, tokens)
-  except (ImportError, RuntimeError):
+  except (ImportError, RuntimeError) as e:
+    print(f"kernel_breakdown: no profile ({type(e).__name__}: {e})", file=sys.stderr)
     return []
   totals: dict[str, list] = {}
   for name, ms in runs[-1]:
@@ -167,16 +168,20 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
 REMAT_PRESET = ("1b", 4)
 
 
-def run_remat(session: harness.Session, only=None) -> None:
-  """Every remat policy on our kernels, measured, with the largest batch each fits; then
-  "auto" under a budget halfway between "none"'s compiled peak and "full"'s (one that "none"
-  overflows)."""
+def run_remat(session: harness.Session, only=None, policies=None) -> None:
+  """Every remat policy (or ``policies``) on our kernels, measured, with the largest batch
+  each fits; then "auto" under a budget halfway between "none"'s compiled peak and "full"'s
+  (one that "none" overflows)."""
   preset, batch = ("tiny", 4) if session.smoke else REMAT_PRESET
   if only:
     preset = only[0]
   from jaxkernels import remat
+  unknown = set(policies or ()) - set(remat.POLICIES)
+  if unknown:
+    raise ValueError(f"--policies: {sorted(unknown)} are not remat policies; "
+                     f"policies: {', '.join(remat.POLICIES)}")
   peaks = {}
-  for policy in remat.POLICIES:
+  for policy in policies or remat.POLICIES:
     got = _child({"preset": preset, "kernels": "jaxkernels", "policy": policy, "batch": batch,
                   "seq": SEQ, "steps": 2 if session.smoke else 5, "largest": True})
     if "compiled_bytes" in got:
