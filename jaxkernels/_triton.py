@@ -152,6 +152,11 @@ class Tile:
   def index(self):
     return (self.rows[:, None], self.cols[None, :])
 
+  def shifted(self, cols: int) -> "Tile":
+    """The same tile ``cols`` columns to the right, with the same masks: the second of two
+    arrays side by side in one (glu's [gate | up])."""
+    return Tile(self.rows, self.cols + cols, self.row_mask, self.col_mask)
+
   def load(self, ref, other=0.0, *, streamed=False):
     """ref[tile] as float32, masked lanes read ``other``.
 

@@ -147,8 +147,9 @@ class LayerNorm(nnx.Module):
 class GLUMLP(nnx.Module):
   """The gated MLP: ``down(act(x @ gate) * (x @ up))`` (SwiGLU with "silu", GeGLU with
   "gelu"): the gate and up projections one matmul of x against their weights side by side
-  (x read once), the gate's activation and product one fused pass (``glu``), the hidden
-  activations tagged ``mlp_hidden`` for the remat policies."""
+  (x read once), the gate's activation and product one fused pass (``glu`` on the two side
+  by side, read in place: no copy of either half, no concatenation of their gradients), the
+  hidden activations tagged ``mlp_hidden`` for the remat policies."""
 
   def __init__(self, in_features: int, hidden_features: int, *, activation: str = "silu",
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
@@ -167,8 +168,8 @@ class GLUMLP(nnx.Module):
     dtype = self.dtype or x.dtype
     matmul = functools.partial(jk.matmul, implementation=self.implementation)
     both = matmul(x.astype(dtype), whole_weight(self.gate_up[...], dtype))
-    gate, up = both[..., :self.hidden], both[..., self.hidden:]
-    hidden = jk.glu(gate, up, activation=self.activation, implementation=self.implementation)
+    # [gate | up] as the matmul wrote it: glu reads the halves in place.
+    hidden = jk.glu(both, activation=self.activation, implementation=self.implementation)
     hidden = remat.tag(hidden, remat.MLP_HIDDEN)
     return matmul(hidden, whole_weight(self.down[...], dtype))
 

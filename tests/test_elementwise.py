@@ -45,9 +45,9 @@ class ElementwiseTest:
     return lambda g, u: jk.glu(g, u, activation=activation, implementation=self.IMPL,
                                config=config)
 
-  def check(self, op_name, fn, reference_fn, primals, ct, dtype, pointwise_rtol):
+  def check(self, op_name, fn, reference_fn, primals, ct, dtype, pointwise_rtol, support=None):
     with numerics.kernel_mode():
-      support = jk.supports(op_name, self.IMPL, *primals)
+      support = jk.supports(op_name, self.IMPL, *(support or primals))
       if not support:
         pytest.skip(support.reason)
       out, vjp = jax.vjp(fn, *primals)
@@ -73,6 +73,17 @@ class ElementwiseTest:
                                                      compute_dtype=cd),
                primals, ct, dtype, _pointwise_rtol(activation, gate, dy * up))
 
+  def check_glu_packed(self, shape, dtype, activation):
+    """glu(x) of x = [gate | up] (``shape`` is one half's) against the reference on the
+    halves, forward and the gradient as one array."""
+    (gate, up), dy = self.glu_inputs(shape, dtype, activation, "packed")
+    n = shape[-1]
+    self.check("glu", lambda x: jk.glu(x, activation=activation, implementation=self.IMPL),
+               lambda cd: lambda x: reference.glu(x[..., :n], x[..., n:], activation=activation,
+                                                  compute_dtype=cd),
+               (jnp.concatenate([gate, up], axis=-1),), dy, dtype,
+               _pointwise_rtol(activation, gate, dy * up), support=(gate, up))
+
   # Activation inputs stay where the activations' accuracy is documented (|z| <= 4).
   def bias_inputs(self, shape, dtype, *labels):
     gen = numerics.rng(type(self).__name__, "bias", shape, jnp.dtype(dtype).name, *labels)
@@ -95,6 +106,14 @@ class ElementwiseTest:
   @pytest.mark.parametrize("activation", ACTIVATIONS)
   def test_glu_float32(self, shape, activation):
     self.check_glu(shape, jnp.float32, activation)
+
+  @pytest.mark.parametrize("shape", ((1, 1), (37, 200), (2, 5, 129)))
+  @pytest.mark.parametrize("activation", ["gelu", "silu"])
+  def test_glu_packed_float32(self, shape, activation):
+    self.check_glu_packed(shape, jnp.float32, activation)
+
+  def test_glu_packed_bfloat16(self):
+    self.check_glu_packed((64, 384), jnp.bfloat16, "silu")
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
   @pytest.mark.parametrize("activation", ["gelu", "silu"])
@@ -146,6 +165,26 @@ class TestElementwiseTriton(ElementwiseTest):
       assert f'name = "jk_glu_{activation}_bwd"' in text
 
 
+  def test_glu_packed_reads_and_writes_in_place(self):
+    """[gate | up] in, d[gate | up] out, each one array: the step around the kernels has no
+    slice, pad, concatenation or add of the halves (a copy of each, forward and backward)."""
+    x, dy = jnp.ones((64, 512), jnp.bfloat16), jnp.ones((64, 256), jnp.bfloat16)
+    with numerics.kernel_mode():
+      jaxpr = jax.make_jaxpr(
+          lambda x, dy: jax.vjp(lambda x: jk.glu(x, implementation="triton"), x)[1](dy))(x, dy)
+    top = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+    assert not top & {"slice", "pad", "concatenate", "add_any", "dynamic_slice"}, top
+    def forward_and_backward(x, dy):
+      y, vjp = jax.vjp(lambda x: jk.glu(x, implementation="triton"), x)
+      return y, vjp(dy)
+
+    text = cuda_lowering(
+        forward_and_backward,
+        jax.ShapeDtypeStruct((256, 2000), jnp.bfloat16),
+        jax.ShapeDtypeStruct((256, 1000), jnp.bfloat16))
+    assert 'name = "jk_glu_silu_bwd"' in text and 'name = "jk_glu_silu_fwd"' in text
+
+
 class TestElementwiseMosaicTpu(ElementwiseTest):
   IMPL = "mosaic_tpu"
 
@@ -179,6 +218,11 @@ class TestElementwiseErrors:
   def test_glu_dtypes(self):
     with pytest.raises(TypeError, match="up must have gate's dtype float32, got bfloat16"):
       jk.glu(jnp.ones((2, 8)), jnp.ones((2, 8), jnp.bfloat16))
+
+  def test_glu_packed_needs_an_even_last_axis(self):
+    with pytest.raises(ValueError, match=r"gate holds \[gate \| up\].*even length; got shape "
+                                         r"\(2, 7\)"):
+      jk.glu(jnp.ones((2, 7)))
 
   def test_integer(self):
     with pytest.raises(TypeError, match="gate must have a floating dtype"):

@@ -141,6 +141,24 @@ def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *, activation, math, *
   t.store(du_ref, dy * value)
 
 
+def _glu_packed_fwd_kernel(x_ref, y_ref, *, activation, math, **tiling):
+  """glu of x = [gate | up] (the two side by side along the row), read in place."""
+  t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
+  gate = t.load(x_ref, streamed=True)
+  up = t.shifted(tiling["n_cols"]).load(x_ref, streamed=True)
+  t.store(y_ref, _activations.apply(activation, gate, math) * up)
+
+
+def _glu_packed_bwd_kernel(x_ref, dy_ref, dx_ref, *, activation, math, **tiling):
+  """d[gate | up] written side by side as one array: no concatenation after."""
+  t = _tile(pl.program_id(0), pl.program_id(1), **tiling)
+  up_tile = t.shifted(tiling["n_cols"])
+  value, slope = _activations.value_and_grad(activation, t.load(x_ref, streamed=True), math)
+  dy = t.load(dy_ref, streamed=True)
+  t.store(dx_ref, dy * up_tile.load(x_ref, streamed=True) * slope)
+  up_tile.store(dx_ref, dy * value)
+
+
 # --------------------------------------------------------------------------- #
 # Wrappers
 # --------------------------------------------------------------------------- #
@@ -151,15 +169,16 @@ def _grid(x, block):
 
 
 def _tiled_call(kernel, operands, out_shape, *, backward, activation, config, cost, name,
-                interpret, grid=None, **static):
-  """A pallas_call over (row block, column block) tiles of the first operand."""
-  (n_rows, n_cols), block = operands[0].shape, config.block(backward)
+                interpret, grid=None, shape=None, **static):
+  """A pallas_call over (row block, column block) tiles of ``shape`` (default: the first
+  operand's)."""
+  (n_rows, n_cols), block = shape or operands[0].shape, config.block(backward)
   return pl.pallas_call(
       functools.partial(kernel, activation=activation, math=_triton.math(interpret),
                         n_rows=n_rows, n_cols=n_cols, block_rows=block[0], block_cols=block[1],
                         **static),
       out_shape=out_shape,
-      grid=grid or _grid(operands[0], block),
+      grid=grid or (cdiv(n_rows, block[0]), cdiv(n_cols, block[1])),
       compiler_params=_triton.params(config.bwd_num_warps if backward else config.num_warps),
       cost_estimate=cost.estimate(),
       interpret=interpret,
@@ -205,3 +224,23 @@ def glu_bwd(gate, up, dy, *, activation, config: Config, interpret=False):
       cost=roofline.glu_bwd(gate, up, activation), name=f"jk_glu_{activation}_bwd",
       interpret=interpret)
   return dg, du
+
+
+def _halves(x):
+  """x = [gate | up]: the shape of one half."""
+  return jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // 2), x.dtype)
+
+
+def glu_packed_fwd(x, *, activation, config: Config, interpret=False):
+  half = _halves(x)
+  return _tiled_call(_glu_packed_fwd_kernel, (x,), half, backward=False, activation=activation,
+                     config=config, cost=roofline.glu_fwd(half, half, activation),
+                     name=f"jk_glu_{activation}_fwd", interpret=interpret, shape=half.shape)
+
+
+def glu_packed_bwd(x, dy, *, activation, config: Config, interpret=False):
+  half = _halves(x)
+  return _tiled_call(_glu_packed_bwd_kernel, (x, dy), jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     backward=True, activation=activation, config=config,
+                     cost=roofline.glu_bwd(half, half, activation),
+                     name=f"jk_glu_{activation}_bwd", interpret=interpret, shape=half.shape)
