@@ -50,8 +50,8 @@ def main(argv=None) -> int:
   parser.add_argument("--remat", action="store_true",
                       help="model: every remat policy and auto, with the largest batch each fits")
   parser.add_argument("--policies", default=None,
-                      help="model --remat/--tpu: only these remat policies, comma-separated "
-                           "(auto runs when none and full are among them)")
+                      help="model: only these remat policies, comma-separated (with --remat, "
+                           "auto runs when none and full are among them)")
   parser.add_argument("--tpu", action="store_true",
                       help="model: the train step AOT-compiled for v5e, v5p and v6e, each remat "
                            "policy's compiled peak memory (any host; needs libtpu)")
@@ -84,7 +84,8 @@ def main(argv=None) -> int:
         model.run_remat(session, only=args.only.split(",") if args.only else None,
                         policies=policies)
     elif name == "model":
-      model.run(session, only=args.only.split(",") if args.only else None)
+      model.run(session, only=args.only.split(",") if args.only else None,
+                policies=args.policies.split(",") if args.policies else None)
     else:
       SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run

@@ -144,19 +144,25 @@ def _row(session, preset, batch, kernels, policy, scan, got, best_xla):
   return session.add(row)
 
 
-def run(session: harness.Session, sweep: bool = False, only=None) -> None:
-  """Per preset: the plain-JAX twin and ours, unrolled, under none, dots and full; and each
-  scanned under its fastest policy of the issue's table (dots; none for ours)."""
+def run(session: harness.Session, sweep: bool = False, only=None, policies=None) -> None:
+  """Per preset: the plain-JAX twin and ours, unrolled, under none, dots and full (or
+  ``policies`` of them); and each scanned under its fastest policy of the issue's table
+  (dots; none for ours) where that policy is run."""
   del sweep
   models = SMOKE if session.smoke else MODELS
   if only:
     models = {name: batch for name, batch in models.items() if name in only}
+  unknown = set(policies or ()) - set(POLICIES)
+  if unknown:
+    raise ValueError(f"--policies: {sorted(unknown)}: the model suite runs {', '.join(POLICIES)}"
+                     " (--remat runs every policy)")
   steps = 2 if session.smoke else 10
   for preset, batch in models.items():
     best_xla = None
     cases = [(k, p, False) for k in ("xla", "jaxkernels") for p in POLICIES]
     cases[3:3] = [("xla", "dots", True)]
     cases.append(("jaxkernels", "none", True))
+    cases = [case for case in cases if not policies or case[1] in policies]
     for kernels, policy, scan in cases:
       got = _child({"preset": preset, "kernels": kernels, "policy": policy, "batch": batch,
                     "seq": SEQ, "steps": steps, "scan_layers": scan})

@@ -127,3 +127,14 @@ def test_model_step_is_measured_and_plotted(tmp_path):
   assert plot_remat.gpu_points([tmp_path / "gpu.json"], "1b") == {"dots": (3.0, got["ms"])}
   assert plot_remat.tpu_bars([tmp_path / "tpu.json"]) == {"v5e": {"none": (19.69, False)}}
   assert session.rows[1].note == "FAILED: out of memory"
+
+
+def test_model_policies_that_do_not_exist_are_named():
+  from bench import harness, model
+
+  session = harness.Session(smoke=True, rounds=1, calls=1)
+  with pytest.raises(ValueError, match=r"--policies: \['minimal'\]: the model suite runs none"):
+    model.run(session, policies=["none", "minimal"])
+  with pytest.raises(ValueError, match=r"--policies: \['dot'\] are not remat policies"):
+    model.run_remat(session, policies=["dot"])
+  assert not session.rows  # nothing ran
