@@ -108,6 +108,13 @@ OPS = {
         lambda gen, shape: (numerics.normal(gen, shape, jnp.float32),
                             numerics.normal(gen, shape, jnp.float32)),
         ("rows", "rows")),
+    # [gate | up] side by side: the halves pair within a row, so a split last axis is gathered.
+    "glu_packed": (
+        lambda impl: lambda x: jk.glu(x, implementation=impl),
+        lambda cd: lambda x: elementwise_reference.glu(*jnp.split(x, 2, axis=-1),
+                                                       compute_dtype=cd),
+        lambda gen, shape: (numerics.normal(gen, shape, jnp.float32),),
+        ("rows",)),
     "softmax": (
         lambda impl: lambda x: jk.softmax(x, axis=1, implementation=impl),
         lambda cd: lambda x: softmax_reference.softmax(x, axis=1, compute_dtype=cd),
@@ -121,7 +128,7 @@ SHAPE = (8, 4, 128)
 LAYOUTS = {"batch": P(("data", "model"), None, None), "batch+seq": P("data", "model", None),
            "batch+hidden": P("data", None, "model")}
 GATHERS = {("rms_norm", "batch+hidden"), ("layer_norm", "batch+hidden"),
-           ("softmax", "batch+seq")}
+           ("glu_packed", "batch+hidden"), ("softmax", "batch+seq")}
 
 
 def _specs(kinds, spec):
