@@ -67,25 +67,20 @@ def main(argv=None) -> int:
   path = harness.save(session, suites, args.out)
   session.on_row = lambda: harness.save(session, suites, args.out, path)
   harness.copy_bandwidth(session)
+  only = args.only.split(",") if args.only else None
+  policies = args.policies.split(",") if args.policies else None
   for name in suites:
     if name == "ceilings":
       SUITES[name](session)
     elif name == "matmul":
       matmul.run(session, sweep=args.sweep, step=args.step, tune_first=args.tune,
-                 sweep_range=tuple(int(v) for v in args.sweep_range.split(":")),
-                 only=args.only.split(",") if args.only else None)
+                 sweep_range=tuple(int(v) for v in args.sweep_range.split(":")), only=only)
     elif name == "attention":
-      attention.run(session, sweep=args.sweep, only=args.only.split(",") if args.only else None)
-    elif name == "model" and (args.tpu or args.remat):
-      policies = args.policies.split(",") if args.policies else None
-      if args.tpu:
-        model.tpu_compiled(session, policies=policies)
-      else:
-        model.run_remat(session, only=args.only.split(",") if args.only else None,
-                        policies=policies)
+      attention.run(session, sweep=args.sweep, only=only)
+    elif name == "model" and args.tpu:
+      model.tpu_compiled(session, policies=policies)
     elif name == "model":
-      model.run(session, only=args.only.split(",") if args.only else None,
-                policies=args.policies.split(",") if args.policies else None)
+      (model.run_remat if args.remat else model.run)(session, only=only, policies=policies)
     else:
       SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run

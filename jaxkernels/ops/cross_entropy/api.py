@@ -232,7 +232,7 @@ class _Linear:
   plan: backend.Plan | None
   options: _Options
   chunk: int
-  grad_dtypes: tuple[Any, Any] = (None, None)  # x's and w's: their gradients'
+  grad_dtypes: tuple[Any, Any]  # x's and w's: the dtypes of their gradients
 
 
 def _chunks(spec: _Linear, *arrays):
