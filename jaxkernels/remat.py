@@ -95,8 +95,12 @@ def policy(name: str) -> Callable[..., Any]:
 # policy="auto": per layer, the least recomputation that fits a memory budget
 # --------------------------------------------------------------------------- #
 
-# From the most saved (the least recomputed) to the least saved.
-LADDER = ("none", "dots", "minimal", "full")
+# From the most saved (the least recomputed) to the least saved. ``attention`` rather than
+# ``minimal`` on the third rung: both recompute the same matmuls and keep attention, minimal
+# also keeps the stream that one add recomputes, so it held more and ran no faster (1b on an
+# H100: 17.3 GiB against 15.8, 119.8 ms against 117.0; compiled for TPUs 11.3-11.6 GiB against
+# 10.0-10.5; bench/NOTES.md model-3).
+LADDER = ("none", "dots", "attention", "full")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,13 +122,13 @@ def test_auto_remat_fits_its_budget_and_says_so():
 
 def test_auto_steps_layers_down_the_ladder():
   """A synthetic program: 100 bytes plus each layer's saved bytes under its policy."""
-  saved = {"none": 10, "dots": 6, "minimal": 3, "full": 1}
+  saved = {"none": 10, "dots": 6, "attention": 3, "full": 1}
   peak = lambda plan: 100 + sum(saved[p] for p in plan)
   assert remat.auto(peak, 24, 400).policies == ("none",) * 24
   choice = remat.auto(peak, 24, 200)
   assert peak(choice.policies) <= 200 and "none" not in choice.policies
-  assert choice.policies.count("dots") > 0 and choice.policies.count("minimal") > 0
-  assert remat.auto(peak, 24, 200, uniform=True).policies == ("minimal",) * 24
+  assert choice.policies.count("dots") > 0 and choice.policies.count("attention") > 0
+  assert remat.auto(peak, 24, 200, uniform=True).policies == ("attention",) * 24
   with pytest.raises(ValueError, match="ladder has 'most'"):
     remat.auto(peak, 2, 200, ladder=("none", "most"))
 
