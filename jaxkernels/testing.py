@@ -6,6 +6,10 @@ computation in the low-precision dtype (the same reference run in the input dtyp
 leaf, forward and every gradient. Errors are max |got - want| / max |want| over a leaf.
 Float32 work has a floor: a reduction of length n in float32 carries a random walk of rounding
 errors, ~sqrt(n) ulps; four times that is allowed whatever the baseline happened to get.
+A leaf that the exact answer makes zero everywhere (the loss and gradient of a softmax over one
+class) has no magnitude to be relative to: what a computation leaves there is the rounding of
+terms that cancelled, which are on the scale of the inputs, so its error is relative to the
+largest magnitude among the primals and the cotangent.
 
     import jaxkernels as jk
     from jaxkernels import testing
@@ -69,10 +73,30 @@ def _floating_leaves(tree):
           if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)]
 
 
-def errors(got, want) -> list[float]:
+def _largest(a) -> float:
+  a = np.asarray(jnp.asarray(a, jnp.float32) if not isinstance(a, np.ndarray) else a,
+                 np.float64)
+  return float(np.max(np.abs(np.where(np.isfinite(a), a, 0.0)), initial=0.0))
+
+
+def input_scale(*trees) -> float:
+  """The largest finite magnitude among the floating leaves of ``trees`` (the primals and the
+  cotangent): what an all-zero leaf's error is relative to."""
+  return max((_largest(a) for tree in trees if tree is not None
+              for a in _floating_leaves(tree)), default=0.0)
+
+
+def _magnitude(want, zero_scale: float) -> float:
+  """What a leaf's error is relative to: its largest finite magnitude, or ``zero_scale`` where
+  the exact leaf is zero everywhere."""
+  return max(_largest(want) or zero_scale, 1e-30)
+
+
+def errors(got, want, zero_scale: float = 0.0) -> list[float]:
   """max |got - want| / max |want|, leaf by leaf over the floating leaves; a non-finite value
   in ``got`` where ``want`` is finite is an infinite error (-inf where -inf is wanted, a fully
-  masked row's log-sum-exp, is right)."""
+  masked row's log-sum-exp, is right). A ``want`` leaf that is zero everywhere: relative to
+  ``zero_scale`` (:func:`input_scale`)."""
   out = []
   for g, w in zip(_floating_leaves(got), _floating_leaves(want), strict=True):
     g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
@@ -82,9 +106,9 @@ def errors(got, want) -> list[float]:
     if np.any(~np.isfinite(g) & ~same) or np.any(~np.isfinite(w) & (g != w)):
       out.append(math.inf)
       continue
+    scale = _magnitude(w, zero_scale)
     g, w = np.where(same, 0.0, g), np.where(same, 0.0, w)
-    out.append(float(np.max(np.abs(g - w), initial=0.0) / max(np.max(np.abs(w), initial=0.0),
-                                                              1e-30)))
+    out.append(float(np.max(np.abs(g - w), initial=0.0) / scale))
   return out
 
 
@@ -95,7 +119,8 @@ def tolerances(reference, primals, cotangent=None, *, dtype, reduction: int,
   oracle = evaluate(reference, jnp.float64, primals, cotangent)
   baseline = evaluate(reference, dtype, primals, cotangent)
   floor = max(4 * F32_EPS * math.sqrt(max(reduction, 1)), pointwise_rtol)
-  return oracle, [2 * b + floor for b in errors(baseline, oracle)]
+  return oracle, [2 * b + floor for b in errors(baseline, oracle,
+                                                input_scale(primals, cotangent))]
 
 
 def assert_matches(got, reference, primals, cotangent=None, *, dtype, reduction: int,
@@ -114,16 +139,17 @@ def assert_matches(got, reference, primals, cotangent=None, *, dtype, reduction:
   """
   oracle, allowed = tolerances(reference, primals, cotangent, dtype=dtype, reduction=reduction,
                                pointwise_rtol=pointwise_rtol)
-  got_errors = errors(got, oracle)
+  zero_scale = input_scale(primals, cotangent)
+  got_errors = errors(got, oracle, zero_scale)
   leaves = zip(_floating_leaves(got), _floating_leaves(oracle), got_errors, allowed, strict=True)
   for i, (g, w, e, tol) in enumerate(leaves):
     w = np.asarray(w, np.float64)
     finite = np.isfinite(w)
-    scale = float(np.max(np.abs(np.where(finite, w, 0.0)), initial=0.0))
+    scale = _magnitude(w, zero_scale)
     message = (f"leaf {i}: error {e:.3e} > tolerance {tol:.3e}; all leaves' errors "
                f"{['%.2e' % x for x in got_errors]}, tolerances {['%.2e' % x for x in allowed]} {note}")
     assert e != math.inf, message + " (a non-finite value where the oracle is finite)"
     chex.assert_trees_all_close(np.where(finite, np.asarray(jnp.asarray(g, jnp.float32),
                                                             np.float64), 0.0),
-                                np.where(finite, w, 0.0), atol=tol * max(scale, 1e-30), rtol=0,
+                                np.where(finite, w, 0.0), atol=tol * scale, rtol=0,
                                 custom_message=message)

@@ -91,6 +91,20 @@ class CrossEntropyTest:
     assert float(loss[4]) == 0.0 and np.all(np.asarray(dz[4]) == 0)
     assert np.all(np.asarray(dz[1, 20:]) == 0) and np.all(np.isfinite(np.asarray(dz)))
 
+  @pytest.mark.parametrize("label_smoothing,z_loss", [(0.0, 0.0), (0.1, 0.0), (0.1, 1e-3)])
+  def test_one_class(self, label_smoothing, z_loss):
+    """One class: the loss and its gradient are 0 for any logit, smoothed or not (the rule
+    judges an all-zero leaf against the inputs' scale); with a z-loss, its share alone. The
+    loss comes out exactly 0, and so does a kernel's gradient (its terms kept apart)."""
+    for dtype in self.DTYPES:
+      _, logits, labels = _inputs((2, 5), 1, dtype, "one class", ignored=0.0)
+      loss, (dz,) = self.check(logits, labels, dtype, label_smoothing=label_smoothing,
+                               z_loss=z_loss)
+      if not z_loss:
+        assert np.all(np.asarray(loss) == 0.0)
+        if self.IMPL != "xla":  # the reference's autodiff adds its terms in its own order
+          assert np.all(np.asarray(dz, np.float32) == 0.0)
+
   def test_out_of_range_label_is_nan(self):
     _, logits, labels = _inputs((4,), 30, jnp.float32, "range", ignored=0.0)
     labels = labels.at[2].set(30).at[3].set(-1)

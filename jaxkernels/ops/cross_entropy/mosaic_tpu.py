@@ -84,9 +84,9 @@ def _fwd_kernel(labels_ref, logits_ref, loss_ref, lse_ref, peak_ref, sum_ref, pi
   def _():
     peak = peak_ref[...]
     lse = jnp.where(peak == -jnp.inf, 0.0, peak) + jnp.log(sum_ref[...])
-    loss = lse - (1.0 - label_smoothing) * pick_ref[...]
+    loss = lse - pick_ref[...]  # the smoothing as a correction to it (reference.py)
     if label_smoothing:
-      loss = loss - (label_smoothing / n_cols) * total_ref[...]
+      loss = loss + label_smoothing * (pick_ref[...] - total_ref[...] / n_cols)
     if z_loss:
       loss = loss + z_loss * lse * lse
     loss = jnp.where((labels >= 0) & (labels < n_cols), loss, jnp.nan)
@@ -103,10 +103,14 @@ def _bwd_kernel(labels_ref, lse_ref, g_ref, logits_ref, dlogits_ref, *, n_cols, 
   if ignore_index is not None:
     g = jnp.where(labels == ignore_index, 0.0, g)
   finite = lse != -jnp.inf  # a fully masked row has no softmax: 0, not exp(x + inf)
-  scale = g * (1.0 + 2.0 * z_loss * jnp.where(finite, lse, 0.0))
   p = exp(x - jnp.where(finite, lse, jnp.inf))
-  d = scale * p - g * (label_smoothing / n_cols)
-  d = d - jnp.where(_columns(x.shape, block_cols) == labels, g * (1.0 - label_smoothing), 0.0)
+  # g (p - onehot) + g e (onehot - 1 / V) + 2 g l lse p, each term apart (triton.py).
+  hit = _columns(x.shape, block_cols) == labels
+  d = g * (p - jnp.where(hit, 1.0, 0.0))
+  if z_loss:
+    d = d + (2.0 * z_loss * g * jnp.where(finite, lse, 0.0)) * p
+  if label_smoothing:
+    d = d + (g * label_smoothing) * (jnp.where(hit, 1.0, 0.0) - 1.0 / n_cols)
   dlogits_ref[...] = d.astype(dlogits_ref.dtype)
 
 

@@ -3,9 +3,12 @@
 Per row of logits z (V classes) with label y, label smoothing e and z-loss weight l:
 
     lse  = log(sum(exp(z)))
-    loss = lse - (1 - e) * z[y] - (e / V) * sum(z) + l * lse**2
+    loss = (lse - z[y]) + e * (z[y] - sum(z) / V) + l * lse**2
 
-the cross-entropy against the target (1 - e) * onehot(y) + e / V, plus PaLM's z-loss. A row
+the cross-entropy against the target (1 - e) * onehot(y) + e / V, plus PaLM's z-loss. The
+smoothing is a correction to the plain loss, not a reweighting of it: written as
+lse - (1 - e) z[y] - (e / V) sum(z), (1 - e) + e rounds off 1, and one class (V = 1), whose
+loss and gradient are exactly 0 for any logit, came out ~1e-8 relative to the logits. A row
 whose label is ``ignore_index`` gives 0 and no gradient. A label outside [0, V) that is not
 ``ignore_index`` gives NaN (never another row's or class's number). ``compute_dtype`` exists for
 the tests (see ops/norms/reference.py).
@@ -30,9 +33,9 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
   lse = (jnp.log(jnp.sum(jnp.exp(z - peak), axis=-1, keepdims=True)) + peak)[..., 0]
   in_range = (labels >= 0) & (labels < vocab)
   picked = jnp.take_along_axis(z, jnp.clip(labels, 0, vocab - 1)[..., None], axis=-1)[..., 0]
-  loss = lse - (1 - label_smoothing) * picked
+  loss = lse - picked
   if label_smoothing:
-    loss = loss - (label_smoothing / vocab) * jnp.sum(z, axis=-1)
+    loss = loss + label_smoothing * (picked - jnp.sum(z, axis=-1) / vocab)
   if z_loss:
     loss = loss + z_loss * lse * lse
   loss = jnp.where(in_range, loss, jnp.nan)

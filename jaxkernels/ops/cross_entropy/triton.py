@@ -84,12 +84,12 @@ def _statistics(logits_ref, labels_ref, steps: RowSteps, n_cols, label_smoothing
   in_range = (labels >= 0) & (labels < n_cols)
   mask = in_range if steps.row_mask is None else in_range & steps.row_mask
   picked = load_vector(logits_ref, _at(steps, jnp.clip(labels, 0, n_cols - 1)), mask, 0.0)
-  loss = lse - (1.0 - label_smoothing) * picked
+  loss = lse - picked  # the smoothing as a correction to it (reference.py)
   if label_smoothing:
     row_sum = jnp.sum(total, axis=1)
     for (_, m), x in zip(edges, edge_xs):
       row_sum = row_sum + jnp.sum(jnp.where(m, x, 0.0), axis=1)
-    loss = loss - (label_smoothing / n_cols) * row_sum
+    loss = loss + label_smoothing * (picked - row_sum / n_cols)
   if z_loss:
     loss = loss + z_loss * lse * lse
   loss = jnp.where(in_range, loss, jnp.nan)
@@ -106,9 +106,11 @@ def _write_grad(logits_ref, dlogits_ref, steps: RowSteps, labels, lse, g, n_cols
     g = jnp.where(labels == ignore_index, 0.0, g)
   # A fully masked row (lse -inf) has no softmax: 0, not exp(x + inf).
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-  scale = (g * (1.0 + 2.0 * z_loss * jnp.where(jnp.isinf(lse), 0.0, lse)))[:, None]
-  smooth = (g * (label_smoothing / n_cols))[:, None]
-  hit = (g * (1.0 - label_smoothing))[:, None]
+  # g (p - onehot) + g e (onehot - 1 / V) + 2 g l lse p, each term apart: one class (V = 1,
+  # p = 1) gives exactly the z-loss's share, not (g (1 + 2 l lse)) p - g, which rounds off the
+  # share's leading digits (reference.py).
+  g_smooth = (g * label_smoothing)[:, None]
+  g_z = (2.0 * z_loss * g * jnp.where(jnp.isinf(lse), 0.0, lse))[:, None]
 
   def load(chunks):
     return [load_vector(logits_ref, o, m, -jnp.inf, _triton.stream_cache_modifier())
@@ -116,8 +118,13 @@ def _write_grad(logits_ref, dlogits_ref, steps: RowSteps, labels, lse, g, n_cols
 
   def write(chunks, xs, carry):
     for (o, m), x in zip(chunks, xs):
-      d = scale * exp(x - lse[:, None]) - smooth
-      d = d - jnp.where(_columns(steps, o) == labels[:, None], hit, 0.0)
+      hit = _columns(steps, o) == labels[:, None]
+      p = exp(x - lse[:, None])
+      d = g[:, None] * (p - jnp.where(hit, 1.0, 0.0))
+      if z_loss:
+        d = d + g_z * p
+      if label_smoothing:
+        d = d + g_smooth * (jnp.where(hit, 1.0, 0.0) - 1.0 / n_cols)
       store_vector(dlogits_ref, o, d, m)
     return carry
 
