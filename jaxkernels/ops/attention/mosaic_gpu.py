@@ -87,9 +87,15 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   128 with 3 stages: 0.53 against 0.43 ms), 256 keys at 64 (0.604 against 0.621 ms for 128),
   64 keys past 128 (registers: the accumulator alone takes 128 a thread at 256). H100, B=2
   T=S=4096, bench/NOTES.md attention-4. The dq kernel past 128 takes 32 keys a step, two
-  blocks in flight: at 256 its ring of one 64-key block ran 4.26 ms, this 2.63 (attention-7)."""
+  blocks in flight: at 256 its ring of one 64-key block ran 4.26 ms, this 2.63 (attention-7).
+  Causal at head dim 64 over up to 4096 keys, 128 keys a step: a query block's last key block
+  straddles the diagonal and computes masked products, up to a whole block's, and 256-key
+  blocks waste twice 128's. At the 350m model's shape (8 x 2048, 16/4 heads, causal; H100)
+  128 keys ran 0.191 ms against 256's 0.213 and cuDNN's 0.194 (bench/NOTES.md model-4)."""
   h = problem.head_dim
   block_kv = 256 if h <= 64 else 128 if h <= 128 else 64
+  if h <= 64 and problem.window == Window(None, 0) and problem.kv_len <= 4096:
+    block_kv = 128
   if problem.bias is not None:  # a bias tile a stage beside k and v: 64 keys fit
     block_kv = 64
   return Config(block_q=64, block_kv=block_kv, stages=2, bwd_block_kv=64 if h <= 128 else 32,
