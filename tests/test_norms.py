@@ -267,3 +267,24 @@ def test_streamed_loads_ask_for_cg():
   it, streamed loads fall back to default caching and the norms lose 2-4 us (run 45)."""
   from jaxkernels import _triton
   assert _triton.stream_cache_modifier() == ".cg"
+
+
+def test_shipped_h100_table_serves_the_model_s_norms():
+  """The H100 table (tuned at the Llama presets' fused residual + RMSNorm) decodes into the
+  Triton Config and is what an H100 call of that problem runs; another device keeps the
+  heuristic."""
+  from jaxkernels import backend, hardware, tuning
+  from jaxkernels.ops.norms import api
+  kernels = backend.kernels("rms_norm")["triton"]
+  for rows, cols in ((16384, 1024), (8192, 2048)):
+    x = jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16)
+    residual = jax.ShapeDtypeStruct((rows, cols), jnp.float32)
+    scale = jax.ShapeDtypeStruct((cols,), jnp.bfloat16)
+    problem = api.Problem.of(x, scale, None, residual, False)
+    h100 = tuning.config_for(kernels, problem, hardware.chip("H100"),
+                             device_kind="NVIDIA H100 80GB HBM3")
+    assert isinstance(h100, norms_triton.Config)
+    assert h100 != norms_triton.heuristic(problem, hardware.chip("H100"))
+    assert h100.bwd_programs == 528 and h100.block_cols == cols
+    h200 = tuning.config_for(kernels, problem, hardware.chip("H200"), device_kind="NVIDIA H200")
+    assert h200 == norms_triton.heuristic(problem, hardware.chip("H200"))
