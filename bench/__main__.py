@@ -52,6 +52,8 @@ def main(argv=None) -> int:
   parser.add_argument("--policies", default=None,
                       help="model: only these remat policies, comma-separated (with --remat, "
                            "auto runs when none and full are among them)")
+  parser.add_argument("--unrolled", action="store_true",
+                      help="model: the unrolled layers only (not the scanned rows)")
   parser.add_argument("--tpu", action="store_true",
                       help="model: the train step AOT-compiled for v5e, v5p and v6e, each remat "
                            "policy's compiled peak memory (any host; needs libtpu)")
@@ -79,8 +81,10 @@ def main(argv=None) -> int:
       attention.run(session, sweep=args.sweep, only=only)
     elif name == "model" and args.tpu:
       model.tpu_compiled(session, policies=policies)
+    elif name == "model" and args.remat:
+      model.run_remat(session, only=only, policies=policies)
     elif name == "model":
-      (model.run_remat if args.remat else model.run)(session, only=only, policies=policies)
+      model.run(session, only=only, policies=policies, unrolled=args.unrolled)
     else:
       SUITES[name](session, sweep=args.sweep)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run

@@ -144,10 +144,11 @@ def _row(session, preset, batch, kernels, policy, scan, got, best_xla):
   return session.add(row)
 
 
-def run(session: harness.Session, sweep: bool = False, only=None, policies=None) -> None:
+def run(session: harness.Session, sweep: bool = False, only=None, policies=None,
+        unrolled: bool = False) -> None:
   """Per preset: the plain-JAX twin and ours, unrolled, under none, dots and full (or
-  ``policies`` of them); and each scanned under its fastest policy of the issue's table
-  (dots; none for ours) where that policy is run."""
+  ``policies`` of them); and, unless ``unrolled``, each scanned under its fastest policy of
+  the issue's table (dots; none for ours) where that policy is run."""
   del sweep
   models = SMOKE if session.smoke else MODELS
   if only:
@@ -162,7 +163,8 @@ def run(session: harness.Session, sweep: bool = False, only=None, policies=None)
     cases = [(k, p, False) for k in ("xla", "jaxkernels") for p in POLICIES]
     cases[3:3] = [("xla", "dots", True)]
     cases.append(("jaxkernels", "none", True))
-    cases = [case for case in cases if not policies or case[1] in policies]
+    cases = [case for case in cases if (not policies or case[1] in policies)
+             and not (unrolled and case[2])]
     for kernels, policy, scan in cases:
       got = _child({"preset": preset, "kernels": kernels, "policy": policy, "batch": batch,
                     "seq": SEQ, "steps": steps, "scan_layers": scan})
