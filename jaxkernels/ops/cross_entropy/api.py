@@ -195,9 +195,9 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
   """Softmax cross-entropy of integer labels, statistics in float32.
 
   Per token, with V classes: ``logsumexp(z) - z[label] + e (z[label] - sum(z) / V)`` (label
-  smoothing e: the cross-entropy against (1 - e) onehot + e / V) ``+ z_loss * logsumexp(z)**2`` (PaLM's z-loss). A token whose label is
-  ``ignore_index`` gives 0 and no gradient, and is left out of the mean; a label outside
-  [0, V) otherwise gives NaN.
+  smoothing e: the cross-entropy against (1 - e) onehot + e / V) ``+ z_loss *
+  logsumexp(z)**2`` (PaLM's z-loss). A token whose label is ``ignore_index`` gives 0 and no
+  gradient, and is left out of the mean; a label outside [0, V) otherwise gives NaN.
 
   Args:
     logits: (..., V) bfloat16, float16 or float32.
