@@ -116,11 +116,15 @@ def tolerances(reference, primals, cotangent=None, *, dtype, reduction: int,
                pointwise_rtol: float = 0.0):
   """(oracle, per-leaf tolerances): the float64 answer, and for each of its floating leaves
   the largest error the rule allows (relative to the leaf's largest magnitude)."""
+  return _tolerances(reference, primals, cotangent, dtype, reduction, pointwise_rtol,
+                     input_scale(primals, cotangent))
+
+
+def _tolerances(reference, primals, cotangent, dtype, reduction, pointwise_rtol, zero_scale):
   oracle = evaluate(reference, jnp.float64, primals, cotangent)
   baseline = evaluate(reference, dtype, primals, cotangent)
   floor = max(4 * F32_EPS * math.sqrt(max(reduction, 1)), pointwise_rtol)
-  return oracle, [2 * b + floor for b in errors(baseline, oracle,
-                                                input_scale(primals, cotangent))]
+  return oracle, [2 * b + floor for b in errors(baseline, oracle, zero_scale)]
 
 
 def assert_matches(got, reference, primals, cotangent=None, *, dtype, reduction: int,
@@ -137,9 +141,9 @@ def assert_matches(got, reference, primals, cotangent=None, *, dtype, reduction:
       rounding of the naive baseline is no bound on it.
     note: appended to a failure's message (the seed that drew the inputs, say).
   """
-  oracle, allowed = tolerances(reference, primals, cotangent, dtype=dtype, reduction=reduction,
-                               pointwise_rtol=pointwise_rtol)
   zero_scale = input_scale(primals, cotangent)
+  oracle, allowed = _tolerances(reference, primals, cotangent, dtype, reduction, pointwise_rtol,
+                                zero_scale)
   got_errors = errors(got, oracle, zero_scale)
   leaves = zip(_floating_leaves(got), _floating_leaves(oracle), got_errors, allowed, strict=True)
   for i, (g, w, e, tol) in enumerate(leaves):

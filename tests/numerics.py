@@ -14,7 +14,6 @@ import contextlib
 import os
 import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

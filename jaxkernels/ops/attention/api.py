@@ -51,7 +51,7 @@ class Problem:
   segments: bool
 
   def key(self) -> str:
-    mask = ("causal" if self.window == Window(None, 0) else
+    mask = ("causal" if self.window.plain_causal else
             "window" if self.window.bounded else "full")
     extras = "".join(f"|{name}" for name, on in (("cap", self.soft_cap),
                                                   ("bias", self.bias is not None),

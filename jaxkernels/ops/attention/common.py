@@ -40,6 +40,11 @@ class Window(NamedTuple):
     return cls(left, right)
 
   @property
+  def plain_causal(self) -> bool:
+    """Causal and nothing else: every key up to the query's own position."""
+    return self == (None, 0)
+
+  @property
   def bounded(self) -> bool:
     return self.left is not None or self.right is not None
 

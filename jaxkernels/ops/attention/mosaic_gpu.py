@@ -94,7 +94,7 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   128 keys ran 0.191 ms against 256's 0.213 and cuDNN's 0.194 (bench/NOTES.md model-4)."""
   h = problem.head_dim
   block_kv = 256 if h <= 64 else 128 if h <= 128 else 64
-  if h <= 64 and problem.window == Window(None, 0) and problem.kv_len <= 4096:
+  if h <= 64 and problem.window.plain_causal and problem.kv_len <= 4096:
     block_kv = 128
   if problem.bias is not None:  # a bias tile a stage beside k and v: 64 keys fit
     block_kv = 64

@@ -105,12 +105,12 @@ def _bwd_kernel(labels_ref, lse_ref, g_ref, logits_ref, dlogits_ref, *, n_cols, 
   finite = lse != -jnp.inf  # a fully masked row has no softmax: 0, not exp(x + inf)
   p = exp(x - jnp.where(finite, lse, jnp.inf))
   # g (p - onehot) + g e (onehot - 1 / V) + 2 g l lse p, each term apart (triton.py).
-  hit = _columns(x.shape, block_cols) == labels
-  d = g * (p - jnp.where(hit, 1.0, 0.0))
+  onehot = jnp.where(_columns(x.shape, block_cols) == labels, 1.0, 0.0)
+  d = g * (p - onehot)
   if z_loss:
     d = d + (2.0 * z_loss * g * jnp.where(finite, lse, 0.0)) * p
   if label_smoothing:
-    d = d + (g * label_smoothing) * (jnp.where(hit, 1.0, 0.0) - 1.0 / n_cols)
+    d = d + (g * label_smoothing) * (onehot - 1.0 / n_cols)
   dlogits_ref[...] = d.astype(dlogits_ref.dtype)
 
 

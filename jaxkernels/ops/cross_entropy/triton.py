@@ -118,13 +118,13 @@ def _write_grad(logits_ref, dlogits_ref, steps: RowSteps, labels, lse, g, n_cols
 
   def write(chunks, xs, carry):
     for (o, m), x in zip(chunks, xs):
-      hit = _columns(steps, o) == labels[:, None]
+      onehot = jnp.where(_columns(steps, o) == labels[:, None], 1.0, 0.0)
       p = exp(x - lse[:, None])
-      d = g[:, None] * (p - jnp.where(hit, 1.0, 0.0))
+      d = g[:, None] * (p - onehot)
       if z_loss:
         d = d + g_z * p
       if label_smoothing:
-        d = d + g_smooth * (jnp.where(hit, 1.0, 0.0) - 1.0 / n_cols)
+        d = d + g_smooth * (onehot - 1.0 / n_cols)
       store_vector(dlogits_ref, o, d, m)
     return carry
 
