@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                       help="matmul --sweep: first:last size (a long sweep may need two runs)")
   parser.add_argument("--tune", action="store_true", help="matmul: autotune ours first")
   parser.add_argument("--only", default=None,
-                      help="matmul: run only these parts, comma-separated (checks,headline,sweep); "
+                      help="matmul: run only these parts, comma-separated (checks,headline,sweep,glu); "
                            "attention: only these shapes, by name; model: only these presets")
   parser.add_argument("--remat", action="store_true",
                       help="model: every remat policy and auto, with the largest batch each fits")

@@ -7,7 +7,8 @@ followed by XLA's fused bias+gelu, and a forward+backward with the epilogue.
 ``--sweep`` adds square sizes (``--sweep-range``, step ``--step``, each with its odd
 neighbour) for ours, XLA and cuBLAS; ``bench/plot_sweep.py`` plots them. ``--tune``
 autotunes ours at 8192, 8193, 2049 and 4096 first (into the user's tuning cache). ``--only``
-runs some of the parts: checks, headline, sweep. (The investigations that chose the shipped
+runs some of the parts: checks, headline, sweep, glu (the gated product, fused against our
+product then glu and against XLA, at the models' MLP shapes). (The investigations that chose the shipped
 configs, epilogue pieces, schedules, CTA tiles by waves, stream-K and clusters, were parts here
 too; bench/NOTES.md keeps their results and the commit that last had them.)
 
@@ -365,9 +366,67 @@ def run(session: harness.Session, sweep: bool = False, step: int = 128, tune_fir
   return _run(session, impls, sweep, step, only, tune_first, sweep_range)
 
 
+# (M, K, N): the gated MLP's first product in the 350m and 1b models (bench/model.py), 8 x 2048
+# and 4 x 2048 tokens; y has N columns, B 2N.
+GLU_SHAPES = ((16384, 1024, 2816), (8192, 2048, 5632))
+
+
+def gated(session, shapes=GLU_SHAPES):
+  """matmul(glu=True) against the two ways to get the same y without it: our product, then
+  our glu pass over [gate | up] (what the model ran before), and XLA's product then its fused
+  silu * up. Forward (y alone) and forward+backward (dA, dB of sum(y * ct)), timed round-robin;
+  each output checked against XLA's before it is timed."""
+  f32 = jnp.float32
+  ways = {
+      "fused": lambda a, b: jk.matmul(a, b, activation="silu", glu=True),
+      "composed": lambda a, b: jk.glu(jk.matmul(a, b), activation="silu"),
+      "xla": lambda a, b: jk.matmul(a, b, activation="silu", glu=True, implementation="xla"),
+  }
+  for m, k, n in (shapes if not session.smoke else ((256, 128, 128),)):
+    key = jax.random.split(jax.random.PRNGKey(0), 3)
+    a = (jax.random.normal(key[0], (m, k), f32) * k ** -0.25).astype(BF16)
+    b = (jax.random.normal(key[1], (k, 2 * n), f32) * k ** -0.25).astype(BF16)
+    ct = jax.random.normal(key[2], (m, n), f32).astype(BF16)
+    for mode in ("fwd", "fwd+bwd"):
+      if mode == "fwd":
+        fns = {name: jax.jit(f) for name, f in ways.items()}
+      else:
+        fns = {name: jax.jit(jax.grad(lambda a, b, f=f: jnp.sum(f(a, b).astype(f32) * ct),
+                                      argnums=(0, 1))) for name, f in ways.items()}
+      want = fns["xla"](a, b)
+      rows, samples = {}, {}
+      for name, fn in fns.items():
+        row = rows[name] = harness.Row("matmul", f"glu silu {mode}", name, f"{m}x{2 * n}x{k}",
+                                       "bfloat16")
+        row.tolerance = 8e-3  # bf16 rounding of y (and of z under the backward), twice over
+        try:
+          row.error = harness.relative_error(fn(a, b), want)
+          if row.error <= row.tolerance:
+            samples[name] = []
+          else:
+            row.note = f"WRONG: error {row.error:.2e}; not timed"
+        except Exception as e:  # noqa: BLE001
+          row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+      order = random.Random(0)
+      for _ in range(session.rounds):
+        for name in order.sample(sorted(samples), len(samples)):
+          samples[name].append(harness.time_sets(fns[name], [(a, b)], rounds=1,
+                                                  calls=session.calls))
+      for name, times in samples.items():
+        rows[name].ms = statistics.median(times) * 1e3
+        rows[name].tflops = _flops(m, 2 * n, k) * (1 if mode == "fwd" else 3) / (
+            rows[name].ms * 1e-3) / 1e12
+      _ratios(rows["xla"], list(rows.values()))
+      for row in rows.values():
+        session.add(row)
+
+
 def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024, 8192)):
-  """The parts named in ``only`` (default: checks, headline, and the sweep with --sweep)."""
+  """The parts named in ``only`` (default: checks, headline, and the sweep with --sweep; glu
+  only when named)."""
   only = set(only or ("checks", "headline", "sweep"))
+  if "glu" in only:
+    gated(session)
   if "checks" in only:
     checks(session, impls)
   if tune_first and session.platform == "gpu":

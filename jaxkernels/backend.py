@@ -316,6 +316,33 @@ def _user_stacklevel() -> int:
   return level
 
 
+def _first_serving(target: Target,
+                   kernel_reasons: Mapping[str, str | None]) -> tuple[str | None, list[str]]:
+  """The first kernel of the target's preference order that serves the call (None if none
+  does), and why each one before it does not."""
+  why_not = []
+  for candidate in _auto_order(target):
+    if candidate not in kernel_reasons:
+      continue
+    reason = _reasons(candidate, target, kernel_reasons)
+    if reason is None:
+      return candidate, why_not
+    why_not.append(f"{candidate}: {reason}")
+  return None, why_not
+
+
+def choice(implementation: str | None, target: Target,
+           kernel_reasons: Mapping[str, str | None]) -> str | None:
+  """The kernel :func:`select` would run, asked quietly: None where it would fall back to the
+  XLA reference or raise (a caller that then makes the call itself gets the warning or the
+  error there)."""
+  if implementation is None:
+    return _first_serving(target, kernel_reasons)[0]
+  if implementation == "xla" or _reasons(implementation, target, kernel_reasons) is not None:
+    return None
+  return implementation
+
+
 def select(
     op: str,
     implementation: str | None,
@@ -340,14 +367,9 @@ def select(
     if reason is not None:
       raise ValueError(f"{op}: implementation={implementation!r} cannot serve this call: {reason}")
     return implementation
-  why_not = []
-  for candidate in _auto_order(target):
-    if candidate not in kernel_reasons:
-      continue
-    reason = _reasons(candidate, target, kernel_reasons)
-    if reason is None:
-      return candidate
-    why_not.append(f"{candidate}: {reason}")
+  chosen, why_not = _first_serving(target, kernel_reasons)
+  if chosen is not None:
+    return chosen
   if not why_not:
     why_not.append(f"no Pallas kernel runs on {target.platform} outside interpret mode")
   message = f"jaxkernels.{op}: using the XLA reference ({'; '.join(why_not)})"

@@ -147,9 +147,9 @@ class LayerNorm(nnx.Module):
 class GLUMLP(nnx.Module):
   """The gated MLP: ``down(act(x @ gate) * (x @ up))`` (SwiGLU with "silu", GeGLU with
   "gelu"): the gate and up projections one matmul of x against their weights side by side
-  (x read once), the gate's activation and product one fused pass (``glu`` on the two side
-  by side, read in place: no copy of either half, no concatenation of their gradients), the
-  hidden activations tagged ``mlp_hidden`` for the remat policies."""
+  (x read once) with the gate's activation and product in its epilogue (``matmul(glu=True)``:
+  one kernel on mosaic_gpu, else the product and one fused ``glu`` pass reading both halves in
+  place), the hidden activations tagged ``mlp_hidden`` for the remat policies."""
 
   def __init__(self, in_features: int, hidden_features: int, *, activation: str = "silu",
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
@@ -167,9 +167,8 @@ class GLUMLP(nnx.Module):
   def __call__(self, x):
     dtype = self.dtype or x.dtype
     matmul = functools.partial(jk.matmul, implementation=self.implementation)
-    both = matmul(x.astype(dtype), whole_weight(self.gate_up[...], dtype))
-    # [gate | up] as the matmul wrote it: glu reads the halves in place.
-    hidden = jk.glu(both, activation=self.activation, implementation=self.implementation)
+    hidden = matmul(x.astype(dtype), whole_weight(self.gate_up[...], dtype),
+                    activation=self.activation, glu=True)
     hidden = remat.tag(hidden, remat.MLP_HIDDEN)
     return matmul(hidden, whole_weight(self.down[...], dtype))
 

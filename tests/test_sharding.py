@@ -25,6 +25,7 @@ from jaxkernels.ops.elementwise import reference as elementwise_reference
 from jaxkernels.ops.norms import reference as norms_reference
 from jaxkernels.ops.softmax import reference as softmax_reference
 from tests import numerics
+from tests.test_matmul import glu_reference as glu_spec
 from tests.test_matmul import reference as matmul_spec
 
 pytestmark = pytest.mark.cpu_only  # the mesh is of host devices, the kernels interpreted
@@ -274,6 +275,40 @@ def test_matmul_layouts(mesh, layout):
   assert out.sharding.spec == spec_out
   numerics.assert_matches(got, ref, (a, b, bias, res), ct, dtype=jnp.float32, reduction=k,
                           pointwise_rtol=_activations.RTOL)
+
+
+@pytest.mark.parametrize("layout", ["data parallel", "row parallel", "column parallel"])
+def test_matmul_glu_layouts(mesh, layout):
+  """matmul(glu=True) on split operands: the product as its layout splits it, then glu on
+  [gate | up], whose halves pair up within a row: a split N is gathered, with the warning
+  (an explicit implementation refuses to gather, as every op does)."""
+  spec_a, spec_b, _ = MATMUL_LAYOUTS[layout]
+  gen = numerics.rng("sharding-matmul-glu", layout)
+  m, k, n = 32, 64, 24
+  a = numerics.normal(gen, (m, k), jnp.float32, k ** -0.25)
+  b = numerics.normal(gen, (k, 2 * n), jnp.float32, k ** -0.25)
+  ct = numerics.normal(gen, (m, n), jnp.float32)
+  config = jk.ops.matmul.triton.Config(block_m=16, block_n=16, block_k=16, num_warps=4,
+                                       num_stages=1)
+  column = layout == "column parallel"
+  fn = lambda impl: jax.jit(lambda a, b: jk.matmul(
+      a, b, activation="silu", glu=True, precision=jax.lax.Precision.HIGHEST,
+      implementation=impl, config=None if impl is None else config))
+  operands = _put(mesh, a, spec_a), _put(mesh, b, spec_b)
+  with jk.interpret_mode("triton"), warnings.catch_warnings():
+    warnings.simplefilter("error", jk.ShardingWarning)
+    if column:
+      with pytest.raises(ValueError, match="glu: implementation='triton' cannot serve this "
+                         r"call: gate's dimension 1 \(size 48\) is split"):
+        fn("triton")(*operands)
+      with pytest.warns(jk.ShardingWarning, match="glu: gate's dimension 1"):
+        out, vjp = jax.vjp(fn(None), *operands)
+    else:
+      out, vjp = jax.vjp(fn("triton"), *operands)
+    got = (out, vjp(ct))
+  assert out.sharding.spec[0] == spec_a[0]  # the rows stay split
+  numerics.assert_matches(got, glu_spec("silu", False, False), (a, b), ct, dtype=jnp.float32,
+                          reduction=k, pointwise_rtol=_activations.RTOL)
 
 
 def test_gather_warns_once_and_an_explicit_kernel_refuses(mesh):

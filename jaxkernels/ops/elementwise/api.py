@@ -182,6 +182,21 @@ def _glu_packed(x, activation, implementation, config):
   return _fused(plan, rows_view(gate), rows_view(up)).reshape(half.shape)
 
 
+def packed_glu_grad(x, dy, *, activation: str, implementation=None):
+  """d[gate | up] of ``glu(x)`` (x = [gate | up] along its last axis) for the cotangent
+  ``dy``, one array shaped like x: the backward alone, for a kernel that computed glu's
+  output itself and saved x (``matmul(glu=True)``). Unsharded arrays."""
+  n = x.shape[-1] // 2
+  half = jax.ShapeDtypeStruct((*x.shape[:-1], n), x.dtype)
+  plan = backend.plan("glu", implementation, backend.target_of(x, dy),
+                      Problem.of("glu", activation, gate=half, up=half), _KERNELS["glu"], None,
+                      empty=x.size == 0, activation=activation)
+  if plan is not None and plan.implementation == "triton":
+    return plan.run(triton.glu_packed_bwd, rows_view(x), rows_view(dy)).reshape(x.shape)
+  _, vjp = jax.vjp(lambda x: _glu_packed(x, activation, implementation, None), x)
+  return vjp(dy)[0]
+
+
 def _problem_of(op, validate, names):
   def problem_of(a, b, *, activation="silu", **unused):
     a, b, activation = validate(a, b, activation)

@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxkernels import _activations, _checks, backend, partitioning, remat
+from jaxkernels.ops.elementwise import api as elementwise
 from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, reference, triton
 from jaxkernels.ops.matmul.common import (FLOAT8, FLOATS, INT8, NEEDS_PREACTIVATION, Problem,
                                           is_quantized)
@@ -62,6 +63,19 @@ def _differentiable_fwd(plan, p, a, b, bias, residual):
   return y, (a, b, bias, residual, y if p.activation == "relu" else None)
 
 
+def _grad_products(plan, p, a, b, dz):
+  """(dA, dB) of the product ``p`` for dZ, on the plan's kernels."""
+  base = dict(activation=None, has_bias=False, has_residual=False, has_scales=False,
+              save_preactivation=False, precision=p.precision, glu=False)
+  # dA (m, k) = dZ (m, n) @ B^T, B stored (k, n): the kernel reads it transposed in place.
+  da = _run(plan, dataclasses.replace(p, m=p.m, n=p.k, k=p.n, trans_a=False, trans_b=True,
+                                      out_dtype=a.dtype, **base), dz, b)
+  # dB (k, n) = A^T @ dZ, A stored (m, k).
+  db = _run(plan, dataclasses.replace(p, m=p.k, n=p.n, k=p.m, trans_a=True, trans_b=False,
+                                      out_dtype=b.dtype, **base), a, dz)
+  return da, db
+
+
 def _differentiable_bwd(plan, p, saved, dy):
   a, b, bias, residual, z = saved
   # dz = dy * act'(z): one elementwise pass (XLA fuses it with d(bias)'s row sum). The Mosaic GPU
@@ -72,19 +86,32 @@ def _differentiable_bwd(plan, p, saved, dy):
     dz = dz * _activations.value_and_grad(p.activation, z.astype(jnp.float32))[1]
   dbias = None if bias is None else jnp.sum(dz, axis=0).astype(bias.dtype)
   dres = None if residual is None else dy.astype(residual.dtype)
-  dz = dz.astype(a.dtype)
-  base = dict(activation=None, has_bias=False, has_residual=False, has_scales=False,
-              save_preactivation=False, precision=p.precision)
-  # dA (m, k) = dZ (m, n) @ B^T, B stored (k, n): the kernel reads it transposed in place.
-  da = _run(plan, dataclasses.replace(p, m=p.m, n=p.k, k=p.n, trans_a=False, trans_b=True,
-                                      out_dtype=a.dtype, **base), dz, b)
-  # dB (k, n) = A^T @ dZ, A stored (m, k).
-  db = _run(plan, dataclasses.replace(p, m=p.k, n=p.n, k=p.m, trans_a=True, trans_b=False,
-                                      out_dtype=b.dtype, **base), a, dz)
-  return da, db, dbias, dres
+  return (*_grad_products(plan, p, a, b, dz.astype(a.dtype)), dbias, dres)
 
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gated(plan, p, a, b):
+  return _run(plan, p, a, b, forward=True)
+
+
+def _gated_fwd(plan, p, a, b):
+  y, z = _run(plan, dataclasses.replace(p, save_preactivation=True), a, b, forward=True)
+  # Both are the product's outputs: the "dots" policies keep y (the next matmul's input) and
+  # z (glu's backward reads it), so that neither recomputes the product.
+  return checkpoint_name(y, remat.MATMUL_OUT), (a, b, checkpoint_name(z, remat.MATMUL_OUT))
+
+
+def _gated_bwd(plan, p, saved, dy):
+  a, b, z = saved
+  # glu's GPU kernel (the Mosaic GPU matmul's companion, as in the composed path on a GPU).
+  dz = elementwise.packed_glu_grad(z, dy, activation=p.activation, implementation="triton")
+  return _grad_products(plan, p, a, b, dz)
+
+
+_gated.defvjp(_gated_fwd, _gated_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -122,7 +149,8 @@ def _operand(name, value, min_rank):
   return value
 
 
-def _validate(a, b, bias, activation, residual, out_dtype, precision, a_scale, b_scale):
+def _validate(a, b, bias, activation, residual, out_dtype, precision, a_scale, b_scale,
+              glu=False):
   a = _operand("a", a, 2)
   b = _operand("b", b, 2)
   if b.ndim != 2:
@@ -133,13 +161,20 @@ def _validate(a, b, bias, activation, residual, out_dtype, precision, a_scale, b
   if a.dtype != b.dtype:
     raise TypeError(f"{OP}: a and b must share a dtype, got a {a.dtype} and b {b.dtype}")
   n = b.shape[1]
-  out_shape = (*a.shape[:-1], n)
+  if glu and n % 2:
+    raise ValueError(f"{OP}: glu=True takes b as [gate | up] side by side, (K, 2N): its last "
+                     f"dimension must be even, got b shape {tuple(b.shape)}")
+  out_shape = (*a.shape[:-1], n // 2 if glu else n)
   if bias is not None:
     bias = _checks.vector(OP, "bias", bias, n, "b")
   if residual is not None:
-    residual = _checks.same_shape(OP, "residual", residual, out_shape, "the output a @ b")
+    residual = _checks.same_shape(OP, "residual", residual, out_shape,
+                                  "the gated output" if glu else "the output a @ b")
   if activation is not None:
     _checks.choice(OP, "activation", activation, _activations.ACTIVATIONS)
+  elif glu:
+    raise ValueError(f"{OP}: glu=True gates the up half with activation(gate): pass "
+                     f"activation, one of {', '.join(_activations.ACTIVATIONS)} ('silu': SwiGLU)")
   quantized = is_quantized(a.dtype)
   if out_dtype is None:
     out_dtype = jnp.bfloat16 if quantized else a.dtype
@@ -166,8 +201,8 @@ def _problem(a, b, bias, activation, residual, out_dtype, precision, quantized):
                  has_residual=residual is not None, has_scales=quantized, precision=precision)
 
 
-def matmul(a, b, *, bias=None, activation=None, residual=None, out_dtype=None, precision=None,
-           a_scale=None, b_scale=None, implementation=None, config=None):
+def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dtype=None,
+           precision=None, a_scale=None, b_scale=None, implementation=None, config=None):
   """y = activation(a @ b + bias) + residual, with the epilogue fused: C is written once.
 
   Args:
@@ -176,7 +211,13 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, out_dtype=None, p
     bias: (N,) or None, added in float32 before the activation.
     activation: None, "gelu" (exact), "gelu_tanh", "silu" or "relu".
     residual: (..., M, N) or None, added after the activation (a residual stream).
-    out_dtype: the result's dtype; default a's dtype, bfloat16 for fp8/int8 operands.
+    glu: b holds a gate's and an up projection's weights side by side, [gate | up] (K, 2N);
+      y = activation(a @ gate + bias[:N]) * (a @ up + bias[N:]) + residual is (..., M, N):
+      a gated MLP's first half (SwiGLU with "silu"), activation required. On mosaic_gpu, for
+      a plain 16-bit product with N a multiple of 64 and nothing sharded, one kernel computes
+      each tile's gate and up blocks side by side and writes y (and, for the gradient, z =
+      a @ b) from its accumulators; otherwise the product and then ``glu``, on the same
+      implementation where it has a glu kernel.    out_dtype: the result's dtype; default a's dtype, bfloat16 for fp8/int8 operands.
     precision: None or a jax.lax.Precision, for float32 operands: DEFAULT (and None) lets the
       GPU kernels use tf32 tensor cores as XLA does; HIGHEST asks for full float32.
     a_scale, b_scale: fp8/int8 only: dequantization scales, () per tensor, or a's leading
@@ -195,10 +236,15 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, out_dtype=None, p
 
   Gradients (bfloat16/float16/float32 operands): dA = dZ B^T and dB = A^T dZ run on the same
   kernels reading B and A transposed in place, where dZ = dy * act'(z) comes from one fused pass
-  over the saved pre-activation z. fp8/int8 matmuls are not differentiable.
+  over the saved pre-activation z (glu's backward under glu). fp8/int8 matmuls are not
+  differentiable.
   """
   a, b, bias, residual, out_dtype = _validate(a, b, bias, activation, residual, out_dtype,
-                                              precision, a_scale, b_scale)
+                                              precision, a_scale, b_scale, glu)
+  if glu:
+    return _gated_matmul(a, b, bias=bias, activation=activation, residual=residual,
+                         out_dtype=out_dtype, precision=precision, a_scale=a_scale,
+                         b_scale=b_scale, implementation=implementation, config=config)
   split, out = _sharded(a, b, bias=bias, activation=activation, residual=residual,
                         out_dtype=out_dtype, precision=precision, a_scale=a_scale,
                         b_scale=b_scale, implementation=implementation, config=config)
@@ -223,6 +269,34 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, out_dtype=None, p
   bs2 = jnp.broadcast_to(jnp.float32(1) if b_scale is None else b_scale.astype(jnp.float32),
                          (problem.n,))
   return _quantized(plan, problem, a2, b, as2, bs2, bias, r2).reshape(out_shape)
+
+
+def _gated_matmul(a, b, *, bias, activation, residual, out_dtype, precision, a_scale, b_scale,
+                  implementation, config):
+  """matmul(glu=True): the fused Mosaic GPU kernel where the plain product would run on
+  mosaic_gpu and the kernel takes the gated one (``mosaic_gpu.unsupported``) with nothing
+  split; else the product (any kernel, any sharding) and then ``glu`` on its [gate | up]."""
+  quantized = is_quantized(a.dtype)
+  arrays = (a, b, bias, residual, a_scale, b_scale)
+  target = backend.target_of(a, b, bias, residual)
+  plain = _problem(a, b, bias, activation, residual, out_dtype, precision, quantized)
+  gated = dataclasses.replace(plain, glu=True)
+  if (not any(partitioning.layout(x) for x in arrays if x is not None)
+      and backend.choice(implementation, target,
+                         backend.kernel_reasons(plain, target, _KERNELS)) == "mosaic_gpu"
+      and backend.kernel_reasons(gated, target, _KERNELS)["mosaic_gpu"] is None):
+    plan = backend.plan(OP, "mosaic_gpu", target, gated, _KERNELS, config,
+                        empty=0 in (gated.m, gated.n, gated.k))
+    if plan is not None:
+      out = _gated(plan, gated, a.reshape(gated.m, gated.k), b)
+      return out.reshape(*a.shape[:-1], gated.out_n)
+  z = matmul(a, b, bias=bias, out_dtype=out_dtype, precision=precision, a_scale=a_scale,
+             b_scale=b_scale, implementation=implementation, config=config)
+  y = elementwise.glu(z, activation=activation,
+                      implementation=None if implementation == "mosaic_gpu" else implementation)
+  if residual is not None:
+    y = (y.astype(jnp.float32) + residual.astype(jnp.float32)).astype(out_dtype)
+  return y
 
 
 def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale, b_scale,
@@ -292,12 +366,13 @@ def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
   return True, partitioning.run(mesh, row_parallel, arrays, specs, out)
 
 
-def _problem_of(a, b, *, bias=None, activation=None, residual=None, out_dtype=None,
+def _problem_of(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dtype=None,
                 precision=None, a_scale=None, b_scale=None, **unused):
   a, b, bias, residual, out_dtype = _validate(a, b, bias, activation, residual, out_dtype,
-                                              precision, a_scale, b_scale)
+                                              precision, a_scale, b_scale, glu)
   problem = _problem(a, b, bias, activation, residual, out_dtype, precision,
                      is_quantized(a.dtype))
+  # Under glu every implementation that runs the product serves (the product, then glu).
   return problem, (a, b)
 
 

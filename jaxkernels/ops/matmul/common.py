@@ -26,6 +26,10 @@ class Problem:
   """C (m, n) = op(A) (m, k) @ op(B) (k, n); op transposes what is stored transposed.
 
   A is stored (m, k), or (k, m) when ``trans_a``; B (k, n), or (n, k) when ``trans_b``.
+
+  ``glu``: B holds a gate's and an up projection's weights side by side, [gate | up], n/2
+  columns each; the output is y = activation(gate) * up, (m, n/2), and z (with
+  ``save_preactivation``) the whole (m, n) product.
   """
 
   m: int
@@ -41,17 +45,23 @@ class Problem:
   has_scales: bool = False  # a_scale (m,) and b_scale (n,), float32
   save_preactivation: bool = False  # also return z = scale * (a @ b) + bias
   precision: Any = None
+  glu: bool = False
 
   @property
   def outputs(self) -> int:
     return 2 if self.save_preactivation else 1
+
+  @property
+  def out_n(self) -> int:
+    """y's columns: n, or n/2 where the epilogue gates one half with the other."""
+    return self.n // 2 if self.glu else self.n
 
   def key(self) -> str:
     """The tuning tables' key: dtypes, layout, epilogue and shape bucket. Problems with an
     activation are tuned apart from plain and bias/residual-only ones: the epilogue's
     arithmetic is part of what a config is timed on."""
     layout = ("t" if self.trans_a else "n") + ("t" if self.trans_b else "n")
-    epilogue = "act" if self.activation else "plain"
+    epilogue = "glu" if self.glu else "act" if self.activation else "plain"
     dims = "x".join(str(bucket(d)) for d in (self.m, self.n, self.k))
     return "|".join([f"{jnp.dtype(self.dtype)}->{jnp.dtype(self.out_dtype)}", layout, epilogue,
                      dims])

@@ -77,6 +77,8 @@ def config_error(problem: Problem, config: Config, chip) -> str | None:
 
 def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
   dtype = jnp.dtype(problem.dtype)
+  if problem.glu:  # matmul(glu=True) runs the product, then glu
+    return "the mosaic_tpu matmul does not fuse glu into its epilogue"
   if dtype not in DTYPES:
     return f"mosaic_tpu takes bfloat16, float32 or int8 operands, got {dtype}"
   if jnp.dtype(problem.out_dtype) == jnp.float16:

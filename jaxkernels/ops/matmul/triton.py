@@ -64,6 +64,8 @@ def heuristic(problem: Problem, chip: hardware.Chip) -> Config:
 
 def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
   dtype = jnp.dtype(problem.dtype)
+  if problem.glu:  # matmul(glu=True) runs the product, then glu
+    return "the triton matmul does not fuse glu into its epilogue"
   if dtype in FLOAT8:
     if chip.compute_capability is not None and chip.compute_capability < (8, 9):
       return f"fp8 tensor cores need sm89+; the device is {chip.name}"

@@ -113,7 +113,9 @@ def shared_bytes(problem: Problem, config: Config) -> int:
   item = jnp.dtype(problem.dtype).itemsize
   ring = c.stages * (c.cta_m + c.cta_n) * c.tile_k * item
   out_item = jnp.dtype(problem.out_dtype).itemsize
-  epilogue = 2 * c.epi_slots * c.epi_tile_m * c.epi_tile_n * out_item * problem.outputs
+  # y's buffer, and z's (both halves of it under glu).
+  buffers = 1 + (problem.outputs - 1) * (2 if problem.glu else 1)
+  epilogue = 2 * c.epi_slots * c.epi_tile_m * c.epi_tile_n * out_item * buffers
   vectors = 2 * 2 * 4 * (c.tile_m + 2 * c.tile_n)
   return ring + epilogue + vectors + 2048  # barriers and alignment
 
@@ -124,6 +126,8 @@ def config_error(problem: Problem, config: Config, chip) -> str | None:
   limit = (chip or hardware.DEFAULT_GPU).block_onchip_bytes
   if (need := shared_bytes(p, c)) > limit:
     return f"needs {need} bytes of shared memory per CTA; Hopper has {limit}"
+  if p.glu:
+    return _glu_error(p, c)
   # A cooperative warpgroup's half of a block cut along the block's minor dimension must
   # start on a swizzle tile (``_my_part``): B's columns (split "n"), or A's stored transposed.
   cut = {"n": (not p.trans_b, c.tile_n, c.cta_n), "m": (p.trans_a, c.tile_m, c.cta_m)}
@@ -133,6 +137,26 @@ def config_error(problem: Problem, config: Config, chip) -> str | None:
     if half % lanes:
       return (f"split={c.split!r} cuts the CTA's {block}-wide block into warpgroup halves of "
               f"{half}, which must be a multiple of its {lanes}-element swizzle tile")
+  return None
+
+
+def _glu_error(p: Problem, c: Config) -> str | None:
+  """Why ``c`` cannot run the gated product ``p`` (``kernel``: each warpgroup multiplies A by a
+  gate block and an up block into two accumulators of half its tile's width, and writes y
+  from them), or None."""
+  if not c.on_ring or c.stream_k:
+    return ("glu runs on the kernel's own ring (ring=True or schedule='pingpong'), without "
+            "stream_k")
+  half = c.tile_n // 2
+  lanes = _mosaic_gpu.swizzle_lanes(c.cta_n // 2, p.dtype)
+  if half % lanes:
+    return (f"glu cuts each warpgroup's {c.tile_n} columns into gate and up halves of {half}, "
+            f"which must be a multiple of the {lanes}-element swizzle tile")
+  if half % c.epi_tile_n:
+    return f"epi_tile_n={c.epi_tile_n} must divide the warpgroup's {half}-column gate half"
+  if p.out_n % (c.cta_n // 2):
+    return (f"glu needs y's {p.out_n} columns in whole CTA tiles of {c.cta_n // 2} (so that "
+            f"no gate block runs into the up half)")
   return None
 
 
@@ -208,6 +232,8 @@ def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Confi
   * fp8 keeps 64 x 64 pieces in one buffer over 4 stages (its 1.8x over bf16, matmul-25);
     whole-tile pieces are not measured there.
   """
+  if problem.glu:
+    return _glu_heuristic(problem, chip, shapes)
   shapes = [tile_config(problem, shape) for shape in shapes]
   seconds = [predicted_seconds(problem, c, chip.cores) for c in shapes]
   best = min(range(len(shapes)), key=seconds.__getitem__)
@@ -224,6 +250,20 @@ def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Confi
         and (base.tile_m, base.tile_n, base.split) == (128, 128, "n")):
     base = dataclasses.replace(base, ring=True)
   return fitted(problem, base, chip)
+
+
+def _glu_heuristic(problem: Problem, chip: hardware.Chip, shapes) -> Config:
+  """The gated product's config: on the ring (``_glu_error``), the first of ``shapes`` that
+  can run it unless the wave model predicts another ``WAVE_MARGIN`` faster; the activation
+  epilogue's pieces and stages (``fitted``)."""
+  ring = lambda shape: fitted(problem, dataclasses.replace(tile_config(problem, shape),
+                                                           ring=True), chip)
+  configs = [c for c in map(ring, shapes) if config_error(problem, c, chip) is None]
+  if not configs:
+    raise ValueError(f"no CTA tile runs the gated product {problem}: {unsupported(problem, chip)}")
+  seconds = [predicted_seconds(problem, c, chip.cores) for c in configs]
+  best = min(range(len(configs)), key=seconds.__getitem__)
+  return configs[best] if seconds[best] < (1 - WAVE_MARGIN) * seconds[0] else configs[0]
 
 
 def tile_config(problem: Problem, shape) -> Config:
@@ -258,6 +298,14 @@ def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
     return "fp8 wgmma reads A K-major; A stored transposed is not served"
   if problem.precision not in (None, lax.Precision.DEFAULT):
     return f"precision={problem.precision} has no meaning for {dtype} operands here"
+  if problem.glu:
+    if (dtype in FLOAT8 or problem.trans_a or problem.trans_b or problem.has_bias
+        or problem.has_residual):
+      return ("mosaic_gpu fuses glu into a plain 16-bit product (no bias, residual or scales; "
+              "A and B stored (M, K) and (K, N))")
+    if problem.out_n % 64:
+      return (f"mosaic_gpu fuses glu where y's width is a multiple of 64 (whole 64-column "
+              f"swizzle tiles a half), got {problem.out_n}")
   return None
 
 

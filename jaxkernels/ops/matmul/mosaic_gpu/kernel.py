@@ -78,7 +78,9 @@ class _Epilogue(NamedTuple):
                                      transforms=out_transforms)
     return dict(
         y_smem=out_buffers(),
-        z_smem=out_buffers() if p.save_preactivation else None,
+        z_smem=(plgpu.SMEM((2, c.epi_slots * (2 if p.glu else 1), c.epi_tile_m, c.epi_tile_n),
+                           p.out_dtype, transforms=out_transforms)
+                if p.save_preactivation else None),
         # Epilogue vectors, per warpgroup and per tile parity (so that the next tile's load
         # never lands while a lagging warp still reads this tile's).
         bias_smem=plgpu.SMEM((2, 2, c.tile_n), jnp.float32) if p.has_bias else None,
@@ -133,11 +135,14 @@ def _kernel(*refs, problem: Problem, config: Config, math):
 
 
 def _tile_slices(linear, p: Problem, c: Config):
-  """(rows, cols) of the CTA tile at position ``linear`` of the snake order."""
+  """(rows, cols) of the CTA tile at position ``linear`` of the snake order; under glu, cols
+  are y's (half the CTA's product columns: the gate's, and the up's past out_n). Multiplied
+  out here: a traced division of a slice's start does not lower (layout inference fails)."""
   m_tiles, n_tiles = cdiv(p.m, c.cta_m), cdiv(p.n, c.cta_n)
   minor = 1 if c.grid_minor == "n" else 0
   m_idx, n_idx = plgpu.planar_snake(linear, (m_tiles, n_tiles), minor, c.grid_tile_width)
-  return pl.ds(m_idx * c.cta_m, c.cta_m), pl.ds(n_idx * c.cta_n, c.cta_n)
+  width = c.cta_n // 2 if p.glu else c.cta_n
+  return pl.ds(m_idx * c.cta_m, c.cta_m), pl.ds(n_idx * width, width)
 
 
 def _cooperative_pipeline(p, c, a_block, b_block, body, compute_context):
@@ -204,11 +209,15 @@ def _cooperative(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_bloc
 def _ring_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
   del a_gmem, b_gmem
   owners = 1 if c.cooperative else 2
+  # Under glu a slot holds B's gate block and its up block, each half the CTA's columns: two
+  # contiguous (TMA writes only contiguous shared memory) swizzled blocks.
+  b_slot = (2, b_block[0], b_block[1] // 2) if p.glu else b_block
   return dict(
       a_ring=plgpu.SMEM((c.stages, *a_block), p.dtype, transforms=_mosaic_gpu.swizzled(a_block[1], p.dtype)),
-      b_ring=plgpu.SMEM((c.stages, *b_block), p.dtype, transforms=_mosaic_gpu.swizzled(b_block[1], p.dtype)),
-      # Two TMA copies (A and B) arrive on a slot's "full" barrier; its readers on "free".
-      full=plgpu.Barrier(num_arrivals=2, num_barriers=owners * c.stages),
+      b_ring=plgpu.SMEM((c.stages, *b_slot), p.dtype, transforms=_mosaic_gpu.swizzled(b_slot[-1], p.dtype)),
+      # Each TMA copy (A, and B or its two halves) arrives on a slot's "full" barrier; its
+      # readers on "free".
+      full=plgpu.Barrier(num_arrivals=3 if p.glu else 2, num_barriers=owners * c.stages),
       free=plgpu.Barrier(num_arrivals=2 if c.cooperative else 1, num_barriers=c.stages),
   )
 
@@ -231,8 +240,13 @@ def _fill(a_gmem, b_gmem, a_ring, b_ring, full, full_base, free, p: Problem, c: 
     ks = pl.ds(step * c.tile_k, c.tile_k)
     plgpu.copy_gmem_to_smem(a_gmem.at[ks, rows] if p.trans_a else a_gmem.at[rows, ks],
                             a_ring.at[slot], full.at[full_base + slot])
-    plgpu.copy_gmem_to_smem(b_gmem.at[cols, ks] if p.trans_b else b_gmem.at[ks, cols],
-                            b_ring.at[slot], full.at[full_base + slot])
+    if p.glu:  # the gate's columns for the CTA's y columns, and the same of up
+      for half, offset in enumerate((0, p.out_n)):
+        plgpu.copy_gmem_to_smem(b_gmem.at[ks, pl.ds(offset + cols.start, cols.size)],
+                                b_ring.at[slot, half], full.at[full_base + slot])
+    else:
+      plgpu.copy_gmem_to_smem(b_gmem.at[cols, ks] if p.trans_b else b_gmem.at[ks, cols],
+                              b_ring.at[slot], full.at[full_base + slot])
 
 
 def _multiply(acc_ref, a_ring, b_ring, full, full_base, free, p: Problem, c: Config, wg_rows,
@@ -244,10 +258,18 @@ def _multiply(acc_ref, a_ring, b_ring, full, full_base, free, p: Problem, c: Con
   def step_body(step):
     slot = lax.rem(first + step - k_begin, c.stages)
     plgpu.barrier_wait(full.at[full_base + slot])
-    a, b = _my_part(a_ring.at[slot], b_ring.at[slot], p, c, wg_rows, wg_cols)
-    plgpu.wgmma(acc_ref, *_operands(a, b, p))
-    # Two products in flight: the previous one has finished reading its slot.
-    plgpu.wgmma_wait(1)
+    if p.glu:  # two accumulators, gate and up, each from its half of the slot's B
+      a = a_ring.at[slot]
+      if c.cooperative and c.split == "m":  # (A is not transposed under glu)
+        a = a.at[wg_rows]
+      for acc, half in zip(acc_ref, range(2)):
+        plgpu.wgmma(acc, a, _glu_half(b_ring.at[slot, half], c))
+    else:
+      a, b = _my_part(a_ring.at[slot], b_ring.at[slot], p, c, wg_rows, wg_cols)
+      plgpu.wgmma(acc_ref, *_operands(a, b, p))
+    # This step's products in flight (one group each): the previous step's have finished
+    # reading its slot.
+    plgpu.wgmma_wait(2 if p.glu else 1)
 
     @pl.when(step > k_begin)
     def _():
@@ -337,12 +359,13 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
       waits = epilogue.load_vectors(p, wg, parity, _sub(cta_rows, wg_rows, c.tile_m),
                                     _sub(cta_cols, wg_cols, c.tile_n), when=load_when)
 
-      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+      @functools.partial(pl.run_scoped, acc_ref=_accumulators(p, c))
       def _acc(acc_ref):
         _multiply(acc_ref, a_ring, b_ring, full, full_base, free, p, c, wg_rows, wg_cols, first,
                   k_begin, k_end)
         with jax.named_scope("epilogue"):
-          finish(acc_ref[...], cta_rows, cta_cols, waits, parity)
+          acc = tuple(r[...] for r in acc_ref) if p.glu else acc_ref[...]
+          finish(acc, cta_rows, cta_cols, waits, parity)
 
     def write(acc, cta_rows, cta_cols, waits, parity):
       for barrier in waits:
@@ -400,6 +423,20 @@ def _halves(c: Config, wg):
   return slice(None), pl.ds(wg * c.tile_n, c.tile_n)
 
 
+def _accumulators(p: Problem, c: Config):
+  """A warpgroup's float32 accumulator: its tile, or under glu the gate's and up's halves."""
+  if p.glu:
+    return (plgpu.ACC((c.tile_m, c.tile_n // 2), jnp.float32),) * 2
+  return plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
+
+
+def _glu_half(b_half, c: Config):
+  """This warpgroup's part of a slot's gate or up block (cta_n / 2 columns)."""
+  if not (c.cooperative and c.split == "n"):
+    return b_half
+  return b_half.at[:, pl.ds(lax.axis_index("wg") * (c.tile_n // 2), c.tile_n // 2)]
+
+
 def _my_part(a_smem, b_smem, p: Problem, c: Config, wg_rows, wg_cols):
   """This warpgroup's part of the CTA's A and B blocks (all of them in ping-pong), sliced
   before any transpose (a transposed view cannot be sliced)."""
@@ -433,6 +470,9 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
   needs no padding to whole tiles; pieces that start inside and run past the end are clipped.
   """
   p, c = problem, config
+  if p.glu:
+    return _write_glu_tile(acc, e, wg, cta_rows, cta_cols, wg_rows, wg_cols, problem=p,
+                           config=c)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   pieces_n = c.tile_n // c.epi_tile_n
   c_rows, c_cols = e.y_gmem.shape
@@ -479,6 +519,57 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
         store()
 
 
+def _write_glu_tile(acc, e: _Epilogue, wg, cta_rows, cta_cols, wg_rows, wg_cols, *, problem,
+                    config):
+  """The gated epilogue: y = act(gate) * up from the warpgroup's two float32 accumulators
+  (each ``tile_m x tile_n / 2``), and with ``save_preactivation`` both of them into z's
+  halves, through shared memory by TMA in ``epi_tile_m x epi_tile_n`` pieces.
+
+  The warpgroup's y columns start at half its accumulator columns' start (a CTA tile of
+  ``cta_n`` product columns writes ``cta_n / 2`` of y); they are whole CTA tiles
+  (``config._glu_error``), so only rows can be ragged.
+  """
+  p, c = problem, config
+  gate, up = acc
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  c_rows = e.y_gmem.shape[0]
+  row0 = _sub(cta_rows, wg_rows, c.tile_m).start
+  col0 = cta_cols.start  # y's (_tile_slices)
+  if c.cooperative and c.split == "n":
+    col0 = col0 + wg * (c.tile_n // 2)
+  pieces_n = c.tile_n // 2 // c.epi_tile_n
+  copies = 3 if e.z_smem is not None else 1  # a piece's stores, one bulk group each
+  for pm in range(c.tile_m // c.epi_tile_m):
+    for pn in range(pieces_n):
+      rows = slice(pm * c.epi_tile_m, (pm + 1) * c.epi_tile_m)
+      cols = slice(pn * c.epi_tile_n, (pn + 1) * c.epi_tile_n)
+      slot = (pm * pieces_n + pn) % c.epi_slots
+      out_rows = pl.ds(row0 + rows.start, c.epi_tile_m)
+      out_cols = lambda offset, cols=cols: pl.ds(offset + col0 + cols.start, c.epi_tile_n)
+      g, u = gate[rows, cols], up[rows, cols]
+      y = activation_apply(p.activation, g, e.math) * u
+      # Buffer `slot` was last stored epi_slots pieces ago: wait until those stores have read
+      # it, and no longer (the later pieces' may still run).
+      plgpu.wait_smem_to_gmem((c.epi_slots - 1) * copies, wait_read_only=True)
+      e.y_smem[wg, slot] = y.astype(p.out_dtype)
+      if e.z_smem is not None:
+        e.z_smem[wg, 2 * slot] = g.astype(p.out_dtype)
+        e.z_smem[wg, 2 * slot + 1] = u.astype(p.out_dtype)
+      plgpu.commit_smem()
+
+      def store(slot=slot, out_rows=out_rows, out_cols=out_cols):
+        plgpu.copy_smem_to_gmem(e.y_smem.at[wg, slot], e.y_gmem.at[out_rows, out_cols(0)])
+        if e.z_smem is not None:
+          for half, offset in enumerate((0, p.out_n)):
+            plgpu.copy_smem_to_gmem(e.z_smem.at[wg, 2 * slot + half],
+                                    e.z_gmem.at[out_rows, out_cols(offset)])
+
+      if c_rows % c.cta_m:
+        pl.when(row0 + rows.start < c_rows)(store)
+      else:
+        store()
+
+
 def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, problem: Problem,
            config: Config, interpret=False):
   p = as_stored(problem)
@@ -500,7 +591,9 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
     operands.append(pad_to(residual.astype(p.out_dtype), out_shape))
   if p.has_scales:
     operands += [vector(a_scale, c.cta_m), vector(b_scale, c.cta_n)]
-  out = jax.ShapeDtypeStruct(out_shape, p.out_dtype)
+  outs = [jax.ShapeDtypeStruct(out_shape, p.out_dtype)] * p.outputs
+  if p.glu:  # y has half the product's columns (whole CTA tiles of them: no padding)
+    outs[0] = jax.ShapeDtypeStruct((out_shape[0], p.out_n), p.out_dtype)
   ctas = _mosaic_gpu.num_sms() if c.stream_k else min(_mosaic_gpu.num_sms(), num_tiles(p, config))
   # Stream-K's partial tiles: one per CTA, each warpgroup's half in its own slot.
   partials = ([jax.ShapeDtypeStruct((ctas, 2, c.tile_m, c.tile_n), jnp.float32)]
@@ -508,7 +601,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   kernel = plgpu.kernel(
       functools.partial(_kernel, problem=p, config=config,
                         math=_mosaic_gpu.math(interpret)),
-      out_type=[out] * p.outputs + partials,
+      out_type=outs + partials,
       grid=(ctas,),
       grid_names=("sm",),
       num_threads=3,
@@ -522,7 +615,7 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
       **({"interpret": interpret} if interpret else {}),
   )
   outs = kernel(*operands)[:p.outputs]
-  outs = [_crop(o, p.m, p.n, c, interpret) for o in outs]
+  outs = [_crop(o, p.m, n, c, interpret) for o, n in zip(outs, (p.out_n, p.n))]  # y, z
   return tuple(outs) if p.save_preactivation else outs[0]
 
 
