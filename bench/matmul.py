@@ -374,8 +374,8 @@ GLU_SHAPES = ((16384, 1024, 2816), (8192, 2048, 5632))
 def gated(session, shapes=GLU_SHAPES):
   """matmul(glu=True) against the two ways to get the same y without it: our product, then
   our glu pass over [gate | up] (what the model ran before), and XLA's product then its fused
-  silu * up. Forward (y alone) and forward+backward (dA, dB of sum(y * ct)), timed round-robin;
-  each output checked against XLA's before it is timed."""
+  silu * up. Forward (y alone) and forward+backward (y, and dA, dB for a cotangent), timed
+  round-robin; each output checked against XLA's before it is timed."""
   f32 = jnp.float32
   ways = {
       "fused": lambda a, b: jk.matmul(a, b, activation="silu", glu=True),
@@ -390,9 +390,11 @@ def gated(session, shapes=GLU_SHAPES):
     for mode in ("fwd", "fwd+bwd"):
       if mode == "fwd":
         fns = {name: jax.jit(f) for name, f in ways.items()}
-      else:
-        fns = {name: jax.jit(jax.grad(lambda a, b, f=f: jnp.sum(f(a, b).astype(f32) * ct),
-                                      argnums=(0, 1))) for name, f in ways.items()}
+      else:  # y and its vjp, as a training step uses them (y feeds the next product)
+        def step(a, b, f):
+          y, vjp = jax.vjp(f, a, b)
+          return y, vjp(ct)
+        fns = {name: jax.jit(functools.partial(step, f=f)) for name, f in ways.items()}
       want = fns["xla"](a, b)
       rows, samples = {}, {}
       for name, fn in fns.items():
