@@ -217,7 +217,8 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dt
       a plain 16-bit product with N a multiple of 64 and nothing sharded, one kernel computes
       each tile's gate and up blocks side by side and writes y (and, for the gradient, z =
       a @ b) from its accumulators; otherwise the product and then ``glu``, on the same
-      implementation where it has a glu kernel.    out_dtype: the result's dtype; default a's dtype, bfloat16 for fp8/int8 operands.
+      implementation where it has a glu kernel.
+    out_dtype: the result's dtype; default a's dtype, bfloat16 for fp8/int8 operands.
     precision: None or a jax.lax.Precision, for float32 operands: DEFAULT (and None) lets the
       GPU kernels use tf32 tensor cores as XLA does; HIGHEST asks for full float32.
     a_scale, b_scale: fp8/int8 only: dequantization scales, () per tensor, or a's leading

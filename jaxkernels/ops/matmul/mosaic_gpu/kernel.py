@@ -26,6 +26,13 @@ past the array's end (the epilogue skips C's pieces that would). Where these fai
 wrapper zero-pads the operands and cuts the padded output with a copy kernel
 (``crop``): one extra pass over each.
 
+The gated product (``Problem.glu``, ``matmul(glu=True)``): B is [gate | up] side by side. A
+CTA tile covers ``cta_n / 2`` columns of y; each K step loads A's block and two B blocks, the
+gate's columns and the up's (two TMA copies into two contiguous swizzled blocks of the slot),
+and each compute warpgroup multiplies into two accumulators, gate and up, of half its tile's
+width. Its epilogue writes y = act(gate) * up, and for the gradient z's two halves. Only on the
+kernel's own ring, with no bias, residual or scales (``config._glu_error``, ``unsupported``).
+
 fp8 wgmma reads both operands K-major: B must be stored (N, K). A (K, N) fp8 B is
 transposed by XLA first (one pass over B).
 """
@@ -471,8 +478,7 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
   """
   p, c = problem, config
   if p.glu:
-    return _write_glu_tile(acc, e, wg, cta_rows, cta_cols, wg_rows, wg_cols, problem=p,
-                           config=c)
+    return _write_glu_tile(acc, e, wg, cta_rows, cta_cols, wg_rows, problem=p, config=c)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   pieces_n = c.tile_n // c.epi_tile_n
   c_rows, c_cols = e.y_gmem.shape
@@ -519,8 +525,7 @@ def _write_tile(acc, e: _Epilogue, wg, parity, cta_rows, cta_cols, wg_rows, wg_c
         store()
 
 
-def _write_glu_tile(acc, e: _Epilogue, wg, cta_rows, cta_cols, wg_rows, wg_cols, *, problem,
-                    config):
+def _write_glu_tile(acc, e: _Epilogue, wg, cta_rows, cta_cols, wg_rows, *, problem, config):
   """The gated epilogue: y = act(gate) * up from the warpgroup's two float32 accumulators
   (each ``tile_m x tile_n / 2``), and with ``save_preactivation`` both of them into z's
   halves, through shared memory by TMA in ``epi_tile_m x epi_tile_n`` pieces.
