@@ -9,7 +9,8 @@ forward kernel); the model tags its projections, norms and residual stream. Poli
 - ``none``: keep everything (no recomputation; the most memory).
 - ``full``: keep nothing but the function's inputs (recompute the whole forward).
 - ``dots``: keep every matmul's output (JAX's ``dots_saveable``, and ``jaxkernels.matmul``'s
-  output, named ``matmul_out``).
+  output, named ``matmul_out``; ``glu=True`` on its fused kernel: its y and the [gate | up]
+  product its backward reads, so that neither reruns the product).
 - ``dots_no_batch``: keep the matmuls without batch dimensions (the projections, not
   attention's batched products; ``jaxkernels.matmul`` has none).
 - ``attention``: keep attention's output and log-sum-exp only.
