@@ -154,6 +154,16 @@ def _packed_bwd(plan, x, dy):
 _packed.defvjp(_packed_fwd, _packed_bwd)
 
 
+def _packed_plan(x, activation, implementation, config, *arrays):
+  """(plan, half) for glu of x = [gate | up]: the kernel plan (None: the XLA reference) for
+  the two halves, each ``half`` (where ``arrays`` live)."""
+  half = jax.ShapeDtypeStruct((*x.shape[:-1], x.shape[-1] // 2), x.dtype)
+  plan = backend.plan("glu", implementation, backend.target_of(*arrays),
+                      Problem.of("glu", activation, gate=half, up=half), _KERNELS["glu"], config,
+                      empty=x.size == 0, activation=activation)
+  return plan, half
+
+
 def _glu_packed(x, activation, implementation, config):
   """glu of x = [gate | up] along the last axis."""
   op = "glu"
@@ -169,13 +179,10 @@ def _glu_packed(x, activation, implementation, config):
       rows={"gate": x}, reduced=-1)
   if split:
     return out
-  n = x.shape[-1] // 2
-  half = jax.ShapeDtypeStruct((*x.shape[:-1], n), x.dtype)
-  plan = backend.plan(op, implementation, backend.target_of(x),
-                      Problem.of(op, activation, gate=half, up=half), _KERNELS[op], config,
-                      empty=x.size == 0, activation=activation)
+  plan, half = _packed_plan(x, activation, implementation, config, x)
   if plan is not None and plan.implementation == "triton":
     return _packed(plan, rows_view(x)).reshape(half.shape)
+  n = half.shape[-1]
   gate, up = x[..., :n], x[..., n:]
   if plan is None:
     return reference.glu(gate, up, activation=activation)
@@ -186,11 +193,7 @@ def packed_glu_grad(x, dy, *, activation: str, implementation=None):
   """d[gate | up] of ``glu(x)`` (x = [gate | up] along its last axis) for the cotangent
   ``dy``, one array shaped like x: the backward alone, for a kernel that computed glu's
   output itself and saved x (``matmul(glu=True)``). Unsharded arrays."""
-  n = x.shape[-1] // 2
-  half = jax.ShapeDtypeStruct((*x.shape[:-1], n), x.dtype)
-  plan = backend.plan("glu", implementation, backend.target_of(x, dy),
-                      Problem.of("glu", activation, gate=half, up=half), _KERNELS["glu"], None,
-                      empty=x.size == 0, activation=activation)
+  plan, _ = _packed_plan(x, activation, implementation, None, x, dy)
   if plan is not None and plan.implementation == "triton":
     return plan.run(triton.glu_packed_bwd, rows_view(x), rows_view(dy)).reshape(x.shape)
   _, vjp = jax.vjp(lambda x: _glu_packed(x, activation, implementation, None), x)
