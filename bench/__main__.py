@@ -29,13 +29,17 @@ SUITES = {
     "model": model.run,
 }
 DEFAULT = ("norms", "elementwise", "softmax")
+# --smoke (the default on a CPU): every op family, at small shapes, each checked against its
+# reference.
+SMOKE = ("norms", "elementwise", "softmax", "cross_entropy", "matmul", "attention")
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("suites", nargs="*", choices=[*SUITES, []], default=[],
-                      help=f"suites to run (default: {', '.join(DEFAULT)})")
+                      help=f"suites to run (default: {', '.join(DEFAULT)}; with --smoke: "
+                           f"{', '.join(SMOKE)})")
   parser.add_argument("--smoke", action="store_true", help="small shapes (default on a CPU)")
   parser.add_argument("--sweep", action="store_true", help="also time candidate kernel configs")
   parser.add_argument("--rounds", type=int, default=None, help="timing rounds (median taken)")
@@ -57,7 +61,8 @@ def main(argv=None) -> int:
   parser.add_argument("--tpu", action="store_true",
                       help="model: the train step AOT-compiled for v5e, v5p and v6e, each remat "
                            "policy's compiled peak memory (any host; needs libtpu)")
-  parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results/<device>)")
+  parser.add_argument("--out", default=None, help="directory for the JSON (default "
+                      "bench/results/<device>; --smoke: ~/.cache/jaxkernels/bench-smoke/<device>)")
   args = parser.parse_args(argv)
 
   on_cpu = jax.devices()[0].platform == "cpu"
@@ -65,7 +70,7 @@ def main(argv=None) -> int:
   session = harness.Session(smoke=smoke, rounds=args.rounds or (3 if on_cpu else 20),
                             calls=args.calls if not on_cpu else 1)
   print(harness.environment_line(session), flush=True)
-  suites = args.suites or list(DEFAULT)
+  suites = args.suites or list(SMOKE if smoke else DEFAULT)
   path = harness.save(session, suites, args.out)
   session.on_row = lambda: harness.save(session, suites, args.out, path)
   harness.copy_bandwidth(session)

@@ -81,9 +81,16 @@ class Session:
 
   def add(self, row: Row) -> Row:
     self.rows.append(row)
-    print(f"  {row.suite} {row.name} {row.impl}: {_fmt(row.ms, '.4f')} ms "
-          f"{_fmt(row.gbps, '.0f')} GB/s err {_fmt(row.error, '.1e')} {row.config or ''} "
-          f"{row.note}", flush=True)
+    line = (f"{row.suite} {row.name} {row.impl}: {_fmt(row.ms, '.4f')} ms "
+            f"{_fmt(row.gbps, '.0f')} GB/s err {_fmt(row.error, '.1e')} {row.config or ''} "
+            f"{row.note}")
+    # Progress, on stderr: redrawn in place on a terminal (the table at the end has every
+    # row), a line each in a log (a run cut off by a time limit shows how far it got).
+    if sys.stderr.isatty():
+      sys.stderr.write(f"\r\033[K[{len(self.rows)}] {line[:150]}")
+    else:
+      sys.stderr.write(f"  {line}\n")
+    sys.stderr.flush()
     if self.on_row is not None:
       self.on_row()
     return row
@@ -205,6 +212,16 @@ def device_slug(device) -> str:
   return kind.lower().replace("nvidia ", "").replace(" ", "_")
 
 
+def default_out(session: Session) -> pathlib.Path:
+  """Where a run's JSON goes: bench/results/<device>/ for measurements, to be committed; a
+  smoke run's (small shapes, a check that everything runs) to the cache directory, outside the
+  clone."""
+  if not session.smoke:
+    return RESULTS / device_slug(session.device)
+  cache = os.environ.get("JAXKERNELS_CACHE_DIR") or os.path.expanduser("~/.cache/jaxkernels")
+  return pathlib.Path(cache) / "bench-smoke" / device_slug(session.device)
+
+
 def save(session: Session, suites: Sequence[str], out_dir: str | None,
          path: pathlib.Path | None = None) -> pathlib.Path:
   """Writes the session's rows as JSON (to ``path``, or a new stamped file) and returns where."""
@@ -228,7 +245,7 @@ def save(session: Session, suites: Sequence[str], out_dir: str | None,
       "rows": [dataclasses.asdict(r) for r in session.rows],
   }
   if path is None:
-    directory = pathlib.Path(out_dir) if out_dir else RESULTS / device_slug(session.device)
+    directory = pathlib.Path(out_dir) if out_dir else default_out(session)
     directory.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
     path = directory / f"{stamp}_{'-'.join(suites)}{'_smoke' if session.smoke else ''}.json"

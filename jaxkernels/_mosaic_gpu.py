@@ -3,6 +3,8 @@ swizzles, register budgets of warp-specialized kernels, and the SM count."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import jax
@@ -23,6 +25,52 @@ def interpret_params() -> Any:
   """
   from jax._src.pallas.mosaic_gpu.interpret import params
   return params.InterpretGPUParams()
+
+
+# What the kernels call of Mosaic GPU's API (tests/test_structure.py keeps it complete): a JAX
+# release without one of these cannot run them, and dispatch says so instead of failing.
+API = ("ACC", "Barrier", "BlockSpec", "CompilerParams", "Layout", "LoweringSemantics",
+       "NDLoopInfo", "SMEM", "SemaphoreType", "ShapeDtypeStruct", "SwizzleTransform",
+       "TilingTransform", "barrier_arrive", "barrier_wait", "broadcasted_iota", "commit_smem",
+       "copy_gmem_to_smem", "copy_smem_to_gmem", "emit_pipeline_warp_specialized",
+       "find_swizzle", "inline_mgpu", "kernel", "layout_cast", "load", "nd_loop",
+       "planar_snake", "semaphore_signal", "semaphore_wait", "set_max_registers",
+       "transpose_ref", "wait_smem_to_gmem", "wgmma", "wgmma_accumulator_load", "wgmma_wait")
+
+
+def missing_api() -> tuple[str, ...]:
+  return tuple(name for name in API if not hasattr(plgpu, name))
+
+
+# Where Mosaic GPU's API moved between the JAX releases we run on (0.10 to 0.12), the kernels
+# call these, and only these ask which release is here: at trace time, never at import.
+
+
+@functools.cache
+def _load_index() -> str:
+  """How ``plgpu.load`` takes an index: "required" (jax 0.10), "deprecated" (0.11: optional),
+  or "gone" (0.12: index the ref instead)."""
+  parameter = inspect.signature(plgpu.load).parameters.get("idx")
+  if parameter is None:
+    return "gone"
+  return "required" if parameter.default is inspect.Parameter.empty else "deprecated"
+
+
+def load(ref, idx: tuple = (), *, layout, optimized: bool = True):
+  """``ref[idx]`` from shared memory into registers in ``layout``, on every release."""
+  how = _load_index()
+  if how == "required" or (how == "deprecated" and idx != ()):
+    return plgpu.load(ref, idx, layout=layout, optimized=optimized)
+  return plgpu.load(ref.at[idx] if idx != () else ref, layout=layout, optimized=optimized)
+
+
+def transposed(ref):
+  """A transposed view of a 2-D shared-memory block: ``ref.T`` where refs have it (jax 0.11
+  on; ``plgpu.transpose_ref`` is deprecated there), else ``transpose_ref`` (jax 0.10)."""
+  try:
+    return ref.T
+  except (AttributeError, NotImplementedError, TypeError):
+    return plgpu.transpose_ref(ref, (1, 0))
 
 
 def fast_reciprocal(x):

@@ -18,6 +18,14 @@ from jaxkernels._tiling import check_fields
 MAX_BLOCK_ROWS = 1024
 
 
+# What the kernels call of Pallas Mosaic TPU's API (tests/test_structure.py keeps it complete).
+API = ("CompilerParams", "InterpretParams", "PrefetchScalarGridSpec", "VMEM")
+
+
+def missing_api() -> tuple[str, ...]:
+  return tuple(name for name in API if not hasattr(pltpu, name))
+
+
 def interpret_params() -> Any:
   """The TPU interpreter's params: kernels run on the CPU with TPU semantics."""
   return pltpu.InterpretParams()

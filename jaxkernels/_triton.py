@@ -24,6 +24,14 @@ from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
 CUSTOM_CALL = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 
 
+# What the kernels call of Pallas Triton's API (tests/test_structure.py keeps it complete).
+API = ("CompilerParams", "elementwise_inline_asm", "load", "store")
+
+
+def missing_api() -> tuple[str, ...]:
+  return tuple(name for name in API if not hasattr(pltriton, name))
+
+
 def params(num_warps: int, num_stages: int = 1) -> Any:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 

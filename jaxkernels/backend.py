@@ -28,7 +28,8 @@ from typing import Any, Literal
 
 import jax
 
-from jaxkernels import _checks, _mosaic_gpu, _mosaic_tpu, hardware, partitioning, tuning
+from jaxkernels import (_checks, _mosaic_gpu, _mosaic_tpu, _triton, hardware, partitioning,
+                        tuning)
 
 Implementation = Literal["xla", "triton", "mosaic_gpu", "mosaic_tpu"]
 IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "mosaic_gpu", "mosaic_tpu")
@@ -100,6 +101,48 @@ def interpret_mode(implementation: str | None = None) -> Iterator[None]:
 
 def interpreting() -> bool:
   return _interpret_setting() is not None
+
+
+def interpreter_has_effects() -> bool:
+  """Whether interpret mode may run a Mosaic interpreter (TPU or GPU), which runs kernels
+  through host callbacks: ordered effects, which ``jax.checkpoint`` refuses, and threads that
+  wait on each other (:func:`check_interpreter_threads`)."""
+  return _interpret_setting() in ("1", "mosaic_tpu", "mosaic_gpu")
+
+
+def _host_threads() -> int:
+  """Threads of XLA:CPU's pool, which runs host callbacks: ``NPROC`` where it is set (read
+  when jax starts), else the cores this process may use."""
+  value = os.environ.get("NPROC", "").strip()
+  if value.isdigit() and int(value) > 0:
+    return int(value)
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_interpreter_threads(op: str, implementation: str) -> None:
+  """Refuses, before it can hang, an interpreted Mosaic kernel that XLA:CPU's pool has too few
+  threads to run. Each device's kernel is a host callback that waits for the others' (the TPU
+  interpreter's rendezvous), and each CTA of the GPU interpreter runs its warpgroups as threads
+  that wait on each other: with fewer threads than waiters the process hangs (the TPU
+  interpreter on 8 host devices with NPROC=8; the GPU interpreter on 2 cores), or aborts at
+  XLA's 60 s rendezvous timeout."""
+  if implementation not in ("mosaic_tpu", "mosaic_gpu"):
+    return
+  mesh = jax.sharding.get_abstract_mesh()
+  devices = 1 if getattr(mesh, "empty", True) else mesh.size
+  # The TPU interpreter: one waiting callback a device, and one more thread to make progress.
+  # The GPU interpreter: a CTA's grid-loop callback, three warpgroups and their nested calls.
+  need = devices + 1 if implementation == "mosaic_tpu" else 8 * devices
+  if implementation == "mosaic_tpu" and devices == 1:
+    return
+  have = _host_threads()
+  if have < need:
+    raise ValueError(
+        f"{op}: the {implementation} interpreter on {devices} device(s) needs at least {need} "
+        f"host threads to run its kernels' callbacks, and XLA:CPU has {have} (NPROC="
+        f"{os.environ.get('NPROC', 'unset')}): set NPROC={need} (or more) in the environment "
+        "before jax starts, or interpret with JAXKERNELS_INTERPRET=triton (Pallas' generic "
+        "interpreter, no callbacks)")
 
 
 def interpret_params(implementation: str, on: bool | None = None) -> Any:
@@ -264,8 +307,23 @@ def kernel_reasons(problem: Any, target: Target,
           for name, k in table.items()}
 
 
+_TOOLCHAINS = {"triton": _triton, "mosaic_gpu": _mosaic_gpu, "mosaic_tpu": _mosaic_tpu}
+
+
+def _toolchain_reason(implementation: str) -> str | None:
+  """Why this JAX's Pallas cannot build ``implementation``'s kernels (API they call is
+  missing), or None."""
+  missing = _TOOLCHAINS[implementation].missing_api()
+  if not missing:
+    return None
+  return (f"this JAX ({jax.__version__}) has no {', '.join(missing)} in Pallas "
+          f"{implementation}, which its kernels call")
+
+
 def _platform_reason(implementation: str, target: Target) -> str | None:
   """Why ``implementation`` cannot run on ``target``'s device, or None."""
+  if (reason := _toolchain_reason(implementation)) is not None:
+    return reason
   want = KERNEL_PLATFORM[implementation]
   if target.platform == want:
     if implementation == "mosaic_gpu":
@@ -433,7 +491,9 @@ def plan(op: str, implementation: str | None, target: Target, problem: Any,
   _checks.config_type(op, chosen, config, k.Config if k else None)
   if k is None or empty:
     return None
-  partitioning.check_mesh_in_context(op, chosen)
+  partitioning.check_mesh_in_context(op, chosen, picked=implementation is None)
+  if interpreting():
+    check_interpreter_threads(op, chosen)
   chip = target.chip_for(chosen)
   explicit = config is not None
   if config is None:

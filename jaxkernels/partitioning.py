@@ -172,7 +172,7 @@ def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mappin
                        check_vma=False)(*args)
 
 
-def check_mesh_in_context(op: str, implementation: str) -> None:
+def check_mesh_in_context(op: str, implementation: str, picked: bool = False) -> None:
   """Where the mesh in context (``jax.set_mesh``) spans several devices on Auto axes only, the
   compiler, not the op, splits the arrays, and it cannot split a kernel. Mosaic TPU would then
   fail to compile ("cannot be automatically partitioned"): refused here, saying what works.
@@ -188,8 +188,12 @@ def check_mesh_in_context(op: str, implementation: str) -> None:
             "jax.shard_map")
   where = f"the mesh in context spans {mesh.size} devices on Auto axes {dict(mesh.shape)}"
   if implementation == "mosaic_tpu":
-    raise ValueError(f"{op}: implementation='mosaic_tpu' cannot run on {where}: the compiler "
-                     f"cannot split a Mosaic kernel; {advice}")
+    # ``picked``: the caller passed implementation=None and dispatch (on a CPU, interpret
+    # mode) chose the kernel; the message says so rather than name an argument never given.
+    chosen = ("the mosaic_tpu kernel that interpret mode picked" if picked
+              else "implementation='mosaic_tpu'")
+    raise ValueError(f"{op}: {chosen} cannot run on {where}: the compiler cannot split a "
+                     f"Mosaic kernel; {advice}")
   message = (f"jaxkernels.{op}: {where}; the compiler cannot split a {implementation} kernel, "
              f"so its operands are gathered and it runs whole; {advice}")
   if message not in _WARNED:

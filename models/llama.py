@@ -186,6 +186,21 @@ def place(tree, mesh: jax.sharding.Mesh):
   return tree
 
 
+def _checkpointed(apply, policy: str):
+  """``apply`` under ``nnx.remat`` with the remat policy called ``policy``. The Mosaic TPU and
+  GPU interpreters run a kernel through host callbacks, whose effects jax.checkpoint refuses:
+  interpreted, "none" (which recomputes nothing) runs without it, and another policy is
+  refused here rather than deep in JAX's partial evaluation."""
+  if jk.backend.interpreter_has_effects():
+    if policy == "none":
+      return apply
+    raise ValueError(
+        f"remat={policy!r} cannot run with the Mosaic interpreters (their host callbacks have "
+        "effects, which jax.checkpoint refuses): use remat='none', or "
+        "JAXKERNELS_INTERPRET=triton (Pallas' generic interpreter, no callbacks)")
+  return nnx.remat(apply, policy=remat.policy(policy))
+
+
 class Block(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -266,7 +281,7 @@ class Llama(nnx.Module):
     # One function per policy, built once: layers that share it share its traced program, and
     # so each kernel's lowering (a Mosaic GPU kernel's is ~1 s; one function per layer took
     # the 350m step's compile from 38 s to 424 s).
-    layer = {name: nnx.remat(apply, policy=remat.policy(name)) for name in set(policies)}
+    layer = {name: _checkpointed(apply, name) for name in set(policies)}
 
     if cfg.scan_layers:
       delta, stream = nnx.scan(layer[policies[0]], in_axes=(nnx.Carry, 0),

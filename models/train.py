@@ -21,12 +21,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
+import os
 import pathlib
+import signal
 import sys
 import sysconfig
+import threading
 import time
 
 import jax
@@ -51,7 +55,7 @@ class TrainConfig:
   batch: int = 16
   seq_len: int = 128
   learning_rate: float = 3e-3
-  warmup: int = 30
+  warmup: int | None = None  # steps of linear warmup; None: a tenth of the steps, at most 30
   final_lr_ratio: float = 0.1  # the cosine ends at learning_rate times this
   weight_decay: float = 0.1  # on the weight matrices, not the norms' scales
   clip: float = 1.0  # the gradients' global norm
@@ -60,9 +64,28 @@ class TrainConfig:
   def __post_init__(self):
     for name in ("steps", "batch", "seq_len"):
       if getattr(self, name) < 1:
-        raise ValueError(f"TrainConfig: {name}={getattr(self, name)} must be at least 1")
+        raise UsageError(f"--{_flag(name)} {getattr(self, name)}: must be at least 1")
+    if self.warmup is None:
+      object.__setattr__(self, "warmup", min(30, self.steps // 10))
     if not 0 <= self.warmup < self.steps:
-      raise ValueError(f"TrainConfig: warmup={self.warmup} must be in [0, steps={self.steps})")
+      raise UsageError(f"--warmup {self.warmup}: must be in [0, --steps {self.steps})")
+    for name, ok, accepted in (
+        ("learning_rate", lambda v: 0 < v < math.inf, "a finite number > 0"),
+        ("final_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("weight_decay", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        ("clip", lambda v: 0 < v < math.inf, "a finite number > 0")):
+      if not ok(getattr(self, name)):  # NaN fails every comparison
+        raise UsageError(f"--{_flag(name)} {getattr(self, name)}: must be {accepted}")
+
+
+class UsageError(ValueError):
+  """Input the CLI checked itself (flags, presets, the corpus, a checkpoint directory of
+  another run): reported as a usage error. Anything else that fails is a bug, and keeps its
+  traceback."""
+
+
+def _flag(name: str) -> str:
+  return name.replace("_", "-")
 
 
 def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -87,7 +110,7 @@ def corpus(path: str | None = None, limit: int = CORPUS_BYTES) -> tuple[np.ndarr
   else:
     root = pathlib.Path(path)
     if not root.exists():
-      raise FileNotFoundError(f"--corpus {path}: no such file or directory")
+      raise UsageError(f"--corpus {path}: no such file or directory")
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     described = str(path)
   chunks, size = [], 0
@@ -109,7 +132,7 @@ def batch_at(data: np.ndarray, step: int, tc: TrainConfig) -> np.ndarray:
   so that a resumed run sees the batches an uninterrupted one would."""
   span = tc.seq_len + 1
   if len(data) < tc.batch * span:
-    raise ValueError(f"the corpus ({len(data)} bytes) is shorter than one batch: batch "
+    raise UsageError(f"the corpus ({len(data)} bytes) is shorter than one batch: batch "
                      f"{tc.batch} x (seq_len {tc.seq_len} + 1) = {tc.batch * span} tokens")
   starts = np.random.default_rng([tc.seed, step]).integers(0, len(data) - span + 1, tc.batch)
   return np.stack([data[s:s + span] for s in starts]).astype(np.int32)
@@ -121,7 +144,7 @@ def mesh(data: int = 1, devices=None) -> jax.sharding.Mesh:
   """``data`` x (the rest) devices on axes ("data", "fsdp"), both Explicit."""
   devices = jax.local_devices() if devices is None else devices
   if data < 1 or len(devices) % data:
-    raise ValueError(f"--data {data} must divide the {len(devices)} local devices")
+    raise UsageError(f"--data {data} must divide the {len(devices)} local devices")
   return jax.make_mesh((data, len(devices) // data), llama.BATCH,
                        axis_types=(AxisType.Explicit,) * 2, devices=devices)
 
@@ -198,9 +221,11 @@ def shard_batch(tokens, where: jax.sharding.Mesh | None):
 # Checkpoints.
 
 def _identity(cfg: llama.Config, tc: TrainConfig, data: np.ndarray) -> dict:
-  """What a checkpoint directory's run was, as its JSON holds it."""
-  return json.loads(json.dumps({"model": dataclasses.asdict(cfg),
-                                "train": dataclasses.asdict(tc), "corpus": fingerprint(data)}))
+  """What a checkpoint directory's run was, as its JSON holds it. Not its length: a finished
+  run trains on with a larger ``--steps`` (the cosine then decays over the new length)."""
+  train = {k: v for k, v in dataclasses.asdict(tc).items() if k != "steps"}
+  return json.loads(json.dumps({"model": dataclasses.asdict(cfg), "train": train,
+                                "corpus": fingerprint(data)}))
 
 
 def _differences(want: dict, got: dict, prefix="") -> list[str]:
@@ -223,7 +248,7 @@ class Checkpoints:
     self._ocp = ocp
     self.directory = pathlib.Path(directory).absolute()
     if self.directory.exists() and not self.directory.is_dir():
-      raise ValueError(f"--checkpoint-dir {directory}: is a file, not a directory")
+      raise UsageError(f"--checkpoint-dir {directory}: is a file, not a directory")
     self.manager = ocp.CheckpointManager(
         self.directory, item_names=("state", "identity"),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
@@ -234,12 +259,12 @@ class Checkpoints:
         there = self.manager.restore(step, args=ocp.args.Composite(
             identity=ocp.args.JsonRestore()))["identity"]
       except Exception as e:  # noqa: BLE001 - a directory some other program wrote
-        raise ValueError(f"--checkpoint-dir {directory}: step {step} there is not a "
+        raise UsageError(f"--checkpoint-dir {directory}: step {step} there is not a "
                          f"models.train checkpoint ({type(e).__name__}); nothing was "
                          "changed") from e
       differences = _differences(identity, there)
       if differences:
-        raise ValueError(
+        raise UsageError(
             f"--checkpoint-dir {directory}: its checkpoints were written by another config; "
             f"nothing was changed. Differences: {'; '.join(differences)}. Pass the same "
             "options to resume, or another directory to start afresh")
@@ -294,24 +319,71 @@ def peak_flops(devices) -> float | None:
   return None if chip is None else chip.peak_flops["bfloat16"] * len(devices)
 
 
+class _Stopper:
+  """SIGINT (Ctrl-C) and SIGTERM while training: the step in flight finishes, the run saves a
+  checkpoint (where it has a directory) and returns, instead of dying mid-step."""
+
+  SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+  def __init__(self):
+    self.received: int | None = None
+    self._before = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():  # signals reach only it
+      for number in self.SIGNALS:
+        self._before[number] = signal.signal(number, self._receive)
+    return self
+
+  def _receive(self, number, frame):
+    del frame
+    if self.received is not None:  # a second one: stop now, as the first would have
+      raise KeyboardInterrupt
+    self.received = number
+
+  def __exit__(self, *exc):
+    for number, handler in self._before.items():
+      signal.signal(number, handler)
+
+
+@dataclasses.dataclass
+class Outcome:
+  """What a call of :func:`train` did: the losses of the steps it ran, and why it stopped
+  early (None where it reached ``tc.steps``)."""
+
+  losses: list[float]
+  stopped: str | None = None
+  code: int = 0  # the CLI's exit status: 0, 1 (the loss diverged), 128 + a signal's number
+
+
 def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 100,
           data_axis: int = 1, metrics_path: str | None = None, log_every: int = 10,
-          remat_budget: int | None = None, stream=sys.stderr) -> list[float]:
-  """Trains to ``tc.steps``, resuming from ``checkpoint_dir``'s latest checkpoint; returns the
-  losses of the steps this call ran. ``remat_budget``: bytes a device for remat="auto"
-  (default: 95% of the device's memory)."""
+          remat_budget: int | None = None, stream=None) -> Outcome:
+  """Trains to ``tc.steps``, resuming from ``checkpoint_dir``'s latest checkpoint.
+  ``remat_budget``: bytes a device for remat="auto" (default: 95% of the device's memory).
+
+  Stops early, saying why, where a step's loss or gradient norm is not finite (no checkpoint
+  is written from that step on: the last one holds the last good state) or where SIGINT or
+  SIGTERM arrives (the step in flight finishes and is saved)."""
+  stream = sys.stderr if stream is None else stream
+  if checkpoint_every < 1 or log_every < 1:
+    raise UsageError(f"--checkpoint-every {checkpoint_every} and --log-every {log_every}: "
+                     "each must be at least 1")
   data, described = corpus(corpus_path)
   batch_at(data, 0, tc)  # a corpus shorter than one batch fails here, before anything is written
   where = mesh(data_axis)
   if tc.batch % where.size:
-    raise ValueError(f"--batch {tc.batch} must be a multiple of the {where.size} devices it is "
+    raise UsageError(f"--batch {tc.batch} must be a multiple of the {where.size} devices it is "
                      "split over")
   checkpoints = None
   if checkpoint_dir is not None:
     checkpoints = Checkpoints(checkpoint_dir, _identity(cfg, tc, data))
   if cfg.remat == "auto":
-    cfg, choice = auto_remat(cfg, tc, remat_budget, where)
+    try:
+      cfg, choice = auto_remat(cfg, tc, remat_budget, where)
+    except ValueError as e:  # no plan fits --remat-budget
+      raise UsageError(str(e)) from e
     print(choice, file=stream, flush=True)
   graphdef, state = init(cfg, tc, where)
   start = 0
@@ -323,35 +395,64 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
         f"parameters; " + (f"resumed at step {start}" if start else "from step 0"),
         file=stream, flush=True)
   if start >= tc.steps:
-    print(f"nothing to do: the checkpoint is at step {start} of {tc.steps}", file=stream)
+    print(f"nothing to do: the checkpoint is at step {start} of {tc.steps} (a larger --steps "
+          "trains on)", file=stream)
   step = step_fn(graphdef)
   progress = Progress(tc.steps, log_every, stream)
   peak = peak_flops(list(where.devices.flat))
-  tokens_per_step = tc.batch * tc.seq_len
-  metrics_file = open(metrics_path, "a") if metrics_path else None
-  losses = []
-  with jax.set_mesh(where):
+  report = functools.partial(_report, tokens_per_step=tc.batch * tc.seq_len, cfg=cfg, tc=tc,
+                             peak=peak, progress=progress)
+  outcome = Outcome([])
+  saved = start if checkpoints is not None and start else None
+  with contextlib.ExitStack() as stack:
+    metrics_file = stack.enter_context(open(metrics_path, "a")) if metrics_path else None
+    stopper = stack.enter_context(_Stopper())
+    stack.enter_context(jax.set_mesh(where))
     pending, clock = None, time.perf_counter()
+
+    def flush():
+      """Reports the pending step; False where its numbers are not finite."""
+      nonlocal pending, clock
+      done, metrics = pending
+      loss, grad_norm = report(done, metrics, clock, metrics_file=metrics_file)
+      outcome.losses.append(loss)
+      pending, clock = None, time.perf_counter()
+      if math.isfinite(loss) and math.isfinite(grad_norm):
+        return True
+      kept = (f"the last checkpoint, step {saved}, holds the last good state" if saved
+              else "no checkpoint was written")
+      outcome.stopped = (f"stopped at step {done}: its loss is {loss} and its gradients' norm "
+                         f"{grad_norm}; {kept}. Try a lower --learning-rate or --clip")
+      outcome.code = 1
+      return False
+
     for s in range(start, tc.steps):
       state, metrics = step(state, shard_batch(batch_at(data, s, tc), where))
-      if pending is not None:  # the previous step's numbers, read while this one runs
-        losses.append(_report(*pending, clock, tokens_per_step, cfg, tc, peak, progress,
-                              metrics_file))
-        clock = time.perf_counter()
+      if pending is not None and not flush():  # the previous step's, read while this one runs
+        break
       pending = (s + 1, metrics)
-      if checkpoints is not None and ((s + 1) % checkpoint_every == 0 or s + 1 == tc.steps):
-        checkpoints.save(s + 1, state)
+      due = s + 1 == tc.steps or (s + 1) % checkpoint_every == 0
+      if stopper.received is not None or (checkpoints is not None and due):
+        if not flush():  # never save a state that a non-finite step made
+          break
+        if checkpoints is not None:
+          checkpoints.save(s + 1, state)
+          saved = s + 1
+      if stopper.received is not None and s + 1 < tc.steps:
+        name = signal.Signals(stopper.received).name
+        outcome.stopped = (f"stopped at step {s + 1} by {name}; " + (
+            "saved: the same command resumes" if checkpoints is not None else
+            "nothing saved (no --checkpoint-dir)"))
+        outcome.code = 128 + stopper.received
+        break
     if pending is not None:
-      losses.append(_report(*pending, clock, tokens_per_step, cfg, tc, peak, progress,
-                            metrics_file))
+      flush()
   if checkpoints is not None:
     checkpoints.close()
-  if metrics_file:
-    metrics_file.close()
-  return losses
+  return outcome
 
 
-def _report(step, metrics, since, tokens_per_step, cfg, tc, peak, progress, metrics_file):
+def _report(step, metrics, since, *, tokens_per_step, cfg, tc, peak, progress, metrics_file):
   loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
   seconds = time.perf_counter() - since
   rate = tokens_per_step / seconds
@@ -361,51 +462,93 @@ def _report(step, metrics, since, tokens_per_step, cfg, tc, peak, progress, metr
     metrics_file.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad_norm,
                                    "tokens_per_s": rate}) + "\n")
     metrics_file.flush()
-  return loss
+  return loss, grad_norm
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """The module's docstring as written, and every flag's default in --help (where its help
+  does not already say it)."""
+
+  def _get_help_string(self, action):
+    if action.default is None or action.default is False or "default" in (action.help or ""):
+      return action.help
+    return super()._get_help_string(action)
+
+
+_FLAG_HELP = {
+    "steps": "steps to train to (a resumed run counts from its checkpoint)",
+    "batch": "sequences a step", "seq_len": "tokens a sequence",
+    "learning_rate": "AdamW's peak learning rate",
+    "warmup": "steps of linear warmup (default: a tenth of --steps, at most 30)",
+    "final_lr_ratio": "the cosine decays to --learning-rate times this",
+    "weight_decay": "AdamW's, on the weight matrices", "clip": "the gradients' global norm",
+    "seed": "of the parameters and the batches"}
+
+
+def default_compilation_cache() -> str:
+  root = os.environ.get("JAXKERNELS_CACHE_DIR") or os.path.expanduser("~/.cache/jaxkernels")
+  return os.path.join(root, "xla")
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m models.train", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=_Formatter)
   parser.add_argument("--preset", default="tiny", help=f"one of {', '.join(llama.PRESETS)}")
   parser.add_argument("--kernels", default="jaxkernels", help=f"one of {llama.KERNELS}")
-  parser.add_argument("--remat", default=None, help=f"one of {remat.POLICIES}, or auto")
+  parser.add_argument("--remat", default=None, help=f"one of {remat.POLICIES}, or auto "
+                      "(default: the preset's, none)")
   parser.add_argument("--remat-budget", type=float, default=None, help="GiB a device for "
                       "--remat auto (default: 95%% of the device's memory)")
   for field in dataclasses.fields(TrainConfig):
-    parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default),
-                        default=field.default)
+    kind = int if field.name == "warmup" else type(field.default)
+    parser.add_argument(f"--{_flag(field.name)}", type=kind, default=field.default,
+                        help=_FLAG_HELP[field.name])
   parser.add_argument("--corpus", default=None, help="a text file or directory (default: the "
                       "Python standard library's modules)")
   parser.add_argument("--checkpoint-dir", default=None, help="resume from it, save into it")
-  parser.add_argument("--checkpoint-every", type=int, default=100)
+  parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between "
+                      "checkpoints (and at the end, and on SIGINT/SIGTERM)")
   parser.add_argument("--data", type=int, default=1, help="devices on the data axis (the "
                       "rest on fsdp)")
   parser.add_argument("--metrics", default=None, help="append each step's numbers here (JSON "
                       "lines)")
-  parser.add_argument("--log-every", type=int, default=10)
+  parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines "
+                      "(when not on a terminal)")
+  parser.add_argument("--compilation-cache", default=default_compilation_cache(),
+                      help="JAX's persistent compilation cache: a second run of the same "
+                      "step loads its compiled program from here")
+  parser.add_argument("--no-compilation-cache", action="store_true",
+                      help="compile everything afresh, and write no cache")
   args = parser.parse_args(argv)
+  if not args.no_compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   try:
     changes = {"kernels": args.kernels}
     if args.remat is not None:
       changes["remat"] = args.remat
-    cfg = llama.preset(args.preset, **changes)
+    try:
+      cfg = llama.preset(args.preset, **changes)
+    except ValueError as e:  # the preset's name, --kernels or --remat
+      raise UsageError(str(e)) from e
     tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     if tc.seq_len > cfg.max_len:
-      raise ValueError(f"--seq-len {tc.seq_len} is longer than the preset's max_len "
+      raise UsageError(f"--seq-len {tc.seq_len} is longer than the preset's max_len "
                        f"{cfg.max_len}")
-    losses = train(cfg, tc, corpus_path=args.corpus, checkpoint_dir=args.checkpoint_dir,
-                   checkpoint_every=args.checkpoint_every, data_axis=args.data,
-                   metrics_path=args.metrics, log_every=args.log_every,
-                   remat_budget=None if args.remat_budget is None else
-                   int(args.remat_budget * 2**30))
-  except (ValueError, FileNotFoundError) as e:
+    outcome = train(cfg, tc, corpus_path=args.corpus, checkpoint_dir=args.checkpoint_dir,
+                    checkpoint_every=args.checkpoint_every, data_axis=args.data,
+                    metrics_path=args.metrics, log_every=args.log_every,
+                    remat_budget=None if args.remat_budget is None else
+                    int(args.remat_budget * 2**30))
+  except UsageError as e:
     print(f"python -m models.train: error: {e}", file=sys.stderr)
     return 2
-  if losses:
-    print(f"final loss {losses[-1]:.4f} ({math.exp(min(losses[-1], 50)):.2f} perplexity per "
-          "byte)", file=sys.stderr)
-  return 0
+  if outcome.stopped:
+    print(f"python -m models.train: {outcome.stopped}", file=sys.stderr)
+  elif outcome.losses:
+    loss = outcome.losses[-1]
+    print(f"final loss {loss:.4f} ({math.exp(min(loss, 50)):.2f} perplexity per byte)",
+          file=sys.stderr)
+  return outcome.code
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import jax
@@ -150,3 +154,44 @@ def test_roofline():
   assert fwd.percent_of_roofline(fwd.bound_seconds(h200) * 2, h200) == pytest.approx(50.0)
   estimate = fwd.estimate()
   assert estimate.bytes_accessed == fwd.bytes and estimate.transcendentals == 1024
+
+
+def test_a_missing_toolchain_api_is_reported_and_skipped(monkeypatch):
+  """A JAX release whose Pallas lacks what a backend's kernels call: supports() says which
+  names are missing, and dispatch takes the next kernel, not a failure inside tracing."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  monkeypatch.delattr(plgpu, "wgmma")
+  H100 = Target("gpu", "NVIDIA H100 80GB HBM3", True)
+  reasons = {"mosaic_gpu": None, "triton": None}
+  assert backend.select("op", None, H100, reasons) == "triton"
+  with pytest.raises(ValueError, match=r"has no wgmma in Pallas mosaic_gpu"):
+    backend.select("op", "mosaic_gpu", H100, reasons)
+  q = jnp.ones((1, 8, 2, 16), jnp.float32)
+  support = jk.supports("flash_attention", "mosaic_gpu", q, q, q)
+  assert not support and "wgmma" in support.reason
+
+
+def test_the_package_imports_whatever_plgpu_load_takes():
+  """jax 0.10's plgpu.load requires an index, 0.11's takes one optionally, 0.12's none: the
+  package imports on each (jax 0.12 once failed at import on a signature probe), and the
+  kernels' one shim reads which it is when a kernel is traced."""
+  script = textwrap.dedent("""
+      import inspect
+      from jax.experimental.pallas import mosaic_gpu as plgpu
+      real = plgpu.load
+      variants = {  # "gone" first: the import itself once failed on it
+          "gone": lambda src, *, layout=None, optimized=True: (src, ()),
+          "required": lambda src, idx, *, layout=None, optimized=True: (src, idx),
+      }
+      for want, fake in variants.items():
+        plgpu.load = fake
+        import jaxkernels
+        from jaxkernels import _mosaic_gpu
+        _mosaic_gpu._load_index.cache_clear()
+        assert _mosaic_gpu._load_index() == want, (want, _mosaic_gpu._load_index())
+        assert _mosaic_gpu.load("ref", layout=None) == ("ref", ())
+      print("ok")
+  """)
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

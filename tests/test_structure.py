@@ -140,3 +140,16 @@ def test_every_op_registers_its_kernels_by_name(op):
     module = k.forward.__module__
     assert implementation in module.split(".")[-1] or implementation in module, module
     assert k.backward is None or k.backward.__module__ == module
+
+
+@pytest.mark.parametrize("alias,module", [("plgpu", "_mosaic_gpu"), ("pltriton", "_triton"),
+                                          ("pltpu", "_mosaic_tpu")])
+def test_each_toolchain_lists_the_api_its_kernels_call(alias, module):
+  """backend asks each toolchain module which of the Pallas names its kernels call this JAX
+  lacks: the list is the names the source calls, read from it, so it cannot go stale."""
+  import importlib
+  import re
+  called = set()
+  for path in MODULES.values():
+    called |= set(re.findall(rf"\b{alias}\.([A-Za-z_]\w*)", path.read_text()))
+  assert set(importlib.import_module(f"jaxkernels.{module}").API) == called

@@ -162,3 +162,75 @@ def test_another_configs_checkpoints_are_refused_and_kept(tmp_path, capsys):
   assert "written by another config; nothing was changed" in err
   assert "train.learning_rate: 0.003 there, 0.01 here" in err
   assert {p: p.stat().st_mtime_ns for p in directory.rglob("*")} == before
+
+
+def test_flags_are_checked_and_help_shows_defaults(capsys):
+  for argv, says in ((["--learning-rate", "-1"], "--learning-rate -1.0: must be a finite"),
+                     (["--learning-rate", "nan"], "--learning-rate nan: must be a finite"),
+                     (["--checkpoint-every", "0"], "--checkpoint-every 0"),
+                     (["--checkpoint-every", "-3"], "--checkpoint-every -3"),
+                     (["--steps", "5", "--warmup", "5"], "--warmup 5: must be in [0, --steps 5)"),
+                     (["--clip", "0"], "--clip 0.0: must be")):
+    code, err = _main(capsys, *argv)
+    assert code == 2 and says in err, (argv, err)
+  with pytest.raises(SystemExit):
+    train.main(["--help"])
+  out = capsys.readouterr().out
+  assert "(default: 300)" in out and "(default: 0.003)" in out and "(default: 0)" in out
+  # A short run takes a warmup of a tenth of its steps (the fixed 30 refused any run <= 30).
+  assert train.TrainConfig(steps=10).warmup == 1 and train.TrainConfig().warmup == 30
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, capsys):
+  directory = tmp_path / "run"
+  common = ["--steps", "12", "--batch", "8", "--seq-len", "32", "--checkpoint-every", "4",
+            "--checkpoint-dir", str(directory), "--no-compilation-cache"]
+  assert train.main([*common[:1], "4", *common[2:]]) == 0  # 4 good steps, saved at 4
+  capsys.readouterr()
+  # The same run, trained on to 12 steps with a learning rate that blows up: refused (another
+  # config) ...
+  code, err = _main(capsys, *common, "--learning-rate", "1e30")
+  assert code == 2 and "learning_rate" in err
+  # ... so in a fresh directory: the step that goes non-finite stops it, and no checkpoint
+  # is written from there on.
+  fresh = tmp_path / "fresh"
+  code, err = _main(capsys, *common[:-2], str(fresh), "--no-compilation-cache",
+                    "--learning-rate", "1e30", "--clip", "1e30")
+  assert code == 1 and "stopped at step" in err and "not finite" not in err
+  assert "Try a lower --learning-rate" in err
+  stopped = int(re.search(r"stopped at step (\d+)", err).group(1))
+  steps = sorted(int(p.name) for p in fresh.iterdir() if p.name.isdigit())
+  assert all(s < stopped for s in steps), (steps, stopped)
+
+
+def test_a_finished_run_trains_on(tmp_path, capsys):
+  directory = tmp_path / "run"
+  common = ["--batch", "8", "--seq-len", "32", "--warmup", "2", "--checkpoint-dir",
+            str(directory), "--no-compilation-cache"]
+  assert train.main(["--steps", "4", *common]) == 0
+  code, err = _main(capsys, "--steps", "4", *common)
+  assert code == 0 and "nothing to do" in err and "a larger --steps trains on" in err
+  code, err = _main(capsys, "--steps", "6", *common)
+  assert code == 0 and "resumed at step 4" in err and "final loss" in err
+
+
+def test_sigint_saves_and_the_same_command_resumes(tmp_path):
+  checkpoints = tmp_path / "checkpoints"
+  process, metrics = _launch(tmp_path, "interrupted", "--checkpoint-dir", str(checkpoints),
+                             "--checkpoint-every", "100", "--no-compilation-cache")
+  deadline = time.monotonic() + 300
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+    assert process.poll() is None, process.stdout.read()
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  process.send_signal(signal.SIGINT)
+  out = process.communicate(timeout=300)[0]
+  assert process.returncode == 128 + signal.SIGINT, out
+  stopped = int(re.search(r"stopped at step (\d+) by SIGINT; saved: the same command resumes",
+                          out).group(1))
+  assert "Traceback" not in out and 3 <= stopped < 24
+  resumed, _ = _launch(tmp_path, "interrupted", "--checkpoint-dir", str(checkpoints),
+                       "--checkpoint-every", "100", "--no-compilation-cache")
+  out = resumed.communicate(timeout=300)[0]
+  assert resumed.returncode == 0 and f"resumed at step {stopped}" in out, out
+  assert sorted(_curve(metrics)) == list(range(1, 25))

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 import types
 from typing import Any, NamedTuple
@@ -369,11 +368,6 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
 # products are dots there. These helpers are the only places the kernel differs for it.
 
 
-# jax 0.10's plgpu.load requires an index; jax 0.11 deprecates passing one.
-_LOAD_TAKES_INDEX = (inspect.signature(plgpu.load).parameters["idx"].default
-                     is inspect.Parameter.empty)
-
-
 def _cast(x, layout, interpret):
   return x if interpret else plgpu.layout_cast(x, layout)
 
@@ -389,18 +383,7 @@ def _load(ref, layout, interpret):
   columns' vector)."""
   if interpret:
     return ref[...]
-  if _LOAD_TAKES_INDEX:
-    return plgpu.load(ref, (), layout=layout, optimized=False)
-  return plgpu.load(ref, layout=layout, optimized=False)
-
-
-def _transposed(ref):
-  """A transposed view of a shared-memory block: ``ref.T`` where refs have it (jax 0.11;
-  ``plgpu.transpose_ref`` is deprecated there), else ``transpose_ref`` (jax 0.10)."""
-  try:
-    return ref.T
-  except (AttributeError, NotImplementedError, TypeError):
-    return plgpu.transpose_ref(ref, (1, 0))
+  return _mosaic_gpu.load(ref, layout=layout, optimized=False)
 
 
 def _scores(q_smem, k_smem, then, interpret):
@@ -412,7 +395,7 @@ def _scores(q_smem, k_smem, then, interpret):
                            preferred_element_type=jnp.float32)
 
   def product(acc_ref):
-    plgpu.wgmma(acc_ref, q_smem, _transposed(k_smem))
+    plgpu.wgmma(acc_ref, q_smem, _mosaic_gpu.transposed(k_smem))
     then()
     return acc_ref[...]
 
@@ -692,7 +675,7 @@ def _products(groups, interpret, after_first=None):
   def products(*accs):
     for acc, group in zip(accs, groups):
       for a, b in group:
-        plgpu.wgmma(acc, a, _transposed(b))
+        plgpu.wgmma(acc, a, _mosaic_gpu.transposed(b))
     if after_first is not None:
       plgpu.wgmma_wait(sum(len(group) for group in groups[1:]))
       after_first()
@@ -713,7 +696,7 @@ def _dp_and_dv(pairs, do_own, p16, dv_acc, interpret):
 
   def products(acc):
     for a, b in pairs:
-      plgpu.wgmma(acc, a, _transposed(b))
+      plgpu.wgmma(acc, a, _mosaic_gpu.transposed(b))
     plgpu.wgmma(dv_acc, p16, do_own)
     return plgpu.wgmma_accumulator_load(acc, wait_n=1)
 

@@ -421,7 +421,12 @@ def _linear_sharded(mesh, x, w, labels, options: _Options, reduction, chunk_size
                          {"x": P(*rows, None), "w": P(), "labels": P(*rows)}, out_spec)
   if reduction == "none":
     return out
-  total, count = jnp.sum(out[:, 0]), lax.stop_gradient(jnp.sum(out[:, 1]))
+  # Summed over the shards first, then indexed: the sum's transpose keeps the cotangent split
+  # as ``out`` is. Sliced first (out[:, 0]), jax 0.11's transpose of the slice pads an
+  # unsplit cotangent, and the train step's grad failed ("Expected cotangent type
+  # float32[1@(data,fsdp),2] but got float32[1,2]"); jax 0.10 did not check the type.
+  sums = jnp.sum(out, axis=0)
+  total, count = sums[0], lax.stop_gradient(sums[1])
   return total if reduction == "sum" else total / jnp.maximum(count, 1.0)
 
 

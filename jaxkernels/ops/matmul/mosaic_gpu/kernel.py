@@ -406,8 +406,8 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
           def _():
             def add(run, acc):
               plgpu.semaphore_wait(sems.at[run * 2 + wg], memory_scope="gpu")
-              return acc + plgpu.load(partials, (run, wg), layout=plgpu.Layout.WGMMA,
-                                       optimized=False)
+              return acc + _mosaic_gpu.load(partials, (run, wg), layout=plgpu.Layout.WGMMA,
+                                             optimized=False)
 
             total = lax.fori_loop(cta + 1, plan.last_run(tile) + 1, add, acc)
             write(total, cta_rows, cta_cols, waits, parity)
@@ -456,8 +456,8 @@ def _my_part(a_smem, b_smem, p: Problem, c: Config, wg_rows, wg_cols):
 
 def _operands(a, b, p: Problem):
   """wgmma's operands from shared-memory blocks, transposed where they are stored so."""
-  a = plgpu.transpose_ref(a, (1, 0)) if p.trans_a else a
-  b = plgpu.transpose_ref(b, (1, 0)) if p.trans_b else b
+  a = _mosaic_gpu.transposed(a) if p.trans_a else a
+  b = _mosaic_gpu.transposed(b) if p.trans_b else b
   return a, b
 
 

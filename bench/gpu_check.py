@@ -1,0 +1,239 @@
+"""python -m bench.gpu_check [--out DIR] [--only STEP,...]
+
+The check a developer runs on the GPU machine before resolving anything that touches a kernel,
+the model or the CLI: what a user runs, compiled on the GPU, in one call of under 9 minutes.
+
+Steps, each a process of its own with a time limit, its output in the log:
+  versions     jax, jaxlib, the device
+  tests        the compiled test cases of every kernel family (JAXKERNELS_TEST_COMPILED=1),
+               the Flax drop-ins and the model; the ops on a one-device mesh of Explicit axes
+  train-tiny   the README's first command, `python -m models.train --preset tiny`, kernels on
+  train-125m   `--preset 125m` with the kernels, killed (SIGKILL) after its step-20 checkpoint and
+               run again: it must resume there and give the same losses as before the kill
+  interrupt    `--preset tiny` sent SIGINT mid-run: it saves, says so and exits 130; the same
+               command resumes
+  bench        `python -m bench --smoke`: every op family, checked against its reference
+A table of the steps closes the output. The log goes to bench/results/<device>/ (or --out) as
+<time>_gpu_check_jax<version>.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).parent.parent
+# The compiled tests: every kernel family, the Flax drop-ins, the model, and the ops on a
+# one-device mesh. The CPU-only tests (dispatch, interpret mode, 8 host devices) skip there.
+TEST_FILES = ("test_norms.py", "test_elementwise.py", "test_softmax.py", "test_cross_entropy.py",
+              "test_matmul.py", "test_attention.py", "test_flax.py", "test_models.py",
+              "test_one_device_mesh.py", "test_testing.py")
+
+
+@dataclasses.dataclass
+class Outcome:
+  name: str
+  ok: bool
+  seconds: float
+  summary: str
+
+
+class Log:
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    self.file = open(path, "w")
+
+  def write(self, text: str) -> None:
+    self.file.write(text)
+    self.file.flush()
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _env(**extra) -> dict:
+  return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _run(log: Log, name: str, argv, limit: float, **env) -> tuple[int, str, float]:
+  log.write(f"\n==== {name}: {' '.join(argv)}\n")
+  start = time.perf_counter()
+  try:
+    done = subprocess.run(argv, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=limit)
+    code, out = done.returncode, done.stdout
+  except subprocess.TimeoutExpired as e:
+    code, out = 124, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    out += f"\n[timed out after {limit:.0f} s]\n"
+  seconds = time.perf_counter() - start
+  log.write(out)
+  log.write(f"==== {name}: exit {code} in {seconds:.1f} s\n")
+  return code, out, seconds
+
+
+def _last(pattern: str, text: str, default: str = "") -> str:
+  found = re.findall(pattern, text)
+  return found[-1] if found else default
+
+
+def versions(log: Log) -> Outcome:
+  code, out, seconds = _run(log, "versions", [sys.executable, "-c", (
+      "import jax, jaxlib; d = jax.devices()[0]; "
+      "print(f'jax {jax.__version__} jaxlib {jaxlib.__version__} {d.platform} {d.device_kind} "
+      "x{jax.device_count()}')")], 120)
+  line = out.strip().splitlines()[-1] if out.strip() else ""
+  return Outcome("versions", code == 0 and " gpu " in line, seconds, line)
+
+
+def tests(log: Log, limit: float) -> Outcome:
+  code, out, seconds = _run(
+      log, "tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                     "--durations=15", *[f"tests/{f}" for f in TEST_FILES]], limit,
+      JAXKERNELS_TEST_COMPILED="1")
+  summary = _last(r"\n=* ?(\d+ (?:passed|failed).*?) =*\n", out, "no summary")
+  return Outcome("tests", code == 0, seconds, summary.strip("= "))
+
+
+def _metrics(path: pathlib.Path) -> dict[int, float]:
+  if not path.exists():
+    return {}
+  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  return {row["step"]: row["loss"] for row in rows}
+
+
+def train_tiny(log: Log, workdir: pathlib.Path) -> Outcome:
+  code, out, seconds = _run(log, "train-tiny", [sys.executable, "-m", "models.train",
+                                                "--preset", "tiny",
+                                                "--compilation-cache", str(workdir / "xla")],
+                            240)
+  loss = _last(r"final loss ([\d.]+)", out)
+  ok = code == 0 and loss != "" and float(loss) < 3.0
+  return Outcome("train-tiny", ok, seconds, f"final loss {loss or '?'} (must be < 3.0)")
+
+
+def train_125m(log: Log, workdir: pathlib.Path) -> Outcome:
+  """Killed after its step-20 checkpoint, resumed: the same losses at steps 21..25."""
+  checkpoints, metrics = workdir / "ckpt-125m", workdir / "125m.jsonl"
+  argv = [sys.executable, "-m", "models.train", "--preset", "125m", "--steps", "40", "--batch",
+          "8", "--seq-len", "1024", "--checkpoint-every", "20", "--log-every", "5",
+          "--checkpoint-dir", str(checkpoints), "--metrics", str(metrics),
+          "--compilation-cache", str(workdir / "xla")]
+  log.write(f"\n==== train-125m: {' '.join(argv[1:])} (SIGKILL after step 25)\n")
+  start = time.perf_counter()
+  process = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  deadline = time.monotonic() + 240
+  while max(_metrics(metrics), default=0) < 25 and process.poll() is None:
+    if time.monotonic() > deadline:
+      break
+    time.sleep(0.2)
+  process.send_signal(signal.SIGKILL)
+  first_out = process.communicate()[0]
+  log.write(first_out)
+  before = _metrics(metrics)
+  code, out, _ = _run(log, "train-125m resumed", argv, 240)
+  seconds = time.perf_counter() - start
+  after = _metrics(metrics)  # the resumed run's rows came last: they win in the dict
+  resumed_at = _last(r"resumed at step (\d+)", out)
+  compared = [s for s in range(21, 26) if s in before]
+  # Same batches, same state: the same numbers up to the GPU's reduction order.
+  same = compared and all(abs(after[s] - before[s]) <= 1e-3 * abs(before[s]) for s in compared)
+  ok = code == 0 and resumed_at == "20" and bool(same) and max(after, default=0) == 40
+  loss = _last(r"final loss ([\d.]+)", out)
+  rate = _last(r"([\d,]+) tokens/s", out)
+  return Outcome("train-125m", ok, seconds,
+                 f"killed at step {max(before, default=0)}, resumed at {resumed_at or '?'}, "
+                 f"steps {compared[0] if compared else '?'}-25 "
+                 f"{'match' if same else 'DIFFER'}; final loss {loss or '?'}, {rate} tokens/s")
+
+
+def interrupt(log: Log, workdir: pathlib.Path) -> Outcome:
+  checkpoints, metrics = workdir / "ckpt-tiny", workdir / "tiny.jsonl"
+  argv = [sys.executable, "-m", "models.train", "--preset", "tiny", "--steps", "200",
+          "--log-every", "5", "--checkpoint-dir", str(checkpoints), "--metrics", str(metrics),
+          "--compilation-cache", str(workdir / "xla")]
+  log.write(f"\n==== interrupt: {' '.join(argv[1:])} (SIGINT after step 10)\n")
+  start = time.perf_counter()
+  process = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  deadline = time.monotonic() + 180
+  while max(_metrics(metrics), default=0) < 10 and process.poll() is None:
+    if time.monotonic() > deadline:
+      break
+    time.sleep(0.1)
+  process.send_signal(signal.SIGINT)
+  out = process.communicate(timeout=120)[0]
+  log.write(out + f"==== interrupt: exit {process.returncode}\n")
+  stopped = _last(r"stopped at step (\d+) by SIGINT; saved", out)
+  code, again, _ = _run(log, "interrupt resumed", argv, 180)
+  ok = (process.returncode == 130 and stopped != "" and "Traceback" not in out and code == 0
+        and f"resumed at step {stopped}" in again)
+  return Outcome("interrupt", ok, time.perf_counter() - start,
+                 f"SIGINT: exit {process.returncode}, saved at step {stopped or '?'}; resumed "
+                 f"{'there' if ok else '?'}")
+
+
+def bench(log: Log, workdir: pathlib.Path) -> Outcome:
+  code, out, seconds = _run(log, "bench", [sys.executable, "-m", "bench", "--smoke", "--out",
+                                           str(workdir / "bench")], 300)
+  failed = re.findall(r"^.*FAIL.*$", out, flags=re.M)
+  rows = len(re.findall(r"^\|", out, flags=re.M))
+  return Outcome("bench", code == 0 and not failed, seconds,
+                 f"{rows} table lines, {len(failed)} failed checks")
+
+
+STEPS = ("versions", "tests", "train-tiny", "train-125m", "interrupt", "bench")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", default=None, help="directory for the log (default: "
+                      "bench/results/<device>/)")
+  parser.add_argument("--only", default=None, help=f"steps, comma-separated: {', '.join(STEPS)}")
+  parser.add_argument("--tests-limit", type=float, default=270,
+                      help="seconds for the compiled tests")
+  args = parser.parse_args(argv)
+  only = args.only.split(",") if args.only else list(STEPS)
+  unknown = sorted(set(only) - set(STEPS))
+  if unknown:
+    parser.error(f"--only: unknown steps {unknown}; steps: {', '.join(STEPS)}")
+
+  import jax  # here, not at import: the steps run in processes of their own
+
+  from bench import harness
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
+  out_dir = pathlib.Path(args.out) if args.out else (
+      harness.RESULTS / harness.device_slug(jax.devices()[0]))
+  log = Log(out_dir / f"{stamp}_gpu_check_jax{jax.__version__}.log")
+  log.write(f"python -m bench.gpu_check at {harness.git_commit()}, {stamp} UTC\n")
+  outcomes = []
+  with tempfile.TemporaryDirectory(prefix="jaxkernels-gpu-check-") as tmp:
+    workdir = pathlib.Path(tmp)
+    runs = {"versions": lambda: versions(log), "tests": lambda: tests(log, args.tests_limit),
+            "train-tiny": lambda: train_tiny(log, workdir),
+            "train-125m": lambda: train_125m(log, workdir),
+            "interrupt": lambda: interrupt(log, workdir), "bench": lambda: bench(log, workdir)}
+    for name in STEPS:
+      if name in only:
+        outcomes.append(runs[name]())
+  lines = ["", "| step | ok | seconds | what |", "| --- | --- | ---: | --- |"]
+  lines += [f"| {o.name} | {'yes' if o.ok else 'NO'} | {o.seconds:.0f} | {o.summary} |"
+            for o in outcomes]
+  verdict = "GPU check: all green" if all(o.ok for o in outcomes) else "GPU check: FAILED"
+  log.write("\n".join(lines) + f"\n\n{verdict}\nlog: {log.path}\n")
+  return 0 if all(o.ok for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
