@@ -96,10 +96,13 @@ def versions(log: Log) -> Outcome:
 
 
 def tests(log: Log, limit: float) -> Outcome:
+  # Eight workers: compiling the kernels (Triton, Mosaic GPU) is the CPU's work and most of the
+  # time; the GPU is shared, each process allocating as it goes (one process ran half the
+  # cases in 270 s on an H100).
   code, out, seconds = _run(
-      log, "tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+      log, "tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8",
                      "--durations=15", *[f"tests/{f}" for f in TEST_FILES]], limit,
-      JAXKERNELS_TEST_COMPILED="1")
+      JAXKERNELS_TEST_COMPILED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
   summary = _last(r"\n=* ?(\d+ (?:passed|failed).*?) =*\n", out, "no summary")
   return Outcome("tests", code == 0, seconds, summary.strip("= "))
 
@@ -133,8 +136,10 @@ def train_125m(log: Log, workdir: pathlib.Path) -> Outcome:
   process = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
   deadline = time.monotonic() + 240
-  while max(_metrics(metrics), default=0) < 25 and process.poll() is None:
-    if time.monotonic() > deadline:
+  # Killed once step 20's checkpoint is whole (orbax writes it in the background and renames
+  # its directory when done: killed before, the run starts over) and step 25 has run.
+  while not ((checkpoints / "20").is_dir() and max(_metrics(metrics), default=0) >= 25):
+    if time.monotonic() > deadline or process.poll() is not None:
       break
     time.sleep(0.2)
   process.send_signal(signal.SIGKILL)
@@ -146,8 +151,9 @@ def train_125m(log: Log, workdir: pathlib.Path) -> Outcome:
   after = _metrics(metrics)  # the resumed run's rows came last: they win in the dict
   resumed_at = _last(r"resumed at step (\d+)", out)
   compared = [s for s in range(21, 26) if s in before]
-  # Same batches, same state: the same numbers up to the GPU's reduction order.
-  same = compared and all(abs(after[s] - before[s]) <= 1e-3 * abs(before[s]) for s in compared)
+  # Same batches, same state: the same numbers up to the order of the GPU's atomic sums (the
+  # embedding's gradient is a scatter-add): two runs from step 0 differed by 0.2% at step 20.
+  same = compared and all(abs(after[s] - before[s]) <= 2e-3 * abs(before[s]) for s in compared)
   ok = code == 0 and resumed_at == "20" and bool(same) and max(after, default=0) == 40
   loss = _last(r"final loss ([\d.]+)", out)
   rate = _last(r"([\d,]+) tokens/s", out)
