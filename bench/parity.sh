@@ -7,9 +7,9 @@ dir=$1 preset=$2 steps=$3; shift 3
 mkdir -p "$dir"
 for kernels in jaxkernels xla; do
   rm -f "$dir/${preset}_${kernels}.jsonl"
-  start=$(date +%s.%N)
+  SECONDS=0
   python3 -m models.train --preset "$preset" --steps "$steps" --kernels "$kernels" \
     --no-compilation-cache --log-every 50 --metrics "$dir/${preset}_${kernels}.jsonl" "$@" 2>&1 \
     | grep -v "Warning\|warnings.warn\|ans = f"
-  echo "$preset $kernels: $(echo "$(date +%s.%N) - $start" | bc) s wall"
+  echo "$preset $kernels: ${SECONDS} s wall"
 done
