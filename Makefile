@@ -16,17 +16,22 @@ $(VENV)/.bench-$(ACCEL): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(BENCH_EXTRAS)]"
 	touch $@
 
-$(VENV)/.test: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+# The tests' own environment: the `test` extra brings libtpu (the TPU compiles), whose banner
+# every CPU run of the CLI and bench printed when it shared .venv.
+TEST_VENV ?= .venv-test
+TEST_PY := $(TEST_VENV)/bin/python
+
+$(TEST_VENV)/.test: pyproject.toml
+	$(PYTHON) -m venv $(TEST_VENV)
+	$(TEST_PY) -m pip install -q --upgrade pip
+	$(TEST_PY) -m pip install -q -e ".[test]"
 	touch $@
 
 bench: $(VENV)/.bench-$(ACCEL)
 	$(PY) -m bench $(ARGS)
 
-test: $(VENV)/.test
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n auto --maxprocesses=4 $(ARGS)
+test: $(TEST_VENV)/.test
+	JAX_PLATFORMS=cpu $(TEST_PY) -m pytest -q -n auto --maxprocesses=4 $(ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(TEST_VENV)

@@ -38,7 +38,9 @@ API = ("ACC", "Barrier", "BlockSpec", "CompilerParams", "Layout", "LoweringSeman
        "transpose_ref", "wait_smem_to_gmem", "wgmma", "wgmma_accumulator_load", "wgmma_wait")
 
 
+@functools.cache
 def missing_api() -> tuple[str, ...]:
+  """The names of :data:`API` this JAX's Pallas lacks (asked once: every dispatch reads it)."""
   return tuple(name for name in API if not hasattr(plgpu, name))
 
 

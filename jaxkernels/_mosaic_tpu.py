@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -22,7 +23,9 @@ MAX_BLOCK_ROWS = 1024
 API = ("CompilerParams", "InterpretParams", "PrefetchScalarGridSpec", "VMEM")
 
 
+@functools.cache
 def missing_api() -> tuple[str, ...]:
+  """The names of :data:`API` this JAX's Pallas lacks (asked once: every dispatch reads it)."""
   return tuple(name for name in API if not hasattr(pltpu, name))
 
 

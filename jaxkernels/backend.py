@@ -366,10 +366,13 @@ def _auto_order(target: Target) -> tuple[str, ...]:
 
 
 def _user_stacklevel() -> int:
-  """``warnings.warn``'s stacklevel for the first frame outside this package (the user's call)."""
-  package = os.path.dirname(os.path.abspath(__file__))
+  """``warnings.warn``'s stacklevel for the first frame outside this package and outside JAX
+  (the user's call): an op on sharded arrays runs per shard inside jax.shard_map, whose frames
+  stand between the op's and the caller's (the warning once named jax's shard_map.py)."""
+  ours = os.path.dirname(os.path.abspath(__file__))
+  theirs = os.path.dirname(os.path.abspath(jax.__file__))
   frame, level = sys._getframe(1), 1  # our caller's frame is stacklevel 1
-  while frame is not None and frame.f_code.co_filename.startswith(package):
+  while frame is not None and frame.f_code.co_filename.startswith((ours, theirs)):
     frame, level = frame.f_back, level + 1
   return level
 

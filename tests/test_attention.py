@@ -604,3 +604,19 @@ class TestDecodeErrors:
   def test_bad_input(self, kwargs, error, match):
     with pytest.raises(error, match=match):
       jk.decode_attention(self.q, self.k, self.k, **kwargs)
+
+
+@pytest.mark.parametrize("q_shape,k_len", [((2, 0, 4, 16), 8), ((0, 8, 4, 16), 8),
+                                           ((2, 8, 4, 16), 0)])
+def test_empty_calls_give_empty_or_zero_results(q_shape, k_len):
+  """No query (T = 0, or an empty batch) or no key: the right shapes, zeros and -inf, no
+  error (T = 0 once raised a bare ZeroDivisionError from a reshape), zero gradients."""
+  q = jnp.ones(q_shape, jnp.float32)
+  k = jnp.ones((*q_shape[:-3], k_len, 2, 16), jnp.float32)
+  out, lse = jk.flash_attention(q, k, k, causal=True, return_lse=True)
+  chex.assert_shape(out, q_shape)
+  chex.assert_shape(lse, q_shape[:-1])
+  assert not np.any(np.asarray(out)) and np.all(np.asarray(lse) == -np.inf)
+  dk = jax.grad(lambda k: jnp.sum(jk.flash_attention(q, k, k)))(k)
+  chex.assert_shape(dk, k.shape)
+  assert not np.any(np.asarray(dk))

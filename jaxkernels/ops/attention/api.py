@@ -342,7 +342,10 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
   a = _validate(q, k, v, causal=causal, scale=scale, bias=bias, segment_ids=segment_ids,
                 kv_segment_ids=kv_segment_ids, local_window_size=local_window_size,
                 logits_soft_cap=logits_soft_cap)
-  if a.k.shape[-3] == 0:  # no key at all: every query sees nothing
+  # No key at all: every query sees nothing. No query (T = 0, or an empty batch or head
+  # axis): nothing to compute, and no gradient for k and v (T = 0 once reached a reshape's
+  # ZeroDivisionError).
+  if a.k.shape[-3] == 0 or a.q.size == 0:
     out = jnp.zeros(a.q.shape, a.q.dtype)
     lse = jnp.full(a.q.shape[:-1], -jnp.inf, jnp.float32)
     return (out, lse) if return_lse else out

@@ -29,8 +29,9 @@ from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket, round_up
 from jaxkernels.ops.cross_entropy import mosaic_tpu, reference, triton
 
-OP = "cross_entropy"
-LINEAR_OP = "linear_cross_entropy"
+# The public names: warnings, errors, supports() and the tuning tables say these.
+OP = "softmax_cross_entropy"
+LINEAR_OP = "linear_softmax_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
 # A chunk's logits: 512 MiB of bfloat16. Fewer, larger chunks read and write dW's float32
 # accumulator fewer times (2 GiB a chunk at D=2048, V=128K).
