@@ -45,7 +45,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
                  **unused):
   """``flax.nnx.dot_product_attention``'s signature on ``jaxkernels.flash_attention``.
 
-  q (batch..., T, N, H), k and v (batch..., S, K, H) with N a multiple of K. ``is_causal``
+  q (batch..., T, N, H), k and v (batch..., S, K, H) with N a multiple of K; the batch dims
+  may be absent (q (T, N, H)), as Flax allows. ``is_causal``
   is the cheap mask (blocks above the diagonal skipped); a boolean ``mask`` (broadcastable
   to (batch..., N, T, S)) becomes an additive bias of the same shape (0 or -inf), with the
   memory of a (T, S) array and, on Hopper, the Triton backward: pass ``is_causal`` (or call
@@ -73,8 +74,15 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
   if mask is not None:
     masked = jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32)
     bias = masked if bias is None else bias + masked
-  return jk.flash_attention(query, key, value, causal=is_causal, bias=bias,
-                            implementation=implementation)
+  # Flax allows inputs without batch dims, q (T, N, H) (MultiHeadAttention on a (T, features)
+  # input); flash_attention takes (batch..., T, N, H): one batch of one, and the mask or bias,
+  # broadcastable to (N, T, S), broadcasts to (1, N, T, S) as it is.
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key, value = (x[None] for x in (query, key, value))
+  out = jk.flash_attention(query, key, value, causal=is_causal, bias=bias,
+                           implementation=implementation)
+  return out[0] if unbatched else out
 
 
 def _tag_norm(out, residual):

@@ -101,6 +101,46 @@ def test_attention_fn_in_multi_head_attention(impl):
                                 rtol=1e-4)
 
 
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("use_bias,normalize_qk,dtype", [(True, False, jnp.float32),
+                                                         (False, True, jnp.float16)])
+def test_attention_fn_serves_multi_head_attention_as_flax_calls_it(decode, batched, use_bias,
+                                                                  normalize_qk, dtype):
+  """Our attention_fn in the configurations Flax's own MultiHeadAttention is used and tested
+  in: inputs with and without batch dims ((T, features) gives q (T, N, H), which once raised
+  "q must have rank >= 4"), one token at a time against a decode cache (its mask a bias), the
+  projections' biases, normalized q and k, float16. The same outputs as Flax's own
+  dot_product_attention, step by step."""
+  features, length = 6, 4
+  x = numerics.normal(numerics.rng("mha", decode, batched), (2, length, features) if batched
+                      else (length, features), jnp.float32)
+
+  def make(fn):
+    return nnx.MultiHeadAttention(num_heads=2, in_features=features, qkv_features=features,
+                                  out_features=features, use_bias=use_bias, dtype=dtype,
+                                  normalize_qk=normalize_qk, decode=decode, attention_fn=fn,
+                                  rngs=nnx.Rngs(5))
+
+  def outputs(module):
+    if not decode:
+      return [module(x)]
+    module.init_cache(x.shape, dtype=dtype)
+    return [module(x[..., t:t + 1, :]) for t in range(length)]
+
+  with numerics.kernel_mode(), jax.default_matmul_precision("highest"):
+    got = outputs(make(jkf.attention_fn))
+  with jax.default_matmul_precision("highest"):
+    want = outputs(make(nnx.dot_product_attention))
+  # float16 activations: both sides round each product's operands to float16 (eps 9.8e-4) and
+  # sum 4 or fewer terms; float32: the sums' order alone.
+  tol = 4e-3 if dtype == jnp.float16 else 1e-5
+  for g, w in zip(got, want):
+    chex.assert_equal_shape([g, w])
+    chex.assert_trees_all_close(g.astype(jnp.float32), w.astype(jnp.float32), atol=tol,
+                                rtol=tol)
+
+
 def test_attention_fn_says_what_it_cannot_do():
   q = jnp.ones((1, 4, 2, 16))
   with pytest.raises(NotImplementedError, match="attention dropout"):
