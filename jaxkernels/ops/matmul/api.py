@@ -49,10 +49,20 @@ def _saves_preactivation(p: Problem) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _differentiable(plan, p, a, b, bias, residual):
-  return _run(plan, p, a, b, bias=bias, residual=residual, forward=True)
+  return _run(plan, p, a, b.astype(p.dtype), bias=bias, residual=residual, forward=True)
 
 
 def _differentiable_fwd(plan, p, a, b, bias, residual):
+  # b may come wider than the product (float32 for a bfloat16 product, from the data-parallel
+  # rule in _sharded): the product reads it rounded, and dB comes back in b's own dtype (an
+  # empty array carries that dtype to the backward, whose residuals are arrays).
+  grad_b_dtype = jnp.dtype(b.dtype)
+  b = b.astype(p.dtype)
+  y, saved = _forward_saving(plan, p, a, b, bias, residual)
+  return y, (saved, jnp.zeros((0,), grad_b_dtype))
+
+
+def _forward_saving(plan, p, a, b, bias, residual):
   if _saves_preactivation(p):
     y, z = _run(plan, dataclasses.replace(p, save_preactivation=True), a, b, bias=bias,
                 residual=residual, forward=True)
@@ -63,8 +73,9 @@ def _differentiable_fwd(plan, p, a, b, bias, residual):
   return y, (a, b, bias, residual, y if p.activation == "relu" else None)
 
 
-def _grad_products(plan, p, a, b, dz):
-  """(dA, dB) of the product ``p`` for dZ, on the plan's kernels."""
+def _grad_products(plan, p, a, b, dz, db_dtype=None):
+  """(dA, dB) of the product ``p`` for dZ, on the plan's kernels; dB in ``db_dtype`` (default
+  b's)."""
   base = dict(activation=None, has_bias=False, has_residual=False, has_scales=False,
               save_preactivation=False, precision=p.precision, glu=False)
   # dA (m, k) = dZ (m, n) @ B^T, B stored (k, n): the kernel reads it transposed in place.
@@ -72,12 +83,12 @@ def _grad_products(plan, p, a, b, dz):
                                       out_dtype=a.dtype, **base), dz, b)
   # dB (k, n) = A^T @ dZ, A stored (m, k).
   db = _run(plan, dataclasses.replace(p, m=p.k, n=p.n, k=p.m, trans_a=True, trans_b=False,
-                                      out_dtype=b.dtype, **base), a, dz)
+                                      out_dtype=db_dtype or b.dtype, **base), a, dz)
   return da, db
 
 
 def _differentiable_bwd(plan, p, saved, dy):
-  a, b, bias, residual, z = saved
+  (a, b, bias, residual, z), grad_b = saved
   # dz = dy * act'(z): one elementwise pass (XLA fuses it with d(bias)'s row sum). The Mosaic GPU
   # kernel feeds the tensor cores from shared memory, so there is no register stage to apply it
   # on the way in; one pass over M x N costs ~3% of the two products at 8192^2.
@@ -86,7 +97,7 @@ def _differentiable_bwd(plan, p, saved, dy):
     dz = dz * _activations.value_and_grad(p.activation, z.astype(jnp.float32))[1]
   dbias = None if bias is None else jnp.sum(dz, axis=0).astype(bias.dtype)
   dres = None if residual is None else dy.astype(residual.dtype)
-  return (*_grad_products(plan, p, a, b, dz.astype(a.dtype)), dbias, dres)
+  return (*_grad_products(plan, p, a, b, dz.astype(a.dtype), grad_b.dtype), dbias, dres)
 
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
@@ -251,6 +262,16 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dt
                         b_scale=b_scale, implementation=implementation, config=config)
   if split:
     return out
+  return _one_device(a, b, bias=bias, activation=activation, residual=residual,
+                     out_dtype=out_dtype, precision=precision, a_scale=a_scale, b_scale=b_scale,
+                     implementation=implementation, config=config)
+
+
+def _one_device(a, b, *, bias, activation, residual, out_dtype, precision, a_scale, b_scale,
+                implementation, config, b_dtype=None):
+  """The validated product on one device (or one shard). ``b_dtype``: the product's operand
+  dtype where b comes wider (float32, for dB in float32: see _sharded)."""
+  b_wide, b = b, (b if b_dtype is None else b.astype(b_dtype))
   quantized = is_quantized(a.dtype)
   problem = _problem(a, b, bias, activation, residual, out_dtype, precision, quantized)
   target = backend.target_of(a, b, bias, residual)
@@ -264,7 +285,7 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dt
   a2 = a.reshape(problem.m, problem.k)
   r2 = None if residual is None else residual.reshape(problem.m, problem.n)
   if not quantized:
-    return _differentiable(plan, problem, a2, b, bias, r2).reshape(out_shape)
+    return _differentiable(plan, problem, a2, b_wide, bias, r2).reshape(out_shape)
   as2 = jnp.broadcast_to(jnp.float32(1) if a_scale is None else a_scale.astype(jnp.float32),
                          a.shape[:-1]).reshape(problem.m)
   bs2 = jnp.broadcast_to(jnp.float32(1) if b_scale is None else b_scale.astype(jnp.float32),
@@ -355,7 +376,17 @@ def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
   kw = dict(activation=activation, out_dtype=out_dtype, precision=precision,
             implementation=implementation, config=config)
   if not k:
-    return True, partitioning.run(mesh, lambda **ops: matmul(**ops, **kw), arrays, specs, out)
+    summed = partitioning.size(mesh, tuple(row_axes)) > 1  # a 1x1 mesh sums nothing
+    if not summed or is_quantized(a.dtype) or jnp.dtype(b.dtype).itemsize >= 4:
+      return True, partitioning.run(mesh, lambda **ops: matmul(**ops, **kw), arrays, specs, out)
+    # Data parallel: every row shard adds its dB into B's one gradient (shard_map's transpose
+    # sums over the row axes). B enters float32, so each shard's dB is written in float32,
+    # summed in float32 and rounded to B's dtype once, outside: summed in bfloat16, dB was
+    # 6.1e-3 off on 2 GPUs (a rounding at each shard, another at the sum).
+    narrow = b.dtype
+    arrays["b"] = b.astype(jnp.float32)
+    return True, partitioning.run(
+        mesh, lambda **ops: _one_device(**ops, **kw, b_dtype=narrow), arrays, specs, out)
 
   def row_parallel(a, b, bias, residual, a_scale, b_scale):
     partial = matmul(a, b, out_dtype=jnp.float32, precision=precision,
