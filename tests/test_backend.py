@@ -199,3 +199,17 @@ def test_the_package_imports_whatever_plgpu_load_takes():
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_too_few_host_threads_for_an_interpreter_is_refused_before_it_hangs(monkeypatch):
+  """The TPU interpreter's callbacks on N devices wait for each other (N + 1 threads), a GPU
+  interpreter CTA's warpgroups too (8 a device): fewer, and the call is refused naming NPROC."""
+  monkeypatch.setenv("NPROC", "8")
+  backend.check_interpreter_threads("op", "mosaic_gpu")  # 8 threads serve one device
+  backend.check_interpreter_threads("op", "triton")  # no callbacks
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((8,), ("x",))):
+    with pytest.raises(ValueError, match=r"mosaic_tpu interpreter on 8 device\(s\) needs at "
+                       r"least 9 host threads.*NPROC=8.*set NPROC=9.*JAXKERNELS_INTERPRET=triton"):
+      backend.check_interpreter_threads("op", "mosaic_tpu")
+    monkeypatch.setenv("NPROC", "9")
+    backend.check_interpreter_threads("op", "mosaic_tpu")
