@@ -118,6 +118,19 @@ def _metrics(path: pathlib.Path) -> dict[int, float]:
   return {row["step"]: row["loss"] for row in rows}
 
 
+def _signalled(argv, number: int, limit: float, ready) -> tuple[int, str]:
+  """Starts ``argv``, sends it signal ``number`` once ``ready()`` holds (or it ended, or
+  ``limit`` seconds passed), and returns (its exit code, its output)."""
+  process = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  deadline = time.monotonic() + limit
+  while not ready() and process.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.1)
+  process.send_signal(number)
+  out = process.communicate(timeout=120)[0]
+  return process.returncode, out
+
+
 def train_tiny(log: Log, workdir: pathlib.Path) -> Outcome:
   code, out, seconds = _run(log, "train-tiny", [sys.executable, "-m", "models.train",
                                                 "--preset", "tiny",
@@ -137,17 +150,10 @@ def train_125m(log: Log, workdir: pathlib.Path) -> Outcome:
           "--compilation-cache", str(workdir / "xla")]
   log.write(f"\n==== train-125m: {' '.join(argv[1:])} (SIGKILL after step 25)\n")
   start = time.perf_counter()
-  process = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-  deadline = time.monotonic() + 240
   # Killed once step 20's checkpoint is whole (orbax writes it in the background and renames
   # its directory when done: killed before, the run starts over) and step 25 has run.
-  while not ((checkpoints / "20").is_dir() and max(_metrics(metrics), default=0) >= 25):
-    if time.monotonic() > deadline or process.poll() is not None:
-      break
-    time.sleep(0.2)
-  process.send_signal(signal.SIGKILL)
-  first_out = process.communicate()[0]
+  _, first_out = _signalled(argv, signal.SIGKILL, 240, lambda: (
+      (checkpoints / "20").is_dir() and max(_metrics(metrics), default=0) >= 25))
   log.write(first_out)
   before = _metrics(metrics)
   code, out, _ = _run(log, "train-125m resumed", argv, 240)
@@ -174,22 +180,15 @@ def interrupt(log: Log, workdir: pathlib.Path) -> Outcome:
           "--compilation-cache", str(workdir / "xla")]
   log.write(f"\n==== interrupt: {' '.join(argv[1:])} (SIGINT after step 10)\n")
   start = time.perf_counter()
-  process = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-  deadline = time.monotonic() + 180
-  while max(_metrics(metrics), default=0) < 10 and process.poll() is None:
-    if time.monotonic() > deadline:
-      break
-    time.sleep(0.1)
-  process.send_signal(signal.SIGINT)
-  out = process.communicate(timeout=120)[0]
-  log.write(out + f"==== interrupt: exit {process.returncode}\n")
+  returncode, out = _signalled(argv, signal.SIGINT, 180,
+                               lambda: max(_metrics(metrics), default=0) >= 10)
+  log.write(out + f"==== interrupt: exit {returncode}\n")
   stopped = _last(r"stopped at step (\d+) by SIGINT; saved", out)
   code, again, _ = _run(log, "interrupt resumed", argv, 180)
-  ok = (process.returncode == 130 and stopped != "" and "Traceback" not in out and code == 0
+  ok = (returncode == 130 and stopped != "" and "Traceback" not in out and code == 0
         and f"resumed at step {stopped}" in again)
   return Outcome("interrupt", ok, time.perf_counter() - start,
-                 f"SIGINT: exit {process.returncode}, saved at step {stopped or '?'}; resumed "
+                 f"SIGINT: exit {returncode}, saved at step {stopped or '?'}; resumed "
                  f"{'there' if ok else '?'}")
 
 
