@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxkernels import backend, hardware
+from jaxkernels import backend, hardware, tuning
 from jaxkernels.timing import (block, over_sets, time_call, time_rounds, time_sets,  # noqa: F401
                                time_sets_rounds)
 
@@ -218,8 +218,7 @@ def default_out(session: Session) -> pathlib.Path:
   clone."""
   if not session.smoke:
     return RESULTS / device_slug(session.device)
-  cache = os.environ.get("JAXKERNELS_CACHE_DIR") or os.path.expanduser("~/.cache/jaxkernels")
-  return pathlib.Path(cache) / "bench-smoke" / device_slug(session.device)
+  return tuning.cache_dir() / "bench-smoke" / device_slug(session.device)
 
 
 def save(session: Session, suites: Sequence[str], out_dir: str | None,

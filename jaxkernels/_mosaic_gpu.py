@@ -38,12 +38,6 @@ API = ("ACC", "Barrier", "BlockSpec", "CompilerParams", "Layout", "LoweringSeman
        "transpose_ref", "wait_smem_to_gmem", "wgmma", "wgmma_accumulator_load", "wgmma_wait")
 
 
-@functools.cache
-def missing_api() -> tuple[str, ...]:
-  """The names of :data:`API` this JAX's Pallas lacks (asked once: every dispatch reads it)."""
-  return tuple(name for name in API if not hasattr(plgpu, name))
-
-
 # Where Mosaic GPU's API moved between the JAX releases we run on (0.10 to 0.12), the kernels
 # call these, and only these ask which release is here: at trace time, never at import.
 

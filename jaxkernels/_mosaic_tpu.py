@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -21,12 +20,6 @@ MAX_BLOCK_ROWS = 1024
 
 # What the kernels call of Pallas Mosaic TPU's API (tests/test_structure.py keeps it complete).
 API = ("CompilerParams", "InterpretParams", "PrefetchScalarGridSpec", "VMEM")
-
-
-@functools.cache
-def missing_api() -> tuple[str, ...]:
-  """The names of :data:`API` this JAX's Pallas lacks (asked once: every dispatch reads it)."""
-  return tuple(name for name in API if not hasattr(pltpu, name))
 
 
 def interpret_params() -> Any:

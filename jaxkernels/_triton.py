@@ -28,12 +28,6 @@ CUSTOM_CALL = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton
 API = ("CompilerParams", "elementwise_inline_asm", "load", "store")
 
 
-@functools.cache
-def missing_api() -> tuple[str, ...]:
-  """The names of :data:`API` this JAX's Pallas lacks (asked once: every dispatch reads it)."""
-  return tuple(name for name in API if not hasattr(pltriton, name))
-
-
 def params(num_warps: int, num_stages: int = 1) -> Any:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
 import sys
 import warnings
@@ -307,13 +308,25 @@ def kernel_reasons(problem: Any, target: Target,
           for name, k in table.items()}
 
 
-_TOOLCHAINS = {"triton": _triton, "mosaic_gpu": _mosaic_gpu, "mosaic_tpu": _mosaic_tpu}
+# Each kernel implementation's toolchain module (its API: the Pallas names its kernels call)
+# and the Pallas module those names live in.
+_TOOLCHAINS = {"triton": (_triton, _triton.pltriton),
+               "mosaic_gpu": (_mosaic_gpu, _mosaic_gpu.plgpu),
+               "mosaic_tpu": (_mosaic_tpu, _mosaic_tpu.pltpu)}
+
+
+@functools.cache
+def missing_api(implementation: str) -> tuple[str, ...]:
+  """The Pallas names ``implementation``'s kernels call that this JAX lacks (asked once a
+  process: every dispatch reads it)."""
+  toolchain, pallas = _TOOLCHAINS[implementation]
+  return tuple(name for name in toolchain.API if not hasattr(pallas, name))
 
 
 def _toolchain_reason(implementation: str) -> str | None:
   """Why this JAX's Pallas cannot build ``implementation``'s kernels (API they call is
   missing), or None."""
-  missing = _TOOLCHAINS[implementation].missing_api()
+  missing = missing_api(implementation)
   if not missing:
     return None
   return (f"this JAX ({jax.__version__}) has no {', '.join(missing)} in Pallas "

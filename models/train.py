@@ -25,7 +25,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import pathlib
 import signal
 import sys
@@ -40,7 +39,7 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxkernels import hardware, remat
+from jaxkernels import hardware, remat, tuning
 from models import llama
 
 CORPUS_BYTES = 8 << 20  # the standard library's first 8 MiB of module text, in path order
@@ -486,8 +485,7 @@ _FLAG_HELP = {
 
 
 def default_compilation_cache() -> str:
-  root = os.environ.get("JAXKERNELS_CACHE_DIR") or os.path.expanduser("~/.cache/jaxkernels")
-  return os.path.join(root, "xla")
+  return str(tuning.cache_dir() / "xla")
 
 
 def main(argv=None) -> int:

@@ -160,11 +160,9 @@ def test_a_missing_toolchain_api_is_reported_and_skipped(monkeypatch):
   """A JAX release whose Pallas lacks what a backend's kernels call: supports() says which
   names are missing, and dispatch takes the next kernel, not a failure inside tracing."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  from jaxkernels import _mosaic_gpu
   monkeypatch.delattr(plgpu, "wgmma")
-  _mosaic_gpu.missing_api.cache_clear()  # asked once a process; asked again here, and after
-  monkeypatch.setattr(_mosaic_gpu, "missing_api", _mosaic_gpu.missing_api.__wrapped__)
+  backend.missing_api.cache_clear()  # asked once a process; asked again here, and after
+  monkeypatch.setattr(backend, "missing_api", backend.missing_api.__wrapped__)
   H100 = Target("gpu", "NVIDIA H100 80GB HBM3", True)
   reasons = {"mosaic_gpu": None, "triton": None}
   assert backend.select("op", None, H100, reasons) == "triton"
