@@ -285,7 +285,7 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
     if only and shape.name not in only:
       continue
     first = _inputs(shape, 0)
-    n_sets = 1 if session.interpret else harness.sets_for(
+    n_sets = 1 if session.interpret or session.smoke else harness.sets_for(
         4 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)), budget=4 << 30,
         most=4)
     sets = [first] + [_inputs(shape, seed) for seed in range(1, n_sets)]
@@ -331,7 +331,7 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
             seconds, whole = harness.time_sets_rounds(program, arg_sets, rounds=session.rounds,
                                                       calls=session.calls)
             row.round_ms = whole * 1e3
-            if session.platform == "gpu":
+            if session.profiles:
               kernel, row.kernels = harness.kernel_seconds(program, arg_sets, iterations=5)
               row.kernel_ms = kernel * 1e3 if kernel else None
           row.ms = seconds * 1e3

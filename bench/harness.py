@@ -79,6 +79,12 @@ class Session:
     """The kernel implementation this device runs (interpreted on a CPU)."""
     return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(self.platform, "triton")
 
+  @property
+  def profiles(self) -> bool:
+    """Kernel-only times by CUPTI: on a GPU, not in a smoke run (each profile compiles the
+    program again: on the H100 the smoke run took over 180 s with them)."""
+    return self.platform == "gpu" and not self.smoke
+
   def add(self, row: Row) -> Row:
     self.rows.append(row)
     line = (f"{row.suite} {row.name} {row.impl}: {_fmt(row.ms, '.4f')} ms "
@@ -361,7 +367,8 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
   # it was 7-12% of the time; 16 negates a program ran at 87 us a negate against 105 for one,
   # 81 us of kernel (bench/NOTES.md, run 17). A set is each input twice over (the residuals
   # the backward reads), so an eighth of the device's memory holds 4 x budget / 8 sets' worth.
-  n_sets = 1 if session.interpret else sets_for(
+  # A smoke run checks that everything builds, runs and matches: one set.
+  n_sets = 1 if session.interpret or session.smoke else sets_for(
       2 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)),
       budget=memory_bytes(session.device) // 8, most=16)
   sets = [first] + [case.inputs(seed) for seed in range(1, n_sets)]
@@ -391,7 +398,7 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
           seconds, whole = time_sets_rounds(program, arg_sets, rounds=session.rounds,
                                             calls=session.calls)
           row.round_ms = whole * 1e3
-          if session.platform == "gpu":
+          if session.profiles:
             kernel, row.kernels = kernel_seconds(program, arg_sets)
             if kernel:
               row.kernel_ms, row.kernel_gbps = kernel * 1e3, cost.bytes / kernel / 1e9

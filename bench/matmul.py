@@ -337,7 +337,7 @@ def sweep_sizes(session, impls, step, sweep_range):
     fns.update({impl: _ours(impl) for impl in impls})
     rows = interleaved(session, "sweep bf16", s, fns, torch=session.platform == "gpu",
                        rounds=SWEEP_ROUNDS, calls=SWEEP_CALLS, n_sets=program_sets(s))
-    if s < SWEEP_HOST_CLOCK_FROM and session.platform == "gpu":
+    if s < SWEEP_HOST_CLOCK_FROM and session.profiles:
       sets = [_inputs(s, s, s, BF16, seed) for seed in range(program_sets(s))]
       for impl, fn in fns.items():
         if rows[impl].ms is None:

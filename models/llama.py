@@ -35,6 +35,9 @@ import jaxkernels.flax as jkf
 from jaxkernels import remat
 
 KERNELS = ("jaxkernels", "xla")
+# The op groups that ``Config.reference_ops`` can put back on XLA's path one by one (to find
+# which kernel a difference from kernels="xla" comes from).
+OPS = ("norm", "matmul", "attention", "mlp", "loss")
 
 # Logical axis -> mesh axis. The width ("embed") of every weight is split over fsdp; a stacked
 # layer axis, the heads, the MLP's hidden width and the vocabulary stay whole.
@@ -57,6 +60,8 @@ class Config:
   z_loss: float = 0.0
   dtype: str = "bfloat16"  # activations; parameters stay float32
   kernels: str = "jaxkernels"
+  # With kernels="jaxkernels": these of OPS run as kernels="xla" runs them.
+  reference_ops: tuple[str, ...] = ()
   # A jaxkernels.remat policy for every block, or one per block. "auto" is resolved by
   # models.train.auto_remat (per layer, under a memory budget) before a model is built.
   remat: str | tuple[str, ...] = "none"
@@ -65,6 +70,11 @@ class Config:
   def __post_init__(self):
     if self.kernels not in KERNELS:
       raise ValueError(f"Config: kernels={self.kernels!r} is not one of {KERNELS}")
+    object.__setattr__(self, "reference_ops", tuple(self.reference_ops))
+    unknown = [op for op in self.reference_ops if op not in OPS]
+    if unknown:
+      raise ValueError(f"Config: reference_ops={self.reference_ops!r}: each must be one of "
+                       f"{OPS}")
     accepted = (*remat.POLICIES, "auto")
     if isinstance(self.remat, str):
       if self.remat not in accepted:
@@ -84,10 +94,13 @@ class Config:
     if self.head_dim % 2:
       raise ValueError(f"Config: head dim {self.head_dim} must be even (rotary pairs)")
 
-  @property
-  def implementation(self) -> str | None:
-    """The ops' implementation: the references for kernels="xla", else the device's best."""
-    return "xla" if self.kernels == "xla" else None
+  def implementation(self, op: str) -> str | None:
+    """``op``'s implementation (one of OPS): the reference for kernels="xla" or where
+    ``reference_ops`` names it, else the device's best."""
+    return "xla" if self.on_xla(op) else None
+
+  def on_xla(self, op: str) -> bool:
+    return self.kernels == "xla" or op in self.reference_ops
 
   def layer_policies(self) -> tuple[str, ...]:
     """Each layer's remat policy."""
@@ -204,18 +217,19 @@ def _checkpointed(apply, policy: str):
 class Block(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    impl = cfg.implementation
+    norm = cfg.implementation("norm")
     init = nnx.initializers.normal(0.02)
     qkv_width = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-    self.attn_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=impl,
+    self.attn_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=norm,
                                  rngs=rngs)
     self.qkv = nnx.Param(_named(init, "embed", "heads")(rngs.params(), (cfg.width, qkv_width)))
     out_init = nnx.initializers.normal(0.02 / (2 * cfg.depth) ** 0.5)
     self.out = nnx.Param(_named(out_init, "heads", "embed")(
         rngs.params(), (cfg.heads * cfg.head_dim, cfg.width)))
-    self.mlp_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=impl,
+    self.mlp_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=norm,
                                 rngs=rngs)
-    self.mlp = jkf.GLUMLP(cfg.width, cfg.mlp_width, kernel_init=init, implementation=impl,
+    self.mlp = jkf.GLUMLP(cfg.width, cfg.mlp_width, kernel_init=init,
+                          implementation=cfg.implementation("mlp"),
                           axes=("embed", "mlp"), rngs=rngs)
 
   def __call__(self, delta, stream, cos, sin):
@@ -224,7 +238,7 @@ class Block(nnx.Module):
     inside the next block's (or the final) norm."""
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
-    impl = cfg.implementation
+    impl = cfg.implementation("matmul")
     normed, stream = self.attn_norm(delta.astype(dtype), residual=stream)
     b, t, _ = normed.shape
     qkv = jk.matmul(normed, jkf.whole_weight(self.qkv[...], dtype), implementation=impl)
@@ -233,7 +247,7 @@ class Block(nnx.Module):
     q = remat.tag(_rotate(q.reshape(b, t, cfg.heads, cfg.head_dim), cos, sin), remat.QUERY)
     k = remat.tag(_rotate(k.reshape(b, t, cfg.kv_heads, cfg.head_dim), cos, sin), remat.KEY)
     v = remat.tag(v.reshape(b, t, cfg.kv_heads, cfg.head_dim), remat.VALUE)
-    if cfg.kernels == "xla":
+    if cfg.on_xla("attention"):
       cudnn = jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
       attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                               implementation="cudnn" if cudnn else None)
@@ -258,11 +272,11 @@ class Llama(nnx.Module):
       return Block(cfg, rngs=rngs)
 
     self.blocks = blocks(rngs)
-    impl = cfg.implementation
-    self.final_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=impl,
-                                  rngs=rngs)
+    self.final_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps,
+                                  implementation=cfg.implementation("norm"), rngs=rngs)
     self.head = jkf.LMHead(cfg.width, cfg.vocab, tied=self.embed if cfg.tied else None,
-                           kernel_init=nnx.initializers.normal(0.02), implementation=impl,
+                           kernel_init=nnx.initializers.normal(0.02),
+                           implementation=cfg.implementation("loss"),
                            axes=("embed", "vocab"), rngs=rngs)
 
   def hidden(self, tokens):
@@ -308,7 +322,7 @@ def loss_fn(model: Llama, tokens):
   cfg = model.cfg
   hidden = model.hidden(tokens[:, :-1])
   labels = tokens[:, 1:]
-  if cfg.kernels == "jaxkernels":
+  if not cfg.on_xla("loss"):
     return model.head(hidden, labels, z_loss=cfg.z_loss)
   logits = model.head(hidden).astype(jnp.float32)
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)

@@ -389,7 +389,9 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   if checkpoints is not None and checkpoints.latest() is not None:
     start = checkpoints.latest()
     state = checkpoints.restore(start, state)
-  print(f"kernels={cfg.kernels}; corpus: {described}; mesh {dict(where.shape)}; "
+  kernels = cfg.kernels + (f" (on XLA: {', '.join(cfg.reference_ops)})"
+                           if cfg.reference_ops and cfg.kernels != "xla" else "")
+  print(f"kernels={kernels}; corpus: {described}; mesh {dict(where.shape)}; "
         f"{sum(x.size for x in jax.tree.leaves(nnx.state(state, nnx.Param)))/1e6:.1f}M "
         f"parameters; " + (f"resumed at step {start}" if start else "from step 0"),
         file=stream, flush=True)
@@ -407,6 +409,13 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
     metrics_file = stack.enter_context(open(metrics_path, "a")) if metrics_path else None
     stopper = stack.enter_context(_Stopper())
     stack.enter_context(jax.set_mesh(where))
+    if start < tc.steps:  # compiled here, to say how long it took (the calls below reuse it)
+      began = time.perf_counter()
+      lowered = step.lower(state, shard_batch(batch_at(data, start, tc), where))
+      lowered_at = time.perf_counter()
+      lowered.compile()
+      print(f"train step: traced and lowered in {lowered_at - began:.1f} s, compiled in "
+            f"{time.perf_counter() - lowered_at:.1f} s", file=stream, flush=True)
     pending, clock = None, time.perf_counter()
 
     def flush():
@@ -493,6 +502,9 @@ def main(argv=None) -> int:
                                    formatter_class=_Formatter)
   parser.add_argument("--preset", default="tiny", help=f"one of {', '.join(llama.PRESETS)}")
   parser.add_argument("--kernels", default="jaxkernels", help=f"one of {llama.KERNELS}")
+  parser.add_argument("--reference-ops", default="", help="with the kernels: these op groups "
+                      f"(comma-separated, of {', '.join(llama.OPS)}) run as --kernels xla runs "
+                      "them, to find which kernel a difference comes from")
   parser.add_argument("--remat", default=None, help=f"one of {remat.POLICIES}, or auto "
                       "(default: the preset's, none)")
   parser.add_argument("--remat-budget", type=float, default=None, help="GiB a device for "
@@ -521,12 +533,13 @@ def main(argv=None) -> int:
   if not args.no_compilation_cache:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   try:
-    changes = {"kernels": args.kernels}
+    changes = {"kernels": args.kernels,
+               "reference_ops": tuple(op for op in args.reference_ops.split(",") if op)}
     if args.remat is not None:
       changes["remat"] = args.remat
     try:
       cfg = llama.preset(args.preset, **changes)
-    except ValueError as e:  # the preset's name, --kernels or --remat
+    except ValueError as e:  # the preset's name, --kernels, --reference-ops or --remat
       raise UsageError(str(e)) from e
     tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     if tc.seq_len > cfg.max_len:

@@ -59,6 +59,25 @@ def test_kernels_match_the_xla_path():
   assert max(errors) <= tolerance, (max(errors), tolerance)
 
 
+@pytest.mark.cpu_only
+def test_reference_ops_put_each_op_group_on_the_xla_path():
+  """Every op group named in reference_ops (the kernels interpreted where not): the same loss
+  and gradients, bit for bit, as kernels="xla"; one group left on the kernels differs."""
+  tokens = _tokens(TINY, seed_label="reference_ops")
+
+  def run(cfg):
+    with jk.interpret_mode("triton"):
+      loss, grads = nnx.value_and_grad(llama.loss_fn)(llama.make(cfg, seed=2)[0], tokens)
+    return [np.asarray(loss)] + [np.asarray(g) for g in jax.tree.leaves(nnx.state(grads))]
+
+  want = run(dataclasses.replace(TINY, kernels="xla"))
+  for a, b in zip(run(dataclasses.replace(TINY, reference_ops=llama.OPS)), want, strict=True):
+    np.testing.assert_array_equal(a, b)
+  for op in llama.OPS:  # each group's kernels change some number
+    left = run(dataclasses.replace(TINY, reference_ops=tuple(o for o in llama.OPS if o != op)))
+    assert any(not np.array_equal(a, b) for a, b in zip(left, want, strict=True)), op
+
+
 @pytest.mark.parametrize("policy,kernels,scan", [
     ("full", "xla", False), ("minimal", "xla", True), ("dots", "xla", False),
     (("full", "dots"), "xla", False), ("dots", "jaxkernels", False)])
@@ -111,6 +130,8 @@ def test_bad_configs_say_what_exists():
     llama.preset("tiny", remat="most")
   with pytest.raises(ValueError, match=r"kernels='cuda' is not one of \('jaxkernels', 'xla'\)"):
     llama.preset("tiny", kernels="cuda")
+  with pytest.raises(ValueError, match=r"reference_ops=\('loss', 'mlps'\): each must be one"):
+    llama.preset("tiny", reference_ops=("loss", "mlps"))
   with pytest.raises(ValueError, match="heads into kv_heads 3"):
     llama.preset("tiny", kv_heads=3)
   with pytest.raises(ValueError, match=r"one policy per layer \(2\), each one of"):
