@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import jax
 
@@ -77,6 +78,7 @@ def main(argv=None) -> int:
   only = args.only.split(",") if args.only else None
   policies = args.policies.split(",") if args.policies else None
   for name in suites:
+    began, rows = time.perf_counter(), len(session.rows)
     if name == "ceilings":
       SUITES[name](session)
     elif name == "matmul":
@@ -92,6 +94,8 @@ def main(argv=None) -> int:
       model.run(session, only=only, policies=policies, unrolled=args.unrolled)
     else:
       SUITES[name](session, sweep=args.sweep)
+    print(f"{name}: {len(session.rows) - rows} rows in {time.perf_counter() - began:.0f} s",
+          file=sys.stderr, flush=True)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run
     harness.copy_bandwidth(session).name = "copy (end of run)"
   harness.save(session, suites, args.out, path)

@@ -300,7 +300,7 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
       if sweep and session.platform == "gpu" and shape.name in ("plain", "causal", "gqa h256"):
         for config in _sweep_configs(shape, label):
           impls[f"{session.kernel} {config}"] = (_ours(shape, session.kernel, config), True)
-      if session.platform == "gpu":
+      if session.anchors:
         impls.update({name: (fn, False) for name, fn in _jax_anchors(shape).items()})
       rows = {}
       # XLA's backward keeps the (B, N, T, S) float32 probabilities: past half the device's
@@ -339,7 +339,7 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
         except Exception as e:  # noqa: BLE001 - an anchor that cannot run is a row
           row.note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows[impl] = session.add(row)
-      if session.platform == "gpu" and shape.anchors and not (shape.segments or shape.soft_cap
+      if session.anchors and shape.anchors and not (shape.segments or shape.soft_cap
                                                               or shape.window):
         row = harness.Row("attention", f"{shape.name} {label}", "torch_sdpa", str(shape),
                           "bfloat16")

@@ -85,6 +85,12 @@ class Session:
     program again: on the H100 the smoke run took over 180 s with them)."""
     return self.platform == "gpu" and not self.smoke
 
+  @property
+  def anchors(self) -> bool:
+    """The other libraries' rows (cuDNN, torch, JAX's Pallas examples): on a GPU, not in a
+    smoke run (a check of our kernels against the references)."""
+    return self.platform == "gpu" and not self.smoke
+
   def add(self, row: Row) -> Row:
     self.rows.append(row)
     line = (f"{row.suite} {row.name} {row.impl}: {_fmt(row.ms, '.4f')} ms "
@@ -417,7 +423,7 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
     if sweep and not session.interpret and label != "fwd+bwd":
       rows += [measure(session.kernel, case.op(session.kernel, c), c)
                for c in case.sweep.get(sweep_label, [])]
-    if label == "fwd" and session.platform == "gpu":
+    if label == "fwd" and session.anchors:
       rows += [measure(name, fn, check=False) for name, fn in case.anchors.items()]
     for row in rows:
       if row.ms and xla.ms:

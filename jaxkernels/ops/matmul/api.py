@@ -206,6 +206,21 @@ def _validate(a, b, bias, activation, residual, out_dtype, precision, a_scale, b
   return a, b, bias, residual, out_dtype
 
 
+# jax.default_matmul_precision's names (the context manager, or the jax_default_matmul_precision
+# flag) for the precisions that differ from DEFAULT on float32 operands.
+_CONTEXT_PRECISION = {"highest": lax.Precision.HIGHEST, "float32": lax.Precision.HIGHEST,
+                      "high": lax.Precision.HIGH, "tensorfloat32": lax.Precision.HIGH,
+                      "bfloat16_3x": lax.Precision.HIGH}
+
+
+def _in_context(precision):
+  """``precision``, or where None what ``jax.default_matmul_precision`` asks at trace time, as
+  XLA's own products read it (under "highest" a float32 product is float32, not tf32)."""
+  if precision is not None:
+    return precision
+  return _CONTEXT_PRECISION.get(jax.config.jax_default_matmul_precision)
+
+
 def _problem(a, b, bias, activation, residual, out_dtype, precision, quantized):
   return Problem(m=math.prod(a.shape[:-1]), n=b.shape[1], k=b.shape[0], dtype=jnp.dtype(a.dtype),
                  out_dtype=out_dtype, activation=activation, has_bias=bias is not None,
@@ -253,6 +268,7 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dt
   """
   a, b, bias, residual, out_dtype = _validate(a, b, bias, activation, residual, out_dtype,
                                               precision, a_scale, b_scale, glu)
+  precision = _in_context(precision)
   if glu:
     return _gated_matmul(a, b, bias=bias, activation=activation, residual=residual,
                          out_dtype=out_dtype, precision=precision, a_scale=a_scale,
@@ -402,7 +418,7 @@ def _problem_of(a, b, *, bias=None, activation=None, residual=None, glu=False, o
                 precision=None, a_scale=None, b_scale=None, **unused):
   a, b, bias, residual, out_dtype = _validate(a, b, bias, activation, residual, out_dtype,
                                               precision, a_scale, b_scale, glu)
-  problem = _problem(a, b, bias, activation, residual, out_dtype, precision,
+  problem = _problem(a, b, bias, activation, residual, out_dtype, _in_context(precision),
                      is_quantized(a.dtype))
   # Under glu every implementation that runs the product serves (the product, then glu).
   return problem, (a, b)
