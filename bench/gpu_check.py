@@ -13,8 +13,9 @@ Steps, each a process of its own with a time limit, its output in the log:
   interrupt    `--preset tiny` sent SIGINT mid-run: it saves, says so and exits 130; the same
                command resumes
   bench        `python -m bench --smoke`: every op family, checked against its reference
-A table of the steps closes the output. The log goes to bench/results/<device>/ (or --out) as
-<time>_gpu_check_jax<version>.log.
+Each step's output reaches the log as it comes; no step runs past the check's budget (--budget,
+540 s). A table of the steps closes the output. The log goes to bench/results/<device>/ (or
+--out) as <time>_gpu_check_jax<version>.log.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -40,6 +42,12 @@ ROOT = pathlib.Path(__file__).parent.parent
 TEST_FILES = ("test_models.py", "test_one_device_mesh.py", "test_flax.py", "test_attention.py",
               "test_matmul.py", "test_cross_entropy.py", "test_norms.py", "test_elementwise.py",
               "test_softmax.py", "test_testing.py")
+
+
+# The tests and the smoke run compile hundreds of small XLA programs (references, oracles) whose
+# speed is not the point: XLA's GEMM autotuning off for them. The train steps keep it (a user's).
+NO_AUTOTUNING = " ".join(
+    f for f in (os.environ.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0") if f)
 
 
 @dataclasses.dataclass
@@ -70,20 +78,46 @@ def _env(**extra) -> dict:
   return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
 
 
+# The whole check's end (time.monotonic()): no step runs past it (main sets it from --budget).
+DEADLINE = float("inf")
+
+
+def _within(limit: float) -> float:
+  """``limit`` seconds, or what is left of the check's budget where that is less."""
+  return max(1.0, min(limit, DEADLINE - time.monotonic()))
+
+
 def _run(log: Log, name: str, argv, limit: float, **env) -> tuple[int, str, float]:
+  """Runs ``argv`` for at most ``limit`` seconds (or what is left of the budget), its output into the log line by line as it
+  comes (a step cut off by the step's limit, or the whole call by the device's, keeps what it
+  printed); at the limit its whole process group (pytest's workers too) is killed."""
   log.write(f"\n==== {name}: {' '.join(argv)}\n")
+  limit = _within(limit)
   start = time.perf_counter()
+  process = subprocess.Popen(argv, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  lines = []
+
+  def pump():
+    for line in process.stdout:
+      lines.append(line)
+      log.write(line)
+
+  reader = threading.Thread(target=pump, daemon=True)
+  reader.start()
   try:
-    done = subprocess.run(argv, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=limit)
-    code, out = done.returncode, done.stdout
-  except subprocess.TimeoutExpired as e:
-    code, out = 124, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-    out += f"\n[timed out after {limit:.0f} s]\n"
+    code = process.wait(timeout=limit)
+  except subprocess.TimeoutExpired:
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    code = 124
+  reader.join(timeout=10)
+  if code == 124:
+    lines.append(f"\n[timed out after {limit:.0f} s]\n")
+    log.write(lines[-1])
   seconds = time.perf_counter() - start
-  log.write(out)
   log.write(f"==== {name}: exit {code} in {seconds:.1f} s\n")
-  return code, out, seconds
+  return code, "".join(lines), seconds
 
 
 def _last(pattern: str, text: str, default: str = "") -> str:
@@ -110,7 +144,8 @@ def tests(log: Log, limit: float) -> Outcome:
       log, "tests", [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", workers,
                      "--dist", "worksteal", "-p", "no:benchmark",
                      "--durations=15", *[f"tests/{f}" for f in TEST_FILES]], limit,
-      JAXKERNELS_TEST_COMPILED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+      JAXKERNELS_TEST_COMPILED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false",
+      XLA_FLAGS=NO_AUTOTUNING)
   summary = _last(r"\n=* ?(\d+ (?:passed|failed).*?) =*\n", out, "no summary")
   return Outcome("tests", code == 0, seconds, summary.strip("= "))
 
@@ -127,7 +162,7 @@ def _signalled(argv, number: int, limit: float, ready) -> tuple[int, str]:
   ``limit`` seconds passed), and returns (its exit code, its output)."""
   process = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-  deadline = time.monotonic() + limit
+  deadline = time.monotonic() + _within(limit)
   while not ready() and process.poll() is None and time.monotonic() < deadline:
     time.sleep(0.1)
   process.send_signal(number)
@@ -206,7 +241,8 @@ def bench(log: Log, workdir: pathlib.Path) -> Outcome:
   # Three rounds: the smoke run checks that every op family runs and matches its reference;
   # its times are not the measurement (bench/results/ holds those).
   code, out, seconds = _run(log, "bench", [sys.executable, "-m", "bench", "--smoke", "--rounds",
-                                           "3", "--out", str(workdir / "bench")], 240)
+                                           "3", "--out", str(workdir / "bench")], 200,
+                                  XLA_FLAGS=NO_AUTOTUNING)
   # Our kernels' rows that failed to run or were wrong (an anchor that cannot run on this
   # JAX, e.g. one of JAX's own Pallas examples, is its row's note, not our failure).
   failed = re.findall(r"^ +\S+ .* (?:triton|mosaic_gpu)[^:]*: .*(?:FAILED|WRONG).*$", out,
@@ -227,7 +263,12 @@ def main(argv=None) -> int:
   parser.add_argument("--only", default=None, help=f"steps, comma-separated: {', '.join(STEPS)}")
   parser.add_argument("--tests-limit", type=float, default=250,
                       help="seconds for the compiled tests")
+  parser.add_argument("--budget", type=float, default=540,
+                      help="seconds for the whole check: a step still running at its end is "
+                      "cut off and fails")
   args = parser.parse_args(argv)
+  global DEADLINE
+  DEADLINE = time.monotonic() + args.budget
   only = args.only.split(",") if args.only else list(STEPS)
   unknown = sorted(set(only) - set(STEPS))
   if unknown:
