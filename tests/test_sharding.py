@@ -538,3 +538,34 @@ def test_data_parallel_db_is_summed_in_float32_and_rounded_once(mesh):
     _, db = vjp(_put(mesh, dy, P(("data", "model"), None)))
   assert db.dtype == jnp.bfloat16 and db.sharding.spec in (P(), P(None, None))
   assert error(db) <= 1.1 * error(once), (error(db), error(once))
+
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_loss_dw_is_summed_in_float32_and_rounded_once(mesh, reduction):
+  """The fused loss's dw, tokens split over all 8 devices, w bfloat16 and whole (x float32:
+  its logits and dlogits carry no rounding of their own): kept in float32 through the sum
+  across shards and rounded once, as close to the exact dw as one rounding of it (within
+  10%); each shard's rounded to bfloat16 and summed so, it was 1.26x that."""
+  gen = numerics.rng("sharding", "linear dw", reduction)
+  x = numerics.normal(gen, (512, 32), jnp.float32)
+  w = numerics.normal(gen, (32, 48), jnp.bfloat16)
+  labels = jnp.asarray(gen.integers(0, 48, 512), jnp.int32)
+  logits = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  p[np.arange(512), np.asarray(labels)] -= 1
+  exact = np.asarray(x, np.float64).T @ (p / (512 if reduction == "mean" else 1))
+  once = np.asarray(jnp.asarray(exact, jnp.bfloat16), np.float64)
+  error = lambda got: np.linalg.norm(np.asarray(got, np.float64) - exact) / np.linalg.norm(exact)
+
+  def loss(x, w, labels):
+    out = jk.linear_softmax_cross_entropy(x, w, labels, reduction=reduction)
+    return out if reduction == "mean" else jnp.sum(out)
+
+  with jk.interpret_mode("triton"):
+    dw = jax.jit(jax.grad(loss, argnums=1))(_put(mesh, x, P(("data", "model"), None)),
+                                             _put(mesh, w, P()),
+                                             _put(mesh, labels, P(("data", "model"))))
+  assert dw.dtype == jnp.bfloat16 and dw.sharding.spec in (P(), P(None, None))
+  assert error(dw) <= 1.1 * error(once), (error(dw), error(once))

@@ -234,6 +234,12 @@ class _Linear:
   options: _Options
   chunk: int
   grad_dtypes: tuple[Any, Any]  # x's and w's: the dtypes of their gradients
+  # The dtype w's products run in (None: w's own). The sharded path hands a 16-bit w in as
+  # float32, so that each shard's dw stays float32 until the sum across shards.
+  w_compute: Any = None
+
+  def weight(self, w):
+    return w if self.w_compute is None else w.astype(self.w_compute)
 
 
 def _chunks(spec: _Linear, *arrays):
@@ -251,6 +257,8 @@ def _logits(x, w):
 
 
 def _linear_loss(spec: _Linear, x, w, labels):
+  w = spec.weight(w)
+
   def step(_, chunk):
     x_c, labels_c = chunk
     return None, _forward(spec.plan, spec.options, _logits(x_c, w), labels_c)
@@ -262,7 +270,8 @@ def _linear_grads(spec: _Linear, x, w, labels, lse, g, grads_dtype=None):
   """(dx, dw) for the per-token cotangent ``g``, chunk by chunk (the logits recomputed when
   ``lse`` is given, else computed with the loss: then (loss, dx, dw)); in x's and w's dtypes,
   or both in ``grads_dtype``."""
-  dtype = x.dtype
+  dtype, w_dtype = x.dtype, w.dtype
+  w = spec.weight(w)
 
   def step(dw, chunk):
     x_c, labels_c, g_c, lse_c = chunk
@@ -279,7 +288,7 @@ def _linear_grads(spec: _Linear, x, w, labels, lse, g, grads_dtype=None):
 
   chunks = _chunks(spec, x, labels, g) + ([None] if lse is None else _chunks(spec, lse))
   dw, (loss, dx) = lax.scan(step, jnp.zeros(w.shape, jnp.float32), tuple(chunks))
-  dx, dw = dx.reshape(x.shape), dw.astype(grads_dtype or w.dtype)
+  dx, dw = dx.reshape(x.shape), dw.astype(grads_dtype or w_dtype)
   return (dx, dw) if lse is not None else (loss.reshape(-1), dx, dw)
 
 
@@ -368,6 +377,12 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
   if found is not None:
     return _linear_sharded(found[0], x, w, labels, options, reduction, chunk_size,
                            implementation, config)
+  return _linear_one_device(x, w, labels, options, reduction, chunk_size, implementation,
+                            config)
+
+
+def _linear_one_device(x, w, labels, options: _Options, reduction, chunk_size, implementation,
+                       config, w_compute=None):
   tokens, vocab = math.prod(x.shape[:-1]), w.shape[1]
   chunk = _chunk(tokens, vocab, chunk_size)
   padded = round_up(max(tokens, 1), chunk)
@@ -376,7 +391,7 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
   valid = jnp.arange(padded) < tokens
   logits_like = jax.ShapeDtypeStruct((chunk, vocab), x.dtype)
   plan = _plan(implementation, x, logits_like, config, options, empty=tokens == 0)
-  spec = _Linear(plan, options, chunk, (jnp.dtype(x.dtype), jnp.dtype(w.dtype)))
+  spec = _Linear(plan, options, chunk, (jnp.dtype(x.dtype), jnp.dtype(w.dtype)), w_compute)
   if reduction == "none":
     loss = _linear_rows(spec, flat_x, w, flat_labels)
     return loss[:tokens].reshape(labels.shape)
@@ -392,7 +407,8 @@ def _linear_sharded(mesh, x, w, labels, options: _Options, reduction, chunk_size
   """The fused loss on a mesh of Explicit axes: each shard of tokens (x's leading axes, split
   as x is) runs it with the whole w (gathered where it is split: the vocabulary and D are
   reduced over); the shards' sums and token counts are added after. dw sums over the shards
-  (shard_map's transpose of w's replication)."""
+  (shard_map's transpose of w's replication): in float32, rounded to a 16-bit w's dtype once
+  after the sum (w enters the shards as float32, its products still run in its dtype)."""
   op = LINEAR_OP
   have = partitioning.layout(x)
   spec = list(have[1]) if have else [None] * x.ndim
@@ -408,13 +424,17 @@ def _linear_sharded(mesh, x, w, labels, options: _Options, reduction, chunk_size
   partitioning.check_divides(op, "x", x.shape, spec, mesh)
   rows = spec[:-1]
   row_axes = tuple(a for entry in rows for a in partitioning.axes(entry))
-  kwargs = dict(**options.kwargs(), chunk_size=chunk_size, implementation=implementation,
-                config=config)
+  w_compute = None
+  if math.prod(mesh.shape[a] for a in row_axes) > 1 and jnp.dtype(w.dtype).itemsize < 4:
+    w_compute, w = w.dtype, w.astype(jnp.float32)
+  one_device = functools.partial(_linear_one_device, options=options, chunk_size=chunk_size,
+                                 implementation=implementation, config=config,
+                                 w_compute=w_compute)
 
   def call(x, w, labels):
     if reduction == "none":
-      return linear_softmax_cross_entropy(x, w, labels, reduction="none", **kwargs)
-    total = linear_softmax_cross_entropy(x, w, labels, reduction="sum", **kwargs)
+      return one_device(x, w, labels, reduction="none")
+    total = one_device(x, w, labels, reduction="sum")
     return jnp.stack([total, _count(labels, options)])[None]
 
   out_spec = P(*rows) if reduction == "none" else P(partitioning.entry(row_axes), None)
