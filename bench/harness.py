@@ -1,7 +1,7 @@
 """Timing, checking and reporting shared by every suite.
 
-Timing is ``jaxkernels.timing``'s, the autotuner's own (METHOD.md's method: warm-up, rounds of
-back-to-back calls, the median; a round's fixed cost cancelled). Every timed function is
+Timing is ``jaxkernels.timing``'s, the autotuner's own (warm-up, rounds of back-to-back calls,
+the median; a round's fixed cost cancelled). Every timed function is
 checked against the reference before it is timed; a wrong kernel is reported, never timed.
 """
 
@@ -384,7 +384,7 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
   for label, cost in costs.items():
     # The oracle: the float32 spec on the same values, upcast (no output rounding).
     oracle = Timed(case.reference(jnp.float32), case.grads).outputs(label, *_upcast(first))
-    # Tolerance: twice the error of the naive low-precision computation (DESIGN.md).
+    # Tolerance: twice the error of the naive low-precision computation (jaxkernels.testing).
     baseline = Timed(case.reference(case.dtype), case.grads).outputs(label, *first)
     tolerance = 2 * relative_error(baseline, oracle)
 

@@ -12,7 +12,8 @@ Sources:
   [nv-hopper-tuning]  CUDA Hopper tuning guide: 228 KB shared memory per SM, 227 KB per block.
   [gc-tpu]   Google Cloud TPU system architecture pages for v4, v5e, v5p, v6e.
   [jax-tpu-info]  jax/_src/pallas/mosaic/tpu_info.py (VMEM capacity per core, MXU shape).
-  [kinds]    the device tool's KINDS.md and shared/anchors (2026-10-28 .. 2026-11-21).
+  [kinds]    the GPU machines we measure on (their device kinds and clocks as they report
+             them, 2026-10-28 .. 2026-11-21; bench/results/ holds those runs).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ CHIPS: tuple[Chip, ...] = (
         cores=132,
         l2_bytes=60 * 10**6,  # [kinds] torch reported 60 MB of L2
         compute_capability=(9, 0),
-        # [kinds] shared/anchors 2026-11-21: torch 2 GiB copy 4.24 TB/s, cuBLAS bf16 8192^3 790 TFLOP/s.
+        # [kinds] anchors measured 2026-11-21: torch 2 GiB copy 4.24 TB/s, cuBLAS bf16 8192^3 790 TFLOP/s.
         measured={"copy_bandwidth": 4.24 * TB, "bfloat16_matmul": 790 * TB},
         sources=("nv-h200", "nv-hopper-tuning", "kinds"),
     ),

@@ -1,8 +1,8 @@
 """How jaxkernels times code on a device: the one timer that the autotuner (``tuning``) and the
 benchmarks (``bench/``) both use, so that a config is chosen by the measure it is judged by.
 
-The method is the device tool's METHOD.md: warm up (compile, autotune, first touch), then
-rounds of back-to-back asynchronous calls with one sync per round, and the median over rounds.
+The method: warm up (compile, autotune, first touch), then rounds of back-to-back
+asynchronous calls with one sync per round, and the median over rounds.
 A round's fixed cost (the device idles while the host dispatches its first program, and again
 at the closing sync) is taken out by timing each round twice over, at ``calls`` and
 ``2 * calls`` programs (:func:`time_rounds`).

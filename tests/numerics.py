@@ -1,8 +1,9 @@
 """How close is close enough: the float64 oracle and tolerances derived from the numerics.
 
-DESIGN.md's rule: a kernel's error against the exact answer may be at most
-twice the error of the naive computation in the low-precision dtype (the
-reference run with ``compute_dtype`` equal to the input dtype), leaf by leaf.
+The rule (``jaxkernels/testing.py`` says why): a kernel's error against the exact
+answer may be at most twice the error of the naive computation in the
+low-precision dtype (the reference run with ``compute_dtype`` equal to the input
+dtype), leaf by leaf.
 Float32 work has a floor: reductions of length n in float32 carry a random
 walk of rounding errors, ~sqrt(n) ulps; four times that is allowed whatever the
 baseline happened to get.

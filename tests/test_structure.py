@@ -4,6 +4,7 @@ kernels are reached. Reading imports (not importing) sees the lazy ones inside f
 from __future__ import annotations
 
 import ast
+import re
 import pathlib
 
 import pytest
@@ -153,3 +154,17 @@ def test_each_toolchain_lists_the_api_its_kernels_call(alias, module):
   for path in MODULES.values():
     called |= set(re.findall(rf"\b{alias}\.([A-Za-z_]\w*)", path.read_text()))
   assert set(importlib.import_module(f"jaxkernels.{module}").API) == called
+
+
+def test_the_code_cites_only_documents_the_repository_holds():
+  """A docstring or comment that sends the reader to a document (a `.md` file) sends them to
+  one of this repository (four once cited a design document it does not hold)."""
+  root = PACKAGE.parent
+  missing = []
+  for folder in ("jaxkernels", "models", "bench", "tests"):
+    for path in sorted((root / folder).rglob("*.py")):
+      for number, line in enumerate(path.read_text().splitlines(), 1):
+        for name in re.findall(r"\b((?:[\w-]+/)*[\w-]+\.md)\b", line):
+          if not any((base / name).exists() for base in (root, path.parent)):
+            missing.append(f"{path.relative_to(root)}:{number}: {name}")
+  assert not missing, missing

@@ -6,7 +6,7 @@ dtype), h the residual's (the residual stream keeps its own precision).
 
 ``compute_dtype`` exists for the tests: float32 is the spec; the input dtype
 gives the naive low-precision baseline whose error bounds the kernels'
-(DESIGN.md, Numerics); float64 (with x64 enabled) is the oracle.
+(``jaxkernels.testing``); float64 (with x64 enabled) is the oracle.
 """
 
 from __future__ import annotations
