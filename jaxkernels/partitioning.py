@@ -17,6 +17,15 @@ split is decided later by the compiler, which cannot split a kernel: run kernels
 data with Explicit axes (or inside your own shard_map, where every array is one shard and the
 ops run as on one device).
 
+On a mesh of ``Auto`` axes in context (``jax.set_mesh(mesh)`` or ``with mesh:``, arrays placed
+by ``jit(in_shardings=...)`` or ``device_put``) the arrays' types carry no split, so the op
+takes it from logical axis rules: each dimension has a logical name ("batch", "length",
+"embed", ...), and the rules say which mesh axes each name splits over
+(:class:`sharding_rules`, else Flax's ``nnx.logical_axis_rules`` where set, else the default:
+"batch" over every data-like axis the mesh has, :data:`DATA_AXES`, everything else whole).
+The op then runs per shard in shard_map over the mesh in context exactly as on Explicit axes;
+where the arrays were split otherwise, the compiler moves them to that split first.
+
 Each op states its rule: which of its arrays are rows (shaped like x), which are vectors along
 x's last dimension, and which dimension of x it reduces over. Rows split freely except along the
 reduced dimension; a split reduced dimension is gathered, with a one-time
@@ -28,6 +37,8 @@ ValueError naming the op, the array, the axes and the sizes.
 from __future__ import annotations
 
 import math
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -73,6 +84,113 @@ def layout(a) -> tuple[Any, tuple] | None:
   return mesh, tuple(spec) + (None,) * (len(a.shape) - len(tuple(spec)))
 
 
+# --------------------------------------------------------------------------- #
+# Logical axis rules, for meshes of Auto axes
+# --------------------------------------------------------------------------- #
+
+# The mesh axes that the default rules split "batch" over, those of them the mesh has.
+DATA_AXES = ("replica", "data", "fsdp", "batch", "dp")
+
+
+class _Rules(threading.local):
+  rules: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+
+
+_RULES = _Rules()
+
+
+def _axes_of(where: str, value) -> tuple[str, ...]:
+  if value is None:
+    return ()
+  if isinstance(value, str):
+    return (value,)
+  if isinstance(value, (tuple, list)) and all(isinstance(a, str) for a in value):
+    return tuple(value)
+  raise TypeError(f"sharding_rules: {where} must be None, a mesh axis name or a tuple of them, "
+                  f"got {value!r}")
+
+
+class sharding_rules:  # noqa: N801 - used as a function, and as a context manager
+  """Which mesh axes each logical dimension name splits over, for ops on meshes of Auto axes.
+
+  ``jk.sharding_rules(batch=("data", "fsdp"), embed=None)``, or Flax's form, a sequence of
+  ``(name, axes)`` pairs (the first pair of a name wins), sets them for this thread until
+  set again; as a context manager (``with jk.sharding_rules(...):``) until the block ends.
+  A name the rules leave out stays whole, and so does an axis the mesh lacks.
+  ``jk.sharding_rules(None)`` goes back to Flax's rules where set, else the default.
+  """
+
+  def __init__(self, rules=(), /, **named):
+    self._previous = _RULES.rules
+    if rules is None and not named:
+      _RULES.rules = None
+      return
+    pairs = list(rules.items() if isinstance(rules, Mapping) else rules) + list(named.items())
+    out: dict[str, tuple[str, ...]] = {}
+    for pair in pairs:
+      if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
+        raise TypeError(f"sharding_rules: each rule must be a (logical name, mesh axes) pair, "
+                        f"got {pair!r}")
+      out.setdefault(pair[0], _axes_of(f"the rule for {pair[0]!r}", pair[1]))
+    _RULES.rules = tuple(out.items())
+
+  def __enter__(self) -> sharding_rules:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    _RULES.rules = self._previous
+
+
+def current_rules(mesh) -> dict[str, tuple[str, ...]]:
+  """The rules in force for ``mesh``: ours, else Flax's where set, else the default; each
+  name's axes those of ``mesh``."""
+  rules = _RULES.rules
+  if rules is None:
+    flax_spmd = sys.modules.get("flax.core.spmd")  # never imported for this
+    flax_rules = flax_spmd.get_logical_axis_rules() if flax_spmd is not None else ()
+    if flax_rules:
+      found: dict[str, tuple[str, ...]] = {}
+      for name, value in flax_rules:
+        found.setdefault(name, _axes_of(f"Flax's rule for {name!r}", value))
+      rules = tuple(found.items())
+    else:
+      rules = (("batch", tuple(a for a in mesh.axis_names if a in DATA_AXES)),)
+  return {name: tuple(a for a in value if a in mesh.axis_names) for name, value in rules}
+
+
+def logical_spec(names: Sequence[str | None], mesh) -> list:
+  """The PartitionSpec entries for dimensions named ``names`` under the rules in force (a
+  mesh axis splits at most one dimension: the first that asks for it)."""
+  rules, used, spec = current_rules(mesh), set(), []
+  for name in names:
+    picked = tuple(a for a in rules.get(name, ()) if a not in used) if name else ()
+    used.update(picked)
+    spec.append(entry(picked))
+  return spec
+
+
+def row_names(ndim: int, feature: str) -> tuple[str, ...]:
+  """A rows array's logical dimension names: ("batch", "length", ..., ``feature``)."""
+  if ndim == 1:
+    return (feature,)
+  return ("batch",) + ("length",) * (ndim - 2) + (feature,)
+
+
+def auto_mesh():
+  """The mesh in context where it spans several devices on Auto axes only (the compiler
+  splits the arrays there, so the ops take their split from the rules), else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if getattr(mesh, "empty", True) or mesh.size == 1:
+    return None
+  auto = getattr(jax.sharding.AxisType, "Auto", None)
+  return mesh if all(t == auto for t in mesh.axis_types) else None
+
+
+def _is_auto(mesh) -> bool:
+  auto = getattr(jax.sharding.AxisType, "Auto", None)
+  return all(t == auto for t in getattr(mesh, "axis_types", ()))
+
+
 def size(mesh, names: Sequence[str]) -> int:
   return math.prod(dict(mesh.shape)[a] for a in names)
 
@@ -111,7 +229,7 @@ def gathered(op: str, implementation: str | None, name: str, a, dim: int, names,
 
 def rowwise(op: str, implementation: str | None, call: Callable[..., Any], *,
             rows: Mapping[str, Any], vectors: Mapping[str, Any] = {},
-            reduced: int | None) -> tuple[bool, Any]:
+            reduced: int | None, feature: str = "embed") -> tuple[bool, Any]:
   """Runs ``call(**rows, **vectors)`` once per shard where the arrays are split.
 
   Args:
@@ -120,25 +238,33 @@ def rowwise(op: str, implementation: str | None, call: Callable[..., Any], *,
     vectors: arrays along x's last dimension (scale, bias).
     reduced: the dimension of x the op reduces over (kept whole), or None (elementwise: the
       last dimension splits too, and the vectors with it).
+    feature: the logical name of x's last dimension, for meshes of Auto axes (x's dimensions
+      are named by :func:`row_names`).
 
   Returns:
     (True, the result) where the arrays live on a mesh of Explicit axes (split or not: a Pallas
-    call on a multi-device mesh runs only per shard), else (False, None): the caller runs as
-    on one device. The result's row outputs are split as x's rows are.
+    call on a multi-device mesh runs only per shard) or a mesh of Auto axes is in context
+    (split by the rules), else (False, None): the caller runs as on one device. The result's
+    row outputs are split as x's rows are.
   """
   if implementation == "xla":
     return False, None  # the reference is jnp: XLA's own partitioner splits it
   (x_name, x), *_ = rows.items()
   found = next((lay for lay in map(layout, (*rows.values(), *vectors.values())) if lay), None)
-  if found is None:
+  if found is not None:
+    mesh, x_layout = found[0], layout(x)
+    spec = list(x_layout[1]) if x_layout else [None] * x.ndim
+  elif (mesh := auto_mesh()) is not None:
+    spec = logical_spec(row_names(x.ndim, feature), mesh)
+  else:
     return False, None
-  mesh, x_layout = found[0], layout(x)
-  spec = list(x_layout[1]) if x_layout else [None] * x.ndim
   if reduced is not None:
     reduced %= x.ndim
     if axes(spec[reduced]):
       gathered(op, implementation, x_name, x, reduced, axes(spec[reduced]), mesh)
       spec[reduced] = None
+  if found is None:
+    spec = _dividing(op, x_name, x, spec, mesh)
   check_divides(op, x_name, x.shape, spec, mesh)
   row_spec = P(*spec)
   vector_spec = P(spec[-1]) if reduced is None else P(None)
@@ -146,18 +272,38 @@ def rowwise(op: str, implementation: str | None, call: Callable[..., Any], *,
   return True, run(mesh, call, {**rows, **vectors}, specs, row_spec)
 
 
+def _dividing(op: str, name: str, a, spec, mesh) -> list:
+  """On Auto axes, the rules' split where its axes divide each dimension; a dimension they do
+  not divide stays whole (every device then holds it whole, as XLA would run it), warned once."""
+  spec = list(spec)
+  for dim, (length, split) in enumerate(zip(a.shape, spec)):
+    names = axes(split)
+    if names and length % size(mesh, names):
+      k = size(mesh, names)
+      message = (f"jaxkernels.{op}: {name}'s dimension {dim} (size {length}) stays whole: the "
+                 f"sharding rules split it over mesh axes {names} (size {k}), which do not "
+                 f"divide it; make it a multiple of {k}, or change jk.sharding_rules")
+      if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, ShardingWarning, stacklevel=4)
+      spec[dim] = None
+  return spec
+
+
 def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mapping[str, P],
         out_specs) -> Any:
   """``call(**arrays)`` under shard_map over ``mesh``, each array split as ``specs`` says
   (resharded first where it is split otherwise: slicing a whole array is local; gathering a
-  split one is what the rules warn of), None arrays passed through as None."""
+  split one is what the rules warn of), None arrays passed through as None. On a mesh of Auto
+  axes the compiler moves each array to its split."""
   names = [name for name, a in arrays.items() if a is not None]
   args, in_specs = [], []
   padded = lambda spec, ndim: P(*spec, *[None] * (ndim - len(spec)))
+  auto = _is_auto(mesh)
   for name in names:
     a, target = arrays[name], specs[name]
     have = layout(a)
-    if padded(have[1] if have else (), a.ndim) != padded(target, a.ndim):
+    if not auto and padded(have[1] if have else (), a.ndim) != padded(target, a.ndim):
       a = jax.sharding.reshard(a, NamedSharding(mesh, target))
     args.append(a)
     in_specs.append(target)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,6 +168,121 @@ def test_sharded_matches_unsharded(request, mesh, impl, op, layout):
                           reduction=max(SHAPE[-1], math.prod(SHAPE[:-1])))
   if (op, layout) not in GATHERS:
     assert jax.tree.leaves(out)[0].sharding.spec == spec  # the output stays split as x was
+
+
+# Meshes of Auto axes in context: the split comes from logical axis rules. (rules, x's
+# in_sharding, the split the op must run with): the default rules (batch over every data-like
+# axis: "data"); ours naming both axes; Flax's naming "model"; rows placed otherwise than the
+# rules say (the compiler moves them; the numbers are the same).
+AUTO_RULES = {
+    "default": (None, P("data"), P("data", None, None)),
+    "ours": ({"batch": ("data", "model")}, P(("data", "model")), P(("data", "model"), None, None)),
+    "flax": ("flax", P("model"), P("model", None, None)),
+    "placed otherwise": (None, P(None, "model"), P("data", None, None)),
+}
+
+
+def _auto_mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"),
+                           axis_types=(AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("rules", sorted(AUTO_RULES))
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_auto_mesh_in_context_splits_by_the_rules(mesh, op, rules):
+  """The row ops under ``jax.set_mesh`` of Auto axes, jitted with in_shardings (the classic
+  way): each runs per shard as the rules split its rows (Triton, interpreted), by the numerics
+  rule forward and backward, the output split so, nothing gathered or warned."""
+  from flax import nnx
+
+  fn, ref, arrays, kinds = OPS[op]
+  given, placed, want_spec = AUTO_RULES[rules]
+  gen = numerics.rng("sharding-auto", op, rules)
+  args = arrays(gen, SHAPE)
+  out_shapes = jax.eval_shape(ref(jnp.float32), *args)
+  ct = jax.tree.map(lambda o: numerics.normal(gen, o.shape, o.dtype), out_shapes)
+  auto = _auto_mesh()
+  shardings = tuple(None if k is None else NamedSharding(auto, placed if k == "rows" else P())
+                    for k in kinds)
+
+  def step(args, ct):
+    out, vjp = jax.vjp(fn(None), *args)
+    return out, vjp(ct)
+
+  context = (nnx.logical_axis_rules([("batch", "model")]) if given == "flax" else
+             jk.sharding_rules(given) if given else jk.sharding_rules(None))
+  with jk.interpret_mode("triton"), jax.set_mesh(auto), context, \
+       warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jitted = jax.jit(step, in_shardings=(shardings, None))
+    out, grads = jitted(tuple(args), ct)
+    text = jitted.lower(tuple(args), ct).as_text()
+  assert not [w for w in caught if issubclass(w.category, jk.ShardingWarning)], [
+      str(w.message) for w in caught]
+  numerics.assert_matches((out, grads), ref, args, ct, dtype=jnp.float32,
+                          reduction=max(SHAPE[-1], math.prod(SHAPE[:-1])))
+  # The kernels' shard_map over the mesh in context, each shard's rows as the rules say.
+  assert "sdy.manual_computation" in text or "shard_map" in text
+  local = [int(d) for d in want_spec_local(want_spec, auto)]
+  assert f"tensor<{local[0]}x{local[1]}x{SHAPE[-1]}xf32>" in text, (local, want_spec)
+
+
+def test_auto_mesh_runs_the_tpu_kernels_per_shard(request, mesh):
+  """The same under the Mosaic TPU interpreter (a process of its own): the layer norm with a
+  residual, rows split over "data" by the default rules, forward and backward."""
+  if not _in_own_process(request):
+    return
+  fn, ref, arrays, kinds = OPS["layer_norm"]
+  gen = numerics.rng("sharding-auto", "tpu")
+  args = arrays(gen, SHAPE)
+  ct = jax.tree.map(lambda o: numerics.normal(gen, o.shape, o.dtype),
+                    jax.eval_shape(ref(jnp.float32), *args))
+  auto = _auto_mesh()
+  shardings = tuple(NamedSharding(auto, P("data") if k == "rows" else P()) for k in kinds)
+
+  def step(args, ct):
+    out, vjp = jax.vjp(fn(None), *args)
+    return out, vjp(ct)
+
+  with jk.interpret_mode("mosaic_tpu"), jax.set_mesh(auto), jk.sharding_rules(None):
+    got = jax.jit(step, in_shardings=(shardings, None))(tuple(args), ct)
+  numerics.assert_matches(got, ref, args, ct, dtype=jnp.float32,
+                          reduction=max(SHAPE[-1], math.prod(SHAPE[:-1])))
+
+
+def want_spec_local(spec, mesh):
+  """The local (per-shard) shape of a SHAPE array split as ``spec`` on ``mesh``."""
+  return [n // partitioning.size(mesh, partitioning.axes(e)) for n, e in
+          zip(SHAPE, tuple(spec) + (None,) * (len(SHAPE) - len(spec)))]
+
+
+def test_auto_mesh_rules_that_do_not_divide_keep_the_dimension_whole(mesh):
+  """Rows the rules' axes do not divide (3 over "data"'s 4) run whole, warned once with what
+  to do, and still match."""
+  x = numerics.normal(numerics.rng("sharding-auto", "odd"), (3, 4, 128), jnp.float32)
+  scale = jnp.ones((128,), jnp.float32)
+  with jk.interpret_mode("triton"), jax.set_mesh(_auto_mesh()), jk.sharding_rules(None), \
+       pytest.warns(jk.ShardingWarning, match=r"dimension 0 \(size 3\) stays whole: the sharding "
+                    r"rules split it over mesh axes \('data',\) \(size 4\)"):
+    got = jax.jit(lambda x, s: jk.rms_norm(x, s))(x, scale)
+  chex.assert_trees_all_close(got, jk.rms_norm(x, scale, implementation="xla"), rtol=1e-5,
+                              atol=1e-6)
+
+
+def test_sharding_rules_say_what_they_take():
+  with pytest.raises(TypeError, match=r"the rule for 'batch' must be None, a mesh axis name or "
+                     r"a tuple of them, got 3"):
+    jk.sharding_rules(batch=3)
+  with pytest.raises(TypeError, match=r"each rule must be a \(logical name, mesh axes\) pair"):
+    jk.sharding_rules([("batch",)])
+  mesh = _auto_mesh()
+  with jk.sharding_rules([("batch", "data"), ("batch", "model"), ("embed", ("model", "pod"))]):
+    # The first rule of a name wins; an axis the mesh lacks is left out.
+    assert partitioning.current_rules(mesh) == {"batch": ("data",), "embed": ("model",)}
+    with jk.sharding_rules(None):
+      assert partitioning.current_rules(mesh) == {"batch": ("data",)}  # the default
+    assert partitioning.logical_spec(("batch", "length", "embed"), mesh) == ["data", None,
+                                                                             "model"]
 
 
 # flash_attention's layouts of q (B, T, N, H) = (8, 16, 4, 16) against k (8, 20, 2, 16): the batch
@@ -332,17 +448,19 @@ def test_gather_warns_once_and_an_explicit_kernel_refuses(mesh):
 
 
 def test_a_mesh_of_auto_axes_in_context():
-  """Auto axes: the compiler splits, and cannot split a kernel. Mosaic TPU is refused with
-  what works; a Triton kernel runs whole (gathered), with a warning saying so."""
+  """Auto axes, an op that does not yet take its split from the rules (matmul; the row ops
+  do: test_auto_mesh_in_context_splits_by_the_rules): the compiler would split, and cannot
+  split a kernel. Mosaic TPU is refused with what works; a Triton kernel runs whole
+  (gathered), with a warning saying so."""
   auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
   x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
   with jax.set_mesh(auto), jk.interpret_mode():
-    with pytest.raises(ValueError, match=r"rms_norm: implementation='mosaic_tpu' cannot run on "
+    with pytest.raises(ValueError, match=r"matmul: implementation='mosaic_tpu' cannot run on "
                        r"the mesh in context spans 8 devices on Auto axes.*Explicit axes"):
-      jax.jit(lambda x: jk.rms_norm(x, jnp.ones(128), implementation="mosaic_tpu")).trace(x)
+      jax.jit(lambda x: jk.matmul(x, jnp.ones((128, 64)), implementation="mosaic_tpu")).trace(x)
     with pytest.warns(jk.ShardingWarning, match="cannot split a triton kernel, so its operands "
                       "are gathered"):
-      jax.jit(lambda x: jk.rms_norm(x, jnp.ones(128), implementation="triton")).trace(x)
+      jax.jit(lambda x: jk.matmul(x, jnp.ones((128, 64)), implementation="triton")).trace(x)
 
 
 def test_an_axis_that_does_not_divide_is_named(mesh):
@@ -407,6 +525,25 @@ def test_tpu_compile_keeps_rows_split(tpu4, case):
   """Rows split over 4 chips: the compiled program gathers no row array, and each chip holds
   about a quarter of the unsharded call's arguments, outputs and temporaries (forward and
   backward)."""
+  _check_rows_split(tpu4, case)
+
+
+# The ops that split on Auto axes so far (the others: the compiler's "cannot be automatically
+# partitioned" is refused before it, with what to do).
+AUTO_TPU_CASES = sorted(set(TPU_CASES) - {"matmul"})
+
+
+@pytest.mark.parametrize("case", AUTO_TPU_CASES)
+def test_tpu_compile_keeps_rows_split_on_auto_axes(tpu4, case):
+  """The same on a mesh of Auto axes in context (jax.sharding.Mesh's default, the arrays placed
+  by their shardings): the rows split by the default rules, batch over "data"."""
+  auto = jax.sharding.Mesh(tpu4.devices, tpu4.axis_names, axis_types=(AxisType.Auto,))
+  # The unsharded call's memory from the Explicit mesh: on Auto axes the compiler splits even
+  # a replicated input's outputs as it likes.
+  _check_rows_split(auto, case, whole_on=tpu4)
+
+
+def _check_rows_split(tpu4, case, whole_on=None):
   op, weight = TPU_CASES[case]
   rows, n = 4096, 1024
   w_shape = (2, n) if weight == "vector" else (n, n)
@@ -415,12 +552,12 @@ def test_tpu_compile_keeps_rows_split(tpu4, case):
     return jax.value_and_grad(lambda x, w: jnp.sum(op(x, w).astype(jnp.float32)),
                               argnums=(0, 1))(x, w)
 
-  def compiled(spec):
-    x = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16, sharding=NamedSharding(tpu4, spec))
-    w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16, sharding=NamedSharding(tpu4, P()))
-    return _tpu_compile(tpu4, step, x, w)
+  def compiled(spec, mesh):
+    x = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    return _tpu_compile(mesh, step, x, w)
 
-  split, whole = compiled(P("data", None)), compiled(P(None, None))
+  split, whole = compiled(P("data", None), tpu4), compiled(P(None, None), whole_on or tpu4)
   text = split.as_text()
   assert "all-gather" not in text and "all-to-all" not in text
   assert "jk_" in text  # the kernels, partitioned

@@ -179,7 +179,7 @@ def _per_token(logits, labels, options: _Options, implementation, config):
       OP, implementation,
       lambda logits, labels: _per_token(logits, labels[..., 0], options, implementation,
                                         config)[..., None],
-      rows={"logits": logits, "labels": labels[..., None]}, reduced=-1)
+      rows={"logits": logits, "labels": labels[..., None]}, reduced=-1, feature="vocab")
   if split:
     return out[..., 0]
   plan = _plan(implementation, logits, logits, config, options, empty=logits.size == 0)

@@ -99,7 +99,7 @@ def bias_activation(x, bias, *, activation: str, implementation=None, config=Non
       "bias_activation", implementation,
       lambda x, bias: bias_activation(x, bias, activation=activation,
                                       implementation=implementation, config=config),
-      rows={"x": x}, vectors={"bias": bias}, reduced=None)
+      rows={"x": x}, vectors={"bias": bias}, reduced=None, feature="mlp")
   if split:
     return out
   plan = _plan("bias_activation", implementation, config, activation, x=x, bias=bias)
@@ -129,7 +129,7 @@ def glu(gate, up=None, *, activation: str = "silu", implementation=None, config=
       "glu", implementation,
       lambda gate, up: glu(gate, up, activation=activation, implementation=implementation,
                            config=config),
-      rows={"gate": gate, "up": up}, reduced=None)
+      rows={"gate": gate, "up": up}, reduced=None, feature="mlp")
   if split:
     return out
   plan = _plan("glu", implementation, config, activation, gate=gate, up=up)
@@ -176,7 +176,7 @@ def _glu_packed(x, activation, implementation, config):
   split, out = partitioning.rowwise(
       op, implementation,
       lambda gate: _glu_packed(gate, activation, implementation, config),
-      rows={"gate": x}, reduced=-1)
+      rows={"gate": x}, reduced=-1, feature="mlp")
   if split:
     return out
   plan, half = _packed_plan(x, activation, implementation, config, x)
