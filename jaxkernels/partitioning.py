@@ -186,6 +186,26 @@ def auto_mesh():
   return mesh if all(t == auto for t in mesh.axis_types) else None
 
 
+def split_of(op: str, arrays: Mapping[str, Any],
+             names: Mapping[str, Sequence[str | None]]) -> tuple[Any, dict[str, list]] | None:
+  """(the mesh, each array's split as a list of PartitionSpec entries) for an op's ``arrays``:
+  from their types where they live on a mesh of Explicit axes, else from the rules for their
+  dimensions' logical ``names`` where a mesh of Auto axes is in context (an array without
+  names stays whole; a dimension the rules' axes do not divide is kept whole, warned); None
+  where neither (one device, or inside a shard_map). Arrays that are None are left out."""
+  present = {k: a for k, a in arrays.items() if a is not None}
+  found = next(filter(None, map(layout, present.values())), None)
+  if found is not None:
+    mesh = found[0]
+    return mesh, {k: list(layout(a)[1]) if layout(a) else [None] * a.ndim
+                  for k, a in present.items()}
+  mesh = auto_mesh()
+  if mesh is None:
+    return None
+  return mesh, {k: _dividing(op, k, a, logical_spec(names.get(k, (None,) * a.ndim), mesh), mesh)
+                for k, a in present.items()}
+
+
 def _is_auto(mesh) -> bool:
   auto = getattr(jax.sharding.AxisType, "Auto", None)
   return all(t == auto for t in getattr(mesh, "axis_types", ()))

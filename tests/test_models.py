@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -100,11 +101,14 @@ def test_remat_changes_no_number(policy, kernels, scan):
 
 
 @pytest.mark.cpu_only
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
 @pytest.mark.parametrize("interpreted", [False, True])
-def test_data_parallel_train_step_matches_one_device(interpreted):
-  """The batch split over 8 host devices (a mesh of Explicit axes, parameters and optimizer
-  state replicated): the same losses, step for step, as on one device; with the kernels
-  (Triton, interpreted) splitting with the batch, and on the references."""
+def test_data_parallel_train_step_matches_one_device(interpreted, axis_type):
+  """The batch split over 8 host devices (parameters and optimizer state replicated): the same
+  losses, step for step, as on one device; with the kernels (Triton, interpreted) splitting
+  with the batch, and on the references. On Explicit axes the ops read the split from the
+  arrays' types; on Auto axes (jax.sharding.Mesh's default, in context) from the default
+  rules (batch over "data"), with nothing gathered or warned."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   tokens = [_tokens(TINY, batch=8, seed_label=("dp", i)) for i in range(3)]
@@ -113,10 +117,12 @@ def test_data_parallel_train_step_matches_one_device(interpreted):
     model, optimizer = llama.make(TINY, seed=3)
     want = [float(llama.train_step(model, optimizer, t)) for t in tokens]
     model, optimizer = llama.make(TINY, seed=3)
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",),
+                             axis_types=(getattr(AxisType, axis_type),))
     state = nnx.state((model, optimizer))
     nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+      warnings.simplefilter("error", jk.ShardingWarning)
       got = [float(llama.train_step(model, optimizer,
                                     jax.device_put(t, NamedSharding(mesh, P("data")))))
              for t in tokens]

@@ -250,6 +250,50 @@ def test_auto_mesh_runs_the_tpu_kernels_per_shard(request, mesh):
                           reduction=max(SHAPE[-1], math.prod(SHAPE[:-1])))
 
 
+def test_auto_mesh_splits_matmul_attention_and_the_fused_loss(mesh):
+  """On the Auto mesh in context, jitted with in_shardings, the ops with rules of their own
+  (Triton, interpreted; float32 products): matmul data parallel by the default rules and row
+  parallel where the rules split "embed"; GQA attention with q's and k's heads split together
+  where the rules split "heads"; the fused loss over the tokens. Each as its reference,
+  forward and gradients, each shard's block in the program, nothing warned."""
+  gen = numerics.rng("sharding-auto", "rules of their own")
+  a = numerics.normal(gen, (8, 16, 64), jnp.float32)
+  b = numerics.normal(gen, (64, 32), jnp.float32)
+  q = numerics.normal(gen, (8, 16, 4, 16), jnp.float32)
+  kv = numerics.normal(gen, (8, 16, 2, 16), jnp.float32)
+  labels = jnp.asarray(gen.integers(0, 32, (8, 16)), jnp.int32)
+  auto = _auto_mesh()
+  cases = {
+      "matmul data parallel": (lambda a, b: jk.matmul(a, b), (a, b), None, "8x16x64", "2x16x64"),
+      "matmul row parallel": (lambda a, b: jk.matmul(a, b), (a, b), {"batch": "data",
+                              "embed": "model"}, "8x16x64", "2x16x32"),
+      "attention heads": (lambda q, k, v: jk.flash_attention(q, k, v, causal=True),
+                          (q, kv, kv), {"batch": "data", "heads": "model"}, "8x16x4x16",
+                          "2x16x2x16"),
+      "fused loss": (lambda x, w, y: jk.linear_softmax_cross_entropy(x, w, y), (a, b, labels),
+                     None, "8x16x64", "2x16x64"),
+  }
+  for name, (fn, args, rules, whole, local) in cases.items():
+    shardings = tuple(NamedSharding(auto, P("data") if x.ndim > 2 else P()) for x in args)
+    floats = [i for i, x in enumerate(args) if x.dtype == jnp.float32]
+    value_and_grads = lambda *args: jax.value_and_grad(
+        lambda *f: jnp.sum(fn(*[f[floats.index(i)] if i in floats else x
+                                for i, x in enumerate(args)]) ** 2),
+        argnums=tuple(range(len(floats))))(*[args[i] for i in floats])
+    with jax.default_matmul_precision("highest"):
+      want = jax.jit(value_and_grads)(*args)  # one device: the kernels' own numbers
+      with jk.interpret_mode("triton"), jax.set_mesh(auto), jk.sharding_rules(rules), \
+           warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = jax.jit(value_and_grads, in_shardings=shardings)
+        got = step(*args)
+        text = step.lower(*args).as_text()
+    assert not [w for w in caught if issubclass(w.category, jk.ShardingWarning)], (
+        name, [str(w.message) for w in caught])
+    chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-5 * float(jnp.abs(want[0])))
+    assert f"tensor<{local}xf32>" in text, (name, local)
+
+
 def want_spec_local(spec, mesh):
   """The local (per-shard) shape of a SHAPE array split as ``spec`` on ``mesh``."""
   return [n // partitioning.size(mesh, partitioning.axes(e)) for n, e in
@@ -447,20 +491,19 @@ def test_gather_warns_once_and_an_explicit_kernel_refuses(mesh):
       jax.jit(lambda x, b: jk.matmul(x, b))(_put(mesh, jnp.ones((8, 128)), P("data", None)), b)
 
 
-def test_a_mesh_of_auto_axes_in_context():
-  """Auto axes, an op that does not yet take its split from the rules (matmul; the row ops
-  do: test_auto_mesh_in_context_splits_by_the_rules): the compiler would split, and cannot
-  split a kernel. Mosaic TPU is refused with what works; a Triton kernel runs whole
-  (gathered), with a warning saying so."""
+def test_a_kernel_reached_on_auto_axes_is_refused_or_warned():
+  """The safety net behind the ops' splits: a kernel planned while a mesh of Auto axes is in
+  context (every op splits by the rules before it gets there) would be split by the compiler,
+  which cannot split a kernel. Mosaic TPU is refused with what works; a GPU kernel would run
+  whole (gathered), with a warning saying so."""
   auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-  x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
-  with jax.set_mesh(auto), jk.interpret_mode():
+  with jax.set_mesh(auto):
     with pytest.raises(ValueError, match=r"matmul: implementation='mosaic_tpu' cannot run on "
                        r"the mesh in context spans 8 devices on Auto axes.*Explicit axes"):
-      jax.jit(lambda x: jk.matmul(x, jnp.ones((128, 64)), implementation="mosaic_tpu")).trace(x)
+      partitioning.check_mesh_in_context("matmul", "mosaic_tpu")
     with pytest.warns(jk.ShardingWarning, match="cannot split a triton kernel, so its operands "
                       "are gathered"):
-      jax.jit(lambda x: jk.matmul(x, jnp.ones((128, 64)), implementation="triton")).trace(x)
+      partitioning.check_mesh_in_context("matmul", "triton")
 
 
 def test_an_axis_that_does_not_divide_is_named(mesh):

@@ -190,7 +190,7 @@ def _finite_float(name, value) -> float:
 
 def _sharded(a: _Args, call, implementation, op: str = OP):
   """The op on split arrays (``partitioning``), as (True, result), or (False, None) where no
-  array lives on a mesh of Explicit axes. The rule: the batch dimensions and the heads split
+  array lives on a mesh of Explicit axes and no mesh of Auto axes is in context. The rule: the batch dimensions and the heads split
   freely (q's N and k's K over the same axes, so that each shard holds whole GQA groups); a
   split sequence (T or S) or head dim is gathered, with the one-time ShardingWarning (an error
   for an explicit kernel), as are heads whose kv heads the axes do not divide."""
@@ -198,13 +198,16 @@ def _sharded(a: _Args, call, implementation, op: str = OP):
     return False, None
   arrays = dict(q=a.q, k=a.k, v=a.v, bias=a.bias, segment_ids=a.segment_ids,
                 kv_segment_ids=a.kv_segment_ids, lengths=a.lengths)
-  found = next(filter(None, map(partitioning.layout, arrays.values())), None)
+  nb = a.q.ndim - 3
+  # On a mesh of Auto axes, the dimensions' logical names (Flax's): q's and k's heads both
+  # "heads", so that a rule splits q's N and k's K together.
+  batch_names = ("batch",) + (None,) * (nb - 1)
+  named = batch_names + ("length", "heads", "kv")
+  found = partitioning.split_of(op, arrays, {"q": named, "k": named})
   if found is None:
     return False, None
-  mesh = found[0]
-  nb = a.q.ndim - 3
-  spec = lambda x: list(partitioning.layout(x)[1]) if partitioning.layout(x) else [None] * x.ndim
-  spec_q, spec_k = spec(a.q), spec(a.k)
+  mesh, split = found
+  spec_q, spec_k = split["q"], split["k"]
   batch = [partitioning.axes(e) for e in spec_q[:nb]]
   taken = {x for axes in batch for x in axes}
   for name, x, sp, dims in (("q", a.q, spec_q, (nb, nb + 2)), ("k", a.k, spec_k, (nb, nb + 2))):

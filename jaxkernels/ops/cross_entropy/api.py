@@ -373,9 +373,12 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
                      f"V > 0, got {tuple(w.shape)}")
   labels = _labels(op, labels, x.shape[:-1], "x without its last axis")
   options = _options(op, label_smoothing, z_loss, ignore_index, reduction)
-  found = next((lay for lay in map(partitioning.layout, (x, w, labels)) if lay), None)
+  # On a mesh of Auto axes: x's tokens as "batch", "length", ..., D as "embed"; w (D, V).
+  x_names = partitioning.row_names(x.ndim, "embed")
+  found = partitioning.split_of(op, {"x": x, "w": w, "labels": labels},
+                                {"x": x_names, "w": ("embed", "vocab"), "labels": x_names[:-1]})
   if found is not None:
-    return _linear_sharded(found[0], x, w, labels, options, reduction, chunk_size,
+    return _linear_sharded(*found, x, w, labels, options, reduction, chunk_size,
                            implementation, config)
   return _linear_one_device(x, w, labels, options, reduction, chunk_size, implementation,
                             config)
@@ -402,22 +405,20 @@ def _linear_one_device(x, w, labels, options: _Options, reduction, chunk_size, i
   return _linear_total(spec, flat_x, w, flat_labels, lax.stop_gradient(weights))
 
 
-def _linear_sharded(mesh, x, w, labels, options: _Options, reduction, chunk_size,
+def _linear_sharded(mesh, split, x, w, labels, options: _Options, reduction, chunk_size,
                     implementation, config):
-  """The fused loss on a mesh of Explicit axes: each shard of tokens (x's leading axes, split
-  as x is) runs it with the whole w (gathered where it is split: the vocabulary and D are
+  """The fused loss on a mesh (Explicit axes, or Auto axes in context, split by the rules):
+  each shard of tokens (x's leading axes, split as x is) runs it with the whole w (gathered where it is split: the vocabulary and D are
   reduced over); the shards' sums and token counts are added after. dw sums over the shards
   (shard_map's transpose of w's replication): in float32, rounded to a 16-bit w's dtype once
   after the sum (w enters the shards as float32, its products still run in its dtype)."""
   op = LINEAR_OP
-  have = partitioning.layout(x)
-  spec = list(have[1]) if have else [None] * x.ndim
+  spec = split["x"]
   if partitioning.axes(spec[-1]):
     partitioning.gathered(op, implementation, "x", x, x.ndim - 1, partitioning.axes(spec[-1]),
                           mesh)
     spec[-1] = None
-  have_w = partitioning.layout(w)
-  for dim, entry in enumerate(have_w[1] if have_w else ()):
+  for dim, entry in enumerate(split["w"]):
     if partitioning.axes(entry):
       partitioning.gathered(op, implementation, "w", w, dim, partitioning.axes(entry), mesh,
                             why="each shard of tokens needs the whole projection")

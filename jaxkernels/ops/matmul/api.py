@@ -358,12 +358,14 @@ def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
   if implementation == "xla":
     return False, None  # the reference is jnp: XLA's own partitioner splits it
   arrays = dict(a=a, b=b, bias=bias, residual=residual, a_scale=a_scale, b_scale=b_scale)
-  found = next(filter(None, map(partitioning.layout, arrays.values())), None)
+  # On a mesh of Auto axes: A's rows as "batch", "length", ..., K as "embed"; B's N has no
+  # name a matmul can know (heads? mlp?), so it stays whole unless B's type splits it.
+  rows_named = partitioning.row_names(a.ndim, "embed")
+  found = partitioning.split_of(OP, arrays, {"a": rows_named, "b": ("embed", None)})
   if found is None:
     return False, None
-  mesh = found[0]
-  spec_a = list(partitioning.layout(a)[1]) if partitioning.layout(a) else [None] * a.ndim
-  spec_b = list(partitioning.layout(b)[1]) if partitioning.layout(b) else [None, None]
+  mesh, split = found
+  spec_a, spec_b = split["a"], split["b"]
   rows = [partitioning.axes(e) for e in spec_a[:-1]]
   row_axes = {x for r in rows for x in r}
   k = partitioning.axes(spec_a[-1])
