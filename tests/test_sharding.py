@@ -579,7 +579,10 @@ AUTO_TPU_CASES = sorted(set(TPU_CASES) - {"matmul"})
 @pytest.mark.parametrize("case", AUTO_TPU_CASES)
 def test_tpu_compile_keeps_rows_split_on_auto_axes(tpu4, case):
   """The same on a mesh of Auto axes in context (jax.sharding.Mesh's default, the arrays placed
-  by their shardings): the rows split by the default rules, batch over "data"."""
+  by their shardings): the rows split by the default rules, batch over "data". (v5e only: the
+  split is the rules', not the chip's; each compile costs CI ~14 s.)"""
+  if tpu4.devices.flat[0].device_kind != "TPU v5 lite":
+    pytest.skip("the Auto-axes split is checked on v5e; v6e compiles the same shard_map")
   auto = jax.sharding.Mesh(tpu4.devices, tpu4.axis_names, axis_types=(AxisType.Auto,))
   # The unsharded call's memory from the Explicit mesh: on Auto axes the compiler splits even
   # a replicated input's outputs as it likes.
