@@ -266,6 +266,20 @@ class TestLinearCrossEntropy:
 
 
 @pytest.mark.cpu_only
+def test_supports_the_linear_loss():
+  """supports() asks the fused loss's row kernels about a chunk's logits, validating the call
+  as the op does (it once answered "unknown op")."""
+  x = jnp.ones((300, 64), jnp.bfloat16)
+  w = jnp.ones((64, 1000), jnp.bfloat16)
+  labels = jnp.zeros((300,), jnp.int32)
+  with jk.interpret_mode("triton"):
+    assert jk.supports("linear_softmax_cross_entropy", "triton", x, w, labels)
+  no = jk.supports("linear_softmax_cross_entropy", "mosaic_gpu", x, w, labels)
+  assert not no and "no mosaic_gpu kernel" in no.reason
+  with pytest.raises(ValueError, match=r"w must be \(D, V\) with D = x's last dimension 64"):
+    jk.supports("linear_softmax_cross_entropy", "triton", x, w[:5], labels)
+
+
 def test_sharded_rows():
   """Logits split over the batch on a mesh of 8 host devices: the row kernels run per shard,
   the per-token loss stays split, the mean is the whole batch's."""

@@ -366,13 +366,8 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
     config: their Config (for a (chunk, V) problem of x's dtype); None picks one.
   """
   op = LINEAR_OP
-  x = _checks.array(op, "x", x)
-  w = _checks.array(op, "w", w, min_rank=2)
-  if w.ndim != 2 or w.shape[0] != x.shape[-1] or w.shape[1] == 0:
-    raise ValueError(f"{op}: w must be (D, V) with D = x's last dimension {x.shape[-1]} and "
-                     f"V > 0, got {tuple(w.shape)}")
-  labels = _labels(op, labels, x.shape[:-1], "x without its last axis")
-  options = _options(op, label_smoothing, z_loss, ignore_index, reduction)
+  x, w, labels, options = _validate_linear(x, w, labels, label_smoothing, z_loss, ignore_index,
+                                           reduction)
   # On a mesh of Auto axes: x's tokens as "batch", "length", ..., D as "embed"; w (D, V).
   x_names = partitioning.row_names(x.ndim, "embed")
   found = partitioning.split_of(op, {"x": x, "w": w, "labels": labels},
@@ -382,6 +377,17 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
                            implementation, config)
   return _linear_one_device(x, w, labels, options, reduction, chunk_size, implementation,
                             config)
+
+
+def _validate_linear(x, w, labels, label_smoothing, z_loss, ignore_index, reduction):
+  op = LINEAR_OP
+  x = _checks.array(op, "x", x)
+  w = _checks.array(op, "w", w, min_rank=2)
+  if w.ndim != 2 or w.shape[0] != x.shape[-1] or w.shape[1] == 0:
+    raise ValueError(f"{op}: w must be (D, V) with D = x's last dimension {x.shape[-1]} and "
+                     f"V > 0, got {tuple(w.shape)}")
+  labels = _labels(op, labels, x.shape[:-1], "x without its last axis")
+  return x, w, labels, _options(op, label_smoothing, z_loss, ignore_index, reduction)
 
 
 def _linear_one_device(x, w, labels, options: _Options, reduction, chunk_size, implementation,
@@ -457,9 +463,20 @@ def _problem_of(logits, labels=None, **unused):
   return Problem.of(logits), (logits,)
 
 
+def _linear_problem_of(x, w, labels, *, label_smoothing=0.0, z_loss=0.0, ignore_index=None,
+                       reduction="mean", chunk_size=None, **unused):
+  """The fused loss's problem: its row kernels' on a chunk's (chunk, V) logits in x's dtype."""
+  x, w, labels, _ = _validate_linear(x, w, labels, label_smoothing, z_loss, ignore_index,
+                                     reduction)
+  chunk = _chunk(math.prod(x.shape[:-1]), w.shape[1], chunk_size)
+  return Problem.of(jax.ShapeDtypeStruct((chunk, w.shape[1]), x.dtype)), (x, w, labels)
+
+
 _KERNELS = backend.register(OP, {
     "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
                                  backward=triton.backward),
     "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
                                      backward=mosaic_tpu.backward),
 }, _problem_of)
+# The fused loss runs the same row kernels: supports() asks them of a chunk's logits.
+backend.register(LINEAR_OP, _KERNELS, _linear_problem_of)
