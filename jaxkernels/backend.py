@@ -292,6 +292,11 @@ def register(op: str, table: Mapping[str, Kernels],
   return table
 
 
+def ops() -> list[str]:
+  """The registered ops' names (each public op's)."""
+  return sorted(_REGISTRY)
+
+
 def kernels(op: str) -> Mapping[str, Kernels]:
   """``op``'s registered kernels by implementation (for tuning a config by hand, say)."""
   if op not in _REGISTRY:
