@@ -703,6 +703,40 @@ def test_cuda_lowering_splits_mosaic_gpu_attention(mesh):
   assert "all_gather" not in text and "all_to_all" not in text
 
 
+def test_cuda_lowering_on_auto_axes_runs_each_kernel_per_shard(mesh):
+  """Exported for CUDA under an Auto mesh in context: the Mosaic GPU attention kernels (forward,
+  dq, dk/dv) on each shard's batch and heads as the rules split them, and the Triton norm on
+  each shard's rows; nothing gathered."""
+  from jax import export
+
+  from jaxkernels._triton import CUSTOM_CALL as TRITON_CUSTOM_CALL
+
+  auto = _auto_mesh()
+  rows = NamedSharding(auto, P("data"))
+  q = jax.ShapeDtypeStruct((8, 256, 8, 128), jnp.bfloat16, sharding=rows)
+  kv = jax.ShapeDtypeStruct((8, 256, 2, 128), jnp.bfloat16, sharding=rows)
+
+  def step(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(jk.flash_attention(
+        q, k, v, causal=True, implementation="mosaic_gpu").astype(jnp.float32)),
+        argnums=(0, 1, 2))(q, k, v)
+
+  x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=rows)
+  norm = lambda x: jk.rms_norm(x, jnp.ones(256, jnp.bfloat16), implementation="triton")
+  with jax.set_mesh(auto), jk.sharding_rules(batch="data", heads="model"):
+    attention = export.export(jax.jit(step), platforms=["cuda"])(q, kv, kv).mlir_module()
+    normed = export.export(jax.jit(norm), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(x).mlir_module()
+  for name in ("jk_attention_fwd_mgpu", "jk_attention_dq_mgpu", "jk_attention_dkdv_mgpu"):
+    assert name in attention, name
+  # q's 8 heads and k's 2 over "model" (2): 4 and 1 a shard, the batch of 8 over "data" (4).
+  assert "tensor<2x256x4x128xbf16>" in attention and "tensor<2x256x1x128xbf16>" in attention
+  assert "tensor<16x256xbf16>" in normed and "__gpu$xla.gpu.triton" in normed
+  for text in (attention, normed):
+    assert "manual_computation" in text
+    assert "all_gather" not in text and "all_to_all" not in text
+
+
 def test_data_parallel_db_is_summed_in_float32_and_rounded_once(mesh):
   """bfloat16, rows split over all 8 devices, B whole: each shard's dB is a partial sum of
   the rows' contributions. Kept in float32 through the sum across shards and rounded once,
