@@ -13,9 +13,11 @@ cotangents of operands that every shard shares: d(scale), d(bias), dB). Arrays r
 the mesh run the kernel whole on every device, as XLA runs replicated work. It needs the split
 at trace time: arrays on a mesh whose axes are ``jax.sharding.AxisType.Explicit`` carry it in
 their type (``jax.typeof(x).sharding``), so that is what the ops read. On ``Auto`` axes the
-split is decided later by the compiler, which cannot split a kernel: run kernels on sharded
-data with Explicit axes (or inside your own shard_map, where every array is one shard and the
-ops run as on one device).
+compiler decides the split later and cannot split a kernel, so the ops decide it themselves
+where a mesh is in context (below). With no mesh in context (``jit(in_shardings=...)``
+alone) nothing at trace time says how the arrays are split, and the ops run as on one
+device: use Explicit axes, put the mesh in context, or call them inside your own shard_map,
+where every array is one shard.
 
 On a mesh of ``Auto`` axes in context (``jax.set_mesh(mesh)`` or ``with mesh:``, arrays placed
 by ``jit(in_shardings=...)`` or ``device_put``) the arrays' types carry no split, so the op

@@ -221,9 +221,12 @@ def shard_batch(tokens, where: jax.sharding.Mesh | None):
 
 def _identity(cfg: llama.Config, tc: TrainConfig, data: np.ndarray) -> dict:
   """What a checkpoint directory's run was, as its JSON holds it. Not its length: a finished
-  run trains on with a larger ``--steps`` (the cosine then decays over the new length)."""
+  run trains on with a larger ``--steps`` (the cosine then decays over the new length); not
+  its ``--reference-ops`` (a switch for finding where a difference comes from, which leaves
+  the state as it is; checkpoints from before it existed stay whole)."""
   train = {k: v for k, v in dataclasses.asdict(tc).items() if k != "steps"}
-  return json.loads(json.dumps({"model": dataclasses.asdict(cfg), "train": train,
+  model = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "reference_ops"}
+  return json.loads(json.dumps({"model": model, "train": train,
                                 "corpus": fingerprint(data)}))
 
 

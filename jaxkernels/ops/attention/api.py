@@ -190,8 +190,9 @@ def _finite_float(name, value) -> float:
 
 def _sharded(a: _Args, call, implementation, op: str = OP):
   """The op on split arrays (``partitioning``), as (True, result), or (False, None) where no
-  array lives on a mesh of Explicit axes and no mesh of Auto axes is in context. The rule: the batch dimensions and the heads split
-  freely (q's N and k's K over the same axes, so that each shard holds whole GQA groups); a
+  array lives on a mesh of Explicit axes and no mesh of Auto axes is in context. The rule: the
+  batch dimensions and the heads split freely (q's N and k's K over the same axes, so that
+  each shard holds whole GQA groups); a
   split sequence (T or S) or head dim is gathered, with the one-time ShardingWarning (an error
   for an explicit kernel), as are heads whose kv heads the axes do not divide."""
   if implementation == "xla":

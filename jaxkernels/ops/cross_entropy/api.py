@@ -414,8 +414,9 @@ def _linear_one_device(x, w, labels, options: _Options, reduction, chunk_size, i
 def _linear_sharded(mesh, split, x, w, labels, options: _Options, reduction, chunk_size,
                     implementation, config):
   """The fused loss on a mesh (Explicit axes, or Auto axes in context, split by the rules):
-  each shard of tokens (x's leading axes, split as x is) runs it with the whole w (gathered where it is split: the vocabulary and D are
-  reduced over); the shards' sums and token counts are added after. dw sums over the shards
+  each shard of tokens (x's leading axes, split as x is) runs it with the whole w (gathered
+  where it is split: the vocabulary and D are reduced over); the shards' sums and token
+  counts are added after. dw sums over the shards
   (shard_map's transpose of w's replication): in float32, rounded to a 16-bit w's dtype once
   after the sum (w enters the shards as float32, its products still run in its dtype)."""
   op = LINEAR_OP
