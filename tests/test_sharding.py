@@ -191,8 +191,9 @@ def _auto_mesh():
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_auto_mesh_in_context_splits_by_the_rules(mesh, op, rules):
   """The row ops under ``jax.set_mesh`` of Auto axes, jitted with in_shardings (the classic
-  way): each runs per shard as the rules split its rows (Triton, interpreted), by the numerics
-  rule forward and backward, the output split so, nothing gathered or warned."""
+  way): each runs per shard as the rules split its rows (Triton, interpreted; each shard's
+  block in the program), by the numerics rule forward and backward, nothing gathered or
+  warned."""
   from flax import nnx
 
   fn, ref, arrays, kinds = OPS[op]
@@ -223,7 +224,7 @@ def test_auto_mesh_in_context_splits_by_the_rules(mesh, op, rules):
                           reduction=max(SHAPE[-1], math.prod(SHAPE[:-1])))
   # The kernels' shard_map over the mesh in context, each shard's rows as the rules say.
   assert "sdy.manual_computation" in text or "shard_map" in text
-  local = [int(d) for d in want_spec_local(want_spec, auto)]
+  local = [int(d) for d in _local_shape(want_spec, auto)]
   assert f"tensor<{local[0]}x{local[1]}x{SHAPE[-1]}xf32>" in text, (local, want_spec)
 
 
@@ -294,7 +295,7 @@ def test_auto_mesh_splits_matmul_attention_and_the_fused_loss(mesh):
     assert f"tensor<{local}xf32>" in text, (name, local)
 
 
-def want_spec_local(spec, mesh):
+def _local_shape(spec, mesh):
   """The local (per-shard) shape of a SHAPE array split as ``spec`` on ``mesh``."""
   return [n // partitioning.size(mesh, partitioning.axes(e)) for n, e in
           zip(SHAPE, tuple(spec) + (None,) * (len(SHAPE) - len(spec)))]
