@@ -119,7 +119,8 @@ class sharding_rules:  # noqa: N801 - used as a function, and as a context manag
   ``(name, axes)`` pairs (the first pair of a name wins), sets them for this thread until
   set again; as a context manager (``with jk.sharding_rules(...):``) until the block ends.
   A name the rules leave out stays whole, and so does an axis the mesh lacks.
-  ``jk.sharding_rules(None)`` goes back to Flax's rules where set, else the default.
+  ``jk.sharding_rules(None)`` goes back to Flax's rules where set, else the default;
+  ``jk.sharding_rules()`` sets none at all (nothing splits).
   """
 
   def __init__(self, rules=(), /, **named):
