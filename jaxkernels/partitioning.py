@@ -144,6 +144,16 @@ class sharding_rules:  # noqa: N801 - used as a function, and as a context manag
     _RULES.rules = self._previous
 
 
+def rules_set(mesh) -> dict[str, tuple[str, ...]] | None:
+  """The rules someone set (ours, else Flax's), each name's axes those of ``mesh``; None where
+  none are set (a model then lays itself out its own way)."""
+  if _RULES.rules is None:
+    flax_spmd = sys.modules.get("flax.core.spmd")
+    if flax_spmd is None or not flax_spmd.get_logical_axis_rules():
+      return None
+  return current_rules(mesh)
+
+
 def current_rules(mesh) -> dict[str, tuple[str, ...]]:
   """The rules in force for ``mesh``: ours, else Flax's where set, else the default; each
   name's axes those of ``mesh``."""

@@ -17,7 +17,8 @@ Every weight matrix records logical names for its dimensions (``nnx.get_partitio
 :data:`RULES` maps them onto a mesh's ``data`` and ``fsdp`` axes and :func:`place` lays a
 model (and its optimizer) out by them: fully sharded data parallelism, each weight split over
 ``fsdp`` along its width and gathered whole (in ``dtype``) where a layer uses it, the batch
-split over both axes.
+split over both axes. Logical axis rules set by the user (``jk.sharding_rules``, or Flax's
+``nnx.logical_axis_rules``) take the place of :data:`RULES`, for the parameters as for the ops.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
 import jaxkernels.flax as jkf
-from jaxkernels import remat
+from jaxkernels import partitioning, remat
 
 KERNELS = ("jaxkernels", "xla")
 # The op groups that ``Config.reference_ops`` can put back on XLA's path one by one (to find
@@ -180,12 +181,26 @@ def _named(init, *axes):
 
 def shardings(state: nnx.State, mesh: jax.sharding.Mesh):
   """``state``'s layout on ``mesh``: each leaf's NamedSharding from its parameters' logical
-  names and :data:`RULES`; what has no names is replicated."""
-  def mesh_spec(spec):
-    return P(*(RULES.get(axis) if axis is not None else None for axis in spec))
+  names and the logical axis rules set (``jk.sharding_rules``, or Flax's), else :data:`RULES`;
+  what has no names is replicated."""
+  rules = partitioning.rules_set(mesh)
+  if rules is None:
+    rules = {name: partitioning.axes(axis) for name, axis in RULES.items()}
 
-  return jax.tree.map(lambda spec: NamedSharding(mesh, mesh_spec(spec)),
-                      nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, P))
+  def mesh_spec(spec):
+    used, out = set(), []
+    for name in spec:  # a mesh axis splits one dimension of a leaf at most
+      axes = tuple(a for a in rules.get(name, ()) if a not in used) if name else ()
+      used.update(axes)
+      out.append(partitioning.entry(axes))
+    return P(*out)
+
+  # The logical names as the parameters record them (under Flax's rules nnx would already
+  # have mapped them to mesh axes; the rules in ``rules`` include Flax's).
+  with nnx.logical_axis_rules(()):
+    specs = nnx.get_partition_spec(state)
+  return jax.tree.map(lambda spec: NamedSharding(mesh, mesh_spec(spec)), specs,
+                      is_leaf=lambda x: isinstance(x, P))
 
 
 def place(tree, mesh: jax.sharding.Mesh):

@@ -148,6 +148,25 @@ def test_data_parallel_train_step_matches_one_device(interpreted, axis_type):
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+@pytest.mark.cpu_only
+def test_the_layout_follows_the_rules_set():
+  """The parameters' layout: llama.RULES (each weight's width over fsdp) where no rules are
+  set; the user's jk.sharding_rules (or Flax's) where they are, as the ops take theirs."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  from flax import nnx as flax_nnx
+
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+  state = nnx.state(llama.make(TINY, seed=0)[0])
+  qkv = lambda: llama.shardings(state, mesh)["blocks"]["qkv"].spec  # (layers, embed, heads)
+  with jk.sharding_rules(None):
+    assert tuple(qkv()) == (None, "fsdp", None)
+  with jk.sharding_rules(embed="data", heads=("fsdp", "data")):
+    assert tuple(qkv()) == (None, "data", "fsdp")  # "data" taken by embed already
+  with jk.sharding_rules(None), flax_nnx.logical_axis_rules([("heads", "fsdp")]):
+    assert tuple(qkv()) == (None, None, "fsdp")
+
+
 def test_bad_configs_say_what_exists():
   with pytest.raises(ValueError, match="preset 'huge' does not exist; presets: tiny, 125m"):
     llama.preset("huge")
