@@ -112,6 +112,23 @@ def _axes_of(where: str, value) -> tuple[str, ...]:
                   f"got {value!r}")
 
 
+def _first_wins(pairs, whose: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+  """(name, mesh axes) pairs in Flax's form as our rules, the first pair of a name winning."""
+  out: dict[str, tuple[str, ...]] = {}
+  for pair in pairs:
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
+      raise TypeError(f"sharding_rules: each rule must be a (logical name, mesh axes) pair, "
+                      f"got {pair!r}")
+    out.setdefault(pair[0], _axes_of(f"{whose} rule for {pair[0]!r}", pair[1]))
+  return tuple(out.items())
+
+
+def _flax_rules():
+  """Flax's logical axis rules where set (flax is never imported for this), else ()."""
+  flax_spmd = sys.modules.get("flax.core.spmd")
+  return flax_spmd.get_logical_axis_rules() if flax_spmd is not None else ()
+
+
 class sharding_rules:  # noqa: N801 - used as a function, and as a context manager
   """Which mesh axes each logical dimension name splits over, for ops on meshes of Auto axes.
 
@@ -129,13 +146,7 @@ class sharding_rules:  # noqa: N801 - used as a function, and as a context manag
       _RULES.rules = None
       return
     pairs = list(rules.items() if isinstance(rules, Mapping) else rules) + list(named.items())
-    out: dict[str, tuple[str, ...]] = {}
-    for pair in pairs:
-      if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
-        raise TypeError(f"sharding_rules: each rule must be a (logical name, mesh axes) pair, "
-                        f"got {pair!r}")
-      out.setdefault(pair[0], _axes_of(f"the rule for {pair[0]!r}", pair[1]))
-    _RULES.rules = tuple(out.items())
+    _RULES.rules = _first_wins(pairs, "the")
 
   def __enter__(self) -> sharding_rules:
     return self
@@ -147,10 +158,8 @@ class sharding_rules:  # noqa: N801 - used as a function, and as a context manag
 def rules_set(mesh) -> dict[str, tuple[str, ...]] | None:
   """The rules someone set (ours, else Flax's), each name's axes those of ``mesh``; None where
   none are set (a model then lays itself out its own way)."""
-  if _RULES.rules is None:
-    flax_spmd = sys.modules.get("flax.core.spmd")
-    if flax_spmd is None or not flax_spmd.get_logical_axis_rules():
-      return None
+  if _RULES.rules is None and not _flax_rules():
+    return None
   return current_rules(mesh)
 
 
@@ -159,22 +168,16 @@ def current_rules(mesh) -> dict[str, tuple[str, ...]]:
   name's axes those of ``mesh``."""
   rules = _RULES.rules
   if rules is None:
-    flax_spmd = sys.modules.get("flax.core.spmd")  # never imported for this
-    flax_rules = flax_spmd.get_logical_axis_rules() if flax_spmd is not None else ()
-    if flax_rules:
-      found: dict[str, tuple[str, ...]] = {}
-      for name, value in flax_rules:
-        found.setdefault(name, _axes_of(f"Flax's rule for {name!r}", value))
-      rules = tuple(found.items())
-    else:
-      rules = (("batch", tuple(a for a in mesh.axis_names if a in DATA_AXES)),)
+    rules = _first_wins(_flax_rules(), "Flax's") or (
+        ("batch", tuple(a for a in mesh.axis_names if a in DATA_AXES)),)
   return {name: tuple(a for a in value if a in mesh.axis_names) for name, value in rules}
 
 
-def logical_spec(names: Sequence[str | None], mesh) -> list:
-  """The PartitionSpec entries for dimensions named ``names`` under the rules in force (a
-  mesh axis splits at most one dimension: the first that asks for it)."""
-  rules, used, spec = current_rules(mesh), set(), []
+def logical_spec(names: Sequence[str | None], mesh, rules=None) -> list:
+  """The PartitionSpec entries for dimensions named ``names`` under ``rules`` (name -> mesh
+  axes; default: the rules in force), a mesh axis splitting at most one dimension: the first
+  that asks for it."""
+  rules, used, spec = current_rules(mesh) if rules is None else rules, set(), []
   for name in names:
     picked = tuple(a for a in rules.get(name, ()) if a not in used) if name else ()
     used.update(picked)
@@ -195,8 +198,7 @@ def auto_mesh():
   mesh = jax.sharding.get_abstract_mesh()
   if getattr(mesh, "empty", True) or mesh.size == 1:
     return None
-  auto = getattr(jax.sharding.AxisType, "Auto", None)
-  return mesh if all(t == auto for t in mesh.axis_types) else None
+  return mesh if _is_auto(mesh) else None
 
 
 def split_of(op: str, arrays: Mapping[str, Any],
@@ -356,12 +358,9 @@ def check_mesh_in_context(op: str, implementation: str, picked: bool = False) ->
   compiler, not the op, splits the arrays, and it cannot split a kernel. Mosaic TPU would then
   fail to compile ("cannot be automatically partitioned"): refused here, saying what works.
   A GPU kernel would run whole on one device, its operands gathered: warned once."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if getattr(mesh, "empty", True) or mesh.size == 1:
-    return
-  auto = getattr(jax.sharding.AxisType, "Auto", None)
-  if not all(t == auto for t in mesh.axis_types):
-    return  # Explicit axes (the op splits itself) or Manual ones (inside a shard_map)
+  mesh = auto_mesh()
+  if mesh is None:
+    return  # one device, Explicit axes (the op splits itself) or Manual ones (a shard_map)
   advice = ("give the mesh Explicit axes (jax.make_mesh(..., axis_types=(jax.sharding."
             "AxisType.Explicit,) * n)) so that the op runs per shard, or call it inside "
             "jax.shard_map")

@@ -188,12 +188,7 @@ def shardings(state: nnx.State, mesh: jax.sharding.Mesh):
     rules = {name: partitioning.axes(axis) for name, axis in RULES.items()}
 
   def mesh_spec(spec):
-    used, out = set(), []
-    for name in spec:  # a mesh axis splits one dimension of a leaf at most
-      axes = tuple(a for a in rules.get(name, ()) if a not in used) if name else ()
-      used.update(axes)
-      out.append(partitioning.entry(axes))
-    return P(*out)
+    return P(*partitioning.logical_spec(tuple(spec), mesh, rules))
 
   # The logical names as the parameters record them (under Flax's rules nnx would already
   # have mapped them to mesh axes; the rules in ``rules`` include Flax's).

@@ -682,6 +682,17 @@ def test_cuda_lowering_splits_the_kernels(mesh, impl):
   assert "all_gather" not in text and "all_to_all" not in text
 
 
+MOSAIC_GPU_ATTENTION_KERNELS = ("jk_attention_fwd_mgpu", "jk_attention_dq_mgpu",
+                                "jk_attention_dkdv_mgpu")
+
+
+def _mosaic_gpu_attention_grads(q, k, v):
+  """Causal attention's gradients on the Mosaic GPU kernels (forward, dq, dk/dv)."""
+  return jax.grad(lambda q, k, v: jnp.sum(jk.flash_attention(
+      q, k, v, causal=True, implementation="mosaic_gpu").astype(jnp.float32)),
+      argnums=(0, 1, 2))(q, k, v)
+
+
 def test_cuda_lowering_splits_mosaic_gpu_attention(mesh):
   """flash_attention's Mosaic GPU kernels (forward, dq, dk/dv) on the (4, 2) mesh, the batch
   over one axis and the heads over the other: each runs in the manual computation on its
@@ -692,14 +703,10 @@ def test_cuda_lowering_splits_mosaic_gpu_attention(mesh):
   q = jax.ShapeDtypeStruct((8, 256, 8, 128), jnp.bfloat16, sharding=shard)
   kv = jax.ShapeDtypeStruct((8, 256, 2, 128), jnp.bfloat16, sharding=shard)
 
-  def step(q, k, v):
-    return jax.grad(lambda q, k, v: jnp.sum(jk.flash_attention(
-        q, k, v, causal=True, implementation="mosaic_gpu").astype(jnp.float32)),
-        argnums=(0, 1, 2))(q, k, v)
-
-  text = export.export(jax.jit(step), platforms=["cuda"])(q, kv, kv).mlir_module()
+  text = export.export(jax.jit(_mosaic_gpu_attention_grads), platforms=["cuda"])(
+      q, kv, kv).mlir_module()
   assert "manual_computation" in text
-  for name in ("jk_attention_fwd_mgpu", "jk_attention_dq_mgpu", "jk_attention_dkdv_mgpu"):
+  for name in MOSAIC_GPU_ATTENTION_KERNELS:
     assert name in text, name
   assert "all_gather" not in text and "all_to_all" not in text
 
@@ -717,18 +724,14 @@ def test_cuda_lowering_on_auto_axes_runs_each_kernel_per_shard(mesh):
   q = jax.ShapeDtypeStruct((8, 256, 8, 128), jnp.bfloat16, sharding=rows)
   kv = jax.ShapeDtypeStruct((8, 256, 2, 128), jnp.bfloat16, sharding=rows)
 
-  def step(q, k, v):
-    return jax.grad(lambda q, k, v: jnp.sum(jk.flash_attention(
-        q, k, v, causal=True, implementation="mosaic_gpu").astype(jnp.float32)),
-        argnums=(0, 1, 2))(q, k, v)
-
   x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=rows)
   norm = lambda x: jk.rms_norm(x, jnp.ones(256, jnp.bfloat16), implementation="triton")
   with jax.set_mesh(auto), jk.sharding_rules(batch="data", heads="model"):
-    attention = export.export(jax.jit(step), platforms=["cuda"])(q, kv, kv).mlir_module()
+    attention = export.export(jax.jit(_mosaic_gpu_attention_grads), platforms=["cuda"])(
+        q, kv, kv).mlir_module()
     normed = export.export(jax.jit(norm), platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(x).mlir_module()
-  for name in ("jk_attention_fwd_mgpu", "jk_attention_dq_mgpu", "jk_attention_dkdv_mgpu"):
+  for name in MOSAIC_GPU_ATTENTION_KERNELS:
     assert name in attention, name
   # q's 8 heads and k's 2 over "model" (2): 4 and 1 a shard, the batch of 8 over "data" (4).
   assert "tensor<2x256x4x128xbf16>" in attention and "tensor<2x256x1x128xbf16>" in attention
