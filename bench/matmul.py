@@ -147,7 +147,7 @@ def _ours(impl, config=None, **kw):
 def headline(session, impls):
   big = 8192 if not session.smoke else 512
   mid = 4096 if not session.smoke else 256
-  sizes = [big, mid] if session.smoke else [8192, 4096, 8193, 2048, 2049, 6144, 6145]
+  sizes = [big] if session.smoke else [8192, 4096, 8193, 2048, 2049, 6144, 6145]
   for s in sizes:
     fns = {"xla": lambda a, b: a @ b}
     fns.update({impl: _ours(impl) for impl in impls})
@@ -176,6 +176,8 @@ def headline(session, impls):
   for impl in impls:
     fns[impl] = lambda a, b, bias, impl=impl: jk.matmul(a, b, bias=bias, activation="gelu",
                                                         implementation=impl)
+    if session.smoke:  # the two ways without the fused epilogue are a timing question
+      continue
     fns[f"{impl} plain (no epilogue)"] = lambda a, b, bias, impl=impl: jk.matmul(
         a, b, implementation=impl)
     fns[f"{impl} then xla bias+gelu"] = lambda a, b, bias, impl=impl: jax.nn.gelu(
@@ -450,8 +452,8 @@ def checks(session, impls):
   # 2 x 1700 x 1800 x 333 takes 128 x 256 tiles on the kernel's own ring, every epilogue,
   # with ragged edges in M, N and K.
   shapes = [(100, 130, 70), (257, 383, 129), (3, 2, 1027), (1024, 1024, 1024), (1700, 1800, 333)]
-  if session.smoke:  # ragged edges, every epilogue in bfloat16 (the whole list took 3 minutes)
-    shapes = shapes[:2]
+  if session.smoke:  # ragged edges, every epilogue in bfloat16 (the whole list took 3 minutes;
+    shapes = shapes[1:2]  # two shapes 79 s with the headline on an H200)
   gen = np.random.default_rng(0)
   def draw(shape, dtype):
     return jnp.asarray(gen.standard_normal(shape), jnp.float32).astype(dtype)
