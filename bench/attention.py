@@ -50,8 +50,8 @@ class Shape:
 
 def shapes(smoke: bool) -> list[Shape]:
   if smoke:
-    return [Shape("plain", 1, 200, 2, 2, 64), Shape("causal", 1, 200, 2, 2, 64, causal=True),
-            Shape("gqa", 1, 130, 4, 2, 96, causal=True),
+    # Causal is in "gqa" and "all features" (a fourth shape cost the GPU check ~15 s).
+    return [Shape("plain", 1, 200, 2, 2, 64), Shape("gqa", 1, 130, 4, 2, 96, causal=True),
             Shape("all features", 1, 200, 2, 2, 64, causal=True, window=(64, 0), segments=2,
                   soft_cap=30.0)]
   out = [Shape("plain", 2, 4096, 16, 16, 128), Shape("causal", 2, 4096, 16, 16, 128, causal=True),

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
                        if i == 0 else None))
     g = record[preset]["gaps"].get("jaxkernels")
     title = preset if g is None else (f"{preset}: jaxkernels {g['gap_pct_mean']:+.2f}% "
-                                      f"(last tenth, seeds: {len(g["gap_pct_per_seed"])})")
+                                      f"(last tenth, seeds: {len(g['gap_pct_per_seed'])})")
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per byte)")

@@ -284,8 +284,17 @@ def glu_inputs(shape, dtype, has_bias, has_residual, *labels):
   return primals, numerics.normal(gen, (*lead, m, n), dtype)
 
 
-def _glu_check(shape, dtype, case, *, implementation, config=None, grads=True):
+def _glu_check(shape, dtype, case, *, implementation, config=None, grads=True,
+               composed=False):
+  """``composed``: the product is written in ``dtype`` and glu reads it back (where no kernel
+  fuses the gate). Then one element of y carries three roundings at unit gain (its gate's and
+  its up's in z, and its own: 3 u), which a max-norm over a few hundred elements can show
+  whole where the naive baseline's largest element was lucky (an H200 drew 1.8 u against a
+  baseline's 0.85 u): that is the per-element bound, not twice the baseline's."""
   activation, has_bias, has_residual = case
+  pointwise_rtol = _activations.RTOL
+  if composed:
+    pointwise_rtol = max(pointwise_rtol, 3 * float(jnp.finfo(dtype).eps) / 2)
   primals, ct = glu_inputs(shape, dtype, has_bias, has_residual, activation, implementation)
 
   def fn(a, b, *rest):
@@ -305,7 +314,7 @@ def _glu_check(shape, dtype, case, *, implementation, config=None, grads=True):
       got = fn(*primals)
   numerics.assert_matches(got, glu_reference(*case), primals, ct if grads else None,
                           dtype=dtype, reduction=max(math.prod(shape[:-2]), shape[-1]),
-                          pointwise_rtol=_activations.RTOL)
+                          pointwise_rtol=pointwise_rtol)
 
 
 def _no_composition(monkeypatch):
@@ -323,7 +332,8 @@ GLU_CASES = (("silu", False, False), ("gelu", True, True), ("gelu_tanh", False, 
 def test_glu_composed(implementation, case):
   """Where no kernel fuses the gate, the product and then glu (on the same implementation),
   forward and gradients, batched a, odd sizes, bias over [gate | up], residual after."""
-  _glu_check((2, 19, 24, 70), jnp.bfloat16, case, implementation=implementation)
+  _glu_check((2, 19, 24, 70), jnp.bfloat16, case, implementation=implementation,
+             composed=implementation != "xla")
 
 
 @pytest.mark.parametrize("config", [
