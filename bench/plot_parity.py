@@ -27,6 +27,17 @@ def curve(path: pathlib.Path) -> list[float]:
   return [row["loss"] for row in sorted(rows, key=lambda r: r["step"])]
 
 
+SMOOTH = 20  # steps in the plot's running mean (one step's loss is one batch's)
+
+
+def smooth(losses: list[float]) -> list[float]:
+  out, total = [], 0.0
+  for i, loss in enumerate(losses):
+    total += loss - (losses[i - SMOOTH] if i >= SMOOTH else 0.0)
+    out.append(total / min(i + 1, SMOOTH))
+  return out
+
+
 def tail_mean(losses: list[float]) -> float:
   tail = max(1, len(losses) // 10)
   return sum(losses[-tail:]) / tail
@@ -86,23 +97,46 @@ def main(argv=None) -> int:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4), squeeze=False)
-  for ax, preset in zip(axes[0], presets):
+  # Top: each variant's loss, the mean over seeds, smoothed; bottom: each seed's gap to xla
+  # (smoothed losses, in percent), the kernels' beside the control's (xla run again).
+  fig, axes = plt.subplots(2, len(presets), figsize=(6 * len(presets), 7), squeeze=False)
+  colors = {"xla": "C0", "jaxkernels": "C1", "xla-again": "C2"}
+  for column, preset in enumerate(presets):
     variants = found[preset]
-    for variant in ["xla", "jaxkernels"] + sorted(set(variants) - {"xla", "jaxkernels"}):
-      for i, (seed, losses) in enumerate(sorted(variants.get(variant, {}).items())):
-        ax.plot(range(1, len(losses) + 1), losses, lw=1 if variant in ("xla", "jaxkernels")
-                else 0.6, color={"xla": "C0", "jaxkernels": "C1"}.get(variant),
-                label=(("plain JAX (--kernels xla)" if variant == "xla" else variant)
-                       if i == 0 else None))
+    top, bottom = axes[0][column], axes[1][column]
+    order = ["xla", "jaxkernels"] + sorted(set(variants) - {"xla", "jaxkernels"})
+    for variant in order:
+      by_seed = variants.get(variant, {})
+      if not by_seed:
+        continue
+      steps = min(len(c) for c in by_seed.values())
+      mean = [statistics.mean(c[i] for c in by_seed.values()) for i in range(steps)]
+      top.plot(range(1, steps + 1), smooth(mean), lw=1.5 if variant != "xla-again" else 1,
+               color=colors.get(variant),
+               label=f"{'plain JAX (--kernels xla)' if variant == 'xla' else variant}, mean of "
+                     f"{len(by_seed)} seeds")
+      if variant == "xla":
+        continue
+      for i, (seed, losses) in enumerate(sorted(by_seed.items())):
+        if seed not in variants["xla"]:
+          continue
+        ours, theirs = smooth(losses), smooth(variants["xla"][seed])
+        bottom.plot(range(1, len(ours) + 1), [100 * (a / b - 1) for a, b in zip(ours, theirs)],
+                    lw=0.8, color=colors.get(variant), label=variant if i == 0 else None)
     g = record[preset]["gaps"].get("jaxkernels")
+    control = record[preset]["gaps"].get("xla-again")
     title = preset if g is None else (f"{preset}: jaxkernels {g['gap_pct_mean']:+.2f}% "
-                                      f"(last tenth, seeds: {len(g['gap_pct_per_seed'])})")
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per byte)")
-    ax.set_ylim(top=min(6, max(max(c) for c in variants["xla"].values())))
-    ax.legend(fontsize=7)
+                                      f"(last tenth, {len(g['gap_pct_per_seed'])} seeds)")
+    if control is not None:
+      title += f"; xla again {control['gap_pct_mean']:+.2f}%"
+    top.set_title(title, fontsize=9)
+    top.set_ylabel(f"loss (running mean of {SMOOTH} steps)")
+    top.set_ylim(top=min(6, max(max(c) for c in variants["xla"].values())))
+    top.legend(fontsize=7)
+    bottom.axhline(0, color="k", lw=0.5)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("gap to xla, same seed (%)")
+    bottom.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(directory / "parity.png", dpi=110)
   for preset in presets:
