@@ -17,6 +17,7 @@ import zlib
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxkernels as jk
 from jaxkernels import testing
@@ -27,6 +28,19 @@ F32_EPS = testing.F32_EPS
 # the same derived tolerances; kernels for another platform (Mosaic TPU there) skip with the
 # reason ``jk.supports`` gives.
 COMPILED = os.environ.get("JAXKERNELS_TEST_COMPILED", "0") not in ("", "0")
+
+
+# JAXKERNELS_TEST_SLOW=1: also the interpreted cases that cost minutes each on 2 CPU cores and
+# run compiled in the GPU check (the Mosaic GPU attention kernels' edge cases): CI skips them.
+SLOW = os.environ.get("JAXKERNELS_TEST_SLOW", "0") not in ("", "0")
+
+
+def slow_when_interpreted(seconds: int) -> None:
+  """Skips the calling test where its kernels would run interpreted (unless SLOW): it took
+  ``seconds`` on CI's 2 cores, and the GPU check runs it compiled."""
+  if not (COMPILED or SLOW):
+    pytest.skip(f"interpreted it takes ~{seconds} s on 2 CPU cores: compiled in the GPU check "
+                "(python -m bench.gpu_check); JAXKERNELS_TEST_SLOW=1 runs it here")
 
 
 def kernel_mode():
