@@ -173,6 +173,9 @@ class Target:
   platform: str  # "cpu" | "gpu" | "tpu"
   device_kind: str
   concrete: bool  # True when read off concrete arrays, not guessed while tracing
+  # The mesh of Auto axes the operands live on with no mesh in context
+  # (partitioning.unsplit_mesh): no kernel can know their split there.
+  unsplit: Any = None
 
   @property
   def chip(self) -> hardware.Chip | None:
@@ -204,10 +207,16 @@ def target_of(*args: Any) -> Target:
   with ``jax.set_mesh`` (e.g. over TPU topology devices for AOT lowering) is
   used when it names a device, else the default device.
   """
+  unsplit = partitioning.unsplit_mesh(*args)
   for leaf in jax.tree_util.tree_leaves(args):
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
       device = next(iter(leaf.devices()))
-      return Target(_platform(device.platform), device.device_kind, True)
+      return Target(_platform(device.platform), device.device_kind, True, unsplit)
+  if unsplit is not None and getattr(unsplit, "abstract_device", None) is not None:
+    device = unsplit.abstract_device  # the operands' own devices (TPU topology ones, say)
+    platform = getattr(device, "platform", None) or (
+        "tpu" if device.device_kind.startswith("TPU") else "gpu")
+    return Target(_platform(platform), device.device_kind, False, unsplit)
   mesh = jax.sharding.get_abstract_mesh()
   abstract_device = getattr(mesh, "abstract_device", None)
   if abstract_device is not None:
@@ -219,7 +228,7 @@ def target_of(*args: Any) -> Target:
   device = jax.config.jax_default_device or jax.devices()[0]
   if isinstance(device, str):
     device = jax.devices(device)[0]
-  return Target(_platform(device.platform), device.device_kind, False)
+  return Target(_platform(device.platform), device.device_kind, False, unsplit)
 
 
 # --------------------------------------------------------------------------- #
@@ -511,6 +520,9 @@ def plan(op: str, implementation: str | None, target: Target, problem: Any,
   k = table.get(chosen)
   _checks.config_type(op, chosen, config, k.Config if k else None)
   if k is None or empty:
+    return None
+  if target.unsplit is not None:
+    partitioning.refuse_or_fall_back(op, chosen, target.unsplit, picked=implementation is None)
     return None
   partitioning.check_mesh_in_context(op, chosen, picked=implementation is None)
   if interpreting():

@@ -15,9 +15,10 @@ at trace time: arrays on a mesh whose axes are ``jax.sharding.AxisType.Explicit`
 their type (``jax.typeof(x).sharding``), so that is what the ops read. On ``Auto`` axes the
 compiler decides the split later and cannot split a kernel, so the ops decide it themselves
 where a mesh is in context (below). With no mesh in context (``jit(in_shardings=...)``
-alone) nothing at trace time says how the arrays are split, and the ops run as on one
-device: use Explicit axes, put the mesh in context, or call them inside your own shard_map,
-where every array is one shard.
+alone) an operand's type names its mesh but not its split, and no rule applies
+(:func:`unsplit_mesh`): dispatch serves the call with XLA's ops, which the compiler splits,
+and warns with the fix (put the mesh in context); a kernel named by the caller is refused
+(:func:`refuse_or_fall_back`).
 
 On a mesh of ``Auto`` axes in context (``jax.set_mesh(mesh)`` or ``with mesh:``, arrays placed
 by ``jit(in_shardings=...)`` or ``device_put``) the arrays' types carry no split, so the op
@@ -351,6 +352,49 @@ def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mappin
   # says how they vary.
   return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                        check_vma=False)(*args)
+
+
+def unsplit_mesh(*arrays: Any):
+  """The mesh of Auto axes the arrays live on where no mesh is in context, else None.
+
+  Under ``jax.jit(f, in_shardings=...)`` alone an operand's type names its mesh but not its
+  split (Auto axes leave that to the compiler), and nothing tells the op which rules to split
+  by: a kernel there would run whole on gathered operands (GPUs, CPUs) or fail to compile
+  (Mosaic TPU, "cannot be automatically partitioned"). A concrete array answers exactly (a
+  replicated one is no question)."""
+  if not getattr(jax.sharding.get_abstract_mesh(), "empty", True):
+    return None  # a mesh in context: the op splits by the rules (auto_mesh) or is in a map
+  for leaf in jax.tree_util.tree_leaves(arrays):
+    if not isinstance(leaf, jax.Array):
+      continue
+    if isinstance(leaf, jax.core.Tracer):
+      sharding = getattr(jax.typeof(leaf), "sharding", None)
+    else:
+      sharding = leaf.sharding
+      if sharding.is_fully_replicated:
+        continue
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not getattr(mesh, "empty", True) and mesh.size > 1 and _is_auto(mesh):
+      return mesh
+  return None
+
+
+def refuse_or_fall_back(op: str, implementation: str, mesh, picked: bool) -> None:
+  """Operands on ``mesh`` (Auto axes) with no mesh in context (:func:`unsplit_mesh`): with
+  ``picked`` (implementation=None), warns once that XLA's ops serve the call (the compiler
+  splits those); a kernel asked for by name is refused. Either way the message names the fix."""
+  fix = (f"put the mesh in context around the jit call (jax.set_mesh(mesh), or `with mesh:`) "
+         f"and the op runs per shard, split by the logical axis rules (jk.sharding_rules); or "
+         f"give the mesh Explicit axes; or call the op inside your own jax.shard_map")
+  where = (f"its operands live on a mesh of Auto axes {dict(mesh.shape)} and no mesh is in "
+           f"context (jax.jit's in_shardings alone), so nothing says how they are split")
+  if not picked:
+    raise ValueError(f"{op}: implementation={implementation!r} cannot run here: {where}; a "
+                     f"kernel would run whole on every device or fail to compile; {fix}")
+  message = f"jaxkernels.{op}: {where}: XLA's ops serve the call instead of a kernel; {fix}"
+  if message not in _WARNED:
+    _WARNED.add(message)
+    warnings.warn(message, ShardingWarning, stacklevel=5)
 
 
 def check_mesh_in_context(op: str, implementation: str, picked: bool = False) -> None:

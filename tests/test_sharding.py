@@ -507,6 +507,41 @@ def test_a_kernel_reached_on_auto_axes_is_refused_or_warned():
       partitioning.check_mesh_in_context("matmul", "triton")
 
 
+NO_MESH_IN_CONTEXT_OPS = {
+    "rms_norm": (lambda x, w, **kw: jk.rms_norm(x, w[0], **kw), (16, 128), (1, 128)),
+    "matmul": (lambda x, w, **kw: jk.matmul(x, w, **kw), (16, 128), (128, 64)),
+    "flash_attention": (lambda q, w, **kw: jk.flash_attention(q, q, q, causal=True, **kw),
+                        (8, 16, 2, 16), (1,)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NO_MESH_IN_CONTEXT_OPS))
+def test_no_mesh_in_context_serves_on_xla_or_refuses(mesh, name):
+  """jax.jit(f, in_shardings=...) over Auto axes with no mesh in context: the operands' types
+  name their mesh but not their split, and no rule applies. With implementation=None XLA's
+  ops serve the call (the compiler splits those; the same numbers as implementation="xla"),
+  warned once with the fix; a kernel named by the caller is refused before any compiler,
+  naming jax.set_mesh. Never a kernel run whole on gathered operands, a hang or an abort."""
+  op, x_shape, w_shape = NO_MESH_IN_CONTEXT_OPS[name]
+  auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  split = NamedSharding(auto, P("data", *[None] * (len(x_shape) - 1)))
+  gen = numerics.rng("no-mesh-in-context", name)
+  x = jax.device_put(numerics.normal(gen, x_shape, jnp.float32), split)
+  w = numerics.normal(gen, w_shape, jnp.float32)
+  with jk.interpret_mode("triton"):
+    with pytest.warns(jk.ShardingWarning, match=rf"jaxkernels.{name}: its operands live on a "
+                      r"mesh of Auto axes \{'data': 4, 'model': 2\} and no mesh is in context.*"
+                      r"XLA's ops serve the call.*jax.set_mesh\(mesh\)"):
+      got = jax.jit(lambda x, w: op(x, w), in_shardings=(split, None))(x, w)
+    with pytest.raises(ValueError, match=rf"{name}: implementation='triton' cannot run here: "
+                       r"its operands live on a mesh of Auto axes.*jax.set_mesh\(mesh\)"):
+      jax.jit(lambda x, w: op(x, w, implementation="triton"), in_shardings=(split, None))(x, w)
+  want = jax.jit(lambda x, w: op(x, w, implementation="xla"))(np.asarray(x), w)
+  # The same float32 ops in two programs (split and whole), fused differently: a few ulps.
+  assert max(numerics.errors(got, np.asarray(want, np.float64))) < 16 * numerics.F32_EPS
+  assert got.sharding.mesh.shape == auto.shape
+
+
 def test_an_axis_that_does_not_divide_is_named(mesh):
   """On Explicit axes jax itself refuses an array split unevenly, naming the dimension and the
   split; the rules check every split they make (check_divides) with the op's own words."""
@@ -588,6 +623,25 @@ def test_tpu_compile_keeps_rows_split_on_auto_axes(tpu4, case):
   # The unsharded call's memory from the Explicit mesh: on Auto axes the compiler splits even
   # a replicated input's outputs as it likes.
   _check_rows_split(auto, case, whole_on=tpu4)
+
+
+def test_tpu_compile_with_no_mesh_in_context_takes_xla_or_refuses(tpu4):
+  """jax.jit alone over a v5e's 4 chips (Auto axes, no mesh in context), where the Mosaic
+  compiler once failed ("cannot be automatically partitioned"): dispatch compiles XLA's ops,
+  warned; mosaic_tpu by name is refused before any compiler, naming jax.set_mesh."""
+  if tpu4.devices.flat[0].device_kind != "TPU v5 lite":
+    pytest.skip("checked on v5e; the refusal does not depend on the chip")
+  auto = jax.sharding.Mesh(tpu4.devices, tpu4.axis_names, axis_types=(AxisType.Auto,))
+  x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16,
+                           sharding=NamedSharding(auto, P("data", None)))
+  with pytest.warns(jk.ShardingWarning, match="no mesh is in context.*XLA's ops serve"):
+    text = jax.jit(lambda x: jk.rms_norm(x, jnp.ones(1024, jnp.bfloat16))).lower(
+        x).compile().as_text()
+  assert "all-gather" not in text
+  with pytest.raises(ValueError, match=r"implementation='mosaic_tpu' cannot run here.*"
+                     r"jax.set_mesh\(mesh\)"):
+    jax.jit(lambda x: jk.rms_norm(x, jnp.ones(1024, jnp.bfloat16),
+                                  implementation="mosaic_tpu")).lower(x)
 
 
 def _check_rows_split(tpu4, case, whole_on=None):
