@@ -20,8 +20,9 @@ alone) an operand's type names its mesh but not its split, and no rule applies
 and warns with the fix (put the mesh in context); a kernel named by the caller is refused
 (:func:`refuse_or_fall_back`).
 
-On a mesh of ``Auto`` axes in context (``jax.set_mesh(mesh)`` or ``with mesh:``, arrays placed
-by ``jit(in_shardings=...)`` or ``device_put``) the arrays' types carry no split, so the op
+On a mesh of ``Auto`` axes in context (``jax.set_mesh(mesh)``, arrays placed by
+``jit(in_shardings=...)`` or ``device_put``; ``with mesh:`` sets no mesh that traced code can
+read, jax 0.10 to 0.12, so it counts as none) the arrays' types carry no split, so the op
 takes it from logical axis rules: each dimension has a logical name ("batch", "length",
 "embed", ...), and the rules say which mesh axes each name splits over
 (:class:`sharding_rules`, else Flax's ``nnx.logical_axis_rules`` where set, else the default:
@@ -383,9 +384,10 @@ def refuse_or_fall_back(op: str, implementation: str, mesh, picked: bool) -> Non
   """Operands on ``mesh`` (Auto axes) with no mesh in context (:func:`unsplit_mesh`): with
   ``picked`` (implementation=None), warns once that XLA's ops serve the call (the compiler
   splits those); a kernel asked for by name is refused. Either way the message names the fix."""
-  fix = (f"put the mesh in context around the jit call (jax.set_mesh(mesh), or `with mesh:`) "
-         f"and the op runs per shard, split by the logical axis rules (jk.sharding_rules); or "
-         f"give the mesh Explicit axes; or call the op inside your own jax.shard_map")
+  fix = ("put the mesh in context around the jit call with jax.set_mesh(mesh) (`with mesh:` "
+         "is not enough: it sets no mesh that traced code can read, and jax 0.12 deprecates "
+         "it) and the op runs per shard, split by the logical axis rules (jk.sharding_rules); "
+         "or give the mesh Explicit axes; or call the op inside your own jax.shard_map")
   where = (f"its operands live on a mesh of Auto axes {dict(mesh.shape)} and no mesh is in "
            f"context (jax.jit's in_shardings alone), so nothing says how they are split")
   if not picked:

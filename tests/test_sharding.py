@@ -542,6 +542,19 @@ def test_no_mesh_in_context_serves_on_xla_or_refuses(mesh, name):
   assert got.sharding.mesh.shape == auto.shape
 
 
+def test_with_mesh_is_no_mesh_in_context(mesh):
+  """`with mesh:` (deprecated by jax 0.12) sets no mesh that traced code can read: the same
+  fallback as no mesh at all, and the warning says jax.set_mesh is what works."""
+  auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  split = NamedSharding(auto, P("data", None))
+  x = jax.device_put(numerics.normal(numerics.rng("with-mesh"), (16, 128), jnp.float32), split)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    with auto, jk.interpret_mode("triton"), pytest.warns(
+        jk.ShardingWarning, match=r"no mesh is in context.*`with mesh:` is not enough"):
+      jax.jit(lambda x: jk.rms_norm(x, jnp.ones(128)), in_shardings=split)(x)
+
+
 def test_an_axis_that_does_not_divide_is_named(mesh):
   """On Explicit axes jax itself refuses an array split unevenly, naming the dimension and the
   split; the rules check every split they make (check_divides) with the op's own words."""
