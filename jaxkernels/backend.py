@@ -203,28 +203,24 @@ def _platform(name: str) -> str:
 def target_of(*args: Any) -> Target:
   """The device the arrays live on.
 
-  Concrete arrays answer for themselves. While tracing, the abstract mesh set
-  with ``jax.set_mesh`` (e.g. over TPU topology devices for AOT lowering) is
-  used when it names a device, else the default device.
+  Concrete arrays answer for themselves. While tracing, the operands' own mesh where no mesh
+  is in context (:func:`partitioning.unsplit_mesh`), else the abstract mesh set with
+  ``jax.set_mesh`` (e.g. over TPU topology devices for AOT lowering), is used when it names a
+  device, else the default device.
   """
   unsplit = partitioning.unsplit_mesh(*args)
   for leaf in jax.tree_util.tree_leaves(args):
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
       device = next(iter(leaf.devices()))
       return Target(_platform(device.platform), device.device_kind, True, unsplit)
-  if unsplit is not None and getattr(unsplit, "abstract_device", None) is not None:
-    device = unsplit.abstract_device  # the operands' own devices (TPU topology ones, say)
-    platform = getattr(device, "platform", None) or (
-        "tpu" if device.device_kind.startswith("TPU") else "gpu")
-    return Target(_platform(platform), device.device_kind, False, unsplit)
-  mesh = jax.sharding.get_abstract_mesh()
-  abstract_device = getattr(mesh, "abstract_device", None)
-  if abstract_device is not None:
-    kind = abstract_device.device_kind
-    platform = getattr(abstract_device, "platform", None)
-    if platform is None:
-      platform = "tpu" if kind.startswith("TPU") else "gpu"
-    return Target(_platform(platform), kind, False)
+  for mesh in (unsplit, jax.sharding.get_abstract_mesh()):
+    abstract_device = getattr(mesh, "abstract_device", None)
+    if abstract_device is not None:
+      kind = abstract_device.device_kind
+      platform = getattr(abstract_device, "platform", None)
+      if platform is None:
+        platform = "tpu" if kind.startswith("TPU") else "gpu"
+      return Target(_platform(platform), kind, False, unsplit)
   device = jax.config.jax_default_device or jax.devices()[0]
   if isinstance(device, str):
     device = jax.devices(device)[0]

@@ -198,9 +198,7 @@ def auto_mesh():
   """The mesh in context where it spans several devices on Auto axes only (the compiler
   splits the arrays there, so the ops take their split from the rules), else None."""
   mesh = jax.sharding.get_abstract_mesh()
-  if getattr(mesh, "empty", True) or mesh.size == 1:
-    return None
-  return mesh if _is_auto(mesh) else None
+  return mesh if _spans_auto(mesh) else None
 
 
 def split_of(op: str, arrays: Mapping[str, Any],
@@ -226,6 +224,12 @@ def split_of(op: str, arrays: Mapping[str, Any],
 def _is_auto(mesh) -> bool:
   auto = getattr(jax.sharding.AxisType, "Auto", None)
   return all(t == auto for t in getattr(mesh, "axis_types", ()))
+
+
+def _spans_auto(mesh) -> bool:
+  """``mesh`` spans several devices on Auto axes only (the compiler, not the type, splits)."""
+  return (mesh is not None and not getattr(mesh, "empty", True) and mesh.size > 1
+          and _is_auto(mesh))
 
 
 def size(mesh, names: Sequence[str]) -> int:
@@ -375,7 +379,7 @@ def unsplit_mesh(*arrays: Any):
       if sharding.is_fully_replicated:
         continue
     mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not getattr(mesh, "empty", True) and mesh.size > 1 and _is_auto(mesh):
+    if _spans_auto(mesh):
       return mesh
   return None
 
