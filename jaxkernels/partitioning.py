@@ -30,16 +30,21 @@ takes it from logical axis rules: each dimension has a logical name ("batch", "l
 The op then runs per shard in shard_map over the mesh in context exactly as on Explicit axes;
 where the arrays were split otherwise, the compiler moves them to that split first.
 
-Each op states its rule: which of its arrays are rows (shaped like x), which are vectors along
-x's last dimension, and which dimension of x it reduces over. Rows split freely except along the
-reduced dimension; a split reduced dimension is gathered, with a one-time
+Each op states its rule as data (:class:`Free`, :class:`Whole`): for each operand, what each
+dimension does. A free dimension splits, and dimensions of one group (x's rows and the
+residual's, q's heads and k's, a matmul's K in A and in B) split over the same mesh axes, those
+of the first operand that splits one; a mesh axis splits one group at most. A whole dimension
+(one the kernels reduce, walk or contract over) is gathered where it is split, with a one-time
 :class:`ShardingWarning` naming the op, the axes and the bytes moved (or a ValueError where the
-caller named a kernel). A mesh axis that does not divide the dimension it splits is a
-ValueError naming the op, the array, the axes and the sizes.
+caller named a kernel), as is a group whose axes do not divide one of its dimensions. One
+function, :func:`split`, reads a rule and the operands' layout for every op; the op then runs
+per shard through :meth:`Split.run` and adds what its rule needs across shards (a row-parallel
+matmul's psum, the fused loss's per-shard sums).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import threading
@@ -201,26 +206,6 @@ def auto_mesh():
   return mesh if _spans_auto(mesh) else None
 
 
-def split_of(op: str, arrays: Mapping[str, Any],
-             names: Mapping[str, Sequence[str | None]]) -> tuple[Any, dict[str, list]] | None:
-  """(the mesh, each array's split as a list of PartitionSpec entries) for an op's ``arrays``:
-  from their types where they live on a mesh of Explicit axes, else from the rules for their
-  dimensions' logical ``names`` where a mesh of Auto axes is in context (an array without
-  names stays whole; a dimension the rules' axes do not divide is kept whole, warned); None
-  where neither (one device, or inside a shard_map). Arrays that are None are left out."""
-  present = {k: a for k, a in arrays.items() if a is not None}
-  found = next(filter(None, map(layout, present.values())), None)
-  if found is not None:
-    mesh = found[0]
-    return mesh, {k: list(layout(a)[1]) if layout(a) else [None] * a.ndim
-                  for k, a in present.items()}
-  mesh = auto_mesh()
-  if mesh is None:
-    return None
-  return mesh, {k: _dividing(op, k, a, logical_spec(names.get(k, (None,) * a.ndim), mesh), mesh)
-                for k, a in present.items()}
-
-
 def _is_auto(mesh) -> bool:
   auto = getattr(jax.sharding.AxisType, "Auto", None)
   return all(t == auto for t in getattr(mesh, "axis_types", ()))
@@ -234,18 +219,6 @@ def _spans_auto(mesh) -> bool:
 
 def size(mesh, names: Sequence[str]) -> int:
   return math.prod(dict(mesh.shape)[a] for a in names)
-
-
-def check_divides(op: str, name: str, shape, spec, mesh) -> None:
-  """A ValueError naming the op, the array, the axes and the sizes where a mesh axis does not
-  divide the dimension it splits."""
-  for dim, (length, split) in enumerate(zip(shape, spec)):
-    names = axes(split)
-    if names and length % size(mesh, names):
-      raise ValueError(
-          f"{op}: {name} has dimension {dim} of size {length}, which mesh axes {names} (size "
-          f"{size(mesh, names)}) do not divide: shard it over axes whose size divides "
-          f"{length}, or pad it")
 
 
 def gathered(op: str, implementation: str | None, name: str, a, dim: int, names, mesh,
@@ -268,49 +241,156 @@ def gathered(op: str, implementation: str | None, name: str, a, dim: int, names,
     warnings.warn(message, ShardingWarning, stacklevel=3)
 
 
+@dataclasses.dataclass(frozen=True)
+class Free:
+  """A dimension that splits freely. Dimensions of one ``group`` split over the same mesh axes:
+  those of the first operand (in the rule's order) that splits one. ``name``: its logical name,
+  for meshes of Auto axes (None: never split there). ``label``: how messages name the group.
+  ``broadcast``: a dimension of size 1 is broadcast against the group and stays whole."""
+
+  group: str
+  name: str | None = None
+  label: str | None = None
+  broadcast: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole:
+  """A dimension the kernels need whole (they reduce, walk or contract over it): gathered where
+  it is split, warned (``why``, ``instead``: the warning's words) unless ``quiet`` (a vector
+  along a reduced dimension: its bytes are nothing beside the rows')."""
+
+  name: str | None = None
+  why: str | None = None
+  instead: str = "split the rows"
+  quiet: bool = False
+
+
+Rule = Mapping[str, Sequence["Free | Whole"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """What :func:`split` decided: the mesh, and the mesh axes each group splits over."""
+
+  mesh: Any
+  groups: Mapping[str, tuple[str, ...]]
+
+  def axes(self, *groups: str) -> tuple[str, ...]:
+    return tuple(a for g in groups for a in self.groups.get(g, ()))
+
+  def size(self, *groups: str) -> int:
+    return size(self.mesh, self.axes(*groups))
+
+  def spec(self, dims: Sequence[Free | Whole | None], shape=None) -> P:
+    """The PartitionSpec of an array whose dimensions are ``dims`` (None: whole)."""
+    return P(*(entry(self.groups.get(d.group, ())) if isinstance(d, Free) and not (
+        d.broadcast and shape is not None and shape[i] == 1) else None
+               for i, d in enumerate(dims)))
+
+  def run(self, call: Callable[..., Any], arrays: Mapping[str, Any], rule: Rule,
+          out_dims) -> Any:
+    """``call(**arrays)`` once per shard, each array split as ``rule`` and this split say,
+    the outputs as ``out_dims`` (a tree of dims tuples, or of PartitionSpecs) say."""
+    specs = {name: self.spec(rule[name], a.shape) if a is not None else P()
+             for name, a in arrays.items()}
+    is_dims = lambda x: isinstance(x, tuple) and all(
+        d is None or isinstance(d, (Free, Whole)) for d in x)
+    out_specs = jax.tree.map(lambda d: d if isinstance(d, P) else self.spec(d), out_dims,
+                             is_leaf=lambda x: isinstance(x, P) or is_dims(x))
+    return run(self.mesh, call, arrays, specs, out_specs)
+
+
+def split(op: str, implementation: str | None, arrays: Mapping[str, Any], rule: Rule, *,
+          xla_too: bool = False) -> Split | None:
+  """How ``arrays`` split under ``rule``, or None where nothing says (the op runs as on one
+  device): their types where they live on a mesh of Explicit axes (split or not: a Pallas
+  call on a multi-device mesh runs only per shard), else the logical axis rules for their
+  dimensions' names where a mesh of Auto axes is in context. ``implementation="xla"``: None,
+  the reference being jnp that XLA's own partitioner splits, unless ``xla_too`` (an op whose
+  reference reshapes what a type keeps split: the fused loss flattens its tokens). Arrays
+  that are None or that the rule does not name are left out, and the first operand (in the
+  rule's order) that splits a group decides its axes."""
+  if implementation == "xla" and not xla_too:
+    return None
+  present = {k: arrays[k] for k in rule if arrays.get(k) is not None}
+  found = next(filter(None, map(layout, present.values())), None)
+  if found is not None:
+    mesh = found[0]
+    specs = {k: list(layout(a)[1]) if layout(a) else [None] * a.ndim
+             for k, a in present.items()}
+  elif (mesh := auto_mesh()) is not None:
+    specs = {k: _dividing(op, k, a, logical_spec([d.name for d in rule[k]], mesh), mesh)
+             for k, a in present.items()}
+  else:
+    return None
+  groups: dict[str, tuple[str, ...]] = {}
+  first: dict[str, tuple[str, Any, int, str]] = {}  # group -> the operand dimension deciding it
+  owner: dict[str, str] = {}  # mesh axis -> what it splits, for the messages
+  for name, a in present.items():
+    for dim, (d, e) in enumerate(zip(rule[name], specs[name], strict=True)):
+      names = axes(e)
+      if isinstance(d, Whole):
+        if names and not d.quiet:
+          gathered(op, implementation, name, a, dim, names, mesh, why=d.why, instead=d.instead)
+        continue
+      if d.group in groups or not names or (d.broadcast and a.shape[dim] == 1):
+        continue  # decided already (this operand moves to it), or nothing to decide
+      label = d.label or f"dimension {dim}"
+      if clash := tuple(x for x in names if x in owner):
+        gathered(op, implementation, name, a, dim, clash, mesh,
+                 why=f"those axes already split {owner[clash[0]]}",
+                 instead=f"split {label} over other mesh axes")
+        names = tuple(x for x in names if x not in owner)
+      if names:
+        groups[d.group], first[d.group] = names, (name, a, dim, label)
+        owner.update((x, f"{name}'s {label}") for x in names)
+  # A group's axes must divide each of its dimensions (q's heads and k's kv heads, say):
+  # where one does not, the group stays whole.
+  for name, a in present.items():
+    for dim, d in enumerate(rule[name]):
+      if not isinstance(d, Free) or not groups.get(d.group) or (
+          d.broadcast and a.shape[dim] == 1):
+        continue
+      k = size(mesh, groups[d.group])
+      if a.shape[dim] % k:
+        by, b, by_dim, label = first[d.group]
+        gathered(op, implementation, by, b, by_dim, groups[d.group], mesh,
+                 why=f"those axes (size {k}) do not divide {name}'s {a.shape[dim]} along its "
+                 f"dimension {dim}, which splits with {by}'s {label}",
+                 instead=f"split {label} over axes that divide {name}'s")
+        groups[d.group] = ()
+  return Split(mesh, {g: n for g, n in groups.items() if n})
+
+
+def rows_rule(rows: Mapping[str, Any], vectors: Mapping[str, Any], reduced: int | None,
+              feature: str) -> dict[str, tuple]:
+  """The row ops' rule: arrays shaped like x (the first of ``rows``) whose dimensions split
+  freely but the one reduced over (kept whole); for elementwise ops (``reduced=None``) the last
+  dimension splits too, with the vectors along it. Dimensions are named by :func:`row_names`."""
+  x = next(iter(rows.values()))
+  names = row_names(x.ndim, feature)
+  reduced = None if reduced is None else reduced % x.ndim
+  dims = tuple(Whole(n) if i == reduced else
+               Free("feature" if i == x.ndim - 1 else f"row{i}", n,
+                    label="last dimension" if i == x.ndim - 1 else "rows")
+               for i, n in enumerate(names))
+  vector = (Whole(feature, quiet=True),) if reduced is not None else dims[-1:]
+  return {**{name: dims for name in rows}, **{name: vector for name in vectors}}
+
+
 def rowwise(op: str, implementation: str | None, call: Callable[..., Any], *,
             rows: Mapping[str, Any], vectors: Mapping[str, Any] = {},
             reduced: int | None, feature: str = "embed") -> tuple[bool, Any]:
-  """Runs ``call(**rows, **vectors)`` once per shard where the arrays are split.
-
-  Args:
-    rows: arrays shaped like the first of them (x); the first decides the layout, the others
-      are resharded to it where they differ.
-    vectors: arrays along x's last dimension (scale, bias).
-    reduced: the dimension of x the op reduces over (kept whole), or None (elementwise: the
-      last dimension splits too, and the vectors with it).
-    feature: the logical name of x's last dimension, for meshes of Auto axes (x's dimensions
-      are named by :func:`row_names`).
-
-  Returns:
-    (True, the result) where the arrays live on a mesh of Explicit axes (split or not: a Pallas
-    call on a multi-device mesh runs only per shard) or a mesh of Auto axes is in context
-    (split by the rules), else (False, None): the caller runs as on one device. The result's
-    row outputs are split as x's rows are.
-  """
-  if implementation == "xla":
-    return False, None  # the reference is jnp: XLA's own partitioner splits it
-  (x_name, x), *_ = rows.items()
-  found = next((lay for lay in map(layout, (*rows.values(), *vectors.values())) if lay), None)
-  if found is not None:
-    mesh, x_layout = found[0], layout(x)
-    spec = list(x_layout[1]) if x_layout else [None] * x.ndim
-  elif (mesh := auto_mesh()) is not None:
-    spec = logical_spec(row_names(x.ndim, feature), mesh)
-  else:
+  """Runs ``call(**rows, **vectors)`` once per shard where the arrays are split
+  (:func:`rows_rule`, :func:`split`): (True, the result, its rows split as x's), else (False,
+  None) and the caller runs as on one device. ``feature``: the logical name of x's last
+  dimension, for meshes of Auto axes."""
+  rule = rows_rule(rows, vectors, reduced, feature)
+  where = split(op, implementation, {**rows, **vectors}, rule)
+  if where is None:
     return False, None
-  if reduced is not None:
-    reduced %= x.ndim
-    if axes(spec[reduced]):
-      gathered(op, implementation, x_name, x, reduced, axes(spec[reduced]), mesh)
-      spec[reduced] = None
-  if found is None:
-    spec = _dividing(op, x_name, x, spec, mesh)
-  check_divides(op, x_name, x.shape, spec, mesh)
-  row_spec = P(*spec)
-  vector_spec = P(spec[-1]) if reduced is None else P(None)
-  specs = {**{name: row_spec for name in rows}, **{name: vector_spec for name in vectors}}
-  return True, run(mesh, call, {**rows, **vectors}, specs, row_spec)
+  return True, where.run(call, {**rows, **vectors}, rule, next(iter(rule.values())))
 
 
 def _dividing(op: str, name: str, a, spec, mesh) -> list:

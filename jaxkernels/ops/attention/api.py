@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
 from jaxkernels import _checks, backend, partitioning, remat
 from jaxkernels._tiling import bucket
 from jaxkernels.ops.attention import (mosaic_gpu, mosaic_tpu, mosaic_tpu_decode, reference,
                                       triton, triton_decode)
 from jaxkernels.ops.attention.common import Window
+from jaxkernels.partitioning import Free, Whole
 
 OP = "flash_attention"
 MAX_HEAD_DIM = 256
@@ -188,60 +188,43 @@ def _finite_float(name, value) -> float:
 # --------------------------------------------------------------------------- #
 
 
+def _rule(a: _Args):
+  """The split rule: the batch dimensions and the heads split freely, q's N with k's K (each
+  shard holds whole GQA groups; heads whose kv heads the axes do not divide stay whole); a
+  split sequence (T or S) or head dim is gathered. The bias broadcasts where its batch or head
+  dimension is 1. On a mesh of Auto axes, the dimensions' logical names are Flax's: q's and
+  k's heads both "heads"."""
+  nb = a.q.ndim - 3
+  batch = tuple(Free(f"batch{i}", "batch" if i == 0 else None, label="batch")
+                for i in range(nb))
+  heads = Free("heads", "heads", label="heads")
+  walked = lambda name: Whole(name, why="the kernels walk it whole",
+                              instead="split the batch or the heads")
+  contracted = Whole("kv", why="the kernels contract it whole",
+                     instead="split the batch or the heads")
+  broadcast = lambda d: dataclasses.replace(d, broadcast=True)
+  return dict(q=(*batch, walked("length"), heads, contracted),
+              k=(*batch, walked("length"), heads, contracted),
+              v=(*batch, walked(None), heads,
+                 Whole(why="the kernels read it whole", instead="split the batch or the heads")),
+              bias=(*map(broadcast, batch), broadcast(heads), Whole(), Whole()),
+              segment_ids=(*batch, Whole()), kv_segment_ids=(*batch, Whole()),
+              lengths=batch)
+
+
 def _sharded(a: _Args, call, implementation, op: str = OP):
-  """The op on split arrays (``partitioning``), as (True, result), or (False, None) where no
-  array lives on a mesh of Explicit axes and no mesh of Auto axes is in context. The rule: the
-  batch dimensions and the heads split freely (q's N and k's K over the same axes, so that
-  each shard holds whole GQA groups); a
-  split sequence (T or S) or head dim is gathered, with the one-time ShardingWarning (an error
-  for an explicit kernel), as are heads whose kv heads the axes do not divide."""
-  if implementation == "xla":
-    return False, None
+  """The op on split arrays (``partitioning``, by :func:`_rule`), as (True, result), or
+  (False, None) where no array lives on a mesh of Explicit axes and no mesh of Auto axes is
+  in context."""
   arrays = dict(q=a.q, k=a.k, v=a.v, bias=a.bias, segment_ids=a.segment_ids,
                 kv_segment_ids=a.kv_segment_ids, lengths=a.lengths)
-  nb = a.q.ndim - 3
-  # On a mesh of Auto axes, the dimensions' logical names (Flax's): q's and k's heads both
-  # "heads", so that a rule splits q's N and k's K together.
-  batch_names = ("batch",) + (None,) * (nb - 1)
-  named = batch_names + ("length", "heads", "kv")
-  found = partitioning.split_of(op, arrays, {"q": named, "k": named})
-  if found is None:
+  rule = _rule(a)
+  where = partitioning.split(op, implementation, arrays, rule)
+  if where is None:
     return False, None
-  mesh, split = found
-  spec_q, spec_k = split["q"], split["k"]
-  batch = [partitioning.axes(e) for e in spec_q[:nb]]
-  taken = {x for axes in batch for x in axes}
-  for name, x, sp, dims in (("q", a.q, spec_q, (nb, nb + 2)), ("k", a.k, spec_k, (nb, nb + 2))):
-    for dim in dims:
-      if names := partitioning.axes(sp[dim]):
-        partitioning.gathered(op, implementation, name, x, dim, names, mesh,
-                              why="the kernels walk it whole" if dim == nb else
-                              "the kernels contract it whole",
-                              instead="split the batch or the heads")
-  heads = tuple(x for x in (partitioning.axes(spec_q[nb + 1]) or
-                            partitioning.axes(spec_k[nb + 1])) if x not in taken)
-  kv_heads = a.k.shape[nb + 1]
-  if heads and kv_heads % partitioning.size(mesh, heads):
-    partitioning.gathered(op, implementation, "k", a.k, nb + 1, heads, mesh,
-                          why=f"those axes do not divide k's {kv_heads} heads, so a shard of "
-                          "q's heads would need kv heads of another shard",
-                          instead="split the heads over axes that divide k's heads")
-    heads = ()
-  entry = partitioning.entry
-  row = [entry(x) for x in batch]
-  h = entry(heads)
-  specs = dict(q=P(*row, None, h, None), k=P(*row, None, h, None), v=P(*row, None, h, None),
-               segment_ids=P(*row, None), kv_segment_ids=P(*row, None), lengths=P(*row))
-  if a.bias is not None:
-    bias_row = [r if d > 1 else None for r, d in zip(row, a.bias.shape[:nb])]
-    specs["bias"] = P(*bias_row, h if a.bias.shape[nb] > 1 else None, None, None)
-  else:
-    specs["bias"] = P()
-  for name in ("q", "k", "bias"):
-    if arrays[name] is not None:
-      partitioning.check_divides(op, name, arrays[name].shape, specs[name], mesh)
-  out_specs = (P(*row, None, h, None), P(*row, None, h))
-  return True, partitioning.run(mesh, call, arrays, specs, out_specs)
+  rows = rule["q"][:-3]
+  out_dims = ((*rows, None, rule["q"][-2], None), (*rows, None, rule["q"][-2]))
+  return True, where.run(call, arrays, rule, out_dims)
 
 
 # --------------------------------------------------------------------------- #

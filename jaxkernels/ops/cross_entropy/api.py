@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket, round_up
 from jaxkernels.ops.cross_entropy import mosaic_tpu, reference, triton
+from jaxkernels.partitioning import Free, Whole
 
 # The public names: warnings, errors, supports() and the tuning tables say these.
 OP = "softmax_cross_entropy"
@@ -368,12 +369,11 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
   op = LINEAR_OP
   x, w, labels, options = _validate_linear(x, w, labels, label_smoothing, z_loss, ignore_index,
                                            reduction)
-  # On a mesh of Auto axes: x's tokens as "batch", "length", ..., D as "embed"; w (D, V).
-  x_names = partitioning.row_names(x.ndim, "embed")
-  found = partitioning.split_of(op, {"x": x, "w": w, "labels": labels},
-                                {"x": x_names, "w": ("embed", "vocab"), "labels": x_names[:-1]})
-  if found is not None:
-    return _linear_sharded(*found, x, w, labels, options, reduction, chunk_size,
+  rule = _linear_rule(x)
+  where = partitioning.split(op, implementation, {"x": x, "w": w, "labels": labels}, rule,
+                             xla_too=True)
+  if where is not None:
+    return _linear_sharded(where, rule, x, w, labels, options, reduction, chunk_size,
                            implementation, config)
   return _linear_one_device(x, w, labels, options, reduction, chunk_size, implementation,
                             config)
@@ -411,29 +411,29 @@ def _linear_one_device(x, w, labels, options: _Options, reduction, chunk_size, i
   return _linear_total(spec, flat_x, w, flat_labels, lax.stop_gradient(weights))
 
 
-def _linear_sharded(mesh, split, x, w, labels, options: _Options, reduction, chunk_size,
+def _linear_rule(x):
+  """The fused loss's split rule: x's tokens (its leading dimensions; the labels' with them)
+  split freely; D and the vocabulary are reduced over, so x's D and all of w stay whole. On a
+  mesh of Auto axes: x's tokens as "batch", "length", ..., D as "embed"; w (D, V)."""
+  names = partitioning.row_names(x.ndim, "embed")
+  rows = tuple(Free(f"row{i}", n, label="tokens") for i, n in enumerate(names[:-1]))
+  projection = "each shard of tokens needs the whole projection"
+  return {"x": (*rows, Whole(names[-1])),
+          "w": (Whole("embed", why=projection), Whole("vocab", why=projection)),
+          "labels": rows}
+
+
+def _linear_sharded(where, rule, x, w, labels, options: _Options, reduction, chunk_size,
                     implementation, config):
   """The fused loss on a mesh (Explicit axes, or Auto axes in context, split by the rules):
-  each shard of tokens (x's leading axes, split as x is) runs it with the whole w (gathered
-  where it is split: the vocabulary and D are reduced over); the shards' sums and token
-  counts are added after. dw sums over the shards
-  (shard_map's transpose of w's replication): in float32, rounded to a 16-bit w's dtype once
-  after the sum (w enters the shards as float32, its products still run in its dtype)."""
-  op = LINEAR_OP
-  spec = split["x"]
-  if partitioning.axes(spec[-1]):
-    partitioning.gathered(op, implementation, "x", x, x.ndim - 1, partitioning.axes(spec[-1]),
-                          mesh)
-    spec[-1] = None
-  for dim, entry in enumerate(split["w"]):
-    if partitioning.axes(entry):
-      partitioning.gathered(op, implementation, "w", w, dim, partitioning.axes(entry), mesh,
-                            why="each shard of tokens needs the whole projection")
-  partitioning.check_divides(op, "x", x.shape, spec, mesh)
-  rows = spec[:-1]
-  row_axes = tuple(a for entry in rows for a in partitioning.axes(entry))
+  each shard of tokens runs it with the whole w; the shards' sums and token counts are added
+  after. dw sums over the shards (shard_map's transpose of w's replication): in float32,
+  rounded to a 16-bit w's dtype once after the sum (w enters the shards as float32, its
+  products still run in its dtype)."""
+  rows = rule["labels"]
+  row_groups = [d.group for d in rows]
   w_compute = None
-  if math.prod(mesh.shape[a] for a in row_axes) > 1 and jnp.dtype(w.dtype).itemsize < 4:
+  if where.size(*row_groups) > 1 and jnp.dtype(w.dtype).itemsize < 4:
     w_compute, w = w.dtype, w.astype(jnp.float32)
   one_device = functools.partial(_linear_one_device, options=options, chunk_size=chunk_size,
                                  implementation=implementation, config=config,
@@ -445,9 +445,9 @@ def _linear_sharded(mesh, split, x, w, labels, options: _Options, reduction, chu
     total = one_device(x, w, labels, reduction="sum")
     return jnp.stack([total, _count(labels, options)])[None]
 
-  out_spec = P(*rows) if reduction == "none" else P(partitioning.entry(row_axes), None)
-  out = partitioning.run(mesh, call, {"x": x, "w": w, "labels": labels},
-                         {"x": P(*rows, None), "w": P(), "labels": P(*rows)}, out_spec)
+  out_dims = rows if reduction == "none" else P(partitioning.entry(where.axes(*row_groups)),
+                                                 None)
+  out = where.run(call, {"x": x, "w": w, "labels": labels}, rule, out_dims)
   if reduction == "none":
     return out
   # Summed over the shards first, then indexed: the sum's transpose keeps the cotangent split

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
 from jaxkernels import _activations, _checks, backend, partitioning, remat
 from jaxkernels.ops.elementwise import api as elementwise
 from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, reference, triton
 from jaxkernels.ops.matmul.common import (FLOAT8, FLOATS, INT8, NEEDS_PREACTIVATION, Problem,
                                           is_quantized)
+from jaxkernels.partitioning import Free
 
 OP = "matmul"
 OPERAND_DTYPES = (*FLOATS, *FLOAT8, INT8)
@@ -355,56 +355,28 @@ def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
   The backward partitions with it: shard_map's transpose adds dB over the row shards and
   d(bias) over the rows, and the row-parallel product's psum transposes to a broadcast.
   """
-  if implementation == "xla":
-    return False, None  # the reference is jnp: XLA's own partitioner splits it
   arrays = dict(a=a, b=b, bias=bias, residual=residual, a_scale=a_scale, b_scale=b_scale)
-  # On a mesh of Auto axes: A's rows as "batch", "length", ..., K as "embed"; B's N has no
-  # name a matmul can know (heads? mlp?), so it stays whole unless B's type splits it.
-  rows_named = partitioning.row_names(a.ndim, "embed")
-  found = partitioning.split_of(OP, arrays, {"a": rows_named, "b": ("embed", None)})
-  if found is None:
+  rule = _rule(a, a_scale, b_scale)
+  where = partitioning.split(OP, implementation, arrays, rule)
+  if where is None:
     return False, None
-  mesh, split = found
-  spec_a, spec_b = split["a"], split["b"]
-  rows = [partitioning.axes(e) for e in spec_a[:-1]]
-  row_axes = {x for r in rows for x in r}
-  k = partitioning.axes(spec_a[-1])
-  if not k:  # B's K split decides, where its axes do not already split A's rows
-    k = tuple(x for x in partitioning.axes(spec_b[0]) if x not in row_axes)
-    if clash := tuple(x for x in partitioning.axes(spec_b[0]) if x in row_axes):
-      partitioning.gathered(OP, implementation, "b", b, 0, clash, mesh,
-                            why="those axes already split a's rows",
-                            instead="split K over other mesh axes")
-  taken = row_axes | set(k)
-  n = partitioning.axes(spec_b[1])
-  if clash := tuple(x for x in n if x in taken):
-    partitioning.gathered(OP, implementation, "b", b, 1, clash, mesh,
-                          why="those axes already split a's rows or K",
-                          instead="split N over other mesh axes")
-    n = tuple(x for x in n if x not in taken)
-  entry = partitioning.entry
-  spec_a = P(*map(entry, rows), entry(k))
-  spec_b = P(entry(k), entry(n))
-  out = P(*map(entry, rows), entry(n))
-  partitioning.check_divides(OP, "a", a.shape, spec_a, mesh)
-  partitioning.check_divides(OP, "b", b.shape, spec_b, mesh)
-  specs = dict(a=spec_a, b=spec_b, bias=P(entry(n)), residual=out,
-               a_scale=P(*map(entry, rows)) if a_scale is not None and a_scale.ndim else P(),
-               b_scale=P(entry(n)) if b_scale is not None and b_scale.ndim else P())
+  rows = [d.group for d in rule["a"][:-1]]
+  k = where.axes("k")
+  out = rule["residual"]
   kw = dict(activation=activation, out_dtype=out_dtype, precision=precision,
             implementation=implementation, config=config)
   if not k:
-    summed = partitioning.size(mesh, tuple(row_axes)) > 1  # a 1x1 mesh sums nothing
+    summed = where.size(*rows) > 1  # a 1x1 mesh sums nothing
     if not summed or is_quantized(a.dtype) or jnp.dtype(b.dtype).itemsize >= 4:
-      return True, partitioning.run(mesh, lambda **ops: matmul(**ops, **kw), arrays, specs, out)
+      return True, where.run(lambda **ops: matmul(**ops, **kw), arrays, rule, out)
     # Data parallel: every row shard adds its dB into B's one gradient (shard_map's transpose
     # sums over the row axes). B enters float32, so each shard's dB is written in float32,
     # summed in float32 and rounded to B's dtype once, outside: summed in bfloat16, dB was
     # 6.1e-3 off on 2 GPUs (a rounding at each shard, another at the sum).
     narrow = b.dtype
     arrays["b"] = b.astype(jnp.float32)
-    return True, partitioning.run(
-        mesh, lambda **ops: _one_device(**ops, **kw, b_dtype=narrow), arrays, specs, out)
+    return True, where.run(lambda **ops: _one_device(**ops, **kw, b_dtype=narrow), arrays, rule,
+                           out)
 
   def row_parallel(a, b, bias, residual, a_scale, b_scale):
     partial = matmul(a, b, out_dtype=jnp.float32, precision=precision,
@@ -413,7 +385,19 @@ def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
     return reference.epilogue(z, bias=bias, activation=activation, residual=residual,
                               a_scale=a_scale, b_scale=b_scale).astype(out_dtype)
 
-  return True, partitioning.run(mesh, row_parallel, arrays, specs, out)
+  return True, where.run(row_parallel, arrays, rule, out)
+
+
+def _rule(a, a_scale, b_scale):
+  """The split rule (see :func:`_sharded`). On a mesh of Auto axes: A's rows as "batch",
+  "length", ..., K as "embed"; B's N has no name a matmul can know (heads? mlp?), so it stays
+  whole unless B's type splits it."""
+  names = partitioning.row_names(a.ndim, "embed")
+  rows = tuple(Free(f"row{i}", n, label="rows") for i, n in enumerate(names[:-1]))
+  k, n = Free("k", "embed", label="K"), Free("n", label="N")
+  return dict(a=(*rows, k), b=(k, n), bias=(n,), residual=(*rows, n),
+              a_scale=rows if a_scale is not None and a_scale.ndim else (),
+              b_scale=(n,) if b_scale is not None and b_scale.ndim else ())
 
 
 def _problem_of(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dtype=None,
