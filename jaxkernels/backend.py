@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import os
 import sys
 import warnings
@@ -280,20 +281,29 @@ class Kernels:
                backward=backward)
 
 
-# op name -> (its kernels by implementation, (*args, **kwargs) -> (problem, arrays))
-_REGISTRY: dict[str, tuple[Mapping[str, Kernels], Callable[..., tuple[Any, tuple]]]] = {}
+@dataclasses.dataclass(frozen=True)
+class _Registered:
+  table: Mapping[str, Kernels]
+  problem_of: Callable[..., tuple[Any, tuple]]
+  signature: inspect.Signature  # the public op's
+
+
+_REGISTRY: dict[str, _Registered] = {}
 _WARNED: set[tuple[str, str]] = set()
+_DISPATCH_ARGUMENTS = ("implementation", "config")
 
 
-def register(op: str, table: Mapping[str, Kernels],
-             problem_of: Callable[..., tuple[Any, tuple]]) -> Mapping[str, Kernels]:
-  """Registers ``op``'s kernels (``table``, by implementation; with tuning too) and how a
-  call's arguments become its problem: ``problem_of(*args, **kwargs)`` validates them as the op
-  does and returns ``(problem, arrays)``, the arrays telling where the call runs. Returns
-  ``table``."""
+def register(op: str, table: Mapping[str, Kernels], problem_of: Callable[..., tuple[Any, tuple]],
+             public: Callable[..., Any]) -> Mapping[str, Kernels]:
+  """Registers ``op``'s kernels (``table``, by implementation; with tuning too), the public
+  function ``public`` (whose signature :func:`supports` binds a call's arguments to, so that it
+  takes them exactly as the op does) and how those arguments become the call's problem:
+  ``problem_of(**arguments)`` (every parameter of ``public`` but implementation and config, by
+  name, defaults filled in) validates them as the op does and returns ``(problem, arrays)``,
+  the arrays telling where the call runs. Returns ``table``."""
   for k in table.values():
     tuning.register(k)
-  _REGISTRY[op] = (table, problem_of)
+  _REGISTRY[op] = _Registered(table, problem_of, inspect.signature(public))
   return table
 
 
@@ -306,7 +316,7 @@ def kernels(op: str) -> Mapping[str, Kernels]:
   """``op``'s registered kernels by implementation (for tuning a config by hand, say)."""
   if op not in _REGISTRY:
     raise ValueError(f"unknown op {op!r}; known: {sorted(_REGISTRY)}")
-  return _REGISTRY[op][0]
+  return _REGISTRY[op].table
 
 
 def kernel_reasons(problem: Any, target: Target,
@@ -562,8 +572,15 @@ def supports(op: str, implementation: str, *args: Any, **kwargs: Any) -> Support
     raise ValueError(
         f"supports: implementation={implementation!r} is not one of {IMPLEMENTATIONS}"
     )
-  table, problem_of = _REGISTRY[op]
-  problem, arrays = problem_of(*args, **kwargs)
+  registered = _REGISTRY[op]
+  try:
+    bound = registered.signature.bind(*args, **kwargs)
+  except TypeError as e:  # the op's own signature refuses them, as a call would
+    raise TypeError(f"supports({op!r}, ...): {op}{registered.signature} does not take these "
+                    f"arguments: {e}") from None
+  bound.apply_defaults()
+  arguments = {k: v for k, v in bound.arguments.items() if k not in _DISPATCH_ARGUMENTS}
+  problem, arrays = registered.problem_of(**arguments)
   target = target_of(*arrays)
-  reason = _reasons(implementation, target, kernel_reasons(problem, target, table))
+  reason = _reasons(implementation, target, kernel_reasons(problem, target, registered.table))
   return Support(reason is None, reason or "")

@@ -129,6 +129,37 @@ def test_supports():
     jk.supports("rms_norm", "triton", jnp.ones((2, 8)), jnp.ones(3))
 
 
+@pytest.mark.cpu_only
+def test_supports_takes_the_arguments_as_the_op_does():
+  """supports() binds its arguments to the public op's own signature and validates them as the
+  op does: every form of call the op accepts (glu's packed [gate | up]), and each refusal the
+  op's own (glu's packed form once raised a TypeError in supports alone; a wrong label shape
+  passed supports and failed the op)."""
+  x = jnp.ones((4, 8), jnp.float32)
+  labels = jnp.zeros((4,), jnp.int32)
+  with jk.interpret_mode("triton"):
+    assert jk.supports("glu", "triton", x)
+    assert jk.supports("glu", "triton", x, x, activation="gelu")
+    assert jk.supports("linear_softmax_cross_entropy", "triton", x, jnp.ones((8, 16)), labels,
+                       reduction="sum")
+    calls = [  # (op, its positional arguments, keyword arguments)
+        ("rms_norm", (x,), {}),
+        ("rms_norm", (x, jnp.ones(8)), {"bias": jnp.ones(8)}),
+        ("glu", (jnp.ones((4, 7)),), {}),
+        ("softmax_cross_entropy", (jnp.ones((4, 16)), jnp.zeros((3,), jnp.int32)), {}),
+        ("softmax_cross_entropy", (jnp.ones((4, 16)), labels), {"reduction": "max"}),
+    ]
+    for op, args, kwargs in calls:
+      with pytest.raises((TypeError, ValueError)) as by_op:
+        getattr(jk, op)(*args, **kwargs)
+      with pytest.raises(by_op.type) as by_supports:
+        jk.supports(op, "triton", *args, **kwargs)
+      # The same complaint: the op's own words; a signature's TypeError (worded by Python's
+      # call or by inspect's bind) names the same argument.
+      said = str(by_op.value) if by_op.type is ValueError else str(by_op.value).split()[-1]
+      assert said in str(by_supports.value), (op, str(by_op.value), str(by_supports.value))
+
+
 def test_chip_table():
   assert hardware.chip_for("NVIDIA H200").name == "H200"
   assert hardware.chip_for("NVIDIA H100 80GB HBM3").cores == 132

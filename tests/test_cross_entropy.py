@@ -51,7 +51,8 @@ class CrossEntropyTest:
     out_shape = labels.shape if reduction == "none" else ()
     ct = numerics.normal(gen, out_shape, jnp.float32)
     with numerics.kernel_mode():
-      support = jk.supports("softmax_cross_entropy", self.IMPL, logits)
+      support = jk.supports("softmax_cross_entropy", self.IMPL, logits, labels,
+                            reduction=reduction, **options)
       if not support:
         pytest.skip(support.reason)
       fn = lambda z: jk.softmax_cross_entropy(z, labels, reduction=reduction,

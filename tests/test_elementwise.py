@@ -45,9 +45,9 @@ class ElementwiseTest:
     return lambda g, u: jk.glu(g, u, activation=activation, implementation=self.IMPL,
                                config=config)
 
-  def check(self, op_name, fn, reference_fn, primals, ct, dtype, pointwise_rtol, support=None):
+  def check(self, op_name, fn, reference_fn, primals, ct, dtype, pointwise_rtol, activation):
     with numerics.kernel_mode():
-      support = jk.supports(op_name, self.IMPL, *(support or primals))
+      support = jk.supports(op_name, self.IMPL, *primals, activation=activation)
       if not support:
         pytest.skip(support.reason)
       out, vjp = jax.vjp(fn, *primals)
@@ -63,7 +63,7 @@ class ElementwiseTest:
     self.check("bias_activation", self.bias_activation(activation, config),
                lambda cd: lambda x, b: reference.bias_activation(x, b, activation=activation,
                                                                  compute_dtype=cd),
-               primals, ct, dtype, _pointwise_rtol(activation, x + b, dy))
+               primals, ct, dtype, _pointwise_rtol(activation, x + b, dy), activation)
 
   def check_glu(self, shape, dtype, activation):
     primals, ct = self.glu_inputs(shape, dtype, activation)
@@ -71,7 +71,7 @@ class ElementwiseTest:
     self.check("glu", self.glu(activation),
                lambda cd: lambda g, u: reference.glu(g, u, activation=activation,
                                                      compute_dtype=cd),
-               primals, ct, dtype, _pointwise_rtol(activation, gate, dy * up))
+               primals, ct, dtype, _pointwise_rtol(activation, gate, dy * up), activation)
 
   def check_glu_packed(self, shape, dtype, activation):
     """glu(x) of x = [gate | up] (``shape`` is one half's) against the reference on the
@@ -82,7 +82,7 @@ class ElementwiseTest:
                lambda cd: lambda x: reference.glu(x[..., :n], x[..., n:], activation=activation,
                                                   compute_dtype=cd),
                (jnp.concatenate([gate, up], axis=-1),), dy, dtype,
-               _pointwise_rtol(activation, gate, dy * up), support=(gate, up))
+               _pointwise_rtol(activation, gate, dy * up), activation)
 
   # Activation inputs stay where the activations' accuracy is documented (|z| <= 4).
   def bias_inputs(self, shape, dtype, *labels):

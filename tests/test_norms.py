@@ -55,7 +55,8 @@ class NormTest:
   def check(self, layer, primals, ct, dtype, config=None):
     x, s, b, r = primals
     with numerics.kernel_mode():
-      support = jk.supports("layer_norm" if layer else "rms_norm", self.IMPL, x, s, b, residual=r)
+      support = jk.supports("layer_norm" if layer else "rms_norm", self.IMPL,
+                            *((x, s, b) if layer else (x, s)), residual=r)
       if not support:
         pytest.skip(support.reason)
       out, vjp = jax.vjp(self.op(layer, config), x, s, b, r)

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
-from jaxkernels import _activations, partitioning
+from jaxkernels import _activations, backend, partitioning
 from jaxkernels.ops.elementwise import reference as elementwise_reference
 from jaxkernels.ops.norms import reference as norms_reference
 from jaxkernels.ops.softmax import reference as softmax_reference
@@ -507,12 +507,34 @@ def test_a_kernel_reached_on_auto_axes_is_refused_or_warned():
       partitioning.check_mesh_in_context("matmul", "triton")
 
 
+_LABELS = jnp.arange(16, dtype=jnp.int32) % 64
+_LENGTHS = jnp.full((8,), 20, jnp.int32)
+# Every public op: (a function of x, split over "data", and w, whole; x's shape; w's shape).
 NO_MESH_IN_CONTEXT_OPS = {
     "rms_norm": (lambda x, w, **kw: jk.rms_norm(x, w[0], **kw), (16, 128), (1, 128)),
+    "layer_norm": (lambda x, w, **kw: jk.layer_norm(x, w[0], w[0], **kw), (16, 128), (1, 128)),
+    "softmax": (lambda x, w, **kw: jk.softmax(x, **kw), (16, 128), (1,)),
+    "bias_activation": (lambda x, w, **kw: jk.bias_activation(x, w[0], activation="gelu", **kw),
+                        (16, 128), (1, 128)),
+    "glu": (lambda x, w, **kw: jk.glu(x, **kw), (16, 128), (1,)),  # packed [gate | up]
+    "softmax_cross_entropy": (
+        lambda x, w, **kw: jk.softmax_cross_entropy(x, _LABELS, reduction="none", **kw),
+        (16, 128), (1,)),
+    "linear_softmax_cross_entropy": (
+        lambda x, w, **kw: jk.linear_softmax_cross_entropy(x, w, _LABELS, reduction="none",
+                                                           **kw),
+        (16, 128), (128, 64)),
     "matmul": (lambda x, w, **kw: jk.matmul(x, w, **kw), (16, 128), (128, 64)),
     "flash_attention": (lambda q, w, **kw: jk.flash_attention(q, q, q, causal=True, **kw),
                         (8, 16, 2, 16), (1,)),
+    "decode_attention": (
+        lambda q, kv, **kw: jk.decode_attention(q, kv, kv, lengths=_LENGTHS, **kw),
+        (8, 1, 4, 16), (8, 24, 2, 16)),
 }
+
+
+def test_no_mesh_in_context_covers_every_op():
+  assert sorted(NO_MESH_IN_CONTEXT_OPS) == backend.ops()
 
 
 @pytest.mark.parametrize("name", sorted(NO_MESH_IN_CONTEXT_OPS))

@@ -369,7 +369,7 @@ _KERNELS = backend.register(OP, {
                                  backward=triton.backward),
     "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
                                      backward=mosaic_tpu.backward),
-}, _problem_of)
+}, _problem_of, flash_attention)
 
 
 # --------------------------------------------------------------------------- #
@@ -530,4 +530,4 @@ _DECODE_KERNELS = backend.register(DECODE_OP, {
                                  forward=triton_decode.forward),
     "mosaic_tpu": backend.Kernels.of(DECODE_OP, "mosaic_tpu", mosaic_tpu_decode,
                                      forward=mosaic_tpu_decode.forward),
-}, _decode_problem_of)
+}, _decode_problem_of, decode_attention)

@@ -169,9 +169,10 @@ def _rows_bwd(plan, options, saved, g):
 _rows.defvjp(_rows_fwd, _rows_bwd)
 
 
-def _plan(implementation, where, logits_like, config, options: _Options, empty: bool):
-  """The row kernels' plan for ``logits_like`` rows on the device of ``where``."""
-  return backend.plan(OP, implementation, backend.target_of(where), Problem.of(logits_like),
+def _plan(op, implementation, where, logits_like, config, options: _Options, empty: bool):
+  """The row kernels' plan for ``logits_like`` rows on the device of ``where``, for ``op``
+  (the public op its warnings and errors name)."""
+  return backend.plan(op, implementation, backend.target_of(where), Problem.of(logits_like),
                       _KERNELS, config, empty=empty, **options.kwargs())
 
 
@@ -183,7 +184,7 @@ def _per_token(logits, labels, options: _Options, implementation, config):
       rows={"logits": logits, "labels": labels[..., None]}, reduced=-1, feature="vocab")
   if split:
     return out[..., 0]
-  plan = _plan(implementation, logits, logits, config, options, empty=logits.size == 0)
+  plan = _plan(OP, implementation, logits, logits, config, options, empty=logits.size == 0)
   if plan is None:
     return reference.softmax_cross_entropy(logits, labels, **options.kwargs())[0]
   vocab = logits.shape[-1]
@@ -399,7 +400,8 @@ def _linear_one_device(x, w, labels, options: _Options, reduction, chunk_size, i
   flat_labels = jnp.pad(labels.reshape(tokens), (0, padded - tokens))
   valid = jnp.arange(padded) < tokens
   logits_like = jax.ShapeDtypeStruct((chunk, vocab), x.dtype)
-  plan = _plan(implementation, x, logits_like, config, options, empty=tokens == 0)
+  plan = _plan(LINEAR_OP, implementation, x, logits_like, config, options,
+               empty=tokens == 0)
   spec = _Linear(plan, options, chunk, (jnp.dtype(x.dtype), jnp.dtype(w.dtype)), w_compute)
   if reduction == "none":
     loss = _linear_rows(spec, flat_x, w, flat_labels)
@@ -459,8 +461,10 @@ def _linear_sharded(where, rule, x, w, labels, options: _Options, reduction, chu
   return total if reduction == "sum" else total / jnp.maximum(count, 1.0)
 
 
-def _problem_of(logits, labels=None, **unused):
+def _problem_of(logits, labels, *, label_smoothing, z_loss, ignore_index, reduction, **unused):
   logits = _checks.array(OP, "logits", logits)
+  _labels(OP, labels, logits.shape[:-1], "logits without its last axis")
+  _options(OP, label_smoothing, z_loss, ignore_index, reduction)
   return Problem.of(logits), (logits,)
 
 
@@ -478,6 +482,6 @@ _KERNELS = backend.register(OP, {
                                  backward=triton.backward),
     "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
                                      backward=mosaic_tpu.backward),
-}, _problem_of)
+}, _problem_of, softmax_cross_entropy)
 # The fused loss runs the same row kernels: supports() asks them of a chunk's logits.
-backend.register(LINEAR_OP, _KERNELS, _linear_problem_of)
+backend.register(LINEAR_OP, _KERNELS, _linear_problem_of, linear_softmax_cross_entropy)

@@ -80,6 +80,15 @@ def _validate_glu(gate, up, activation):
   return gate, up, _checks.choice(op, "activation", activation, _activations.ACTIVATIONS)
 
 
+def _validate_glu_packed(x, activation):
+  op = "glu"
+  x = _checks.array(op, "gate", x)
+  if x.ndim == 0 or x.shape[-1] % 2:
+    raise ValueError(f"{op}: with up=None, gate holds [gate | up] side by side along its last "
+                     f"axis, which must have an even length; got shape {tuple(x.shape)}")
+  return x, _checks.choice(op, "activation", activation, _activations.ACTIVATIONS)
+
+
 def bias_activation(x, bias, *, activation: str, implementation=None, config=None):
   """activation(x + bias) in one pass over memory, forward and backward.
 
@@ -167,11 +176,7 @@ def _packed_plan(x, activation, implementation, config, *arrays):
 def _glu_packed(x, activation, implementation, config):
   """glu of x = [gate | up] along the last axis."""
   op = "glu"
-  x = _checks.array(op, "gate", x)
-  if x.ndim == 0 or x.shape[-1] % 2:
-    raise ValueError(f"{op}: with up=None, gate holds [gate | up] side by side along its last "
-                     f"axis, which must have an even length; got shape {tuple(x.shape)}")
-  activation = _checks.choice(op, "activation", activation, _activations.ACTIVATIONS)
+  x, activation = _validate_glu_packed(x, activation)
   # The halves pair up within a row: a split last axis is gathered (the rule's warning).
   split, out = partitioning.rowwise(
       op, implementation,
@@ -200,11 +205,18 @@ def packed_glu_grad(x, dy, *, activation: str, implementation=None):
   return vjp(dy)[0]
 
 
-def _problem_of(op, validate, names):
-  def problem_of(a, b, *, activation="silu", **unused):
-    a, b, activation = validate(a, b, activation)
-    return Problem.of(op, activation, **dict(zip(names, (a, b)))), (a, b)
-  return problem_of
+def _bias_activation_problem(x, bias, *, activation, **unused):
+  x, bias, activation = _validate_bias_activation(x, bias, activation)
+  return Problem.of("bias_activation", activation, x=x, bias=bias), (x, bias)
+
+
+def _glu_problem(gate, up, *, activation, **unused):
+  if up is None:  # [gate | up] side by side: the kernels see its two halves
+    gate, activation = _validate_glu_packed(gate, activation)
+    half = jax.ShapeDtypeStruct((*gate.shape[:-1], gate.shape[-1] // 2), gate.dtype)
+    return Problem.of("glu", activation, gate=half, up=half), (gate,)
+  gate, up, activation = _validate_glu(gate, up, activation)
+  return Problem.of("glu", activation, gate=gate, up=up), (gate, up)
 
 
 _KERNELS = {
@@ -215,11 +227,11 @@ _KERNELS = {
         "mosaic_tpu": backend.Kernels.of("bias_activation", "mosaic_tpu", mosaic_tpu,
                                          forward=mosaic_tpu.bias_activation_fwd,
                                          backward=mosaic_tpu.bias_activation_bwd),
-    }, _problem_of("bias_activation", _validate_bias_activation, ("x", "bias"))),
+    }, _bias_activation_problem, bias_activation),
     "glu": backend.register("glu", {
         "triton": backend.Kernels.of("glu", "triton", triton, forward=triton.glu_fwd,
                                      backward=triton.glu_bwd),
         "mosaic_tpu": backend.Kernels.of("glu", "mosaic_tpu", mosaic_tpu,
                                          forward=mosaic_tpu.glu_fwd, backward=mosaic_tpu.glu_bwd),
-    }, _problem_of("glu", _validate_glu, ("gate", "up"))),
+    }, _glu_problem, glu),
 }

@@ -410,4 +410,4 @@ def _problem_of(a, b, *, bias=None, activation=None, residual=None, glu=False, o
   return problem, (a, b)
 
 
-backend.register(OP, _KERNELS, _problem_of)
+backend.register(OP, _KERNELS, _problem_of, matmul)

@@ -143,16 +143,15 @@ def layer_norm(x, scale, bias=None, *, eps: float = 1e-6, residual=None, impleme
 
 
 def _problem_of(op, layer):
-  def problem_of(x, scale, bias=None, *, eps=1e-6, residual=None, **unused):
-    if not layer and bias is not None:
-      raise TypeError("rms_norm takes no bias")
+  def problem_of(x, scale, bias=None, *, eps, residual, **unused):
     x, scale, bias, residual, _ = _validate(op, x, scale, bias, residual, eps)
     return Problem.of(x, scale, bias, residual, layer), (x, scale, bias, residual)
   return problem_of
 
 
 _KERNELS = {
-    "rms_norm": backend.register("rms_norm", _kernels("rms_norm"), _problem_of("rms_norm", False)),
+    "rms_norm": backend.register("rms_norm", _kernels("rms_norm"),
+                                 _problem_of("rms_norm", False), rms_norm),
     "layer_norm": backend.register("layer_norm", _kernels("layer_norm"),
-                                   _problem_of("layer_norm", True)),
+                                   _problem_of("layer_norm", True), layer_norm),
 }

@@ -97,4 +97,4 @@ _KERNELS = backend.register(OP, {
                                  backward=triton.backward),
     "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
                                      backward=mosaic_tpu.backward),
-}, _problem_of)
+}, _problem_of, softmax)
