@@ -370,13 +370,19 @@ def rows_rule(rows: Mapping[str, Any], vectors: Mapping[str, Any], reduced: int 
   dimension splits too, with the vectors along it. Dimensions are named by :func:`row_names`."""
   x = next(iter(rows.values()))
   names = row_names(x.ndim, feature)
-  reduced = None if reduced is None else reduced % x.ndim
-  dims = tuple(Whole(n) if i == reduced else
-               Free("feature" if i == x.ndim - 1 else f"row{i}", n,
-                    label="last dimension" if i == x.ndim - 1 else "rows")
-               for i, n in enumerate(names))
-  vector = (Whole(feature, quiet=True),) if reduced is not None else dims[-1:]
-  return {**{name: dims for name in rows}, **{name: vector for name in vectors}}
+  dims = [*row_dims(x.ndim, feature), Free("feature", feature, label="last dimension")]
+  if reduced is not None:
+    dims[reduced % x.ndim] = Whole(names[reduced % x.ndim])
+  vector = (Whole(feature, quiet=True),) if reduced is not None else (dims[-1],)
+  return {**{name: tuple(dims) for name in rows}, **{name: vector for name in vectors}}
+
+
+def row_dims(ndim: int, feature: str, label: str = "rows") -> tuple[Free, ...]:
+  """The rule's dimensions for the leading ``ndim - 1`` dimensions of an array of rows (x's,
+  a matmul's A, the fused loss's tokens): each its own group, split freely, named by
+  :func:`row_names` (``feature`` names the last, which the caller states itself)."""
+  return tuple(Free(f"row{i}", n, label=label)
+               for i, n in enumerate(row_names(ndim, feature)[:-1]))
 
 
 def rowwise(op: str, implementation: str | None, call: Callable[..., Any], *,

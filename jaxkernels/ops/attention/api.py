@@ -198,15 +198,12 @@ def _rule(a: _Args):
   batch = tuple(Free(f"batch{i}", "batch" if i == 0 else None, label="batch")
                 for i in range(nb))
   heads = Free("heads", "heads", label="heads")
-  walked = lambda name: Whole(name, why="the kernels walk it whole",
-                              instead="split the batch or the heads")
-  contracted = Whole("kv", why="the kernels contract it whole",
-                     instead="split the batch or the heads")
+  whole = lambda name, why: Whole(name, why=f"the kernels {why} it whole",
+                                  instead="split the batch or the heads")
   broadcast = lambda d: dataclasses.replace(d, broadcast=True)
-  return dict(q=(*batch, walked("length"), heads, contracted),
-              k=(*batch, walked("length"), heads, contracted),
-              v=(*batch, walked(None), heads,
-                 Whole(why="the kernels read it whole", instead="split the batch or the heads")),
+  return dict(q=(*batch, whole("length", "walk"), heads, whole("kv", "contract")),
+              k=(*batch, whole("length", "walk"), heads, whole("kv", "contract")),
+              v=(*batch, whole(None, "walk"), heads, whole(None, "read")),
               bias=(*map(broadcast, batch), broadcast(heads), Whole(), Whole()),
               segment_ids=(*batch, Whole()), kv_segment_ids=(*batch, Whole()),
               lengths=batch)

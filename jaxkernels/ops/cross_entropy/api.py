@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket, round_up
 from jaxkernels.ops.cross_entropy import mosaic_tpu, reference, triton
-from jaxkernels.partitioning import Free, Whole
+from jaxkernels.partitioning import Whole
 
 # The public names: warnings, errors, supports() and the tuning tables say these.
 OP = "softmax_cross_entropy"
@@ -417,10 +417,9 @@ def _linear_rule(x):
   """The fused loss's split rule: x's tokens (its leading dimensions; the labels' with them)
   split freely; D and the vocabulary are reduced over, so x's D and all of w stay whole. On a
   mesh of Auto axes: x's tokens as "batch", "length", ..., D as "embed"; w (D, V)."""
-  names = partitioning.row_names(x.ndim, "embed")
-  rows = tuple(Free(f"row{i}", n, label="tokens") for i, n in enumerate(names[:-1]))
+  rows = partitioning.row_dims(x.ndim, "embed", label="tokens")
   projection = "each shard of tokens needs the whole projection"
-  return {"x": (*rows, Whole(names[-1])),
+  return {"x": (*rows, Whole("embed")),
           "w": (Whole("embed", why=projection), Whole("vocab", why=projection)),
           "labels": rows}
 

@@ -392,8 +392,7 @@ def _rule(a, a_scale, b_scale):
   """The split rule (see :func:`_sharded`). On a mesh of Auto axes: A's rows as "batch",
   "length", ..., K as "embed"; B's N has no name a matmul can know (heads? mlp?), so it stays
   whole unless B's type splits it."""
-  names = partitioning.row_names(a.ndim, "embed")
-  rows = tuple(Free(f"row{i}", n, label="rows") for i, n in enumerate(names[:-1]))
+  rows = partitioning.row_dims(a.ndim, "embed")
   k, n = Free("k", "embed", label="K"), Free("n", label="N")
   return dict(a=(*rows, k), b=(k, n), bias=(n,), residual=(*rows, n),
               a_scale=rows if a_scale is not None and a_scale.ndim else (),
