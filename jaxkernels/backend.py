@@ -281,10 +281,67 @@ class Kernels:
                backward=backward)
 
 
+def _no_options(**args: Any) -> Mapping[str, Any]:
+  del args
+  return {}
+
+
+def _no_elements(**args: Any) -> bool:
+  """Whether any array among the call's arguments has no elements."""
+  return any(hasattr(a, "shape") and 0 in tuple(a.shape) for a in args.values())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Op:
+  """One public op, declared once in its api.py; :func:`call` runs every call of every op the
+  same way: validate, split where the arrays are split, plan, then run the kernels or fall
+  back to the reference. Each function but ``validate`` takes the call's validated arguments
+  by name (``**args``: what ``validate`` returned).
+
+  Fields:
+    name: the public op's name, as errors, warnings, :func:`supports` and the tuning tables
+      say it.
+    kernels: its kernels by implementation (:class:`Kernels`).
+    validate: ``(**arguments) -> args``: every argument of the public op but implementation
+      and config, by name, checked and normalized (a clear error naming the argument), as a
+      dict the other functions take.
+    problem: ``(**args) -> the call's Problem`` (see :class:`Kernels`), for one device.
+    reference: ``(**args) -> result``: the pure-jnp reference, XLA's ops (the fallback).
+    kernel: ``(plan, **args) -> result``: the call on ``plan``'s kernels (the custom_vjp).
+    options: ``(**args) -> static keyword arguments for every kernel of the call``.
+    empty: ``(**args) -> bool``: the reference serves the call (default: an array has no
+      elements).
+    rule: ``(**args) -> the split rule`` (``partitioning.Rule``, by argument name), or None
+      for an op that never splits itself.
+    out: ``(rule, **args) -> the result's dims`` (a tree of dims tuples or PartitionSpecs;
+      default: the rule's first operand's).
+    across: ``(split, rule, local, **args) -> result``, for an op whose shards do more than
+      run side by side (a row-parallel product's sum, a loss's reduction): ``local(**changed)``
+      runs the call on one shard with some arguments changed. Default: ``split.run`` of the
+      call on each shard, the result laid out by ``out``.
+    compose: ``(implementation, config, **args) -> result or None``: where the call is served
+      by a composition of ops (matmul's glu outside its fused kernel), its result; else None.
+    xla_too: the reference splits with the kernels too (see ``partitioning.split``).
+  """
+
+  name: str
+  kernels: Mapping[str, Kernels]
+  validate: Callable[..., dict[str, Any]]
+  problem: Callable[..., Any]
+  reference: Callable[..., Any]
+  kernel: Callable[..., Any]
+  options: Callable[..., Mapping[str, Any]] = _no_options
+  empty: Callable[..., bool] = _no_elements
+  rule: Callable[..., partitioning.Rule] | None = None
+  out: Callable[..., Any] | None = None
+  across: Callable[..., Any] | None = None
+  compose: Callable[..., Any] | None = None
+  xla_too: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class _Registered:
-  table: Mapping[str, Kernels]
-  problem_of: Callable[..., tuple[Any, tuple]]
+  op: Op
   signature: inspect.Signature  # the public op's
 
 
@@ -293,18 +350,42 @@ _WARNED: set[tuple[str, str]] = set()
 _DISPATCH_ARGUMENTS = ("implementation", "config")
 
 
-def register(op: str, table: Mapping[str, Kernels], problem_of: Callable[..., tuple[Any, tuple]],
-             public: Callable[..., Any]) -> Mapping[str, Kernels]:
-  """Registers ``op``'s kernels (``table``, by implementation; with tuning too), the public
-  function ``public`` (whose signature :func:`supports` binds a call's arguments to, so that it
-  takes them exactly as the op does) and how those arguments become the call's problem:
-  ``problem_of(**arguments)`` (every parameter of ``public`` but implementation and config, by
-  name, defaults filled in) validates them as the op does and returns ``(problem, arrays)``,
-  the arrays telling where the call runs. Returns ``table``."""
-  for k in table.values():
+def register(op: Op, public: Callable[..., Any]) -> Op:
+  """Registers ``op`` (its kernels with tuning too) and its public function ``public``, whose
+  signature :func:`supports` binds a call's arguments to, so that it takes them exactly as the
+  op does. Returns ``op``."""
+  for k in op.kernels.values():
     tuning.register(k)
-  _REGISTRY[op] = _Registered(table, problem_of, inspect.signature(public))
-  return table
+  _REGISTRY[op.name] = _Registered(op, inspect.signature(public))
+  return op
+
+
+def call(op: Op, implementation: str | None, config: Any, /, **arguments: Any) -> Any:
+  """One call of ``op``: its arguments validated; where they are split (a mesh of Explicit
+  axes, or Auto axes in context with the logical axis rules), the op's rule run per shard
+  (``partitioning``); then on one device (or shard) the plan for the call (:func:`plan`) and
+  its kernels, else the reference."""
+  args = op.validate(**arguments)
+  if op.compose is not None and (out := op.compose(implementation, config, **args)) is not None:
+    return out
+  if op.rule is not None:
+    rule = op.rule(**args)
+    arrays = {name: args[name] for name in rule if name in args}
+    where = partitioning.split(op.name, implementation, arrays, rule, xla_too=op.xla_too)
+    if where is not None:
+      local = lambda **changed: _local(op, implementation, config, {**args, **changed})
+      if op.across is not None:
+        return op.across(where, rule, local, **args)
+      out = op.out(rule, **args) if op.out is not None else next(iter(rule.values()))
+      return where.run(local, arrays, rule, out)
+  return _local(op, implementation, config, args)
+
+
+def _local(op: Op, implementation: str | None, config: Any, args: dict[str, Any]) -> Any:
+  """The validated call on one device, or one shard."""
+  chosen = plan(op.name, implementation, target_of(*args.values()), op.problem(**args),
+                op.kernels, config, empty=op.empty(**args), **op.options(**args))
+  return op.reference(**args) if chosen is None else op.kernel(chosen, **args)
 
 
 def ops() -> list[str]:
@@ -316,7 +397,7 @@ def kernels(op: str) -> Mapping[str, Kernels]:
   """``op``'s registered kernels by implementation (for tuning a config by hand, say)."""
   if op not in _REGISTRY:
     raise ValueError(f"unknown op {op!r}; known: {sorted(_REGISTRY)}")
-  return _REGISTRY[op].table
+  return _REGISTRY[op].op.kernels
 
 
 def kernel_reasons(problem: Any, target: Target,
@@ -580,7 +661,9 @@ def supports(op: str, implementation: str, *args: Any, **kwargs: Any) -> Support
                     f"arguments: {e}") from None
   bound.apply_defaults()
   arguments = {k: v for k, v in bound.arguments.items() if k not in _DISPATCH_ARGUMENTS}
-  problem, arrays = registered.problem_of(**arguments)
-  target = target_of(*arrays)
-  reason = _reasons(implementation, target, kernel_reasons(problem, target, registered.table))
+  checked = registered.op.validate(**arguments)
+  problem = registered.op.problem(**checked)
+  target = target_of(*checked.values())
+  reason = _reasons(implementation, target,
+                    kernel_reasons(problem, target, registered.op.kernels))
   return Support(reason is None, reason or "")

@@ -37,9 +37,9 @@ of the first operand that splits one; a mesh axis splits one group at most. A wh
 (one the kernels reduce, walk or contract over) is gathered where it is split, with a one-time
 :class:`ShardingWarning` naming the op, the axes and the bytes moved (or a ValueError where the
 caller named a kernel), as is a group whose axes do not divide one of its dimensions. One
-function, :func:`split`, reads a rule and the operands' layout for every op; the op then runs
-per shard through :meth:`Split.run` and adds what its rule needs across shards (a row-parallel
-matmul's psum, the fused loss's per-shard sums).
+function, :func:`split`, reads a rule and the operands' layout for every op, and dispatch's one
+entry (``backend.call``) runs the op per shard through :meth:`Split.run`, with what the op adds
+across shards (a row-parallel matmul's psum, the losses' sums: its ``across``).
 """
 
 from __future__ import annotations
@@ -383,20 +383,6 @@ def row_dims(ndim: int, feature: str, label: str = "rows") -> tuple[Free, ...]:
   :func:`row_names` (``feature`` names the last, which the caller states itself)."""
   return tuple(Free(f"row{i}", n, label=label)
                for i, n in enumerate(row_names(ndim, feature)[:-1]))
-
-
-def rowwise(op: str, implementation: str | None, call: Callable[..., Any], *,
-            rows: Mapping[str, Any], vectors: Mapping[str, Any] = {},
-            reduced: int | None, feature: str = "embed") -> tuple[bool, Any]:
-  """Runs ``call(**rows, **vectors)`` once per shard where the arrays are split
-  (:func:`rows_rule`, :func:`split`): (True, the result, its rows split as x's), else (False,
-  None) and the caller runs as on one device. ``feature``: the logical name of x's last
-  dimension, for meshes of Auto axes."""
-  rule = rows_rule(rows, vectors, reduced, feature)
-  where = split(op, implementation, {**rows, **vectors}, rule)
-  if where is None:
-    return False, None
-  return True, where.run(call, {**rows, **vectors}, rule, next(iter(rule.values())))
 
 
 def _dividing(op: str, name: str, a, spec, mesh) -> list:

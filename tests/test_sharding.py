@@ -691,8 +691,8 @@ def test_tpu_compile_keeps_rows_split(tpu4, case):
   _check_rows_split(tpu4, case)
 
 
-# The ops that split on Auto axes so far (the others: the compiler's "cannot be automatically
-# partitioned" is refused before it, with what to do).
+# The row ops' memory on Auto axes (every op's compile there, matmul's included:
+# test_tpu_compile_every_op_on_auto_axes).
 AUTO_TPU_CASES = sorted(set(TPU_CASES) - {"matmul"})
 
 
@@ -707,6 +707,56 @@ def test_tpu_compile_keeps_rows_split_on_auto_axes(tpu4, case):
   # The unsharded call's memory from the Explicit mesh: on Auto axes the compiler splits even
   # a replicated input's outputs as it likes.
   _check_rows_split(auto, case, whole_on=tpu4)
+
+
+def _every_op(x, w, b, logits, labels, q, kv, lengths):
+  """Each public op on the batch-split operands, forward and (but decode) gradients: the
+  sum of their losses, and the kernels' names each must leave in the compiled program."""
+  dq = q[:, :1]
+  losses = [
+      jk.rms_norm(x, b[0]), jk.layer_norm(x, b[0], b[1]), jk.softmax(x),
+      jk.bias_activation(x, b[0], activation="gelu"), jk.glu(x, x * 0.5),
+      jk.matmul(x, w, activation="silu"),
+      jk.softmax_cross_entropy(logits, labels, reduction="none"),
+      jk.linear_softmax_cross_entropy(x, w, labels, reduction="sum"),
+      jk.flash_attention(q, kv, kv, causal=True),
+  ]
+  total = sum(jnp.sum(t.astype(jnp.float32)) for t in losses)
+  return total + 0 * jnp.sum(jk.decode_attention(dq, kv, kv, lengths=lengths))
+
+
+EVERY_OP_KERNELS = ("jk_rms_norm_fwd", "jk_rms_norm_bwd", "jk_layer_norm_fwd",
+                    "jk_layer_norm_bwd", "jk_softmax_fwd", "jk_softmax_bwd", "jk_bias_gelu_fwd",
+                    "jk_bias_gelu_bwd", "jk_glu_silu_fwd", "jk_glu_silu_bwd", "jk_matmul",
+                    "jk_cross_entropy_fwd", "jk_cross_entropy_bwd", "jk_attention_fwd",
+                    "jk_attention_dkdv", "jk_attention_dq", "jk_decode_attention")
+
+
+def test_tpu_compile_every_op_on_auto_axes(tpu4):
+  """Every public op, compiled for v5e and v6e (4 chips) on a mesh of Auto axes in context,
+  the operands placed batch-split by their shardings (jit's in_shardings, the classic way):
+  each op splits by the default rules (batch over "data") and its Mosaic kernels run per
+  chip, forward and backward; no operand is gathered. One program for all ten, one compile
+  per chip."""
+  auto = jax.sharding.Mesh(tpu4.devices, tpu4.axis_names, axis_types=(AxisType.Auto,))
+  split, whole = NamedSharding(auto, P("data")), NamedSharding(auto, P())
+  struct = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  args = (struct((8, 256, 512), jnp.bfloat16, split),  # x: (batch, length, embed)
+          struct((512, 512), jnp.bfloat16, whole),  # w
+          struct((2, 512), jnp.bfloat16, whole),  # norm scale and bias
+          struct((8, 256, 512), jnp.bfloat16, split),  # logits
+          struct((8, 256), jnp.int32, split),  # labels
+          struct((8, 256, 8, 128), jnp.bfloat16, split),  # q
+          struct((8, 256, 2, 128), jnp.bfloat16, split),  # k and v
+          struct((8,), jnp.int32, split))  # decode's cache lengths
+  grad = jax.value_and_grad(_every_op, argnums=(0, 1, 2, 3, 5, 6))
+  with jax.set_mesh(auto):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", jk.ShardingWarning)  # nothing gathered, nothing refused
+      text = jax.jit(grad).lower(*args).compile().as_text()
+  assert "all-gather" not in text and "all-to-all" not in text
+  missing = [name for name in EVERY_OP_KERNELS if name not in text]
+  assert not missing, f"kernels not in the compiled program: {missing}"
 
 
 def test_tpu_compile_with_no_mesh_in_context_takes_xla_or_refuses(tpu4):

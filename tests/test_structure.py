@@ -4,6 +4,7 @@ kernels are reached. Reading imports (not importing) sees the lazy ones inside f
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import pathlib
 
@@ -137,6 +138,20 @@ def _public_ops() -> list[str]:
 
 def test_every_public_op_is_registered():
   assert backend.ops() == _public_ops()
+
+
+@pytest.mark.parametrize("op", _public_ops())
+def test_every_op_runs_through_the_one_backend_entry(op):
+  """Each public op is a declaration (``backend.Op``) and one ``backend.call``: validation,
+  the split, the plan and the fallback are backend's, the same for every op. No op's api
+  splits by itself (``partitioning.split``) or sequences a call's steps another way."""
+  function = getattr(jk, op)
+  tree = ast.parse(inspect.getsource(function))
+  calls = [ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)]
+  assert calls.count("backend.call") == 1, (op, calls)
+  assert backend.kernels(op)  # registered, with its kernels
+  source = pathlib.Path(inspect.getsourcefile(function)).read_text()
+  assert "partitioning.split(" not in source
 
 
 @pytest.mark.parametrize("op", _public_ops())

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxkernels import _checks, backend, partitioning, remat
+from jaxkernels import _checks, backend, remat
 from jaxkernels._tiling import bucket
 from jaxkernels.ops.attention import (mosaic_gpu, mosaic_tpu, mosaic_tpu_decode, reference,
                                       triton, triton_decode)
@@ -72,20 +72,6 @@ class Problem:
 # --------------------------------------------------------------------------- #
 
 
-@dataclasses.dataclass(frozen=True)
-class _Args:
-  q: jax.Array
-  k: jax.Array
-  v: jax.Array
-  bias: jax.Array | None  # (*batch or 1s, N or 1, T, S)
-  segment_ids: jax.Array | None
-  kv_segment_ids: jax.Array | None
-  window: Window
-  scale: float
-  soft_cap: float | None
-  lengths: jax.Array | None = None  # decode_attention's (batch...) cache lengths
-
-
 def _shape(a) -> tuple[int, ...]:
   return tuple(a.shape)
 
@@ -118,7 +104,8 @@ def _segments(name, value, want, against):
 
 
 def _validate(q, k, v, *, causal, scale, bias, segment_ids, kv_segment_ids, local_window_size,
-              logits_soft_cap) -> _Args:
+              logits_soft_cap, return_lse=False) -> dict:
+  del return_lse  # the public op's to act on
   q = _checks.array(OP, "q", q, min_rank=4)
   k = _checks.array(OP, "k", k, min_rank=4)
   v = _checks.array(OP, "v", v, min_rank=4)
@@ -170,7 +157,8 @@ def _validate(q, k, v, *, causal, scale, bias, segment_ids, kv_segment_ids, loca
     bias = bias.reshape((1,) * (len(want) - bias.ndim) + _shape(bias))
     if _shape(bias)[-2:] != (t, s):  # the kernels read whole (T, S) planes
       bias = jnp.broadcast_to(bias, (*_shape(bias)[:-2], t, s))
-  return _Args(q, k, v, bias, segment_ids, kv_segment_ids, window, scale, soft_cap)
+  return dict(q=q, k=k, v=v, bias=bias, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+              window=window, scale=scale, soft_cap=soft_cap)
 
 
 def _finite_float(name, value) -> float:
@@ -188,13 +176,13 @@ def _finite_float(name, value) -> float:
 # --------------------------------------------------------------------------- #
 
 
-def _rule(a: _Args):
+def _rule(q, **unused):
   """The split rule: the batch dimensions and the heads split freely, q's N with k's K (each
   shard holds whole GQA groups; heads whose kv heads the axes do not divide stay whole); a
   split sequence (T or S) or head dim is gathered. The bias broadcasts where its batch or head
   dimension is 1. On a mesh of Auto axes, the dimensions' logical names are Flax's: q's and
   k's heads both "heads"."""
-  nb = a.q.ndim - 3
+  nb = q.ndim - 3
   batch = tuple(Free(f"batch{i}", "batch" if i == 0 else None, label="batch")
                 for i in range(nb))
   heads = Free("heads", "heads", label="heads")
@@ -209,19 +197,10 @@ def _rule(a: _Args):
               lengths=batch)
 
 
-def _sharded(a: _Args, call, implementation, op: str = OP):
-  """The op on split arrays (``partitioning``, by :func:`_rule`), as (True, result), or
-  (False, None) where no array lives on a mesh of Explicit axes and no mesh of Auto axes is
-  in context."""
-  arrays = dict(q=a.q, k=a.k, v=a.v, bias=a.bias, segment_ids=a.segment_ids,
-                kv_segment_ids=a.kv_segment_ids, lengths=a.lengths)
-  rule = _rule(a)
-  where = partitioning.split(op, implementation, arrays, rule)
-  if where is None:
-    return False, None
-  rows = rule["q"][:-3]
-  out_dims = ((*rows, None, rule["q"][-2], None), (*rows, None, rule["q"][-2]))
-  return True, where.run(call, arrays, rule, out_dims)
+def _out(rule, **unused):
+  """The output (..., T, N, H) and the log-sum-exp (..., T, N): split as q's batch and heads."""
+  rows, heads = rule["q"][:-3], rule["q"][-2]
+  return (*rows, None, heads, None), (*rows, None, heads)
 
 
 # --------------------------------------------------------------------------- #
@@ -260,31 +239,46 @@ def _flat(a, keep: int):
   return None if a is None else a.reshape((-1, *a.shape[a.ndim - keep:]))
 
 
-def _local(a: _Args, implementation, config):
-  """(out, lse) of the call on one device (or one shard)."""
-  batch = a.q.shape[:-3]
-  q, k, v = _flat(a.q, 3), _flat(a.k, 3), _flat(a.v, 3)
-  q_seg, kv_seg = _flat(a.segment_ids, 1), _flat(a.kv_segment_ids, 1)
-  bias = a.bias
+def _bias_lead(bias, batch):
+  """The bias's leading dimensions as the kernels take them: 1 (broadcast) or the batch."""
+  return 1 if all(d == 1 for d in bias.shape[:-3]) else math.prod(batch)
+
+
+def _problem(q, k, bias, segment_ids, window, soft_cap, **unused):
+  t, n, h = q.shape[-3:]
+  return Problem(math.prod(q.shape[:-3]), t, k.shape[-3], n, k.shape[-2], h, jnp.dtype(q.dtype),
+                 window, soft_cap is not None,
+                 None if bias is None else (_bias_lead(bias, q.shape[:-3]), bias.shape[-3]),
+                 segment_ids is not None)
+
+
+def _flat_args(q, k, v, bias, segment_ids, kv_segment_ids):
+  """The operands as the kernels and the reference take them: one batch dimension."""
   if bias is not None:  # (*batch or 1s, Nb, T, S) -> (1 or B, Nb, T, S)
-    lead = bias.shape[:-3]
-    if any(d > 1 for d in lead) and lead != batch:
+    batch = q.shape[:-3]
+    if _bias_lead(bias, batch) > 1 and bias.shape[:-3] != batch:
       bias = jnp.broadcast_to(bias, (*batch, *bias.shape[-3:]))
-    bias = bias.reshape((-1 if any(d > 1 for d in lead) else 1, *bias.shape[-3:]))
-  b, t, n, h = q.shape
-  problem = Problem(b, t, k.shape[1], n, k.shape[2], h, jnp.dtype(q.dtype), a.window,
-                    a.soft_cap is not None, None if bias is None else tuple(bias.shape[:2]),
-                    q_seg is not None)
-  plan = backend.plan(OP, implementation, backend.target_of(a.q), problem, _KERNELS, config,
-                      empty=q.size == 0 or k.size == 0, window=a.window, scale=a.scale,
-                      soft_cap=a.soft_cap)
-  if plan is None:
-    out, lse = reference.attention(q, k, v, bias=bias, q_segments=q_seg, kv_segments=kv_seg,
-                                   window=a.window, scale=a.scale, soft_cap=a.soft_cap,
-                                   return_lse=True)
-  else:
-    out, lse = _attention(plan, q, k, v, bias, q_seg, kv_seg)
-  return out.reshape(a.q.shape), lse.reshape(a.q.shape[:-1])
+    bias = bias.reshape((_bias_lead(bias, batch), *bias.shape[-3:]))
+  return (_flat(q, 3), _flat(k, 3), _flat(v, 3), bias, _flat(segment_ids, 1),
+          _flat(kv_segment_ids, 1))
+
+
+def _kernel(plan, q, k, v, bias, segment_ids, kv_segment_ids, **unused):
+  """(out, lse) of the call on ``plan``'s kernels."""
+  out, lse = _attention(plan, *_flat_args(q, k, v, bias, segment_ids, kv_segment_ids))
+  return out.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def _reference(q, k, v, bias, segment_ids, kv_segment_ids, window, scale, soft_cap):
+  """(out, lse) by the reference. No key at all: every query sees nothing. No query (T = 0,
+  or an empty batch or head axis): nothing to compute, and no gradient for k and v (T = 0 once
+  reached a reshape's ZeroDivisionError)."""
+  if k.shape[-3] == 0 or q.size == 0:
+    return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+  q2, k2, v2, bias, q_seg, kv_seg = _flat_args(q, k, v, bias, segment_ids, kv_segment_ids)
+  out, lse = reference.attention(q2, k2, v2, bias=bias, q_segments=q_seg, kv_segments=kv_seg,
+                                 window=window, scale=scale, soft_cap=soft_cap, return_lse=True)
+  return out.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None, bias=None,
@@ -323,50 +317,29 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
   Sharded arrays (a mesh of Explicit axes): the batch dims and the heads split freely; a split
   T, S or H is gathered with a ``ShardingWarning``.
   """
-  a = _validate(q, k, v, causal=causal, scale=scale, bias=bias, segment_ids=segment_ids,
-                kv_segment_ids=kv_segment_ids, local_window_size=local_window_size,
-                logits_soft_cap=logits_soft_cap)
-  # No key at all: every query sees nothing. No query (T = 0, or an empty batch or head
-  # axis): nothing to compute, and no gradient for k and v (T = 0 once reached a reshape's
-  # ZeroDivisionError).
-  if a.k.shape[-3] == 0 or a.q.size == 0:
-    out = jnp.zeros(a.q.shape, a.q.dtype)
-    lse = jnp.full(a.q.shape[:-1], -jnp.inf, jnp.float32)
-    return (out, lse) if return_lse else out
-
-  def local(q, k, v, bias, segment_ids, kv_segment_ids, lengths):
-    del lengths
-    return _local(dataclasses.replace(a, q=q, k=k, v=v, bias=bias, segment_ids=segment_ids,
-                                      kv_segment_ids=kv_segment_ids), implementation, config)
-
-  split, result = _sharded(a, local, implementation)
-  if not split:
-    result = _local(a, implementation, config)
-  out, lse = result
+  out, lse = backend.call(_OP, implementation, config, q=q, k=k, v=v, causal=causal, scale=scale,
+                          bias=bias, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                          local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
   return (out, lse) if return_lse else out
 
 
-def _problem_of(q, k, v, **kwargs):
-  kwargs = {name: kwargs.get(name, default) for name, default in (
-      ("causal", False), ("scale", None), ("bias", None), ("segment_ids", None),
-      ("kv_segment_ids", None), ("local_window_size", None), ("logits_soft_cap", None))}
-  a = _validate(q, k, v, **kwargs)
-  b = math.prod(a.q.shape[:-3])
-  t, n, h = a.q.shape[-3:]
-  bias = None if a.bias is None else (
-      1 if all(d == 1 for d in a.bias.shape[:-3]) else b, a.bias.shape[-3])
-  return Problem(b, t, a.k.shape[-3], n, a.k.shape[-2], h, jnp.dtype(a.q.dtype), a.window,
-                 a.soft_cap is not None, bias, a.segment_ids is not None), (a.q,)
-
-
-_KERNELS = backend.register(OP, {
-    "mosaic_gpu": backend.Kernels.of(OP, "mosaic_gpu", mosaic_gpu, forward=mosaic_gpu.forward,
-                                     backward=mosaic_gpu.backward),
-    "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
-                                 backward=triton.backward),
-    "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
-                                     backward=mosaic_tpu.backward),
-}, _problem_of, flash_attention)
+_OP = backend.register(backend.Op(
+    name=OP,
+    kernels={
+        "mosaic_gpu": backend.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
+                                         forward=mosaic_gpu.forward,
+                                         backward=mosaic_gpu.backward),
+        "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
+                                     backward=triton.backward),
+        "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,
+                                         forward=mosaic_tpu.forward,
+                                         backward=mosaic_tpu.backward),
+    },
+    validate=_validate, problem=_problem, reference=_reference, kernel=_kernel,
+    options=lambda window, scale, soft_cap, **unused: dict(window=window, scale=scale,
+                                                           soft_cap=soft_cap),
+    rule=_rule, out=_out,
+), flash_attention)
 
 
 # --------------------------------------------------------------------------- #
@@ -404,10 +377,11 @@ class DecodeProblem:
             f"cache ({self.batch}, {self.kv_len}, {self.kv_heads}, {self.head_dim}) {self.dtype}")
 
 
-def _validate_decode(q, k_cache, v_cache, lengths, scale, logits_soft_cap, local_window_size):
-  a = _validate(q, k_cache, v_cache, causal=False, scale=scale, bias=None, segment_ids=None,
-                kv_segment_ids=None, local_window_size=None, logits_soft_cap=logits_soft_cap)
-  batch = a.q.shape[:-3]
+def _validate_decode(q, k_cache, v_cache, *, lengths, scale, logits_soft_cap,
+                     local_window_size):
+  args = _validate(q, k_cache, v_cache, causal=False, scale=scale, bias=None, segment_ids=None,
+                   kv_segment_ids=None, local_window_size=None, logits_soft_cap=logits_soft_cap)
+  batch = args["q"].shape[:-3]
   if lengths is None:
     raise ValueError(f"{DECODE_OP}: lengths is required: the number of valid cache entries of "
                      "each sequence, the new queries' own included")
@@ -427,7 +401,8 @@ def _validate_decode(q, k_cache, v_cache, lengths, scale, logits_soft_cap, local
     if local_window_size < 0:
       raise ValueError(f"{DECODE_OP}: local_window_size must be >= 0, got {local_window_size}")
     window_left = int(local_window_size)
-  return dataclasses.replace(a, lengths=lengths), window_left
+  return dict(q=args["q"], k=args["k"], v=args["v"], lengths=lengths, scale=args["scale"],
+              soft_cap=args["soft_cap"], window_left=window_left)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
@@ -478,53 +453,40 @@ def decode_attention(q, k_cache, v_cache, *, lengths, scale: float | None = None
   Returns (..., Tq, N, H) in q's dtype; 0 for a query that sees no key. Differentiable (the
   reference's gradient).
   """
-  a, window_left = _validate_decode(q, k_cache, v_cache, lengths, scale, logits_soft_cap,
-                                    local_window_size)
-
-  def local(q, k, v, bias, segment_ids, kv_segment_ids, lengths):
-    del bias, segment_ids, kv_segment_ids
-    return _decode_local(dataclasses.replace(a, q=q, k=k, v=v, lengths=lengths), window_left,
-                         implementation, config), None
-
-  split, result = _sharded(a, local, implementation, DECODE_OP)
-  if split:
-    return result[0]
-  return _decode_local(a, window_left, implementation, config)
+  return backend.call(_DECODE_OP, implementation, config, q=q, k_cache=k_cache,
+                      v_cache=v_cache, lengths=lengths, scale=scale,
+                      logits_soft_cap=logits_soft_cap, local_window_size=local_window_size)
 
 
-def _decode_local(a: _Args, window_left, implementation, config):
-  batch = a.q.shape[:-3]
-  q, k, v = _flat(a.q, 3), _flat(a.k, 3), _flat(a.v, 3)
-  lengths = a.lengths.reshape(-1)
-  b, tq, n, h = q.shape
-  problem = DecodeProblem(b, tq, k.shape[1], n, k.shape[2], h, jnp.dtype(q.dtype),
-                          a.soft_cap is not None, window_left is not None)
-  plan = backend.plan(DECODE_OP, implementation, backend.target_of(a.q), problem,
-                      _DECODE_KERNELS, config, empty=q.size == 0 or k.size == 0,
-                      scale=a.scale, soft_cap=a.soft_cap)
-  if plan is None:
-    if k.shape[1] == 0:
-      return jnp.zeros(a.q.shape, a.q.dtype)
-    out = reference.decode(q, k, v, lengths, scale=a.scale, soft_cap=a.soft_cap,
-                           window_left=window_left)
-  else:
-    out = _decode(plan, q, k, v, lengths, window_left)
-  return out.reshape(*batch, *out.shape[1:])
+def _decode_problem(q, k, soft_cap, window_left, **unused):
+  t, n, h = q.shape[-3:]
+  return DecodeProblem(math.prod(q.shape[:-3]), t, k.shape[-3], n, k.shape[-2], h,
+                       jnp.dtype(q.dtype), soft_cap is not None, window_left is not None)
 
 
-def _decode_problem_of(q, k_cache, v_cache, *, lengths=None, scale=None, logits_soft_cap=None,
-                       local_window_size=None, **unused):
-  a, window_left = _validate_decode(q, k_cache, v_cache, lengths, scale, logits_soft_cap,
-                                    local_window_size)
-  t, n, h = a.q.shape[-3:]
-  return DecodeProblem(math.prod(a.q.shape[:-3]), t, a.k.shape[-3], n, a.k.shape[-2], h,
-                       jnp.dtype(a.q.dtype), a.soft_cap is not None,
-                       window_left is not None), (a.q,)
+def _decode_kernel(plan, q, k, v, lengths, window_left, **unused):
+  out = _decode(plan, _flat(q, 3), _flat(k, 3), _flat(v, 3), lengths.reshape(-1), window_left)
+  return out.reshape(q.shape)
 
 
-_DECODE_KERNELS = backend.register(DECODE_OP, {
-    "triton": backend.Kernels.of(DECODE_OP, "triton", triton_decode,
-                                 forward=triton_decode.forward),
-    "mosaic_tpu": backend.Kernels.of(DECODE_OP, "mosaic_tpu", mosaic_tpu_decode,
-                                     forward=mosaic_tpu_decode.forward),
-}, _decode_problem_of, decode_attention)
+def _decode_reference_call(q, k, v, lengths, scale, soft_cap, window_left):
+  if k.shape[-3] == 0 or q.size == 0:
+    return jnp.zeros(q.shape, q.dtype)
+  out = reference.decode(_flat(q, 3), _flat(k, 3), _flat(v, 3), lengths.reshape(-1),
+                         scale=scale, soft_cap=soft_cap, window_left=window_left)
+  return out.reshape(q.shape)
+
+
+_DECODE_OP = backend.register(backend.Op(
+    name=DECODE_OP,
+    kernels={
+        "triton": backend.Kernels.of(DECODE_OP, "triton", triton_decode,
+                                     forward=triton_decode.forward),
+        "mosaic_tpu": backend.Kernels.of(DECODE_OP, "mosaic_tpu", mosaic_tpu_decode,
+                                         forward=mosaic_tpu_decode.forward),
+    },
+    validate=_validate_decode, problem=_decode_problem, reference=_decode_reference_call,
+    kernel=_decode_kernel,
+    options=lambda scale, soft_cap, **unused: dict(scale=scale, soft_cap=soft_cap),
+    rule=_rule, out=lambda rule, **unused: _out(rule)[0],
+), decode_attention)

@@ -169,27 +169,39 @@ def _rows_bwd(plan, options, saved, g):
 _rows.defvjp(_rows_fwd, _rows_bwd)
 
 
-def _plan(op, implementation, where, logits_like, config, options: _Options, empty: bool):
-  """The row kernels' plan for ``logits_like`` rows on the device of ``where``, for ``op``
-  (the public op its warnings and errors name)."""
-  return backend.plan(op, implementation, backend.target_of(where), Problem.of(logits_like),
-                      _KERNELS, config, empty=empty, **options.kwargs())
+def _validate(logits, labels, *, label_smoothing, z_loss, ignore_index, reduction):
+  logits = _checks.array(OP, "logits", logits)
+  if logits.shape[-1] == 0:
+    raise ValueError(f"{OP}: logits must have at least one class (a last axis > 0), got shape "
+                     f"{tuple(logits.shape)}")
+  return dict(logits=logits,
+              labels=_labels(OP, labels, logits.shape[:-1], "logits without its last axis"),
+              options=_options(OP, label_smoothing, z_loss, ignore_index, reduction),
+              reduction=reduction)
 
 
-def _per_token(logits, labels, options: _Options, implementation, config):
-  split, out = partitioning.rowwise(
-      OP, implementation,
-      lambda logits, labels: _per_token(logits, labels[..., 0], options, implementation,
-                                        config)[..., None],
-      rows={"logits": logits, "labels": labels[..., None]}, reduced=-1, feature="vocab")
-  if split:
-    return out[..., 0]
-  plan = _plan(OP, implementation, logits, logits, config, options, empty=logits.size == 0)
-  if plan is None:
-    return reference.softmax_cross_entropy(logits, labels, **options.kwargs())[0]
+def _kernel(plan, logits, labels, options: _Options, reduction):
   vocab = logits.shape[-1]
-  return _rows(plan, options, logits.reshape(-1, vocab), labels.reshape(-1)).reshape(
-      labels.shape)
+  loss = _rows(plan, options, logits.reshape(-1, vocab), labels.reshape(-1))
+  return _reduce(loss.reshape(labels.shape), labels, options, reduction)
+
+
+def _reference(logits, labels, options: _Options, reduction):
+  loss = reference.softmax_cross_entropy(logits, labels, **options.kwargs())[0]
+  return _reduce(loss, labels, options, reduction)
+
+
+def _rule(logits, **unused):
+  """The tokens split freely (the labels' with the logits'); the classes are reduced over."""
+  tokens = partitioning.row_dims(logits.ndim, "vocab")
+  return {"logits": (*tokens, Whole("vocab")), "labels": tokens}
+
+
+def _across(where, rule, local, *, logits, labels, options: _Options, reduction):
+  """Each shard's per-token loss, then reduced over them all (XLA's sum across shards)."""
+  loss = where.run(lambda **shards: local(**shards, reduction="none"),
+                   {"logits": logits, "labels": labels}, rule, rule["labels"])
+  return _reduce(loss, labels, options, reduction)
 
 
 def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
@@ -212,14 +224,9 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     implementation: None (best available), "xla", "triton" or "mosaic_tpu".
     config: the chosen kernel's Config; None picks one for the shape and device.
   """
-  logits = _checks.array(OP, "logits", logits)
-  if logits.shape[-1] == 0:
-    raise ValueError(f"{OP}: logits must have at least one class (a last axis > 0), got shape "
-                     f"{tuple(logits.shape)}")
-  labels = _labels(OP, labels, logits.shape[:-1], "logits without its last axis")
-  options = _options(OP, label_smoothing, z_loss, ignore_index, reduction)
-  loss = _per_token(logits, labels, options, implementation, config)
-  return _reduce(loss, labels, options, reduction)
+  return backend.call(_OP, implementation, config, logits=logits, labels=labels,
+                      label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
+                      reduction=reduction)
 
 
 # --------------------------------------------------------------------------- #
@@ -367,20 +374,13 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
     implementation: None (best available), "xla", "triton" or "mosaic_tpu": the row kernels'.
     config: their Config (for a (chunk, V) problem of x's dtype); None picks one.
   """
-  op = LINEAR_OP
-  x, w, labels, options = _validate_linear(x, w, labels, label_smoothing, z_loss, ignore_index,
-                                           reduction)
-  rule = _linear_rule(x)
-  where = partitioning.split(op, implementation, {"x": x, "w": w, "labels": labels}, rule,
-                             xla_too=True)
-  if where is not None:
-    return _linear_sharded(where, rule, x, w, labels, options, reduction, chunk_size,
-                           implementation, config)
-  return _linear_one_device(x, w, labels, options, reduction, chunk_size, implementation,
-                            config)
+  return backend.call(_LINEAR_OP, implementation, config, x=x, w=w, labels=labels,
+                      label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
+                      reduction=reduction, chunk_size=chunk_size)
 
 
-def _validate_linear(x, w, labels, label_smoothing, z_loss, ignore_index, reduction):
+def _validate_linear(x, w, labels, *, label_smoothing, z_loss, ignore_index, reduction,
+                     chunk_size):
   op = LINEAR_OP
   x = _checks.array(op, "x", x)
   w = _checks.array(op, "w", w, min_rank=2)
@@ -388,20 +388,28 @@ def _validate_linear(x, w, labels, label_smoothing, z_loss, ignore_index, reduct
     raise ValueError(f"{op}: w must be (D, V) with D = x's last dimension {x.shape[-1]} and "
                      f"V > 0, got {tuple(w.shape)}")
   labels = _labels(op, labels, x.shape[:-1], "x without its last axis")
-  return x, w, labels, _options(op, label_smoothing, z_loss, ignore_index, reduction)
+  _chunk(1, w.shape[1], chunk_size)  # checks it
+  # w_compute: the dtype w's products run in where w comes wider (set only by _linear_across).
+  return dict(x=x, w=w, labels=labels,
+              options=_options(op, label_smoothing, z_loss, ignore_index, reduction),
+              reduction=reduction, chunk_size=chunk_size, w_compute=None)
 
 
-def _linear_one_device(x, w, labels, options: _Options, reduction, chunk_size, implementation,
-                       config, w_compute=None):
+def _linear_problem(x, w, chunk_size, **unused):
+  """The fused loss's problem: its row kernels' on a chunk's (chunk, V) logits in x's dtype."""
+  chunk = _chunk(math.prod(x.shape[:-1]), w.shape[1], chunk_size)
+  return Problem.of(jax.ShapeDtypeStruct((chunk, w.shape[1]), x.dtype))
+
+
+def _linear(plan, x, w, labels, options: _Options, reduction, chunk_size, w_compute):
+  """The fused loss on one device (or shard), on ``plan``'s row kernels (None: the
+  reference's math, chunk by chunk the same)."""
   tokens, vocab = math.prod(x.shape[:-1]), w.shape[1]
   chunk = _chunk(tokens, vocab, chunk_size)
   padded = round_up(max(tokens, 1), chunk)
   flat_x = jnp.pad(x.reshape(tokens, -1), ((0, padded - tokens), (0, 0)))
   flat_labels = jnp.pad(labels.reshape(tokens), (0, padded - tokens))
   valid = jnp.arange(padded) < tokens
-  logits_like = jax.ShapeDtypeStruct((chunk, vocab), x.dtype)
-  plan = _plan(LINEAR_OP, implementation, x, logits_like, config, options,
-               empty=tokens == 0)
   spec = _Linear(plan, options, chunk, (jnp.dtype(x.dtype), jnp.dtype(w.dtype)), w_compute)
   if reduction == "none":
     loss = _linear_rows(spec, flat_x, w, flat_labels)
@@ -413,7 +421,7 @@ def _linear_one_device(x, w, labels, options: _Options, reduction, chunk_size, i
   return _linear_total(spec, flat_x, w, flat_labels, lax.stop_gradient(weights))
 
 
-def _linear_rule(x):
+def _linear_rule(x, **unused):
   """The fused loss's split rule: x's tokens (its leading dimensions; the labels' with them)
   split freely; D and the vocabulary are reduced over, so x's D and all of w stay whole. On a
   mesh of Auto axes: x's tokens as "batch", "length", ..., D as "embed"; w (D, V)."""
@@ -424,8 +432,8 @@ def _linear_rule(x):
           "labels": rows}
 
 
-def _linear_sharded(where, rule, x, w, labels, options: _Options, reduction, chunk_size,
-                    implementation, config):
+def _linear_across(where, rule, local, *, x, w, labels, options: _Options, reduction,
+                   chunk_size, w_compute):
   """The fused loss on a mesh (Explicit axes, or Auto axes in context, split by the rules):
   each shard of tokens runs it with the whole w; the shards' sums and token counts are added
   after. dw sums over the shards (shard_map's transpose of w's replication): in float32,
@@ -433,17 +441,13 @@ def _linear_sharded(where, rule, x, w, labels, options: _Options, reduction, chu
   products still run in its dtype)."""
   rows = rule["labels"]
   row_groups = [d.group for d in rows]
-  w_compute = None
   if where.size(*row_groups) > 1 and jnp.dtype(w.dtype).itemsize < 4:
     w_compute, w = w.dtype, w.astype(jnp.float32)
-  one_device = functools.partial(_linear_one_device, options=options, chunk_size=chunk_size,
-                                 implementation=implementation, config=config,
-                                 w_compute=w_compute)
 
   def call(x, w, labels):
     if reduction == "none":
-      return one_device(x, w, labels, reduction="none")
-    total = one_device(x, w, labels, reduction="sum")
+      return local(x=x, w=w, labels=labels, w_compute=w_compute)
+    total = local(x=x, w=w, labels=labels, reduction="sum", w_compute=w_compute)
     return jnp.stack([total, _count(labels, options)])[None]
 
   out_dims = rows if reduction == "none" else P(partitioning.entry(where.axes(*row_groups)),
@@ -460,27 +464,24 @@ def _linear_sharded(where, rule, x, w, labels, options: _Options, reduction, chu
   return total if reduction == "sum" else total / jnp.maximum(count, 1.0)
 
 
-def _problem_of(logits, labels, *, label_smoothing, z_loss, ignore_index, reduction, **unused):
-  logits = _checks.array(OP, "logits", logits)
-  _labels(OP, labels, logits.shape[:-1], "logits without its last axis")
-  _options(OP, label_smoothing, z_loss, ignore_index, reduction)
-  return Problem.of(logits), (logits,)
-
-
-def _linear_problem_of(x, w, labels, *, label_smoothing=0.0, z_loss=0.0, ignore_index=None,
-                       reduction="mean", chunk_size=None, **unused):
-  """The fused loss's problem: its row kernels' on a chunk's (chunk, V) logits in x's dtype."""
-  x, w, labels, _ = _validate_linear(x, w, labels, label_smoothing, z_loss, ignore_index,
-                                     reduction)
-  chunk = _chunk(math.prod(x.shape[:-1]), w.shape[1], chunk_size)
-  return Problem.of(jax.ShapeDtypeStruct((chunk, w.shape[1]), x.dtype)), (x, w, labels)
-
-
-_KERNELS = backend.register(OP, {
+_KERNELS = {
     "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
                                  backward=triton.backward),
     "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
                                      backward=mosaic_tpu.backward),
-}, _problem_of, softmax_cross_entropy)
-# The fused loss runs the same row kernels: supports() asks them of a chunk's logits.
-backend.register(LINEAR_OP, _KERNELS, _linear_problem_of, linear_softmax_cross_entropy)
+}
+_OP = backend.register(backend.Op(
+    name=OP, kernels=_KERNELS, validate=_validate,
+    problem=lambda logits, **unused: Problem.of(logits),
+    reference=_reference, kernel=_kernel,
+    options=lambda options, **unused: options.kwargs(),
+    rule=_rule, across=_across,
+), softmax_cross_entropy)
+# The fused loss runs the same row kernels, on a chunk's logits (supports() asks them so).
+_LINEAR_OP = backend.register(backend.Op(
+    name=LINEAR_OP, kernels=_KERNELS, validate=_validate_linear, problem=_linear_problem,
+    reference=functools.partial(_linear, None), kernel=_linear,
+    options=lambda options, **unused: options.kwargs(),
+    empty=lambda x, **unused: math.prod(x.shape[:-1]) == 0,
+    rule=_linear_rule, across=_linear_across, xla_too=True,
+), linear_softmax_cross_entropy)

@@ -56,37 +56,28 @@ def _fused_bwd(plan, saved, dy):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _plan(op, implementation, config, activation, **named):
-  """The kernel plan for this call, or None for the XLA reference."""
-  first = next(iter(named.values()))
-  target = backend.target_of(*named.values())
-  return backend.plan(op, implementation, target, Problem.of(op, activation, **named),
-                      _KERNELS[op], config, empty=first.size == 0, activation=activation)
-
-
-def _validate_bias_activation(x, bias, activation):
+def _validate_bias_activation(x, bias, *, activation):
   op = "bias_activation"
   x = _checks.array(op, "x", x)
   bias = _checks.vector(op, "bias", bias, x.shape[-1], "x")
-  return x, bias, _checks.choice(op, "activation", activation, _activations.ACTIVATIONS)
+  return dict(x=x, bias=bias,
+              activation=_checks.choice(op, "activation", activation, _activations.ACTIVATIONS))
 
 
-def _validate_glu(gate, up, activation):
+def _validate_glu(gate, up=None, *, activation):
   op = "glu"
   gate = _checks.array(op, "gate", gate)
-  up = _checks.same_shape(op, "up", up, gate.shape, "gate")
-  if up.dtype != gate.dtype:
-    raise TypeError(f"{op}: up must have gate's dtype {gate.dtype}, got {up.dtype}")
-  return gate, up, _checks.choice(op, "activation", activation, _activations.ACTIVATIONS)
-
-
-def _validate_glu_packed(x, activation):
-  op = "glu"
-  x = _checks.array(op, "gate", x)
-  if x.ndim == 0 or x.shape[-1] % 2:
-    raise ValueError(f"{op}: with up=None, gate holds [gate | up] side by side along its last "
-                     f"axis, which must have an even length; got shape {tuple(x.shape)}")
-  return x, _checks.choice(op, "activation", activation, _activations.ACTIVATIONS)
+  if up is None:
+    if gate.ndim == 0 or gate.shape[-1] % 2:
+      raise ValueError(f"{op}: with up=None, gate holds [gate | up] side by side along its "
+                       f"last axis, which must have an even length; got shape "
+                       f"{tuple(gate.shape)}")
+  else:
+    up = _checks.same_shape(op, "up", up, gate.shape, "gate")
+    if up.dtype != gate.dtype:
+      raise TypeError(f"{op}: up must have gate's dtype {gate.dtype}, got {up.dtype}")
+  return dict(gate=gate, up=up,
+              activation=_checks.choice(op, "activation", activation, _activations.ACTIVATIONS))
 
 
 def bias_activation(x, bias, *, activation: str, implementation=None, config=None):
@@ -103,18 +94,8 @@ def bias_activation(x, bias, *, activation: str, implementation=None, config=Non
     An array shaped and typed like x. The backward recomputes the activation
     from x and bias, and reduces d(bias) in the same pass that writes dx.
   """
-  x, bias, activation = _validate_bias_activation(x, bias, activation)
-  split, out = partitioning.rowwise(
-      "bias_activation", implementation,
-      lambda x, bias: bias_activation(x, bias, activation=activation,
-                                      implementation=implementation, config=config),
-      rows={"x": x}, vectors={"bias": bias}, reduced=None, feature="mlp")
-  if split:
-    return out
-  plan = _plan("bias_activation", implementation, config, activation, x=x, bias=bias)
-  if plan is None:
-    return reference.bias_activation(x, bias, activation=activation)
-  return _fused(plan, rows_view(x), bias).reshape(x.shape)
+  return backend.call(_BIAS_ACTIVATION, implementation, config, x=x, bias=bias,
+                      activation=activation)
 
 
 def glu(gate, up=None, *, activation: str = "silu", implementation=None, config=None):
@@ -131,20 +112,7 @@ def glu(gate, up=None, *, activation: str = "silu", implementation=None, config=
     activation: applied to gate; "silu" by default.
     implementation, config: as for :func:`bias_activation`.
   """
-  if up is None:
-    return _glu_packed(gate, activation, implementation, config)
-  gate, up, activation = _validate_glu(gate, up, activation)
-  split, out = partitioning.rowwise(
-      "glu", implementation,
-      lambda gate, up: glu(gate, up, activation=activation, implementation=implementation,
-                           config=config),
-      rows={"gate": gate, "up": up}, reduced=None, feature="mlp")
-  if split:
-    return out
-  plan = _plan("glu", implementation, config, activation, gate=gate, up=up)
-  if plan is None:
-    return reference.glu(gate, up, activation=activation)
-  return _fused(plan, rows_view(gate), rows_view(up)).reshape(gate.shape)
+  return backend.call(_GLU, implementation, config, gate=gate, up=up, activation=activation)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -163,75 +131,83 @@ def _packed_bwd(plan, x, dy):
 _packed.defvjp(_packed_fwd, _packed_bwd)
 
 
-def _packed_plan(x, activation, implementation, config, *arrays):
-  """(plan, half) for glu of x = [gate | up]: the kernel plan (None: the XLA reference) for
-  the two halves, each ``half`` (where ``arrays`` live)."""
-  half = jax.ShapeDtypeStruct((*x.shape[:-1], x.shape[-1] // 2), x.dtype)
-  plan = backend.plan("glu", implementation, backend.target_of(*arrays),
-                      Problem.of("glu", activation, gate=half, up=half), _KERNELS["glu"], config,
-                      empty=x.size == 0, activation=activation)
-  return plan, half
+def _halves(x):
+  n = x.shape[-1] // 2
+  return x[..., :n], x[..., n:]
 
 
-def _glu_packed(x, activation, implementation, config):
-  """glu of x = [gate | up] along the last axis."""
-  op = "glu"
-  x, activation = _validate_glu_packed(x, activation)
-  # The halves pair up within a row: a split last axis is gathered (the rule's warning).
-  split, out = partitioning.rowwise(
-      op, implementation,
-      lambda gate: _glu_packed(gate, activation, implementation, config),
-      rows={"gate": x}, reduced=-1, feature="mlp")
-  if split:
-    return out
-  plan, half = _packed_plan(x, activation, implementation, config, x)
-  if plan is not None and plan.implementation == "triton":
-    return _packed(plan, rows_view(x)).reshape(half.shape)
-  n = half.shape[-1]
-  gate, up = x[..., :n], x[..., n:]
-  if plan is None:
-    return reference.glu(gate, up, activation=activation)
-  return _fused(plan, rows_view(gate), rows_view(up)).reshape(half.shape)
+def _glu_problem(gate, up, activation):
+  if up is None:  # [gate | up] side by side: the kernels see its two halves
+    half = jax.ShapeDtypeStruct((*gate.shape[:-1], gate.shape[-1] // 2), gate.dtype)
+    return Problem.of("glu", activation, gate=half, up=half)
+  return Problem.of("glu", activation, gate=gate, up=up)
+
+
+def _glu_kernel(plan, gate, up, activation):
+  del activation  # in the plan's options
+  if up is None:
+    out_shape = (*gate.shape[:-1], gate.shape[-1] // 2)
+    if plan.implementation == "triton":  # reads both halves in place
+      return _packed(plan, rows_view(gate)).reshape(out_shape)
+    gate, up = _halves(gate)
+  return _fused(plan, rows_view(gate), rows_view(up)).reshape(gate.shape)
+
+
+def _glu_rule(gate, up, activation):
+  """The rows split freely; the last dimension too where gate and up come apart (elementwise),
+  not where they sit side by side (each row's halves pair up: gathered, warned)."""
+  del activation
+  if up is None:
+    return partitioning.rows_rule({"gate": gate}, {}, -1, "mlp")
+  return partitioning.rows_rule({"gate": gate, "up": up}, {}, None, "mlp")
 
 
 def packed_glu_grad(x, dy, *, activation: str, implementation=None):
   """d[gate | up] of ``glu(x)`` (x = [gate | up] along its last axis) for the cotangent
   ``dy``, one array shaped like x: the backward alone, for a kernel that computed glu's
   output itself and saved x (``matmul(glu=True)``). Unsharded arrays."""
-  plan, _ = _packed_plan(x, activation, implementation, None, x, dy)
+  args = _validate_glu(x, activation=activation)
+  plan = backend.plan("glu", implementation, backend.target_of(x, dy), _glu_problem(**args),
+                      _GLU.kernels, None, empty=x.size == 0, activation=activation)
   if plan is not None and plan.implementation == "triton":
     return plan.run(triton.glu_packed_bwd, rows_view(x), rows_view(dy)).reshape(x.shape)
-  _, vjp = jax.vjp(lambda x: _glu_packed(x, activation, implementation, None), x)
+  _, vjp = jax.vjp(lambda x: glu(x, activation=activation, implementation=implementation), x)
   return vjp(dy)[0]
 
 
-def _bias_activation_problem(x, bias, *, activation, **unused):
-  x, bias, activation = _validate_bias_activation(x, bias, activation)
-  return Problem.of("bias_activation", activation, x=x, bias=bias), (x, bias)
-
-
-def _glu_problem(gate, up, *, activation, **unused):
-  if up is None:  # [gate | up] side by side: the kernels see its two halves
-    gate, activation = _validate_glu_packed(gate, activation)
-    half = jax.ShapeDtypeStruct((*gate.shape[:-1], gate.shape[-1] // 2), gate.dtype)
-    return Problem.of("glu", activation, gate=half, up=half), (gate,)
-  gate, up, activation = _validate_glu(gate, up, activation)
-  return Problem.of("glu", activation, gate=gate, up=up), (gate, up)
-
-
-_KERNELS = {
-    "bias_activation": backend.register("bias_activation", {
+_BIAS_ACTIVATION = backend.register(backend.Op(
+    name="bias_activation",
+    kernels={
         "triton": backend.Kernels.of("bias_activation", "triton", triton,
                                      forward=triton.bias_activation_fwd,
                                      backward=triton.bias_activation_bwd),
         "mosaic_tpu": backend.Kernels.of("bias_activation", "mosaic_tpu", mosaic_tpu,
                                          forward=mosaic_tpu.bias_activation_fwd,
                                          backward=mosaic_tpu.bias_activation_bwd),
-    }, _bias_activation_problem, bias_activation),
-    "glu": backend.register("glu", {
+    },
+    validate=_validate_bias_activation,
+    problem=lambda x, bias, activation: Problem.of("bias_activation", activation, x=x,
+                                                   bias=bias),
+    reference=reference.bias_activation,
+    kernel=lambda plan, x, bias, activation: _fused(plan, rows_view(x), bias).reshape(x.shape),
+    options=lambda activation, **unused: dict(activation=activation),
+    rule=lambda x, bias, activation: partitioning.rows_rule({"x": x}, {"bias": bias}, None,
+                                                            "mlp"),
+), bias_activation)
+
+_GLU = backend.register(backend.Op(
+    name="glu",
+    kernels={
         "triton": backend.Kernels.of("glu", "triton", triton, forward=triton.glu_fwd,
                                      backward=triton.glu_bwd),
         "mosaic_tpu": backend.Kernels.of("glu", "mosaic_tpu", mosaic_tpu,
                                          forward=mosaic_tpu.glu_fwd, backward=mosaic_tpu.glu_bwd),
-    }, _glu_problem, glu),
-}
+    },
+    validate=_validate_glu,
+    problem=_glu_problem,
+    reference=lambda gate, up, activation: reference.glu(
+        *(_halves(gate) if up is None else (gate, up)), activation=activation),
+    kernel=_glu_kernel,
+    options=lambda activation, **unused: dict(activation=activation),
+    rule=_glu_rule,
+), glu)

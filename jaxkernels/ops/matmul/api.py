@@ -22,11 +22,6 @@ OP = "matmul"
 OPERAND_DTYPES = (*FLOATS, *FLOAT8, INT8)
 
 
-_KERNELS = {
-    "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.matmul),
-    "mosaic_gpu": backend.Kernels.of(OP, "mosaic_gpu", mosaic_gpu, forward=mosaic_gpu.matmul),
-    "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.matmul),
-}
 
 
 def _run(plan: backend.Plan, problem: Problem, *operands, forward: bool = False,
@@ -54,7 +49,7 @@ def _differentiable(plan, p, a, b, bias, residual):
 
 def _differentiable_fwd(plan, p, a, b, bias, residual):
   # b may come wider than the product (float32 for a bfloat16 product, from the data-parallel
-  # rule in _sharded): the product reads it rounded, and dB comes back in b's own dtype (an
+  # rule in _across): the product reads it rounded, and dB comes back in b's own dtype (an
   # empty array carries that dtype to the backward, whose residuals are arrays).
   grad_b_dtype = jnp.dtype(b.dtype)
   b = b.astype(p.dtype)
@@ -160,8 +155,8 @@ def _operand(name, value, min_rank):
   return value
 
 
-def _validate(a, b, bias, activation, residual, out_dtype, precision, a_scale, b_scale,
-              glu=False):
+def _validate(a, b, *, bias, activation, residual, glu, out_dtype, precision, a_scale,
+              b_scale):
   a = _operand("a", a, 2)
   b = _operand("b", b, 2)
   if b.ndim != 2:
@@ -194,16 +189,20 @@ def _validate(a, b, bias, activation, residual, out_dtype, precision, a_scale, b
     raise TypeError(f"{OP}: out_dtype must be one of bfloat16, float16, float32, got {out_dtype}")
   if precision is not None and not isinstance(precision, lax.Precision):
     raise TypeError(f"{OP}: precision must be None or a jax.lax.Precision, got {precision!r}")
+  scales = {}
   for name, scale, shapes in (("a_scale", a_scale, ((), tuple(a.shape[:-1]))),
                               ("b_scale", b_scale, ((), (n,)))):
-    if scale is None:
-      continue
-    if not quantized:
-      raise ValueError(f"{OP}: {name} dequantizes fp8/int8 operands; a and b are {a.dtype}")
-    scale = _checks.array(OP, name, scale, min_rank=0)
-    if tuple(scale.shape) not in shapes:
-      raise ValueError(f"{OP}: {name} must have shape () or {shapes[1]}, got {tuple(scale.shape)}")
-  return a, b, bias, residual, out_dtype
+    if scale is not None:
+      if not quantized:
+        raise ValueError(f"{OP}: {name} dequantizes fp8/int8 operands; a and b are {a.dtype}")
+      scale = _checks.array(OP, name, scale, min_rank=0)
+      if tuple(scale.shape) not in shapes:
+        raise ValueError(f"{OP}: {name} must have shape () or {shapes[1]}, got "
+                         f"{tuple(scale.shape)}")
+    scales[name] = scale
+  # b_dtype: the product's operand dtype where b comes wider (set only by _across).
+  return dict(a=a, b=b, bias=bias, activation=activation, residual=residual, glu=glu,
+              out_dtype=out_dtype, precision=_in_context(precision), **scales, b_dtype=None)
 
 
 # jax.default_matmul_precision's names (the context manager, or the jax_default_matmul_precision
@@ -221,10 +220,12 @@ def _in_context(precision):
   return _CONTEXT_PRECISION.get(jax.config.jax_default_matmul_precision)
 
 
-def _problem(a, b, bias, activation, residual, out_dtype, precision, quantized):
+def _problem(a, b, bias, activation, residual, out_dtype, precision, b_dtype=None, **unused):
+  """The product as its kernels see it (the plain product under glu: see _compose)."""
   return Problem(m=math.prod(a.shape[:-1]), n=b.shape[1], k=b.shape[0], dtype=jnp.dtype(a.dtype),
                  out_dtype=out_dtype, activation=activation, has_bias=bias is not None,
-                 has_residual=residual is not None, has_scales=quantized, precision=precision)
+                 has_residual=residual is not None, has_scales=is_quantized(a.dtype),
+                 precision=precision)
 
 
 def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dtype=None,
@@ -266,41 +267,21 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dt
   over the saved pre-activation z (glu's backward under glu). fp8/int8 matmuls are not
   differentiable.
   """
-  a, b, bias, residual, out_dtype = _validate(a, b, bias, activation, residual, out_dtype,
-                                              precision, a_scale, b_scale, glu)
-  precision = _in_context(precision)
-  if glu:
-    return _gated_matmul(a, b, bias=bias, activation=activation, residual=residual,
-                         out_dtype=out_dtype, precision=precision, a_scale=a_scale,
-                         b_scale=b_scale, implementation=implementation, config=config)
-  split, out = _sharded(a, b, bias=bias, activation=activation, residual=residual,
-                        out_dtype=out_dtype, precision=precision, a_scale=a_scale,
-                        b_scale=b_scale, implementation=implementation, config=config)
-  if split:
-    return out
-  return _one_device(a, b, bias=bias, activation=activation, residual=residual,
-                     out_dtype=out_dtype, precision=precision, a_scale=a_scale, b_scale=b_scale,
-                     implementation=implementation, config=config)
+  return backend.call(_OP, implementation, config, a=a, b=b, bias=bias, activation=activation,
+                      residual=residual, glu=glu, out_dtype=out_dtype, precision=precision,
+                      a_scale=a_scale, b_scale=b_scale)
 
 
-def _one_device(a, b, *, bias, activation, residual, out_dtype, precision, a_scale, b_scale,
-                implementation, config, b_dtype=None):
+def _kernel(plan, a, b, *, bias, activation, residual, glu, out_dtype, precision, a_scale,
+            b_scale, b_dtype):
   """The validated product on one device (or one shard). ``b_dtype``: the product's operand
-  dtype where b comes wider (float32, for dB in float32: see _sharded)."""
+  dtype where b comes wider (float32, for dB in float32: see _across)."""
   b_wide, b = b, (b if b_dtype is None else b.astype(b_dtype))
-  quantized = is_quantized(a.dtype)
-  problem = _problem(a, b, bias, activation, residual, out_dtype, precision, quantized)
-  target = backend.target_of(a, b, bias, residual)
-  plan = backend.plan(OP, implementation, target, problem, _KERNELS, config,
-                      empty=0 in (problem.m, problem.n, problem.k))
+  problem = _problem(a, b, bias, activation, residual, out_dtype, precision)
   out_shape = (*a.shape[:-1], problem.n)
-  if plan is None:
-    return reference.matmul(a, b, bias=bias, activation=activation, residual=residual,
-                            a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
-                            precision=precision)
   a2 = a.reshape(problem.m, problem.k)
   r2 = None if residual is None else residual.reshape(problem.m, problem.n)
-  if not quantized:
+  if not problem.has_scales:
     return _differentiable(plan, problem, a2, b_wide, bias, r2).reshape(out_shape)
   as2 = jnp.broadcast_to(jnp.float32(1) if a_scale is None else a_scale.astype(jnp.float32),
                          a.shape[:-1]).reshape(problem.m)
@@ -309,21 +290,32 @@ def _one_device(a, b, *, bias, activation, residual, out_dtype, precision, a_sca
   return _quantized(plan, problem, a2, b, as2, bs2, bias, r2).reshape(out_shape)
 
 
-def _gated_matmul(a, b, *, bias, activation, residual, out_dtype, precision, a_scale, b_scale,
-                  implementation, config):
+def _reference(a, b, *, bias, activation, residual, glu, out_dtype, precision, a_scale,
+               b_scale, b_dtype):
+  del glu  # composed before (_compose)
+  return reference.matmul(a, b if b_dtype is None else b.astype(b_dtype), bias=bias,
+                          activation=activation, residual=residual, a_scale=a_scale,
+                          b_scale=b_scale, out_dtype=out_dtype, precision=precision)
+
+
+def _compose(implementation, config, *, a, b, bias, activation, residual, glu, out_dtype,
+             precision, a_scale, b_scale, b_dtype):
   """matmul(glu=True): the fused Mosaic GPU kernel where the plain product would run on
   mosaic_gpu and the kernel takes the gated one (``mosaic_gpu.unsupported``) with nothing
-  split; else the product (any kernel, any sharding) and then ``glu`` on its [gate | up]."""
-  quantized = is_quantized(a.dtype)
+  split; else the product (any kernel, any sharding) and then ``glu`` on its [gate | up].
+  None (not composed) without glu."""
+  if not glu:
+    return None
   arrays = (a, b, bias, residual, a_scale, b_scale)
-  target = backend.target_of(a, b, bias, residual)
-  plain = _problem(a, b, bias, activation, residual, out_dtype, precision, quantized)
+  target = backend.target_of(*arrays)
+  plain = _problem(a, b, bias, activation, residual, out_dtype, precision)
   gated = dataclasses.replace(plain, glu=True)
   if (not any(partitioning.layout(x) for x in arrays if x is not None)
+      and partitioning.auto_mesh() is None
       and backend.choice(implementation, target,
-                         backend.kernel_reasons(plain, target, _KERNELS)) == "mosaic_gpu"
-      and backend.kernel_reasons(gated, target, _KERNELS)["mosaic_gpu"] is None):
-    plan = backend.plan(OP, "mosaic_gpu", target, gated, _KERNELS, config,
+                         backend.kernel_reasons(plain, target, _OP.kernels)) == "mosaic_gpu"
+      and backend.kernel_reasons(gated, target, _OP.kernels)["mosaic_gpu"] is None):
+    plan = backend.plan(OP, "mosaic_gpu", target, gated, _OP.kernels, config,
                         empty=0 in (gated.m, gated.n, gated.k))
     if plan is not None:
       out = _gated(plan, gated, a.reshape(gated.m, gated.k), b)
@@ -337,10 +329,9 @@ def _gated_matmul(a, b, *, bias, activation, residual, out_dtype, precision, a_s
   return y
 
 
-def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale, b_scale,
-             implementation, config):
-  """The matmul on split operands (``partitioning``), as (True, y), or (False, None) where
-  nothing is split. The rule:
+def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dtype, precision,
+            a_scale, b_scale, b_dtype):
+  """The matmul on split operands (``partitioning``). The rule (:func:`_rule`):
 
   * A's rows split freely (data parallel): each shard multiplies its rows by all of B.
   * B split over N gives a column-parallel product: each shard writes its columns; the bias,
@@ -356,40 +347,32 @@ def _sharded(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
   d(bias) over the rows, and the row-parallel product's psum transposes to a broadcast.
   """
   arrays = dict(a=a, b=b, bias=bias, residual=residual, a_scale=a_scale, b_scale=b_scale)
-  rule = _rule(a, a_scale, b_scale)
-  where = partitioning.split(OP, implementation, arrays, rule)
-  if where is None:
-    return False, None
   rows = [d.group for d in rule["a"][:-1]]
   k = where.axes("k")
   out = rule["residual"]
-  kw = dict(activation=activation, out_dtype=out_dtype, precision=precision,
-            implementation=implementation, config=config)
   if not k:
     summed = where.size(*rows) > 1  # a 1x1 mesh sums nothing
     if not summed or is_quantized(a.dtype) or jnp.dtype(b.dtype).itemsize >= 4:
-      return True, where.run(lambda **ops: matmul(**ops, **kw), arrays, rule, out)
+      return where.run(local, arrays, rule, out)
     # Data parallel: every row shard adds its dB into B's one gradient (shard_map's transpose
     # sums over the row axes). B enters float32, so each shard's dB is written in float32,
     # summed in float32 and rounded to B's dtype once, outside: summed in bfloat16, dB was
     # 6.1e-3 off on 2 GPUs (a rounding at each shard, another at the sum).
-    narrow = b.dtype
     arrays["b"] = b.astype(jnp.float32)
-    return True, where.run(lambda **ops: _one_device(**ops, **kw, b_dtype=narrow), arrays, rule,
-                           out)
+    return where.run(lambda **shards: local(**shards, b_dtype=b.dtype), arrays, rule, out)
 
   def row_parallel(a, b, bias, residual, a_scale, b_scale):
-    partial = matmul(a, b, out_dtype=jnp.float32, precision=precision,
-                     implementation=implementation, config=config)
+    partial = local(a=a, b=b, bias=None, activation=None, residual=None, a_scale=None,
+                    b_scale=None, out_dtype=jnp.float32)
     z = lax.psum(partial, k)
     return reference.epilogue(z, bias=bias, activation=activation, residual=residual,
                               a_scale=a_scale, b_scale=b_scale).astype(out_dtype)
 
-  return True, where.run(row_parallel, arrays, rule, out)
+  return where.run(row_parallel, arrays, rule, out)
 
 
-def _rule(a, a_scale, b_scale):
-  """The split rule (see :func:`_sharded`). On a mesh of Auto axes: A's rows as "batch",
+def _rule(a, a_scale, b_scale, **unused):
+  """The split rule (see :func:`_across`). On a mesh of Auto axes: A's rows as "batch",
   "length", ..., K as "embed"; B's N has no name a matmul can know (heads? mlp?), so it stays
   whole unless B's type splits it."""
   rows = partitioning.row_dims(a.ndim, "embed")
@@ -399,14 +382,21 @@ def _rule(a, a_scale, b_scale):
               b_scale=(n,) if b_scale is not None and b_scale.ndim else ())
 
 
-def _problem_of(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dtype=None,
-                precision=None, a_scale=None, b_scale=None, **unused):
-  a, b, bias, residual, out_dtype = _validate(a, b, bias, activation, residual, out_dtype,
-                                              precision, a_scale, b_scale, glu)
-  problem = _problem(a, b, bias, activation, residual, out_dtype, _in_context(precision),
-                     is_quantized(a.dtype))
-  # Under glu every implementation that runs the product serves (the product, then glu).
-  return problem, (a, b)
-
-
-backend.register(OP, _KERNELS, _problem_of, matmul)
+_OP = backend.register(backend.Op(
+    name=OP,
+    kernels={
+        "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.matmul),
+        "mosaic_gpu": backend.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
+                                         forward=mosaic_gpu.matmul),
+        "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,
+                                         forward=mosaic_tpu.matmul),
+    },
+    validate=_validate,
+    problem=_problem,
+    reference=_reference,
+    kernel=_kernel,
+    compose=_compose,
+    rule=_rule,
+    across=_across,
+    empty=lambda a, b, **unused: 0 in (*a.shape, *b.shape),
+), matmul)

@@ -78,41 +78,45 @@ def _fused_bwd(plan, saved, cotangent):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _validate(op, x, scale, bias, residual, eps):
-  x = _checks.array(op, "x", x)
-  if x.shape[-1] == 0:
-    raise ValueError(f"{op}: x's last dimension is normalized and must be > 0, got shape {x.shape}")
-  scale = _checks.vector(op, "scale", scale, x.shape[-1], "x")
-  if bias is not None:
-    bias = _checks.vector(op, "bias", bias, x.shape[-1], "x")
-  if residual is not None:
-    residual = _checks.same_shape(op, "residual", residual, x.shape, "x")
-  return x, scale, bias, residual, _checks.positive_float(op, "eps", eps)
+def _validator(op):
+  def validate(x, scale, bias=None, *, eps, residual):
+    x = _checks.array(op, "x", x)
+    if x.shape[-1] == 0:
+      raise ValueError(f"{op}: x's last dimension is normalized and must be > 0, got shape "
+                       f"{x.shape}")
+    scale = _checks.vector(op, "scale", scale, x.shape[-1], "x")
+    if bias is not None:
+      bias = _checks.vector(op, "bias", bias, x.shape[-1], "x")
+    if residual is not None:
+      residual = _checks.same_shape(op, "residual", residual, x.shape, "x")
+    return dict(x=x, scale=scale, bias=bias, residual=residual,
+                eps=_checks.positive_float(op, "eps", eps))
+  return validate
 
 
-def _norm(op, layer, x, scale, bias, residual, eps, implementation, config):
-  x, scale, bias, residual, eps = _validate(op, x, scale, bias, residual, eps)
-  # Sharded rows: each shard runs this same function on its rows (partitioning.py).
-  split, out = partitioning.rowwise(
-      op, implementation,
-      lambda x, residual, scale, bias: _norm(op, layer, x, scale, bias, residual, eps,
-                                             implementation, config),
-      rows={"x": x, "residual": residual}, vectors={"scale": scale, "bias": bias}, reduced=-1)
-  if split:
-    return out
-  target = backend.target_of(x, scale, bias, residual)
-  plan = backend.plan(op, implementation, target, Problem.of(x, scale, bias, residual, layer),
-                      _KERNELS[op], config, empty=x.size == 0, layer=layer, eps=eps)
-  if plan is None:
-    if layer:
-      return reference.layer_norm(x, scale, bias, eps=eps, residual=residual)
-    return reference.rms_norm(x, scale, eps=eps, residual=residual)
+def _kernel(plan, x, scale, bias, residual, eps):
+  del eps  # in the plan's options
   out = _fused(plan, rows_view(x), scale, bias,
                rows_view(residual) if residual is not None else None)
   if residual is None:
     return out.reshape(x.shape)
   y, h = out
   return y.reshape(x.shape), h.reshape(x.shape)
+
+
+def _rule(x, scale, bias, residual, eps):
+  """x's and the residual's rows split freely; the normalized last dimension stays whole."""
+  del eps
+  return partitioning.rows_rule({"x": x, "residual": residual}, {"scale": scale, "bias": bias},
+                                -1, "embed")
+
+
+def _op(name, layer, reference_norm):
+  return backend.Op(
+      name=name, kernels=_kernels(name), validate=_validator(name),
+      problem=lambda x, scale, bias, residual, eps: Problem.of(x, scale, bias, residual, layer),
+      reference=reference_norm, kernel=_kernel, rule=_rule,
+      options=lambda eps, **unused: dict(layer=layer, eps=eps))
 
 
 def rms_norm(x, scale, *, eps: float = 1e-6, residual=None, implementation=None, config=None):
@@ -133,25 +137,22 @@ def rms_norm(x, scale, *, eps: float = 1e-6, residual=None, implementation=None,
   Returns:
     y, or (y, h) with a residual. Statistics are float32 whatever the dtype.
   """
-  return _norm("rms_norm", False, x, scale, None, residual, eps, implementation, config)
+  return backend.call(_RMS_NORM, implementation, config, x=x, scale=scale, eps=eps,
+                      residual=residual)
 
 
 def layer_norm(x, scale, bias=None, *, eps: float = 1e-6, residual=None, implementation=None,
                config=None):
   """LayerNorm over the last axis (centred, scaled, optionally biased); see :func:`rms_norm`."""
-  return _norm("layer_norm", True, x, scale, bias, residual, eps, implementation, config)
+  return backend.call(_LAYER_NORM, implementation, config, x=x, scale=scale, bias=bias, eps=eps,
+                      residual=residual)
 
 
-def _problem_of(op, layer):
-  def problem_of(x, scale, bias=None, *, eps, residual, **unused):
-    x, scale, bias, residual, _ = _validate(op, x, scale, bias, residual, eps)
-    return Problem.of(x, scale, bias, residual, layer), (x, scale, bias, residual)
-  return problem_of
-
-
-_KERNELS = {
-    "rms_norm": backend.register("rms_norm", _kernels("rms_norm"),
-                                 _problem_of("rms_norm", False), rms_norm),
-    "layer_norm": backend.register("layer_norm", _kernels("layer_norm"),
-                                   _problem_of("layer_norm", True), layer_norm),
-}
+_RMS_NORM = backend.register(_op(
+    "rms_norm", False,
+    lambda x, scale, bias, residual, eps: reference.rms_norm(x, scale, eps=eps,
+                                                             residual=residual)), rms_norm)
+_LAYER_NORM = backend.register(_op(
+    "layer_norm", True,
+    lambda x, scale, bias, residual, eps: reference.layer_norm(x, scale, bias, eps=eps,
+                                                               residual=residual)), layer_norm)

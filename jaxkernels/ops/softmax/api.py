@@ -57,7 +57,14 @@ _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 def _validate(x, axis):
   x = _checks.array(OP, "x", x)
-  return x, _checks.axis(OP, "axis", axis, x.ndim)
+  return dict(x=x, axis=_checks.axis(OP, "axis", axis, x.ndim))
+
+
+def _kernel(plan, x, axis):
+  last = x.ndim - 1
+  moved = jnp.moveaxis(x, axis, last) if axis != last else x
+  y = _softmax(plan, rows_view(moved)).reshape(moved.shape)
+  return jnp.moveaxis(y, last, axis) if axis != last else y
 
 
 def softmax(x, *, axis: int = -1, implementation=None, config=None):
@@ -70,31 +77,21 @@ def softmax(x, *, axis: int = -1, implementation=None, config=None):
     implementation: None (best available), "xla", "triton" or "mosaic_tpu".
     config: the chosen kernel's Config; None picks one for the shape and device.
   """
-  x, axis = _validate(x, axis)
-  split, out = partitioning.rowwise(
-      OP, implementation,
-      lambda x: softmax(x, axis=axis, implementation=implementation, config=config),
-      rows={"x": x}, reduced=axis)
-  if split:
-    return out
-  last = x.ndim - 1
-  moved = jnp.moveaxis(x, axis, last) if axis != last else x
-  plan = backend.plan(OP, implementation, backend.target_of(x), Problem.of(x, axis), _KERNELS,
-                      config, empty=x.size == 0)
-  if plan is None:  # also for no elements, where a (-1, 0) rows view is ambiguous
-    return reference.softmax(x, axis=axis)
-  y = _softmax(plan, rows_view(moved)).reshape(moved.shape)
-  return jnp.moveaxis(y, last, axis) if axis != last else y
+  return backend.call(_OP, implementation, config, x=x, axis=axis)
 
 
-def _problem_of(x, *, axis=-1, **unused):
-  x, axis = _validate(x, axis)
-  return Problem.of(x, axis), (x,)
-
-
-_KERNELS = backend.register(OP, {
-    "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
-                                 backward=triton.backward),
-    "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
-                                     backward=mosaic_tpu.backward),
-}, _problem_of, softmax)
+_OP = backend.register(backend.Op(
+    name=OP,
+    kernels={
+        "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
+                                     backward=triton.backward),
+        "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,
+                                         forward=mosaic_tpu.forward, backward=mosaic_tpu.backward),
+    },
+    validate=_validate,
+    problem=lambda x, axis: Problem.of(x, axis),
+    # no elements: the reference, where a (-1, 0) rows view is ambiguous
+    reference=reference.softmax,
+    kernel=_kernel,
+    rule=lambda x, axis: partitioning.rows_rule({"x": x}, {}, axis, "embed"),
+), softmax)
