@@ -138,3 +138,52 @@ def test_model_policies_that_do_not_exist_are_named():
   with pytest.raises(ValueError, match=r"--policies: \['dot'\] are not remat policies"):
     model.run_remat(session, policies=["dot"])
   assert not session.rows  # nothing ran
+
+
+def test_report_from_the_committed_results(tmp_path):
+  """The report builds from bench/results alone (no device), with both GPUs, and every
+  number's run is a file in the repository."""
+  import pathlib
+  import re
+
+  out = tmp_path / "REPORT.md"
+  assert bench_main.main(["report", "--out", str(out)]) == 0
+  text = out.read_text()
+  assert "## NVIDIA H100" in text and "## NVIDIA H200" in text
+  links = re.findall(r"\]\((results/[^)]+)\)", text)
+  assert links
+  bench_dir = pathlib.Path(bench_main.__file__).parent
+  assert all((bench_dir / link).is_file() for link in links)
+
+
+def _result(path, date, rows, smoke=False):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  base = dict(suite="norms", name="rms_norm fwd", shape="8x8", dtype="bfloat16", gbps=None,
+              tflops=None, pct_roofline=None, error=None, tolerance=None)
+  record = dict(date=date, commit="abc", device="Chip", jax="0.11", smoke=smoke)
+  path.write_text(json.dumps(dict(**record, rows=[{**base, **row} for row in rows])))
+
+
+def test_report_takes_the_newest_run_and_only_right_rows(tmp_path):
+  """Per shape: the newest run with one of our kernels beside an anchor serves; a row outside
+  its tolerance, a variant (an impl with a config in its name), a smoke run and a sweep are
+  left out."""
+  from bench import report
+
+  results = tmp_path / "results"
+  _result(results / "chip/old.json", "2026-01-01",
+          [dict(impl="triton", ms=2.0), dict(impl="xla", ms=1.0)])
+  _result(results / "chip/new.json", "2026-02-01",
+          [dict(impl="triton", ms=1.0), dict(impl="xla", ms=2.0),
+           dict(impl="mosaic_gpu", ms=0.1, error=1.0, tolerance=0.1),
+           dict(impl="triton, block 4096", ms=0.05)])
+  _result(results / "chip/newer_smoke.json", "2026-03-01",
+          [dict(impl="triton", ms=9.0), dict(impl="xla", ms=1.0)], smoke=True)
+  _result(results / "chip/newest-sweep.json", "2026-04-01",
+          [dict(impl="triton", ms=9.0), dict(impl="xla", ms=1.0)])
+  (line,) = report.lines(report.load(results))["Chip"]
+  assert line.run.path.name == "new.json"
+  assert (line.ours["impl"], line.ours["ms"], line.anchor["ms"]) == ("triton", 1.0, 2.0)
+  assert line.speedup == 2.0
+  text = report.render(report.lines(report.load(results)), results)
+  assert "| Chip | norms, elementwise, softmax | 1 | 1 | 2.00x |" in text

@@ -1,0 +1,223 @@
+"""python -m bench report [--results DIR] [--out FILE]: the report from the committed results.
+
+Reads every result file under bench/results/<device>/ (no device needed) and writes
+bench/REPORT.md: per device and op family, each shape's kernels beside every anchor timed in the
+same run (XLA, cuBLAS, cuDNN, torch, JAX's Pallas examples), as time, rate and % of the
+device's roofline, each number naming its file. For each (device, suite, op, shape, dtype) the
+newest full-size run (not a smoke run, not a config sweep) that timed one of our kernels and an
+anchor at it serves; experiments' variant rows (an impl with a config or a note in its name)
+are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent
+# Our implementations, as result rows name them; every other name below is an anchor.
+OURS = ("mosaic_gpu", "triton", "mosaic_tpu", "jaxkernels")
+ANCHORS = ("xla", "cublas(torch)", "cudnn", "torch", "torch_sdpa", "optax",
+           "jax_pallas_triton", "jax_pallas_mgpu", "jax_pallas_mgpu_example")
+FAMILIES = (("norms, elementwise, softmax", ("norms", "elementwise", "softmax")),
+            ("cross-entropy", ("cross_entropy",)), ("matmul", ("matmul",)),
+            ("attention", ("attention",)), ("model step", ("model",)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One result file: where it came from and its rows."""
+
+  path: pathlib.Path
+  device: str
+  date: str
+  commit: str
+  jax: str
+  rows: tuple[dict[str, Any], ...]
+
+
+def load(results: pathlib.Path) -> list[Run]:
+  """Every full-size result file of the standard schema under ``results`` (one folder a
+  device), oldest first. Smoke runs, config sweeps and files of another schema (an
+  experiment's own records) are left out."""
+  runs = []
+  for path in sorted(results.glob("*/*.json")):
+    if "sweep" in path.stem or "smoke" in path.stem:
+      continue
+    try:
+      record = json.loads(path.read_text())
+    except (OSError, ValueError):
+      continue
+    rows = record.get("rows") if isinstance(record, dict) else None
+    if (not isinstance(rows, list) or record.get("smoke") or record.get("interpret_mode")
+        or not all(isinstance(r, dict) and {"suite", "name", "impl", "ms"} <= r.keys()
+                   for r in rows)):
+      continue
+    runs.append(Run(path, record.get("device", path.parent.name), record.get("date", ""),
+                    record.get("commit", "?"), record.get("jax", "?"), tuple(rows)))
+  return sorted(runs, key=lambda run: run.date)
+
+
+def _impl(row) -> str:
+  """The implementation a row times: its impl, but for the model step's rows, which name the
+  remat policy after a comma ("jaxkernels, remat dots": each side's best policy competes)."""
+  return row["impl"].split(",")[0] if row["suite"] == "model" else row["impl"]
+
+
+def _key(row) -> tuple:
+  return row["suite"], row["name"], row.get("shape") or "", row.get("dtype") or ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+  """One shape of one op on one device: our best kernel and the best anchor of one run."""
+
+  run: Run
+  suite: str
+  name: str
+  shape: str
+  dtype: str
+  ours: dict[str, Any]
+  anchor: dict[str, Any]
+  others: tuple[dict[str, Any], ...]  # every timed row of the key in that run
+
+  @property
+  def speedup(self) -> float:
+    """The best anchor's time over ours: > 1 where we are faster."""
+    return self.anchor["ms"] / self.ours["ms"]
+
+
+def lines(runs: list[Run]) -> dict[str, list[Line]]:
+  """By device, one Line per (suite, op, shape, dtype): from the newest run that timed one of
+  our kernels and an anchor there."""
+  newest: dict[tuple[str, tuple], Line] = {}
+  for run in runs:  # oldest first: a newer run replaces an older one's line
+    timed = collections.defaultdict(list)
+    for row in run.rows:
+      if row["ms"] is not None and _within_tolerance(row):  # timed, and not wrong
+        timed[_key(row)].append(row)
+    for key, rows in timed.items():
+      ours = [r for r in rows if _impl(r) in OURS]
+      anchors = [r for r in rows if _impl(r) in ANCHORS]
+      if not ours or not anchors:
+        continue
+      best = lambda rs: min(rs, key=lambda r: r["ms"])
+      newest[run.device, key] = Line(run, *key, best(ours), best(anchors),
+                                     tuple(r for r in rows if _impl(r) in OURS + ANCHORS))
+  by_device: dict[str, list[Line]] = collections.defaultdict(list)
+  for (device, _), line in sorted(newest.items(), key=lambda kv: kv[0]):
+    by_device[device].append(line)
+  return dict(by_device)
+
+
+def _within_tolerance(row) -> bool:
+  """A row checked against its reference and found within its tolerance (or not checked)."""
+  error, tolerance = row.get("error"), row.get("tolerance")
+  return error is None or tolerance is None or error <= tolerance
+
+
+def _rate(row) -> str:
+  if row.get("tflops") is not None:
+    return f"{row['tflops']:.0f} TF/s"
+  if row.get("gbps") is not None:
+    return f"{row['gbps']:.0f} GB/s"
+  return ""
+
+
+def _roofline(row) -> str:
+  pct = row.get("pct_roofline")
+  return "" if pct is None else f"{pct:.0f}%"
+
+
+def _cell(row) -> str:
+  return f"{row['impl']} {row['ms']:.3f} ms" + (f", {_rate(row)}" if _rate(row) else "")
+
+
+def _summary(device: str, family: str, family_lines: list[Line]) -> str:
+  speedups = sorted(line.speedup for line in family_lines)
+  geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
+  roofs = sorted(line.ours["pct_roofline"] for line in family_lines
+                 if line.ours.get("pct_roofline") is not None)
+  median = f"{roofs[len(roofs) // 2]:.0f}%" if roofs else ""
+  faster = sum(x >= 1 for x in speedups)
+  return (f"| {device} | {family} | {len(speedups)} | {faster} | {geomean:.2f}x | "
+          f"{speedups[0]:.2f}-{speedups[-1]:.2f}x | {median} |")
+
+
+def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
+  out = ["# Kernels against their anchors, by device",
+         "",
+         "Written by `python -m bench report` from the committed results (bench/results/); "
+         "regenerate it, do not edit it. Each line: our best kernel and the best anchor timed in "
+         "the same run at that shape (host clock, steady state; see each file's `timing`), "
+         "% of the device's roofline where the suite computes one, and the file. "
+         "Speedup = the anchor's time / ours (> 1: ours is faster).",
+         "",
+         "| device | family | shapes | ours faster | geomean speedup | range | median roofline, ours |",
+         "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
+  for device, device_lines in by_device.items():
+    for family, suites in FAMILIES:
+      family_lines = [line for line in device_lines if line.suite in suites]
+      if family_lines:
+        out.append(_summary(device, family, family_lines))
+  out.append("")
+  for device, device_lines in by_device.items():
+    faster = sum(line.speedup >= 1 for line in device_lines)
+    dates = sorted(line.run.date[:10] for line in device_lines)
+    out += [f"## {device}", "",
+            f"{len(device_lines)} shapes; ours at least as fast as the best anchor at "
+            f"{faster}, slower at {len(device_lines) - faster}. Runs dated {dates[0]} to "
+            f"{dates[-1]}: a line is as new as the last run that timed that shape, and a "
+            "kernel added since (or a faster version of it) shows only once a run measures "
+            "it.", ""]
+    for family, suites in FAMILIES:
+      family_lines = [line for line in device_lines if line.suite in suites]
+      if not family_lines:
+        continue
+      out += [f"### {family}", "",
+              "| op | shape | dtype | ours | roofline | best anchor | roofline | speedup | run |",
+              "| --- | --- | --- | --- | ---: | --- | ---: | ---: | --- |"]
+      for line in family_lines:
+        run = line.run
+        where = run.path.relative_to(results.parent).as_posix()
+        out.append(f"| {line.name} | {line.shape} | {line.dtype} | {_cell(line.ours)} | "
+                   f"{_roofline(line.ours)} | {_cell(line.anchor)} | "
+                   f"{_roofline(line.anchor)} | {line.speedup:.2f}x | "
+                   f"[{run.path.name}]({where}) ({run.commit.split()[0]}, jax {run.jax}) |")
+      out.append("")
+  missing = [device.name for device in sorted(results.iterdir())
+             if device.is_dir() and not any(line.run.path.parent == device
+                                            for ls in by_device.values() for line in ls)]
+  if missing:
+    out += ["## Not measured here", "",
+            "No full-size run with our kernels beside an anchor under: "
+            + ", ".join(f"`{name}`" for name in missing)
+            + ". TPU numbers are AOT compiles (memory), not timings: no TPU has run them.", ""]
+  return "\n".join(out)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m bench report", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--results", default=str(ROOT / "results"),
+                      help="the results' folder, one subfolder a device (default: bench/results)")
+  parser.add_argument("--out", default=str(ROOT / "REPORT.md"), help="the report to write")
+  args = parser.parse_args(argv)
+  results = pathlib.Path(args.results)
+  if not results.is_dir():
+    parser.error(f"--results {results}: no such folder")
+  by_device = lines(load(results))
+  pathlib.Path(args.out).write_text(render(by_device, results) + "\n")
+  count = sum(map(len, by_device.values()))
+  print(f"{count} shapes on {len(by_device)} devices -> {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
