@@ -146,7 +146,7 @@ def test_report_from_the_committed_results(tmp_path):
   import pathlib
   import re
 
-  out = tmp_path / "REPORT.md"
+  out = tmp_path / "report"  # markdown
   assert bench_main.main(["report", "--out", str(out)]) == 0
   text = out.read_text()
   assert "## NVIDIA H100" in text and "## NVIDIA H200" in text
