@@ -20,6 +20,7 @@ import numpy as np
 
 import jaxkernels as jk
 from bench import harness
+from jaxkernels import roofline
 from jaxkernels.ops.attention import reference
 from jaxkernels.ops.attention.common import Window
 
@@ -40,9 +41,9 @@ class Shape:
   anchors: bool = True
 
   def flops(self, label: str) -> float:
-    f = 4 * self.batch * self.heads * self.length * self.length * self.head_dim
-    f *= 3.5 if label == "fwd+bwd" else 1
-    return f / 2 if self.causal else f
+    return roofline.attention_flops(self.batch, self.length, self.length, self.heads,
+                                    self.head_dim, causal=self.causal,
+                                    backward=label == "fwd+bwd")
 
   def __str__(self):
     return f"{self.batch}x{self.length}x{self.heads}/{self.kv_heads}x{self.head_dim}"

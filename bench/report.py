@@ -139,6 +139,29 @@ def _cell(row) -> str:
   return f"{row['impl']} {row['ms']:.3f} ms" + (f", {_rate(row)}" if _rate(row) else "")
 
 
+def _side_by_side(by_device: dict[str, list[Line]]) -> list[str]:
+  """Each shape timed (or predicted) on more than one device: ours there, and its speedup
+  over that device's best anchor."""
+  devices = list(by_device)
+  cells: dict[tuple, dict[str, Line]] = collections.defaultdict(dict)
+  for device, device_lines in by_device.items():
+    for line in device_lines:
+      cells[line.suite, line.name, line.shape, line.dtype][device] = line
+  shared = [(key, cells[key]) for key in sorted(cells) if len(cells[key]) > 1]
+  if not shared:
+    return []
+  out = ["## Side by side", "",
+         "Shapes on more than one device: our time there (the speedup over that device's best "
+         "anchor).", "",
+         "| op | shape | " + " | ".join(devices) + " |",
+         "| --- | --- | " + " | ".join("---:" for _ in devices) + " |"]
+  for (_, name, shape, _), on in shared:
+    row = [f"{on[d].ours['ms']:.3f} ms ({on[d].speedup:.2f}x)" if d in on else ""
+           for d in devices]
+    out.append(f"| {name} | {shape} | " + " | ".join(row) + " |")
+  return out + [""]
+
+
 def _summary(device: str, family: str, family_lines: list[Line]) -> str:
   speedups = sorted(line.speedup for line in family_lines)
   geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
@@ -157,7 +180,14 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
          "regenerate it, do not edit it. Each line: our best kernel and the best anchor timed in "
          "the same run at that shape (host clock, steady state; see each file's `timing`), "
          "% of the device's roofline where the suite computes one, and the file. "
-         "Speedup = the anchor's time / ours (> 1: ours is faster).",
+         "Speedup = the anchor's time / ours (> 1: ours is faster). A device marked "
+         "**(predicted)** is a TPU no one has run these on: its times are predicted from the "
+         "program the TPU compiler built (AOT from a CPU host, `python -m bench.tpu_predicted`): "
+         "max(FLOPs / peak, bytes / HBM bandwidth), a lower bound that sees no pipeline "
+         "bubble, and for ours and XLA's alike. Its only anchor is XLA: for attention that is "
+         "jnp's attention with the logits in HBM, not a TPU flash kernel (JAX's Pallas TPU "
+         "flash attention and tokamax are not anchors yet), so those speedups say what "
+         "flash attention saves, not how ours ranks among TPU kernels.",
          "",
          "| device | family | shapes | ours faster | geomean speedup | range | median roofline, ours |",
          "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
@@ -167,6 +197,7 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
       if family_lines:
         out.append(_summary(device, family, family_lines))
   out.append("")
+  out += _side_by_side(by_device)
   for device, device_lines in by_device.items():
     faster = sum(line.speedup >= 1 for line in device_lines)
     dates = sorted(line.run.date[:10] for line in device_lines)
@@ -198,7 +229,7 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
     out += ["## Not measured here", "",
             "No full-size run with our kernels beside an anchor under: "
             + ", ".join(f"`{name}`" for name in missing)
-            + ". TPU numbers are AOT compiles (memory), not timings: no TPU has run them.", ""]
+            + " (the model step's compiled memory for TPUs: bench/NOTES.md).", ""]
   return "\n".join(out)
 
 

@@ -148,3 +148,15 @@ def matmul(m: int, n: int, k: int, *, in_itemsize: int, out_itemsize: int, epilo
   moved = (m * k + k * n) * in_itemsize + (1 + extra_outputs) * m * n * out_itemsize
   return Cost(flops, moved + epilogue_reads,
               m * n * ACTIVATION_TRANSCENDENTALS.get(activation, 0))
+
+
+def attention_flops(batch: int, q_len: int, kv_len: int, heads: int, head_dim: int, *,
+                    causal: bool = False, backward: bool = False) -> float:
+  """The FLOPs of softmax attention's two products (q k^T and p v, 2 FLOPs a multiply-add):
+  4 B N T S H forward; the backward's five products make fwd+bwd 3.5x that (the flash
+  backward recomputes p: q k^T again, then dv, dp, dq, dk); a causal mask halves it (the
+  blocks past the diagonal are skipped)."""
+  flops = 4.0 * batch * heads * q_len * kv_len * head_dim
+  flops *= 3.5 if backward else 1.0
+  return flops / 2 if causal else flops
+

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
+
 import pytest
 
+import jaxkernels as jk
 from bench import __main__ as bench_main
 
 
@@ -187,3 +191,35 @@ def test_report_takes_the_newest_run_and_only_right_rows(tmp_path):
   assert line.speedup == 2.0
   text = report.render(report.lines(report.load(results)), results)
   assert "| Chip | norms, elementwise, softmax | 1 | 1 | 2.00x |" in text
+
+
+def test_tpu_prediction_bounds_the_compiled_program():
+  """The TPU columns without a TPU: a program compiled for a v5e chip, its time predicted from
+  what the compiled program moves and computes at the chip's peaks (labelled predicted); an
+  attention kernel, whose FLOPs the compiler cannot see, gets our own count."""
+  import numpy as np
+  pytest.importorskip("libtpu")
+  from jax.experimental import topologies
+  from jax.sharding import AxisType
+
+  from bench import tpu_predicted
+  from jaxkernels import hardware, roofline
+
+  device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+  chip = hardware.chip_for(device.device_kind)
+  mesh = jax.sharding.Mesh(np.array([device]), ("chip",), axis_types=(AxisType.Explicit,))
+  rows = ((1024, 512), jnp.bfloat16)
+  norm = tpu_predicted.Case("norms", "rms_norm fwd", "1024x512", (rows, ((512,), jnp.bfloat16),
+                                                                  rows),
+                            tpu_predicted._norm(False, False), False)
+  row = tpu_predicted.predict(norm, "mosaic_tpu", mesh, chip)
+  assert row["note"].startswith("predicted, not measured")
+  at_least = 2 * 1024 * 512 * 2 / chip.hbm_bandwidth  # x read and y written once
+  assert at_least * 1e3 <= row["ms"] <= 2 * at_least * 1e3, row
+  q = ((1, 256, 2, 64), jnp.bfloat16)
+  attention = tpu_predicted.Case("attention", "plain fwd+bwd", "1x256x2/2x64", (q,) * 3,
+                                 lambda impl, q, k, v: jk.flash_attention(
+                                     q, k, v, implementation=impl), True)
+  row = tpu_predicted.predict(attention, "mosaic_tpu", mesh, chip)
+  flops = roofline.attention_flops(1, 256, 256, 2, 64, backward=True)
+  assert row["ms"] >= flops / chip.flops("bfloat16") * 1e3 and "own FLOP count" in row["note"]
