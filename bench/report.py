@@ -23,7 +23,7 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parent
 # Our implementations, as result rows name them; every other name below is an anchor.
 OURS = ("mosaic_gpu", "triton", "mosaic_tpu", "jaxkernels")
-ANCHORS = ("xla", "cublas(torch)", "cudnn", "torch", "torch_sdpa", "optax",
+ANCHORS = ("xla", "cublas(torch)", "cudnn", "torch", "torch_sdpa", "optax", "jax_pallas_tpu",
            "jax_pallas_triton", "jax_pallas_mgpu", "jax_pallas_mgpu_example")
 FAMILIES = (("norms, elementwise, softmax", ("norms", "elementwise", "softmax")),
             ("cross-entropy", ("cross_entropy",)), ("matmul", ("matmul",)),
