@@ -184,10 +184,9 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
          "**(predicted)** is a TPU no one has run these on: its times are predicted from the "
          "program the TPU compiler built (AOT from a CPU host, `python -m bench.tpu_predicted`): "
          "max(FLOPs / peak, bytes / HBM bandwidth), a lower bound that sees no pipeline "
-         "bubble, and for ours and XLA's alike. Its only anchor is XLA: for attention that is "
-         "jnp's attention with the logits in HBM, not a TPU flash kernel (JAX's Pallas TPU "
-         "flash attention and tokamax are not anchors yet), so those speedups say what "
-         "flash attention saves, not how ours ranks among TPU kernels.",
+         "bubble, and for ours and the anchors alike. The anchors there: XLA, and for attention "
+         "JAX's Pallas TPU flash attention fed its native (B, N, T, H) layout (tokamax is "
+         "not an anchor yet).",
          "",
          "| device | family | shapes | ours faster | geomean speedup | range "
          "| median roofline, ours |",
