@@ -21,7 +21,6 @@ import dataclasses
 import datetime
 import json
 import pathlib
-import subprocess
 import sys
 from collections.abc import Callable
 
@@ -31,6 +30,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
+from bench import harness
 from jaxkernels import hardware, roofline
 
 ROOT = pathlib.Path(__file__).resolve().parent
@@ -181,16 +181,6 @@ def predict(case: Case, impl: str, mesh, chip: hardware.Chip) -> dict:
   return row
 
 
-def _commit() -> str:
-  """HEAD's short hash, with "+" where the working tree differs from it."""
-  try:
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT,
-                                    check=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain") else "")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m bench.tpu_predicted", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -225,9 +215,9 @@ def main(argv=None) -> int:
               flush=True)
     record = dict(date=stamp.isoformat(timespec="seconds"),
                   command="python -m bench.tpu_predicted " + " ".join(argv or sys.argv[1:]),
-                  commit=_commit(), device=f"{chip.name} (predicted)", platform="tpu",
-                  jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax.lib, "__version__")
-                  else jax.__version__, smoke=False, interpret_mode=False,
+                  commit=harness.git_commit(), device=f"{chip.name} (predicted)", platform="tpu",
+                  jax=jax.__version__,
+                  jaxlib=getattr(jax.lib, "__version__", None) or jax.__version__, smoke=False, interpret_mode=False,
                   timing=("ms: predicted, not measured: max(FLOPs / dense bf16 peak, bytes / "
                           "HBM bandwidth) of the AOT-compiled program (cost analysis)"),
                   suites=sorted({c.suite for c in cases}), rows=rows)

@@ -220,7 +220,7 @@ def _in_context(precision):
   return _CONTEXT_PRECISION.get(jax.config.jax_default_matmul_precision)
 
 
-def _problem(a, b, bias, activation, residual, out_dtype, precision, b_dtype=None, **unused):
+def _problem(a, b, bias, activation, residual, out_dtype, precision, **unused):
   """The product as its kernels see it (the plain product under glu: see _compose)."""
   return Problem(m=math.prod(a.shape[:-1]), n=b.shape[1], k=b.shape[0], dtype=jnp.dtype(a.dtype),
                  out_dtype=out_dtype, activation=activation, has_bias=bias is not None,
