@@ -18,6 +18,7 @@ Every output is checked against an f32 product on the device before it is timed
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -411,18 +412,154 @@ def gated(session, shapes=GLU_SHAPES):
             row.note = f"WRONG: error {row.error:.2e}; not timed"
         except Exception as e:  # noqa: BLE001
           row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
-      order = random.Random(0)
-      for _ in range(session.rounds):
-        for name in order.sample(sorted(samples), len(samples)):
-          samples[name].append(harness.time_sets(fns[name], [(a, b)], rounds=1,
-                                                  calls=session.calls))
-      for name, times in samples.items():
-        rows[name].ms = statistics.median(times) * 1e3
+      for name, seconds in _round_robin(session, {n: (fns[n], (a, b)) for n in samples}).items():
+        rows[name].ms = seconds * 1e3
         rows[name].tflops = _flops(m, 2 * n, k) * (1 if mode == "fwd" else 3) / (
             rows[name].ms * 1e-3) / 1e12
       _ratios(rows["xla"], list(rows.values()))
       for row in rows.values():
         session.add(row)
+
+
+def _round_robin(session, fns) -> dict:
+  """Median seconds of each program of ``fns`` ({key: (fn, args)}), timed round-robin: one
+  round of each in a fresh order every round (``interleaved`` says why)."""
+  samples = {key: [] for key in fns}
+  keys = list(fns)
+  order = random.Random(0)
+  for _ in range(session.rounds):
+    for i in order.sample(range(len(keys)), len(keys)):
+      fn, args = fns[keys[i]]
+      samples[keys[i]].append(harness.time_sets(fn, [args], rounds=1, calls=session.calls))
+  return {key: statistics.median(times) for key, times in samples.items()}
+
+
+# (M, K, N): 8192^3, and the 1b model's products at 4 x 2048 tokens (bench/model.py): q, k, v
+# (16 heads and 2 x 4 kv heads of 128), the MLP's [gate | up] and its down projection.
+BLOCK_SHAPES = ((8192, 8192, 8192), (8192, 2048, 3072), (8192, 2048, 11264), (8192, 5632, 2048))
+# name: (A's scale block (rows, K), B's (K, N), power-of-two scales); None: per tensor.
+BLOCK_SCHEMES = {
+    "fp8 per tensor": (None, None, False),
+    "fp8 1x128 / 128x128 (DeepSeek-V3)": ((1, 128), (128, 128), False),
+    "fp8 1x32 / 32x1 (MXFP8)": ((1, 32), (32, 1), True),
+}
+
+
+def _quantized(x, block, power_of_two):
+  return jk.quantize(x, block=block, power_of_two=power_of_two)
+
+
+def block_scaled(session):
+  """Block-scaled fp8 on Hopper (issue 37): our Mosaic GPU kernel under DeepSeek-V3's and MXFP8's
+  scales against per-tensor fp8 and bf16 (ours, XLA, cuBLAS by torch) in the same rounds, each
+  output checked first; and each scaling's error on activations with outlier rows against the
+  float64 product of the unquantized values."""
+  import numpy as np
+
+  f32 = jnp.float32
+  shapes = BLOCK_SHAPES if not session.smoke else ((256, 512, 384),)
+  # The Mosaic GPU interpreter hangs on fp8 (jax 0.10.2): on a CPU the checks and the accuracy
+  # run on XLA, and nothing is timed.
+  ours = ("mosaic_gpu",) if session.platform == "gpu" else ()
+  # Checks on ragged M with an epilogue, against the float64 product of the dequantized operands.
+  gen = np.random.default_rng(0)
+  m, k, n = (1000, 1024, 768) if not session.smoke else (100, 256, 128)
+  x = jnp.asarray(gen.standard_normal((m, k)), f32)
+  w = jnp.asarray(gen.standard_normal((k, n)) * k ** -0.5, f32)
+  bias = jnp.asarray(gen.standard_normal(n), f32)
+  for scheme, (a_block, b_block, pow2) in BLOCK_SCHEMES.items():
+    (a8, sa), (b8, sb) = _quantized(x, a_block, pow2), _quantized(w, b_block, pow2)
+    deq = lambda q, s, blk: np.asarray(q, np.float64) * (np.asarray(s, np.float64) if blk is None
+        else np.repeat(np.repeat(np.asarray(s, np.float64), blk[0], 0), blk[1], 1))
+    z = deq(a8, sa, a_block) @ deq(b8, sb, b_block) + np.asarray(bias, np.float64)
+    want = z / (1 + np.exp(-z))
+    for impl in (*ours, "xla"):
+      if not jk.supports("matmul", impl, a8, b8, a_scale=sa, b_scale=sb):
+        continue
+      row = harness.Row("matmul", f"check {scheme} +bias+silu", impl, f"{m}x{n}x{k}",
+                        "float8_e4m3fn", tolerance=8e-3)  # bf16 out, ~14-bit tensor-core sums
+      _check_row(session, row, want, lambda: jk.matmul(
+          a8, b8, a_scale=sa, b_scale=sb, bias=bias, activation="silu", implementation=impl))
+  for m, k, n in shapes if ours else ():  # speed
+    keys = jax.random.split(jax.random.key(1), 2)
+    x = jax.random.normal(keys[0], (m, k), f32)
+    w = jax.random.normal(keys[1], (k, n), f32) * k ** -0.5
+    ways = {}
+    xb, wb = x.astype(BF16), w.astype(BF16)
+    ways["bf16", "mosaic_gpu"] = (lambda a, b: jk.matmul(a, b, implementation="mosaic_gpu"),
+                                  (xb, wb))
+    ways["bf16", "xla"] = (lambda a, b: a @ b, (xb, wb))
+    for scheme, (a_block, b_block, pow2) in BLOCK_SCHEMES.items():
+      (a8, sa), (b8, sb) = _quantized(x, a_block, pow2), _quantized(w, b_block, pow2)
+      impls = ("mosaic_gpu", "xla") if a_block is None else ("mosaic_gpu",)
+      for impl in impls:
+        ways[scheme, impl] = (functools.partial(
+            lambda a, b, sa, sb, impl: jk.matmul(a, b, a_scale=sa, b_scale=sb,
+                                                 implementation=impl), impl=impl),
+            (a8, b8, sa, sb))
+      if a_block is not None and (m, k, n) == shapes[0] and not session.smoke:
+        for stages in (4, 5):  # the heuristic takes 6 where they fit
+          p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(F8), out_dtype=jnp.dtype(BF16),
+                      block_k=a_block[1])
+          config = dataclasses.replace(mosaic_gpu.heuristic(p, session.chip), stages=stages)
+          ways[scheme, f"mosaic_gpu stages={stages}"] = (functools.partial(
+              lambda a, b, sa, sb, config: jk.matmul(a, b, a_scale=sa, b_scale=sb,
+                                                     implementation="mosaic_gpu",
+                                                     config=config), config=config),
+              (a8, b8, sa, sb))
+    fns, rows = {}, {}
+    for (scheme, impl), (fn, args) in ways.items():
+      row = rows[scheme, impl] = harness.Row("matmul", f"scaled {scheme}", impl, f"{m}x{n}x{k}",
+                                             "bfloat16" if scheme == "bf16" else "float8_e4m3fn")
+      try:
+        jitted = jax.jit(fn)
+        got = jitted(*args)
+        # Against the float32 product of what was multiplied (the dequantized operands).
+        if scheme == "bf16":
+          want = _f32_product()(*args)
+        else:
+          want = jk.matmul(*args[:2], a_scale=args[2], b_scale=args[3], out_dtype=f32,
+                           implementation="xla")
+        row.error, row.tolerance = harness.relative_error(got, want), 8e-3
+        if row.error <= row.tolerance:
+          fns[scheme, impl] = (jitted, args)
+        else:
+          row.note = f"WRONG: error {row.error:.2e}; not timed"
+      except Exception as e:  # noqa: BLE001
+        row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+    timed = _round_robin(session, fns)  # every way in the same rounds
+    bf16 = timed.get(("bf16", "xla"))
+    for key, row in rows.items():
+      if key in timed:
+        row.ms = timed[key] * 1e3
+        row.tflops = _flops(m, n, k) / timed[key] / 1e12
+        if bf16:
+          row.vs_xla = bf16 / timed[key]  # against XLA's bf16 product (cuBLAS)
+      session.add(row)
+  # Accuracy: activations with outlier rows (1e3: common; 1e5: past e4m3's range of normals).
+  m, k, n = (1024, 4096, 1024) if not session.smoke else (128, 512, 128)
+  for outlier in (1e3, 1e5):
+    keys = jax.random.split(jax.random.key(2), 2)
+    x = jax.random.normal(keys[0], (m, k), f32).at[::16].multiply(outlier)
+    w = jax.random.normal(keys[1], (k, n), f32) * k ** -0.5
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    for scheme, (a_block, b_block, pow2) in [("bf16", (None, None, False)),
+                                             *BLOCK_SCHEMES.items()]:
+      if scheme == "bf16":
+        y = jk.matmul(x.astype(BF16), w.astype(BF16), out_dtype=f32,
+                      implementation=None if ours else "xla")
+      else:
+        (a8, sa), (b8, sb) = _quantized(x, a_block, pow2), _quantized(w, b_block, pow2)
+        y = jk.matmul(a8, b8, a_scale=sa, b_scale=sb, out_dtype=f32,
+                      implementation=None if ours else "xla")
+      d = np.asarray(y, np.float64) - want
+      per_row = np.linalg.norm(d, axis=1) / np.linalg.norm(want, axis=1)
+      row = harness.Row("matmul", f"accuracy {scheme}, rows x{outlier:.0e}", "jaxkernels",
+                        f"{m}x{n}x{k}", "bfloat16" if scheme == "bf16" else "float8_e4m3fn")
+      row.error = float(np.median(per_row))
+      row.note = (f"median row error {np.median(per_row):.2e}, worst row {per_row.max():.2e}, "
+                  f"whole {np.linalg.norm(d) / np.linalg.norm(want):.2e}")
+      session.add(row)
 
 
 def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024, 8192)):
@@ -431,6 +568,8 @@ def _run(session, impls, sweep, step, only, tune_first=False, sweep_range=(1024,
   only = set(only or ("checks", "headline", "sweep"))
   if "glu" in only:
     gated(session)
+  if "fp8_blocks" in only:
+    block_scaled(session)
   if "checks" in only:
     checks(session, impls)
   if tune_first and session.platform == "gpu":

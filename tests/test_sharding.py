@@ -441,6 +441,34 @@ def test_matmul_layouts(mesh, layout):
                           pointwise_rtol=_activations.RTOL)
 
 
+@pytest.mark.parametrize("layout", sorted(MATMUL_LAYOUTS))
+@pytest.mark.parametrize("scales", ["placed", "replicated"])
+def test_matmul_block_scales_layouts(mesh, layout, scales):
+  """Block-scaled fp8 (1 x 32 blocks of A, 32 x 16 of B) on every layout: the scales split with
+  the K and N blocks they scale, whether placed like their operands or replicated (sliced
+  locally); in the row-parallel product each K shard scales its own blocks before the sum, and
+  bias + gelu run after it."""
+  spec_a, spec_b, spec_out = MATMUL_LAYOUTS[layout]
+  gen = numerics.rng("sharding-block-scales", layout, scales)
+  m, k, n = 32, 128, 64
+  f8 = jnp.float8_e4m3fn
+  a, b = numerics.normal(gen, (m, k), f8), numerics.normal(gen, (k, n), f8)
+  a_scale = jnp.asarray(gen.uniform(0.25, 4, (m, k // 32)), jnp.float32)
+  b_scale = jnp.asarray(gen.uniform(0.25, 4, (k // 32, n // 16)), jnp.float32)
+  bias = numerics.normal(gen, (n,), jnp.float32)
+  fn = jax.jit(lambda a, b, sa, sb, bias: jk.matmul(a, b, a_scale=sa, b_scale=sb, bias=bias,
+                                                    activation="gelu", out_dtype=jnp.float32))
+  placed = scales == "placed"
+  got = fn(_put(mesh, a, spec_a), _put(mesh, b, spec_b),
+           _put(mesh, a_scale, spec_a if placed else P()),
+           _put(mesh, b_scale, spec_b if placed else P()), bias)
+  assert got.sharding.spec == spec_out
+  want = jk.matmul(a, b, a_scale=a_scale, b_scale=b_scale, bias=bias, activation="gelu",
+                   out_dtype=jnp.float32)
+  # float32 sums in another order (the K shards' partial sums): a few float32 ulps of the terms.
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
 @pytest.mark.parametrize("layout", ["data parallel", "row parallel", "column parallel"])
 def test_matmul_glu_layouts(mesh, layout):
   """matmul(glu=True) on split operands: the product as its layout splits it, then glu on

@@ -189,20 +189,62 @@ def _validate(a, b, *, bias, activation, residual, glu, out_dtype, precision, a_
     raise TypeError(f"{OP}: out_dtype must be one of bfloat16, float16, float32, got {out_dtype}")
   if precision is not None and not isinstance(precision, lax.Precision):
     raise TypeError(f"{OP}: precision must be None or a jax.lax.Precision, got {precision!r}")
-  scales = {}
-  for name, scale, shapes in (("a_scale", a_scale, ((), tuple(a.shape[:-1]))),
-                              ("b_scale", b_scale, ((), (n,)))):
-    if scale is not None:
-      if not quantized:
-        raise ValueError(f"{OP}: {name} dequantizes fp8/int8 operands; a and b are {a.dtype}")
-      scale = _checks.array(OP, name, scale, min_rank=0)
-      if tuple(scale.shape) not in shapes:
-        raise ValueError(f"{OP}: {name} must have shape () or {shapes[1]}, got "
-                         f"{tuple(scale.shape)}")
-    scales[name] = scale
+  scales = _scales(a, b, a_scale, b_scale, quantized)
   # b_dtype: the product's operand dtype where b comes wider (set only by _across).
   return dict(a=a, b=b, bias=bias, activation=activation, residual=residual, glu=glu,
               out_dtype=out_dtype, precision=_in_context(precision), **scales, b_dtype=None)
+
+
+def _scales(a, b, a_scale, b_scale, quantized) -> dict:
+  """a_scale and b_scale checked: per tensor (), per row of a (a's leading shape) and per column
+  of b (N,), or block scales along K: a_scale (..., M, K / bk) and b_scale (K / bk, N / bn).
+  Where either is a block scale both are returned so (the other's value repeated over the
+  blocks), as float32."""
+  k, n = b.shape
+  lead = tuple(a.shape[:-1])
+  shapes = dict(a_scale=f"(), {lead} (per row) or {(*lead, 'K/bk')} (blocks of K)",
+                b_scale=f"(), ({n},) (per column) or ('K/bk', 'N/bn') (blocks of b)")
+  checked = {}
+  for name, scale in (("a_scale", a_scale), ("b_scale", b_scale)):
+    if scale is None:
+      continue
+    if not quantized:
+      raise ValueError(f"{OP}: {name} dequantizes fp8/int8 operands; a and b are {a.dtype}")
+    scale = _checks.array(OP, name, scale, min_rank=0)
+    shape = tuple(scale.shape)
+    if name == "a_scale":
+      ok = shape in ((), lead) or (len(shape) == a.ndim and shape[:-1] == lead)
+    else:
+      ok = shape in ((), (n,)) or len(shape) == 2
+    if not ok:
+      raise ValueError(f"{OP}: {name} must have shape {shapes[name]}, got {shape}")
+    checked[name] = scale
+  a_blocks = "a_scale" in checked and checked["a_scale"].ndim == a.ndim
+  b_blocks = "b_scale" in checked and checked["b_scale"].ndim == 2
+  if not (a_blocks or b_blocks):
+    return dict(a_scale=checked.get("a_scale"), b_scale=checked.get("b_scale"))
+  # Block scales: K / bk blocks along K, from whichever is blocked; both must agree.
+  kb = checked["a_scale"].shape[-1] if a_blocks else checked["b_scale"].shape[0]
+  if a_blocks and b_blocks and checked["b_scale"].shape[0] != kb:
+    raise ValueError(f"{OP}: a_scale {tuple(checked['a_scale'].shape)} and b_scale "
+                     f"{tuple(checked['b_scale'].shape)} disagree on K's blocks: {kb} in "
+                     f"a_scale's last dimension, {checked['b_scale'].shape[0]} in b_scale's first")
+  if kb == 0 or k % kb:
+    raise ValueError(f"{OP}: K={k} is not a whole number of the scales' {kb} blocks along K; "
+                     "pad K with zeros to a multiple of the block (zeros add nothing)")
+  nb = checked["b_scale"].shape[1] if b_blocks else 1
+  if b_blocks and (nb == 0 or n % nb):
+    raise ValueError(f"{OP}: N={n} is not a whole number of b_scale's {nb} blocks along N "
+                     f"(b_scale {tuple(checked['b_scale'].shape)}); pad N to a multiple of the "
+                     "block")
+  f32 = lambda v: jnp.asarray(1 if v is None else v, jnp.float32)
+  a_s = f32(checked.get("a_scale"))
+  if not a_blocks:  # per tensor or per row: the same value in every block of the row
+    a_s = jnp.broadcast_to(a_s[..., None] if a_s.ndim else a_s, (*lead, kb))
+  b_s = f32(checked.get("b_scale"))
+  if not b_blocks:  # per tensor (K / bk, 1) or per column (K / bk, N)
+    b_s = jnp.broadcast_to(b_s, (kb, b_s.shape[0] if b_s.ndim else 1))
+  return dict(a_scale=a_s, b_scale=b_s)
 
 
 # jax.default_matmul_precision's names (the context manager, or the jax_default_matmul_precision
@@ -220,12 +262,14 @@ def _in_context(precision):
   return _CONTEXT_PRECISION.get(jax.config.jax_default_matmul_precision)
 
 
-def _problem(a, b, bias, activation, residual, out_dtype, precision, **unused):
+def _problem(a, b, bias, activation, residual, out_dtype, precision, b_scale=None, **unused):
   """The product as its kernels see it (the plain product under glu: see _compose)."""
+  blocked = reference.is_blocked(None, b_scale)
   return Problem(m=math.prod(a.shape[:-1]), n=b.shape[1], k=b.shape[0], dtype=jnp.dtype(a.dtype),
                  out_dtype=out_dtype, activation=activation, has_bias=bias is not None,
-                 has_residual=residual is not None, has_scales=is_quantized(a.dtype),
-                 precision=precision)
+                 has_residual=residual is not None,
+                 has_scales=is_quantized(a.dtype) and not blocked,
+                 block_k=b.shape[0] // b_scale.shape[0] if blocked else 0, precision=precision)
 
 
 def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dtype=None,
@@ -250,6 +294,13 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dt
       GPU kernels use tf32 tensor cores as XLA does; HIGHEST asks for full float32.
     a_scale, b_scale: fp8/int8 only: dequantization scales, () per tensor, or a's leading
       shape (per row of a) and (N,) (per column of b); y = act(a_scale * b_scale * (a @ b) + ...).
+      Or block scales along K, applied to each block's partial product in the main loop:
+      a_scale (..., M, K/bk) and b_scale (K/bk, N/bn), the block sizes read off their shapes
+      (K and N whole numbers of blocks): bk=32, bn=1 is MXFP8's 1x32; bk=128 with bn=128
+      DeepSeek-V3's 1x128 activations and 128x128 weights. Where only one is blocked the
+      other (per tensor, row or column) is repeated over the blocks. On mosaic_gpu (Hopper)
+      for fp8 with bk a multiple of 32 (bk over 128: a multiple of 128); elsewhere the
+      reference's float32 product of the dequantized operands.
     implementation: None (best available), "xla", "triton", "mosaic_gpu" or "mosaic_tpu".
     config: the chosen kernel's Config; None takes the tuned table, else a heuristic.
 
@@ -277,10 +328,13 @@ def _kernel(plan, a, b, *, bias, activation, residual, glu, out_dtype, precision
   """The validated product on one device (or one shard). ``b_dtype``: the product's operand
   dtype where b comes wider (float32, for dB in float32: see _across)."""
   b_wide, b = b, (b if b_dtype is None else b.astype(b_dtype))
-  problem = _problem(a, b, bias, activation, residual, out_dtype, precision)
+  problem = _problem(a, b, bias, activation, residual, out_dtype, precision, b_scale=b_scale)
   out_shape = (*a.shape[:-1], problem.n)
   a2 = a.reshape(problem.m, problem.k)
   r2 = None if residual is None else residual.reshape(problem.m, problem.n)
+  if problem.block_k:  # block scales: a_scale (..., M, K/bk) -> (M, K/bk)
+    return _quantized(plan, problem, a2, b, a_scale.reshape(problem.m, -1), b_scale, bias,
+                      r2).reshape(out_shape)
   if not problem.has_scales:
     return _differentiable(plan, problem, a2, b_wide, bias, r2).reshape(out_shape)
   as2 = jnp.broadcast_to(jnp.float32(1) if a_scale is None else a_scale.astype(jnp.float32),
@@ -308,7 +362,7 @@ def _compose(implementation, config, *, a, b, bias, activation, residual, glu, o
     return None
   arrays = (a, b, bias, residual, a_scale, b_scale)
   target = backend.target_of(*arrays)
-  plain = _problem(a, b, bias, activation, residual, out_dtype, precision)
+  plain = _problem(a, b, bias, activation, residual, out_dtype, precision, b_scale=b_scale)
   gated = dataclasses.replace(plain, glu=True)
   if (not any(partitioning.layout(x) for x in arrays if x is not None)
       and partitioning.auto_mesh() is None
@@ -361,12 +415,17 @@ def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dt
     arrays["b"] = b.astype(jnp.float32)
     return where.run(lambda **shards: local(**shards, b_dtype=b.dtype), arrays, rule, out)
 
+  blocked = reference.is_blocked(a_scale, b_scale)
+
   def row_parallel(a, b, bias, residual, a_scale, b_scale):
-    partial = local(a=a, b=b, bias=None, activation=None, residual=None, a_scale=None,
-                    b_scale=None, out_dtype=jnp.float32)
+    # Block scales go with their K slice into the shard's product; the others after the sum.
+    inside = dict(a_scale=a_scale, b_scale=b_scale) if blocked else {}
+    partial = local(a=a, b=b, bias=None, activation=None, residual=None, out_dtype=jnp.float32,
+                    **{"a_scale": None, "b_scale": None, **inside})
     z = lax.psum(partial, k)
+    after = {} if blocked else dict(a_scale=a_scale, b_scale=b_scale)
     return reference.epilogue(z, bias=bias, activation=activation, residual=residual,
-                              a_scale=a_scale, b_scale=b_scale).astype(out_dtype)
+                              **after).astype(out_dtype)
 
   return where.run(row_parallel, arrays, rule, out)
 
@@ -377,9 +436,16 @@ def _rule(a, a_scale, b_scale, **unused):
   whole unless B's type splits it."""
   rows = partitioning.row_dims(a.ndim, "embed")
   k, n = Free("k", "embed", label="K"), Free("n", label="N")
-  return dict(a=(*rows, k), b=(k, n), bias=(n,), residual=(*rows, n),
+  rule = dict(a=(*rows, k), b=(k, n), bias=(n,), residual=(*rows, n),
               a_scale=rows if a_scale is not None and a_scale.ndim else (),
               b_scale=(n,) if b_scale is not None and b_scale.ndim else ())
+  if reference.is_blocked(a_scale, b_scale):
+    # Block scales split with the blocks they scale: K's blocks with K, N's with N (one block
+    # along either, of size 1, is broadcast over the shards' slices).
+    k_blocks = Free("k", "embed", label="K", broadcast=True)
+    rule.update(a_scale=(*rows, k_blocks),
+                b_scale=(k_blocks, Free("n", label="N", broadcast=True)))
+  return rule
 
 
 _OP = backend.register(backend.Op(

@@ -42,7 +42,11 @@ class Problem:
   activation: str | None = None
   has_bias: bool = False
   has_residual: bool = False
-  has_scales: bool = False  # a_scale (m,) and b_scale (n,), float32
+  has_scales: bool = False  # a_scale (m,) and b_scale (n,), float32, in the epilogue
+  # Block scales along K (``block_k`` deep): each block's partial product is scaled as it is
+  # added to the accumulator, by a_scale (m, k / block_k) and b_scale (k / block_k, n / bn).
+  # 0: none (has_scales is then the per-row / per-column form, or no scales).
+  block_k: int = 0
   save_preactivation: bool = False  # also return z = scale * (a @ b) + bias
   precision: Any = None
   glu: bool = False
@@ -63,8 +67,9 @@ class Problem:
     layout = ("t" if self.trans_a else "n") + ("t" if self.trans_b else "n")
     epilogue = "glu" if self.glu else "act" if self.activation else "plain"
     dims = "x".join(str(bucket(d)) for d in (self.m, self.n, self.k))
+    blocks = [f"bk{self.block_k}"] if self.block_k else []
     return "|".join([f"{jnp.dtype(self.dtype)}->{jnp.dtype(self.out_dtype)}", layout, epilogue,
-                     dims])
+                     *blocks, dims])
 
   def reason(self) -> str | None:
     """Why no kernel can take the problem: every kernel says for itself (``unsupported``)."""
@@ -96,12 +101,14 @@ def split_refs(problem: Problem, refs):
   """A kernel's refs as (a, b, bias, residual, a_scale, b_scale, y, z).
 
   Every wrapper passes its operands in this order, each optional one only when the problem
-  has it: a, b, [bias], [residual], [a_scale, b_scale]; then the outputs y, [z].
+  has it: a, b, [bias], [residual], [a_scale, b_scale]; then the outputs y, [z]. The scales
+  are the epilogue's (``has_scales``) or the main loop's block scales (``block_k``).
   """
   a, b, *refs = refs
   bias = refs.pop(0) if problem.has_bias else None
   residual = refs.pop(0) if problem.has_residual else None
-  a_scale, b_scale = (refs.pop(0), refs.pop(0)) if problem.has_scales else (None, None)
+  scaled = problem.has_scales or problem.block_k
+  a_scale, b_scale = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
   y, *z = refs
   return a, b, bias, residual, a_scale, b_scale, y, (z[0] if z else None)
 

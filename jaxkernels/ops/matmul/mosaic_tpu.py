@@ -79,6 +79,9 @@ def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
   dtype = jnp.dtype(problem.dtype)
   if problem.glu:  # matmul(glu=True) runs the product, then glu
     return "the mosaic_tpu matmul does not fuse glu into its epilogue"
+  if problem.block_k:
+    return ("block scales along K are applied in the main loop of mosaic_gpu's kernel (Hopper); "
+            "the mosaic_tpu matmul scales in its epilogue only")
   if dtype not in DTYPES:
     return f"mosaic_tpu takes bfloat16, float32 or int8 operands, got {dtype}"
   if jnp.dtype(problem.out_dtype) == jnp.float16:

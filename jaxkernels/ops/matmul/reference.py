@@ -2,6 +2,8 @@
 
 y = activation(scale * (a @ b) + bias) + residual, cast to out_dtype, where
 scale = a_scale[..., :, None] * b_scale[None, :] dequantizes fp8/int8 operands.
+Block scales (``block_scaled``): y = activation(sum over K blocks j of
+a_scale[..., j] * (a[..., block j] @ b[block j, :]) * b_scale[j, column block] + bias) + ...
 This is also the XLA fallback.
 """
 
@@ -33,8 +35,33 @@ def epilogue(acc, *, bias=None, activation=None, residual=None, a_scale=None, b_
   return z
 
 
+def block_scaled(a, b, a_scale, b_scale):
+  """The float32 product of ``a`` (..., M, K) and ``b`` (K, N) under block scales: a_scale
+  (..., M, K / bk) scales each row's bk-deep blocks of K, b_scale (K / bk, N / bn) each
+  bk x bn block of b. The operands are dequantized in float32 (each element times its block's
+  scale, rounded once: 2^-24 relative) and multiplied at full float32 precision: the sum of
+  the scaled partial products block by block, without a (K / bk)-fold intermediate."""
+  k, n = b.shape
+  bk, bn = k // a_scale.shape[-1], n // b_scale.shape[-1]
+  a_deq = a.astype(jnp.float32) * jnp.repeat(a_scale.astype(jnp.float32), bk, axis=-1)
+  b_deq = b.astype(jnp.float32) * jnp.repeat(jnp.repeat(b_scale.astype(jnp.float32), bk, axis=0),
+                                             bn, axis=1)
+  return lax.dot_general(a_deq, b_deq, (((a.ndim - 1,), (0,)), ((), ())),
+                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def is_blocked(a_scale, b_scale) -> bool:
+  """Whether the scales are block scales: b_scale of rank 2 (K / bk, N / bn), with a_scale
+  (..., M, K / bk) (matmul's validation makes both so where either is)."""
+  return b_scale is not None and b_scale.ndim == 2
+
+
 def matmul(a, b, *, bias=None, activation=None, residual=None, a_scale=None, b_scale=None,
            out_dtype, precision=None):
+  if is_blocked(a_scale, b_scale):
+    acc = block_scaled(a, b, a_scale, b_scale)
+    return epilogue(acc, bias=bias, activation=activation,
+                    residual=residual).astype(out_dtype)
   dims = (((a.ndim - 1,), (0,)), ((), ()))
   plain = bias is None and activation is None and residual is None and a_scale is None and \
       b_scale is None

@@ -66,6 +66,9 @@ def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
   dtype = jnp.dtype(problem.dtype)
   if problem.glu:  # matmul(glu=True) runs the product, then glu
     return "the triton matmul does not fuse glu into its epilogue"
+  if problem.block_k:
+    return ("block scales along K are applied in the main loop of mosaic_gpu's kernel (Hopper); "
+            "the triton matmul scales in its epilogue only")
   if dtype in FLOAT8:
     if chip.compute_capability is not None and chip.compute_capability < (8, 9):
       return f"fp8 tensor cores need sm89+; the device is {chip.name}"

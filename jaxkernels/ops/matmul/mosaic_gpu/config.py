@@ -117,7 +117,8 @@ def shared_bytes(problem: Problem, config: Config) -> int:
   buffers = 1 + (problem.outputs - 1) * (2 if problem.glu else 1)
   epilogue = 2 * c.epi_slots * c.epi_tile_m * c.epi_tile_n * out_item * buffers
   vectors = 2 * 2 * 4 * (c.tile_m + 2 * c.tile_n)
-  return ring + epilogue + vectors + 2048  # barriers and alignment
+  block_scales = c.stages * (c.cta_m + c.cta_n) * 4 if problem.block_k else 0
+  return ring + epilogue + vectors + block_scales + 2048  # barriers and alignment
 
 
 def config_error(problem: Problem, config: Config, chip) -> str | None:
@@ -128,6 +129,8 @@ def config_error(problem: Problem, config: Config, chip) -> str | None:
     return f"needs {need} bytes of shared memory per CTA; Hopper has {limit}"
   if p.glu:
     return _glu_error(p, c)
+  if p.block_k and (error := _block_error(p, c)):
+    return error
   # A cooperative warpgroup's half of a block cut along the block's minor dimension must
   # start on a swizzle tile (``_my_part``): B's columns (split "n"), or A's stored transposed.
   cut = {"n": (not p.trans_b, c.tile_n, c.cta_n), "m": (p.trans_a, c.tile_m, c.cta_m)}
@@ -137,6 +140,31 @@ def config_error(problem: Problem, config: Config, chip) -> str | None:
     if half % lanes:
       return (f"split={c.split!r} cuts the CTA's {block}-wide block into warpgroup halves of "
               f"{half}, which must be a multiple of its {lanes}-element swizzle tile")
+  return None
+
+
+# A warpgroup's accumulator registers a thread under block scales: the running sum and the K
+# step's product, 64 x 128 each (64 + 64 of the ~232 a compute thread has).
+BLOCK_ACCUMULATORS = 64 * 128
+
+
+def block_tile_k(p: Problem) -> int:
+  """The K step of a block-scaled product: one scale block, or 128 bytes of it (the widest
+  swizzle) where the block is deeper (its scales are then repeated over its steps)."""
+  return min(p.block_k, 128 // jnp.dtype(p.dtype).itemsize)
+
+
+def _block_error(p: Problem, c: Config) -> str | None:
+  """Why ``c`` cannot run the block-scaled product ``p`` (``kernel._multiply_blocks``)."""
+  if not (c.on_ring and c.cooperative) or c.stream_k:
+    return ("block scales run on the kernel's own ring (ring=True), cooperative, without "
+            "stream_k")
+  if c.tile_k != block_tile_k(p):
+    return (f"block scales {p.block_k} deep take K steps of {block_tile_k(p)} (one block, or "
+            f"128 bytes of it), got tile_k={c.tile_k}")
+  if c.tile_m * c.tile_n > BLOCK_ACCUMULATORS:
+    return (f"block scales keep two accumulators a warpgroup: its tile must be at most "
+            f"{BLOCK_ACCUMULATORS} elements (64 x 128), got {c.tile_m} x {c.tile_n}")
   return None
 
 
@@ -234,6 +262,8 @@ def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Confi
   """
   if problem.glu:
     return _glu_heuristic(problem, chip, shapes)
+  if problem.block_k:
+    return _block_heuristic(problem, chip)
   shapes = [tile_config(problem, shape) for shape in shapes]
   seconds = [predicted_seconds(problem, c, chip.cores) for c in shapes]
   best = min(range(len(shapes)), key=seconds.__getitem__)
@@ -266,6 +296,15 @@ def _glu_heuristic(problem: Problem, chip: hardware.Chip, shapes) -> Config:
   return configs[best] if seconds[best] < (1 - WAVE_MARGIN) * seconds[0] else configs[0]
 
 
+def _block_heuristic(problem: Problem, chip: hardware.Chip) -> Config:
+  """The block-scaled product's config: 64 x 128 warpgroup tiles one above the other (a 128 x
+  128 CTA tile, two accumulators each: ``_block_error``), a K step a scale block, on the
+  ring, as many stages as fit (``fitted``)."""
+  base = dataclasses.replace(tile_config(problem, (64, 128, "m")), tile_k=block_tile_k(problem),
+                             ring=True)
+  return fitted(problem, base, chip)
+
+
 def tile_config(problem: Problem, shape) -> Config:
   """The heuristic's starting Config for a CTA tile ``(tile_m, tile_n, split)``: 128-byte K
   steps, 4 stages, 64 x 64 epilogue pieces (``fitted`` then sizes the pieces and stages)."""
@@ -286,7 +325,8 @@ def fitted(problem: Problem, base: Config, chip: hardware.Chip) -> Config:
   elif item == 2 and base.tile_m == 128 and not base.on_ring:  # on the ring: 4% slower
     candidates.append(dataclasses.replace(base, stages=3, epi_tile_m=base.tile_m,
                                           epi_tile_n=base.tile_n))
-  candidates += [dataclasses.replace(base, stages=stages) for stages in (4, 3, 2)]
+  deep = (6, 5) if problem.block_k else ()  # a step awaits its product: more loads ahead
+  candidates += [dataclasses.replace(base, stages=stages) for stages in (*deep, 4, 3, 2)]
   return next((c for c in candidates if config_error(problem, c, chip) is None), candidates[-1])
 
 
@@ -298,6 +338,15 @@ def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
     return "fp8 wgmma reads A K-major; A stored transposed is not served"
   if problem.precision not in (None, lax.Precision.DEFAULT):
     return f"precision={problem.precision} has no meaning for {dtype} operands here"
+  if problem.block_k:
+    step = 32 if dtype in FLOAT8 else 16  # wgmma's K
+    if problem.block_k % step or (problem.block_k > block_tile_k(problem)
+                                  and problem.block_k % block_tile_k(problem)):
+      return (f"mosaic_gpu takes block scales a multiple of {step} deep up to "
+              f"{block_tile_k(problem)}, a multiple of {block_tile_k(problem)} beyond, got "
+              f"{problem.block_k}")
+    if problem.glu or problem.trans_a:
+      return "mosaic_gpu takes block scales on a plain product of A stored (M, K)"
   if problem.glu:
     if (dtype in FLOAT8 or problem.trans_a or problem.trans_b or problem.has_bias
         or problem.has_residual):

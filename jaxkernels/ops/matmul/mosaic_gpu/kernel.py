@@ -35,6 +35,16 @@ kernel's own ring, with no bias, residual or scales (``config._glu_error``, ``un
 
 fp8 wgmma reads both operands K-major: B must be stored (N, K). A (K, N) fp8 B is
 transposed by XLA first (one pass over B).
+
+Block scales along K (``Problem.block_k``, fp8 under MXFP8 or DeepSeek-V3 scaling): the K
+step is one scale block deep (``tile_k``; the wrapper repeats the scales of wider blocks). Each
+step's product goes into a fresh accumulator, which the warpgroup awaits, releases the slot,
+and adds into its running float32 sum times the step's scales: a_scale's (tile_m,) for the
+rows and b_scale's (tile_n,) for the columns, which the producer loads with A and B into the
+slot (the wrapper hands them over as (K / tile_k, M) and (K / tile_k, N) arrays). Hopper's
+tensor cores cannot scale inside an MMA (Blackwell's can), so the two warpgroups take turns:
+one adds while the other's product runs. Two accumulators per warpgroup keep its tile at
+64 x 128 (``config._block_error``).
 """
 
 from __future__ import annotations
@@ -219,21 +229,26 @@ def _ring_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
   # Under glu a slot holds B's gate block and its up block, each half the CTA's columns: two
   # contiguous (TMA writes only contiguous shared memory) swizzled blocks.
   b_slot = (2, b_block[0], b_block[1] // 2) if p.glu else b_block
+  blocks = (dict(sa_ring=plgpu.SMEM((c.stages, c.cta_m), jnp.float32),
+                 sb_ring=plgpu.SMEM((c.stages, c.cta_n), jnp.float32))
+            if p.block_k else {})
   return dict(
       a_ring=plgpu.SMEM((c.stages, *a_block), p.dtype, transforms=_mosaic_gpu.swizzled(a_block[1], p.dtype)),
       b_ring=plgpu.SMEM((c.stages, *b_slot), p.dtype, transforms=_mosaic_gpu.swizzled(b_slot[-1], p.dtype)),
-      # Each TMA copy (A, and B or its two halves) arrives on a slot's "full" barrier; its
-      # readers on "free".
-      full=plgpu.Barrier(num_arrivals=3 if p.glu else 2, num_barriers=owners * c.stages),
+      # Each TMA copy (A, and B or its two halves, and the block scales) arrives on a slot's
+      # "full" barrier; its readers on "free".
+      full=plgpu.Barrier(num_arrivals=(3 if p.glu else 2) + 2 * bool(p.block_k),
+                         num_barriers=owners * c.stages),
       free=plgpu.Barrier(num_arrivals=2 if c.cooperative else 1, num_barriers=c.stages),
+      **blocks,
   )
 
 
 def _fill(a_gmem, b_gmem, a_ring, b_ring, full, full_base, free, p: Problem, c: Config, rows,
-          cols, first, k_begin, k_end):
+          cols, first, k_begin, k_end, scales=None):
   """TMA loads of K steps [k_begin, k_end) of the blocks at (rows, cols) into ring positions
   ``first`` on (the owner's "full" barriers start at ``full_base``), each once its slot is
-  free."""
+  free; with block scales (``scales``: their gmem arrays and rings) each step's too."""
 
   @pl.loop(k_begin, k_end)
   def _(step):
@@ -254,6 +269,38 @@ def _fill(a_gmem, b_gmem, a_ring, b_ring, full, full_base, free, p: Problem, c: 
     else:
       plgpu.copy_gmem_to_smem(b_gmem.at[cols, ks] if p.trans_b else b_gmem.at[ks, cols],
                               b_ring.at[slot], full.at[full_base + slot])
+    if p.block_k:
+      as_gmem, bs_gmem, sa_ring, sb_ring = scales
+      plgpu.copy_gmem_to_smem(as_gmem.at[step, rows], sa_ring.at[slot], full.at[full_base + slot])
+      plgpu.copy_gmem_to_smem(bs_gmem.at[step, cols], sb_ring.at[slot], full.at[full_base + slot])
+
+
+def _multiply_blocks(a_ring, b_ring, full, free, sa_ring, sb_ring, p: Problem, c: Config,
+                     wg_rows, wg_cols, first, k_begin, k_end):
+  """The block-scaled main loop: each K step's product into a fresh accumulator, awaited, the
+  slot released, and added into the float32 running sum (returned) times the step's row and
+  column scales."""
+  shape = (c.tile_m, c.tile_n)
+
+  def step_body(step, total):
+    slot = lax.rem(first + step - k_begin, c.stages)
+    plgpu.barrier_wait(full.at[slot])
+    a, b = _my_part(a_ring.at[slot], b_ring.at[slot], p, c, wg_rows, wg_cols)
+
+    def product(part_ref):
+      plgpu.wgmma(part_ref, *_operands(a, b, p))
+      return part_ref[...]  # awaits it
+
+    part = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+    a_scale = sa_ring.at[slot][wg_rows]
+    b_scale = sb_ring.at[slot][wg_cols]
+    plgpu.barrier_arrive(free.at[slot])
+    scale = (lax.broadcast_in_dim(a_scale, shape, [0])
+             * lax.broadcast_in_dim(b_scale, shape, [1]))
+    return total + part * scale
+
+  with jax.named_scope("mainloop"):
+    return lax.fori_loop(k_begin, k_end, step_body, jnp.zeros(shape, jnp.float32))
 
 
 def _multiply(acc_ref, a_ring, b_ring, full, full_base, free, p: Problem, c: Config, wg_rows,
@@ -289,7 +336,7 @@ def _multiply(acc_ref, a_ring, b_ring, full, full_base, free, p: Problem, c: Con
 
 
 def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_block,
-          a_ring, b_ring, full, free, partials=None):
+          a_ring, b_ring, full, free, partials=None, sa_ring=None, sb_ring=None):
   """The kernel's own ring of ``stages`` slots, filled by the TMA warpgroup in the order the
   compute warpgroups consume it, straight on across tiles (the next tile's first loads run
   under this one's last steps and epilogue).
@@ -329,11 +376,13 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
+    scales = (epilogue.as_gmem, epilogue.bs_gmem, sa_ring, sb_ring) if p.block_k else None
+
     @tiles
     def _(info: plgpu.NDLoopInfo):
       rows, cols = _tile_slices(info.index[0], p, c)
       _fill(a_gmem, b_gmem, a_ring, b_ring, full, owner_of(info.local_index) * c.stages, free,
-            p, c, rows, cols, info.local_index * k_steps, 0, k_steps)
+            p, c, rows, cols, info.local_index * k_steps, 0, k_steps, scales)
 
     if plan.cut:
       def piece(tile, k_begin, k_end, first, seq):
@@ -366,10 +415,17 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
       waits = epilogue.load_vectors(p, wg, parity, _sub(cta_rows, wg_rows, c.tile_m),
                                     _sub(cta_cols, wg_cols, c.tile_n), when=load_when)
 
+      if p.block_k:  # cooperative, one owner (config._block_error)
+        acc = _multiply_blocks(a_ring, b_ring, full, free, sa_ring, sb_ring, p, c, wg_rows,
+                               wg_cols, first, k_begin, k_end)
+        with jax.named_scope("epilogue"):
+          finish(acc, cta_rows, cta_cols, waits, parity)
+        return
+
       @functools.partial(pl.run_scoped, acc_ref=_accumulators(p, c))
       def _acc(acc_ref):
-        _multiply(acc_ref, a_ring, b_ring, full, full_base, free, p, c, wg_rows, wg_cols, first,
-                  k_begin, k_end)
+        _multiply(acc_ref, a_ring, b_ring, full, full_base, free, p, c, wg_rows, wg_cols,
+                  first, k_begin, k_end)
         with jax.named_scope("epilogue"):
           acc = tuple(r[...] for r in acc_ref) if p.glu else acc_ref[...]
           finish(acc, cta_rows, cta_cols, waits, parity)
@@ -596,6 +652,9 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
     operands.append(pad_to(residual.astype(p.out_dtype), out_shape))
   if p.has_scales:
     operands += [vector(a_scale, c.cta_m), vector(b_scale, c.cta_n)]
+  if p.block_k:
+    operands += _block_scales(a_scale, b_scale, p, c, a_shape[0], b_shape[0] if p.trans_b
+                              else b_shape[1], cdiv(a_shape[1], c.tile_k))
   outs = [jax.ShapeDtypeStruct(out_shape, p.out_dtype)] * p.outputs
   if p.glu:  # y has half the product's columns (whole CTA tiles of them: no padding)
     outs[0] = jax.ShapeDtypeStruct((out_shape[0], p.out_n), p.out_dtype)
@@ -622,6 +681,20 @@ def matmul(a, b, *, bias=None, residual=None, a_scale=None, b_scale=None, proble
   outs = kernel(*operands)[:p.outputs]
   outs = [_crop(o, p.m, n, c, interpret) for o, n in zip(outs, (p.out_n, p.n))]  # y, z
   return tuple(outs) if p.save_preactivation else outs[0]
+
+
+def _block_scales(a_scale, b_scale, p: Problem, c: Config, m_rows: int, n_cols: int,
+                  k_steps: int):
+  """The block scales as the producer loads them, a K step's row of each: a_scale (M, K / bk)
+  as (k_steps, M) and b_scale (K / bk, N / bn) as (k_steps, N), a block deeper than a K step
+  repeated over its steps (and a block wider than a column over its columns), zero-padded
+  to the padded operands' K steps and to whole CTA tiles (as the epilogue's vectors)."""
+  steps_a_block = p.block_k // c.tile_k
+  a_t = jnp.repeat(a_scale.astype(jnp.float32).T, steps_a_block, axis=0)
+  b_cols = jnp.repeat(b_scale.astype(jnp.float32), p.n // b_scale.shape[1], axis=1)
+  b_t = jnp.repeat(b_cols, steps_a_block, axis=0)
+  return [pad_to(a_t, (k_steps, round_up(m_rows, c.cta_m))),
+          pad_to(b_t, (k_steps, round_up(n_cols, c.cta_n)))]
 
 
 def _crop(y, m: int, n: int, config: Config, interpret):
