@@ -717,22 +717,23 @@ def test_block_scales_on_mosaic_gpu(scheme):
   _assert_fp8_product(y, want, 1024)
 
 
-@pytest.mark.parametrize("block_k, tile_k, stages", [(64, 64, 3), (128, 64, 2)])
-def test_mosaic_gpu_block_scales_interpreted(block_k, tile_k, stages, monkeypatch):
+@pytest.mark.parametrize("block_k, block_n, tile_k, stages", [(64, 1, 64, 3), (128, 128, 64, 2)])
+def test_mosaic_gpu_block_scales_interpreted(block_k, block_n, tile_k, stages, monkeypatch):
   """The block-scaled main loop in the interpreter, on bfloat16 operands (its fp8 hangs): two
   SMs, so that each CTA walks several tiles through a ring that wraps mid-tile; a 128-deep block
-  in two 64-deep K steps (its scales repeated by the wrapper); per-column b scales; bias + relu
-  after the sum; float32 out."""
+  in two 64-deep K steps (its scales repeated by the wrapper); b scales per column, or one per
+  128 x 128 block (a CTA tile's one scale, handed over along its rows); bias + relu after the
+  sum; float32 out."""
   monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 2)
   gen = numerics.rng("block-scales-interpreted", block_k)
   m, k, n = 256, 5 * block_k if block_k == 64 else 384, 256
   a = numerics.normal(gen, (m, k), jnp.bfloat16)
   b = numerics.normal(gen, (k, n), jnp.bfloat16)
   a_scale = jnp.asarray(gen.uniform(0.25, 4, (m, k // block_k)), jnp.float32)
-  b_scale = jnp.asarray(gen.uniform(0.25, 4, (k // block_k, n)), jnp.float32)
+  b_scale = jnp.asarray(gen.uniform(0.25, 4, (k // block_k, n // block_n)), jnp.float32)
   bias = numerics.normal(gen, (n,), jnp.float32)
   p = Problem(m=m, n=n, k=k, dtype=jnp.dtype(jnp.bfloat16), out_dtype=jnp.dtype(jnp.float32),
-              block_k=block_k, has_bias=True, activation="relu")
+              block_k=block_k, block_n=block_n, has_bias=True, activation="relu")
   config = mosaic_gpu.Config(tile_m=64, tile_n=128, tile_k=tile_k, stages=stages, split="m",
                              ring=True)
   assert mosaic_gpu.config_error(p, config, None) is None
@@ -740,7 +741,8 @@ def test_mosaic_gpu_block_scales_interpreted(block_k, tile_k, stages, monkeypatc
   y = mosaic_gpu.matmul(a, b, bias=bias, a_scale=a_scale, b_scale=b_scale, problem=p,
                         config=config, interpret=_mosaic_gpu.interpret_params())
   a64 = np.asarray(a, np.float64) * np.repeat(np.asarray(a_scale, np.float64), block_k, 1)
-  b64 = np.asarray(b, np.float64) * np.repeat(np.asarray(b_scale, np.float64), block_k, 0)
+  b64 = np.asarray(b, np.float64) * np.repeat(np.repeat(np.asarray(b_scale, np.float64),
+                                                        block_k, 0), block_n, 1)
   want = np.maximum(a64 @ b64 + np.asarray(bias, np.float64), 0)
   np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5,
                              atol=1e-5 * np.abs(want).max())
@@ -764,7 +766,7 @@ def test_block_scales_choose_the_kernel_or_say_why():
   chip = hardware.DEFAULT_GPU
   f8 = jnp.dtype(jnp.float8_e4m3fn)
   problem = lambda bk: Problem(m=256, n=256, k=768, dtype=f8, out_dtype=jnp.dtype(jnp.bfloat16),
-                               block_k=bk)
+                               block_k=bk, block_n=128)
   for bk in (32, 64, 128, 256, 384):
     assert mosaic_gpu.unsupported(problem(bk), chip) is None, bk
     config = mosaic_gpu.heuristic(problem(bk), chip)

@@ -269,7 +269,8 @@ def _problem(a, b, bias, activation, residual, out_dtype, precision, b_scale=Non
                  out_dtype=out_dtype, activation=activation, has_bias=bias is not None,
                  has_residual=residual is not None,
                  has_scales=is_quantized(a.dtype) and not blocked,
-                 block_k=b.shape[0] // b_scale.shape[0] if blocked else 0, precision=precision)
+                 block_k=b.shape[0] // b_scale.shape[0] if blocked else 0,
+                 block_n=b.shape[1] // b_scale.shape[1] if blocked else 0, precision=precision)
 
 
 def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dtype=None,

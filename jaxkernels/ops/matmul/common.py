@@ -47,6 +47,7 @@ class Problem:
   # added to the accumulator, by a_scale (m, k / block_k) and b_scale (k / block_k, n / bn).
   # 0: none (has_scales is then the per-row / per-column form, or no scales).
   block_k: int = 0
+  block_n: int = 0  # with block_k: the columns of b each b_scale entry covers (bn)
   save_preactivation: bool = False  # also return z = scale * (a @ b) + bias
   precision: Any = None
   glu: bool = False
@@ -67,7 +68,7 @@ class Problem:
     layout = ("t" if self.trans_a else "n") + ("t" if self.trans_b else "n")
     epilogue = "glu" if self.glu else "act" if self.activation else "plain"
     dims = "x".join(str(bucket(d)) for d in (self.m, self.n, self.k))
-    blocks = [f"bk{self.block_k}"] if self.block_k else []
+    blocks = [f"bk{self.block_k}bn{self.block_n}"] if self.block_k else []
     return "|".join([f"{jnp.dtype(self.dtype)}->{jnp.dtype(self.out_dtype)}", layout, epilogue,
                      *blocks, dims])
 

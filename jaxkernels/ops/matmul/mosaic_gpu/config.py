@@ -325,8 +325,7 @@ def fitted(problem: Problem, base: Config, chip: hardware.Chip) -> Config:
   elif item == 2 and base.tile_m == 128 and not base.on_ring:  # on the ring: 4% slower
     candidates.append(dataclasses.replace(base, stages=3, epi_tile_m=base.tile_m,
                                           epi_tile_n=base.tile_n))
-  deep = (6, 5) if problem.block_k else ()  # a step awaits its product: more loads ahead
-  candidates += [dataclasses.replace(base, stages=stages) for stages in (*deep, 4, 3, 2)]
+  candidates += [dataclasses.replace(base, stages=stages) for stages in (4, 3, 2)]
   return next((c for c in candidates if config_error(problem, c, chip) is None), candidates[-1])
 
 
@@ -339,6 +338,8 @@ def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
   if problem.precision not in (None, lax.Precision.DEFAULT):
     return f"precision={problem.precision} has no meaning for {dtype} operands here"
   if problem.block_k:
+    if problem.block_n < 1:
+      return f"block_k={problem.block_k} needs block_n, the columns a b_scale entry covers"
     step = 32 if dtype in FLOAT8 else 16  # wgmma's K
     if problem.block_k % step or (problem.block_k > block_tile_k(problem)
                                   and problem.block_k % block_tile_k(problem)):

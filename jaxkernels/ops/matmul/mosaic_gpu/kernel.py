@@ -151,15 +151,28 @@ def _kernel(*refs, problem: Problem, config: Config, math):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _tile_index(linear, p: Problem, c: Config):
+  """(m, n) index of the CTA tile at position ``linear`` of the snake order."""
+  m_tiles, n_tiles = cdiv(p.m, c.cta_m), cdiv(p.n, c.cta_n)
+  minor = 1 if c.grid_minor == "n" else 0
+  return plgpu.planar_snake(linear, (m_tiles, n_tiles), minor, c.grid_tile_width)
+
+
 def _tile_slices(linear, p: Problem, c: Config):
   """(rows, cols) of the CTA tile at position ``linear`` of the snake order; under glu, cols
   are y's (half the CTA's product columns: the gate's, and the up's past out_n). Multiplied
   out here: a traced division of a slice's start does not lower (layout inference fails)."""
-  m_tiles, n_tiles = cdiv(p.m, c.cta_m), cdiv(p.n, c.cta_n)
-  minor = 1 if c.grid_minor == "n" else 0
-  m_idx, n_idx = plgpu.planar_snake(linear, (m_tiles, n_tiles), minor, c.grid_tile_width)
+  m_idx, n_idx = _tile_index(linear, p, c)
   width = c.cta_n // 2 if p.glu else c.cta_n
   return pl.ds(m_idx * c.cta_m, c.cta_m), pl.ds(n_idx * width, width)
+
+
+def _b_scale_by_rows(p: Problem, c: Config) -> bool:
+  """Whether each CTA tile's columns lie in one b_scale block (DeepSeek-V3's 128 x 128 weight
+  blocks under 128-column tiles): its b scale for a K step is then one number, which the
+  wrapper hands over repeated along the tile's rows, so that a K step's scale is one vector
+  along rows (a_scale times it) and the sum one fused multiply-add an element."""
+  return p.block_n > 0 and p.block_n % c.cta_n == 0
 
 
 def _cooperative_pipeline(p, c, a_block, b_block, body, compute_context):
@@ -230,7 +243,8 @@ def _ring_scratch(p, c, a_block, b_block, a_gmem, b_gmem) -> dict:
   # contiguous (TMA writes only contiguous shared memory) swizzled blocks.
   b_slot = (2, b_block[0], b_block[1] // 2) if p.glu else b_block
   blocks = (dict(sa_ring=plgpu.SMEM((c.stages, c.cta_m), jnp.float32),
-                 sb_ring=plgpu.SMEM((c.stages, c.cta_n), jnp.float32))
+                 sb_ring=plgpu.SMEM((c.stages, c.cta_m if _b_scale_by_rows(p, c) else c.cta_n),
+                                    jnp.float32))
             if p.block_k else {})
   return dict(
       a_ring=plgpu.SMEM((c.stages, *a_block), p.dtype, transforms=_mosaic_gpu.swizzled(a_block[1], p.dtype)),
@@ -269,10 +283,11 @@ def _fill(a_gmem, b_gmem, a_ring, b_ring, full, full_base, free, p: Problem, c: 
     else:
       plgpu.copy_gmem_to_smem(b_gmem.at[cols, ks] if p.trans_b else b_gmem.at[ks, cols],
                               b_ring.at[slot], full.at[full_base + slot])
-    if p.block_k:
-      as_gmem, bs_gmem, sa_ring, sb_ring = scales
+    if p.block_k:  # scales: their gmem arrays, rings, and b_scale's piece for this tile
+      as_gmem, bs_gmem, sa_ring, sb_ring, b_piece = scales
       plgpu.copy_gmem_to_smem(as_gmem.at[step, rows], sa_ring.at[slot], full.at[full_base + slot])
-      plgpu.copy_gmem_to_smem(bs_gmem.at[step, cols], sb_ring.at[slot], full.at[full_base + slot])
+      plgpu.copy_gmem_to_smem(bs_gmem.at[step, b_piece], sb_ring.at[slot],
+                              full.at[full_base + slot])
 
 
 def _multiply_blocks(a_ring, b_ring, full, free, sa_ring, sb_ring, p: Problem, c: Config,
@@ -293,6 +308,10 @@ def _multiply_blocks(a_ring, b_ring, full, free, sa_ring, sb_ring, p: Problem, c
 
     part = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
     a_scale = sa_ring.at[slot][wg_rows]
+    if _b_scale_by_rows(p, c):  # one b scale for the tile, repeated along its rows
+      rows_scale = a_scale * sb_ring.at[slot][wg_rows]
+      plgpu.barrier_arrive(free.at[slot])
+      return total + part * lax.broadcast_in_dim(rows_scale, shape, [0])
     b_scale = sb_ring.at[slot][wg_cols]
     plgpu.barrier_arrive(free.at[slot])
     scale = (lax.broadcast_in_dim(a_scale, shape, [0])
@@ -376,11 +395,14 @@ def _ring(a_gmem, b_gmem, epilogue: _Epilogue, *, problem, config, a_block, b_bl
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-    scales = (epilogue.as_gmem, epilogue.bs_gmem, sa_ring, sb_ring) if p.block_k else None
-
     @tiles
     def _(info: plgpu.NDLoopInfo):
       rows, cols = _tile_slices(info.index[0], p, c)
+      scales = None
+      if p.block_k:  # b_scale's piece: the tile's columns, or its one scale along its rows
+        b_piece = (pl.ds(_tile_index(info.index[0], p, c)[1] * c.cta_m, c.cta_m)
+                   if _b_scale_by_rows(p, c) else cols)
+        scales = (epilogue.as_gmem, epilogue.bs_gmem, sa_ring, sb_ring, b_piece)
       _fill(a_gmem, b_gmem, a_ring, b_ring, full, owner_of(info.local_index) * c.stages, free,
             p, c, rows, cols, info.local_index * k_steps, 0, k_steps, scales)
 
@@ -691,10 +713,15 @@ def _block_scales(a_scale, b_scale, p: Problem, c: Config, m_rows: int, n_cols: 
   to the padded operands' K steps and to whole CTA tiles (as the epilogue's vectors)."""
   steps_a_block = p.block_k // c.tile_k
   a_t = jnp.repeat(a_scale.astype(jnp.float32).T, steps_a_block, axis=0)
-  b_cols = jnp.repeat(b_scale.astype(jnp.float32), p.n // b_scale.shape[1], axis=1)
-  b_t = jnp.repeat(b_cols, steps_a_block, axis=0)
-  return [pad_to(a_t, (k_steps, round_up(m_rows, c.cta_m))),
-          pad_to(b_t, (k_steps, round_up(n_cols, c.cta_n)))]
+  b_steps = jnp.repeat(b_scale.astype(jnp.float32), steps_a_block, axis=0)
+  a_t = pad_to(a_t, (k_steps, round_up(m_rows, c.cta_m)))
+  if _b_scale_by_rows(p, c):  # each CTA column tile's one scale, cta_m times
+    tiles = cdiv(n_cols, c.cta_n)
+    per_tile = jnp.repeat(b_steps, p.block_n // c.cta_n, axis=1)[:, :tiles]
+    b_t = jnp.repeat(pad_to(per_tile, (k_steps, tiles)), c.cta_m, axis=1)
+    return [a_t, b_t]
+  b_cols = jnp.repeat(b_steps, p.block_n, axis=1)
+  return [a_t, pad_to(b_cols, (k_steps, round_up(n_cols, c.cta_n)))]
 
 
 def _crop(y, m: int, n: int, config: Config, interpret):
