@@ -15,8 +15,8 @@ import time
 
 import jax
 
-from bench import (attention, ceilings, cross_entropy, elementwise, harness, matmul, model,
-                   norms, report, sharding, softmax)
+from bench import (attention, ceilings, cross_entropy, elementwise, harness, lessons, matmul,
+                   model, norms, report, sharding, softmax)
 
 SUITES = {
     "norms": norms.run,
@@ -28,6 +28,7 @@ SUITES = {
     "sharding": sharding.run,
     "attention": attention.run,
     "model": model.run,
+    "lessons": lessons.run,
 }
 DEFAULT = ("norms", "elementwise", "softmax")
 # --smoke (the default on a CPU): every op family, at small shapes, each checked against its
@@ -64,10 +65,13 @@ def main(argv=None) -> int:
                       help="model: the unrolled layers only (not the scanned rows)")
   parser.add_argument("--tpu", action="store_true",
                       help="model: the train step AOT-compiled for v5e, v5p and v6e, each remat "
-                           "policy's compiled peak memory (any host; needs libtpu)")
+                           "policy's compiled peak memory; lessons: fusion's bytes and tiling's "
+                           "VMEM compiled for them (any host; needs libtpu)")
   parser.add_argument("--out", default=None, help="directory for the JSON (default "
                       "bench/results/<device>; --smoke: ~/.cache/jaxkernels/bench-smoke/<device>)")
   args = parser.parse_args(argv)
+  if args.tpu and args.out is None:  # compiled for TPUs from this host: their own folder
+    args.out = str(harness.RESULTS / "tpu_compiled")
 
   on_cpu = jax.devices()[0].platform == "cpu"
   smoke = args.smoke or on_cpu
@@ -91,6 +95,8 @@ def main(argv=None) -> int:
       attention.run(session, sweep=args.sweep, only=only)
     elif name == "model" and args.tpu:
       model.tpu_compiled(session, policies=policies)
+    elif name == "lessons" and args.tpu:
+      lessons.tpu_compiled(session)
     elif name == "model" and args.remat:
       model.run_remat(session, only=only, policies=policies)
     elif name == "model":
