@@ -6,7 +6,9 @@ same run (XLA, cuBLAS, cuDNN, torch, JAX's Pallas examples), as time, rate and %
 device's roofline, each number naming its file. For each (device, suite, op, shape, dtype) the
 newest full-size run (not a smoke run, not a config sweep) that timed one of our kernels and an
 anchor at it serves; experiments' variant rows (an impl with a config or a note in its name)
-are left out.
+are left out. Then the lessons (``python -m bench lessons``: each lecture prediction and what
+each device showed, the TPU's compiled), block-scaled fp8, and the plots (bench/report/: a
+roofline per GPU, the matmul sweep with the wave model) where matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import sys
 from typing import Any
@@ -233,18 +236,141 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
   return "\n".join(out)
 
 
+def _newest_with(runs: list[Run], results: pathlib.Path, suite: str, prefix: str = "",
+                 also_smoke_under: str = "tpu_compiled") -> dict[str, Run]:
+  """Per device folder, the newest run with rows of ``suite`` (named from ``prefix``); the
+  TPU's compiled runs count though made on a CPU host."""
+  newest: dict[str, Run] = {}
+  candidates = list(runs)
+  for path in sorted((results / also_smoke_under).glob(f"*{suite}*.json")):
+    record = json.loads(path.read_text())
+    candidates.append(Run(path, path.parent.name, record.get("date", ""),
+                          record.get("commit", "?"), record.get("jax", "?"),
+                          tuple(record.get("rows", ()))))
+  for run in sorted(candidates, key=lambda run: run.date):
+    if any(r["suite"] == suite and r["name"].startswith(prefix) for r in run.rows):
+      newest[run.path.parent.name] = run
+  return newest
+
+
+def _link(run: Run, results: pathlib.Path) -> str:
+  where = run.path.relative_to(results.parent).as_posix()
+  return f"[{run.path.name}]({where}) ({run.commit.split()[0]}, jax {run.jax})"
+
+
+def _lessons(runs: list[Run], results: pathlib.Path, plots: dict[str, str]) -> list[str]:
+  from bench import lessons
+  newest = _newest_with(runs, results, "lessons")
+  out = ["## Lessons, measured", "",
+         "What the accelerator lecture predicts, then what each device showed "
+         "(`python -m bench lessons` on a GPU; `--tpu` compiles the TPU side on any host: "
+         "predicted, from the compiled program).", ""]
+  for lesson, prediction in lessons.LESSONS.items():
+    out += [f"### {lesson}", "", f"*Predicted:* {prediction}", ""]
+    rows = [(folder, run, row) for folder, run in newest.items() for row in run.rows
+            if row["suite"] == "lessons" and row["name"].startswith(f"{lesson}:")]
+    if rows:
+      out += ["| case | device | shape | dtype | ms | rate | note |",
+              "| --- | --- | --- | --- | ---: | ---: | --- |"]
+      for folder, run, row in rows:
+        device = row["impl"] if "predicted" in row["impl"] else run.device
+        ms = "" if row.get("ms") is None else f"{row['ms']:.4g}"
+        rate = _rate(row) if row.get("ms") is not None else ""
+        note = (row.get("note") or "").replace("|", "/")
+        if row.get("kernel_ms"):
+          note = f"kernel (CUPTI) {row['kernel_ms']:.4f} ms; " + note
+        case = row["name"].split(": ", 1)[1]
+        out.append(f"| {case} | {device} | {row.get('shape', '')} | {row.get('dtype', '')} | "
+                   f"{ms} | {rate} | {note} |")
+      out += ["", "From " + "; ".join(_link(run, results) for run in
+                                      {id(r): r for _, r, _ in rows}.values()), ""]
+    if lesson == "waves" and "waves" in plots:
+      out += [f"![matmul sweep and the wave model]({plots['waves']})", ""]
+    if lesson == "recomputation":
+      out += ["The remat table and plot: bench/NOTES.md (model-3..5) and "
+              "[remat.png](results/nvidia_h100/remat.png).", ""]
+    if lesson == "low precision":
+      out += _fp8_blocks(runs, results)
+  return out
+
+
+def _fp8_blocks(runs: list[Run], results: pathlib.Path) -> list[str]:
+  """Block-scaled fp8 (``python -m bench matmul --only fp8_blocks``): each scaling's TFLOP/s
+  against the same run's bf16 product by XLA, and its error on outlier rows."""
+  newest = _newest_with(runs, results, "matmul", prefix="scaled ")
+  out = []
+  for folder, run in newest.items():
+    timed = [r for r in run.rows if r["name"].startswith("scaled ") and r.get("ms")]
+    shapes = list(dict.fromkeys(r["shape"] for r in timed))
+    out += [f"**Block-scaled fp8, {run.device}** (TFLOP/s; x: against XLA's bf16 product in "
+            f"the same rounds; {_link(run, results)})", "",
+            "| scaling | impl | " + " | ".join(shapes) + " |",
+            "| --- | --- | " + " | ".join("---:" for _ in shapes) + " |"]
+    for key in dict.fromkeys((r["name"], r["impl"]) for r in timed):
+      cells = []
+      for shape in shapes:
+        row = next((r for r in timed if (r["name"], r["impl"]) == key and r["shape"] == shape),
+                   None)
+        cells.append("" if row is None else
+                     f"{row['tflops']:.0f} ({row['vs_xla']:.2f}x)" if row.get("vs_xla") else
+                     "" if row is None else f"{row['tflops']:.0f}")
+      out.append(f"| {key[0].removeprefix('scaled ')} | {key[1]} | " + " | ".join(cells) + " |")
+    accuracy = [r for r in run.rows if r["name"].startswith("accuracy ")]
+    if accuracy:
+      out += ["", "| accuracy (median row error against the float64 product) | shape | error | "
+              "note |", "| --- | --- | ---: | --- |"]
+      out += [f"| {r['name'].removeprefix('accuracy ')} | {r['shape']} | {r['error']:.2e} | "
+              f"{r.get('note', '')} |" for r in accuracy]
+    out.append("")
+  return out
+
+
+def _plots(runs: list[Run], by_device: dict[str, list[Line]], results: pathlib.Path,
+           folder: pathlib.Path, report_dir: pathlib.Path) -> dict[str, str]:
+  """The plots into ``folder``, by name -> path relative to the report; none without
+  matplotlib (the bench extra)."""
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    print("plots: matplotlib is not installed (pip install -e '.[bench]'): none drawn")
+    return {}
+  from bench import plots
+  folder.mkdir(parents=True, exist_ok=True)
+  drawn = {}
+  for device, device_lines in by_device.items():
+    if "predicted" in device:
+      continue
+    name = "roofline_" + "".join(c if c.isalnum() else "_" for c in device.lower()) + ".png"
+    if plots.roofline_plot(runs, device, device_lines, folder / name):
+      drawn[f"roofline {device}"] = folder / name
+  if plots.waves_plot(results, folder / "matmul_waves.png"):
+    drawn["waves"] = folder / "matmul_waves.png"
+  return {name: os.path.relpath(path, report_dir) for name, path in drawn.items()}
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m bench report", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--results", default=str(ROOT / "results"),
                       help="the results' folder, one subfolder a device (default: bench/results)")
   parser.add_argument("--out", default=str(ROOT / "REPORT.md"), help="the report to write")
+  parser.add_argument("--plots", default=str(ROOT / "report"),
+                      help="the plots' folder (default: bench/report); the report links them "
+                           "relative to itself")
   args = parser.parse_args(argv)
   results = pathlib.Path(args.results)
   if not results.is_dir():
     parser.error(f"--results {results}: no such folder")
-  by_device = lines(load(results))
-  pathlib.Path(args.out).write_text(render(by_device, results) + "\n")
+  runs = load(results)
+  by_device = lines(runs)
+  out = pathlib.Path(args.out)
+  drawn = _plots(runs, by_device, results, pathlib.Path(args.plots), out.parent)
+  text = [render(by_device, results)]
+  rooflines = [(name, path) for name, path in drawn.items() if name.startswith("roofline ")]
+  if rooflines:
+    text += ["## Rooflines", ""] + [f"![{name}]({path})" for name, path in rooflines] + [""]
+  text += _lessons(runs, results, drawn)
+  out.write_text("\n".join(text) + "\n")
   count = sum(map(len, by_device.values()))
   print(f"{count} shapes on {len(by_device)} devices -> {args.out}")
   return 0

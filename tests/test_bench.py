@@ -150,14 +150,43 @@ def test_report_from_the_committed_results(tmp_path):
   import pathlib
   import re
 
-  out = tmp_path / "report"  # markdown
-  assert bench_main.main(["report", "--out", str(out)]) == 0
-  text = out.read_text()
+  bench_dir = pathlib.Path(bench_main.__file__).parent
+  out = bench_dir / "REPORT-test.md"  # beside the results, which it links relatively
+  try:
+    assert bench_main.main(["report", "--out", str(out), "--plots", str(tmp_path)]) == 0
+    text = out.read_text()
+  finally:
+    out.unlink(missing_ok=True)
   assert "## NVIDIA H100" in text and "## NVIDIA H200" in text
   links = re.findall(r"\]\((results/[^)]+)\)", text)
   assert links
-  bench_dir = pathlib.Path(bench_main.__file__).parent
   assert all((bench_dir / link).is_file() for link in links)
+  # The lessons, each lecture prediction with what a GPU measured and a TPU compiled, and the
+  # block-scaled fp8 table; the rooflines and the sweep's plot.
+  from bench import lessons
+  for lesson in lessons.LESSONS:
+    assert f"### {lesson}" in text
+  assert "TPU v5e (predicted)" in text.split("### fusion")[1].split("###")[0]
+  assert "**Block-scaled fp8, NVIDIA H100" in text
+  plots = sorted(p.name for p in tmp_path.glob("*.png"))
+  assert plots == ["matmul_waves.png", "roofline_nvidia_h100_80gb_hbm3.png",
+                   "roofline_nvidia_h200.png"]
+  for name in plots:
+    assert f"/{name})" in text
+
+
+def test_lessons_smoke(tmp_path):
+  """Every lesson runs on the CPU at its smoke size (kernels interpreted), each case checked
+  against its reference where it has one; none fails."""
+  assert bench_main.main(["lessons", "--smoke", "--out", str(tmp_path)]) == 0
+  (path,) = tmp_path.glob("*_lessons_smoke.json")
+  rows = [r for r in json.loads(path.read_text())["rows"] if r["suite"] == "lessons"]
+  from bench import lessons
+  ran = {r["name"].split(":")[0] for r in rows}
+  assert ran == {"fusion", "tiling", "coalescing", "masking", "low precision", "host overhead"}
+  assert not [r for r in rows if "FAILED" in r["note"] or "WRONG" in r["note"]]
+  assert all(r["error"] <= 1e-2 for r in rows if r["error"] is not None)
+  assert set(lessons.LESSONS) >= ran
 
 
 def _result(path, date, rows, smoke=False):
