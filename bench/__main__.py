@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     args.out = str(harness.RESULTS / "tpu_compiled")
 
   on_cpu = jax.devices()[0].platform == "cpu"
-  smoke = args.smoke or on_cpu
+  # --tpu compiles for TPUs at full size from any host: not a smoke run, though on a CPU.
+  smoke = args.smoke or (on_cpu and not args.tpu)
   session = harness.Session(smoke=smoke, rounds=args.rounds or (3 if on_cpu else 20),
                             calls=args.calls if not on_cpu else 1)
   print(harness.environment_line(session), flush=True)
