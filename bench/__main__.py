@@ -112,6 +112,8 @@ def main(argv=None) -> int:
   print(harness.table(session.rows))
   print(harness.environment_line(session))
   print(f"results: {path}")
+  print(f"report: {report.ROOT / 'REPORT.md'} (every device, every op against its anchors; "
+        "`python -m bench report` rebuilds it from bench/results/)")
   return 0
 
 

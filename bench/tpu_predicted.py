@@ -154,10 +154,12 @@ def predict(case: Case, impl: str, mesh, chip: hardware.Chip) -> dict:
   flops, moved = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
   counted = "the compiled program's cost analysis"
   if case.suite == "attention" and impl != "xla":
-    # The attention kernels' FLOPs, ours and JAX's example alike, are our own count of their
-    # products, the mask's skipped blocks left out: ours state no pl.CostEstimate (the
-    # compiler counts 0 FLOPs for them), and JAX's example states the unmasked count for a
-    # causal call whose masked blocks it skips. The bytes stay the compiler's.
+    # The attention kernels' FLOPs, ours and JAX's example alike, are one count of their
+    # products (roofline.attention_flops), the mask's skipped blocks left out: JAX's example
+    # states the unmasked count for a causal call whose masked blocks it skips, and ours
+    # (mosaic_tpu.py's CostEstimate) count the backward's recomputed scores, which the
+    # example's backward also recomputes. The bytes stay the compiler's (ours: the kernels'
+    # estimate of their block reads).
     (b, t, n, h), causal = case.arrays[0][0], case.name.startswith("causal")
     if impl == "jax_pallas_tpu":
       b, n, t, h = case.arrays[0][0]

@@ -15,7 +15,7 @@ from absl.testing import parameterized
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import jaxkernels as jk
-from jaxkernels import testing
+from jaxkernels import roofline, testing
 from jaxkernels.ops.attention import reference
 from jaxkernels.ops.attention import mosaic_gpu as attention_mosaic_gpu
 from jaxkernels.ops.attention import mosaic_tpu as attention_mosaic_tpu
@@ -402,6 +402,40 @@ class TestAttentionMosaicTpu(AttentionTest):
     for name in ("jk_attention_fwd", "jk_attention_dkdv", "jk_attention_dq",
                  "jk_attention_dbias"):
       assert name in text, name
+
+
+  @pytest.mark.parametrize("causal", [False, True])
+  def test_compiled_cost_counts_the_visited_blocks(self, tpu_mesh, causal):
+    """The kernels state what they compute (pl.CostEstimate): the TPU compiler's cost analysis
+    of the forward is the two products over the blocks the mask leaves (a causal call's
+    diagonal blocks whole: 1 + bq / T over half the full product), and the backward adds its
+    five products with the scores recomputed in both of its kernels (14 per 4 of the
+    forward's)."""
+    import jax.sharding as shd
+    b, t, n, h = 1, 2048, 4, 128
+    shape = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+    f = lambda q, k, v: jk.flash_attention(q, k, v, causal=causal, implementation="mosaic_tpu")
+    sharding = shd.NamedSharding(tpu_mesh, shd.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)] * 3
+
+    def flops(fn):
+      with jax.set_mesh(tpu_mesh):
+        cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+      return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    forward = roofline.attention_flops(b, t, t, n, h, causal=causal)
+    got = flops(f)
+    if causal:  # the diagonal's blocks are computed whole
+      assert forward < got <= forward * (1 + 1024 / t)
+    else:
+      assert got == pytest.approx(forward, rel=1e-3)  # and the few FLOPs around the kernel
+    ct = jnp.ones(shape.shape, shape.dtype)
+    grads = flops(lambda q, k, v: jax.vjp(f, q, k, v)[1](ct))
+    backward = grads - got  # the vjp's program runs the forward too
+    if causal:  # its own blocks (the backward's may differ from the forward's)
+      assert 14 / 4 * forward < backward <= 14 / 4 * forward * (1 + 1024 / t)
+    else:
+      assert backward == pytest.approx(14 / 4 * forward, rel=1e-3)
 
 
 @pytest.mark.cpu_only  # on a GPU jax.nn's float32 products round to tf32
