@@ -420,9 +420,10 @@ def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dt
 
   def row_parallel(a, b, bias, residual, a_scale, b_scale):
     # Block scales go with their K slice into the shard's product; the others after the sum.
-    inside = dict(a_scale=a_scale, b_scale=b_scale) if blocked else {}
+    scales = (dict(a_scale=a_scale, b_scale=b_scale) if blocked
+              else dict(a_scale=None, b_scale=None))
     partial = local(a=a, b=b, bias=None, activation=None, residual=None, out_dtype=jnp.float32,
-                    **{"a_scale": None, "b_scale": None, **inside})
+                    **scales)
     z = lax.psum(partial, k)
     after = {} if blocked else dict(a_scale=a_scale, b_scale=b_scale)
     return reference.epilogue(z, bias=bias, activation=activation, residual=residual,
