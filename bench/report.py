@@ -139,7 +139,11 @@ def _roofline(row) -> str:
 
 
 def _cell(row) -> str:
-  return f"{row['impl']} {row['ms']:.3f} ms" + (f", {_rate(row)}" if _rate(row) else "")
+  """The row's host-clock time and rate, and its kernels' own time (CUPTI) where measured: the
+  host clock also counts what passes between programs (launch and dispatch)."""
+  kernel = f" (kernels {row['kernel_ms']:.3f} ms by CUPTI)" if row.get("kernel_ms") else ""
+  return (f"{row['impl']} {row['ms']:.3f} ms" + (f", {_rate(row)}" if _rate(row) else "")
+          + kernel)
 
 
 def _side_by_side(by_device: dict[str, list[Line]]) -> list[str]:
