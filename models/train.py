@@ -180,18 +180,22 @@ def auto_remat(cfg: llama.Config, tc: TrainConfig, budget: int | None = None,
   return dataclasses.replace(cfg, remat=choice.policies), choice
 
 
-def compiled_peak(cfg: llama.Config, tc: TrainConfig,
-                  where: jax.sharding.Mesh | None = None) -> int:
-  """The peak bytes a device of the train step's compiled program needs (compiled for the
-  first device, or ``where``; never run)."""
+def compiled_step(cfg: llama.Config, tc: TrainConfig, where: jax.sharding.Mesh | None = None):
+  """The train step's compiled program (for the first device, or ``where``; never run)."""
   tokens = jax.ShapeDtypeStruct((tc.batch, tc.seq_len + 1), jnp.int32,
                                 sharding=batch_sharding(where))
   graphdef, state = nnx.split(nnx.eval_shape(lambda: _model_and_optimizer(cfg, tc)))
   if where is not None:
     state = _abstract_on(state, where)
   with jax.set_mesh(where) if where is not None else contextlib.nullcontext():
-    compiled = step_fn(graphdef).lower(state, tokens).compile()
-  return remat.compiled_peak_bytes(compiled)
+    return step_fn(graphdef).lower(state, tokens).compile()
+
+
+def compiled_peak(cfg: llama.Config, tc: TrainConfig,
+                  where: jax.sharding.Mesh | None = None) -> int:
+  """The peak bytes a device of the train step's compiled program needs (compiled for the
+  first device, or ``where``; never run)."""
+  return remat.compiled_peak_bytes(compiled_step(cfg, tc, where))
 
 
 def _model_and_optimizer(cfg, tc):
