@@ -329,6 +329,30 @@ def _fp8_blocks(runs: list[Run], results: pathlib.Path) -> list[str]:
   return out
 
 
+def _model_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
+  """The train step compiled for each TPU generation (``python -m bench model --tpu``): each
+  remat policy's predicted step time and MFU, and its compiled peak memory."""
+  run = _newest_with(runs, results, "model", prefix="").get("tpu_compiled")
+  rows = [r for r in (run.rows if run else ()) if "compiled for" in r["name"]]
+  if not rows:
+    return []
+  out = ["## Model step on TPUs (predicted)", "",
+         f"The train step on our kernels, compiled for one chip of each generation; time "
+         f"predicted from the compiled program (max(FLOPs / bf16 peak, bytes / HBM bandwidth): "
+         f"a lower bound), MFU by PaLM's count at that time ({_link(run, results)}). The GPUs' "
+         "measured steps are in the model step lines above.", "",
+         "| step | remat | predicted ms | TFLOP/s | MFU | note |",
+         "| --- | --- | ---: | ---: | ---: | --- |"]
+  for r in rows:
+    ms = "" if r.get("ms") is None else f"{r['ms']:.1f}"
+    tflops = "" if r.get("tflops") is None else f"{r['tflops']:.0f}"
+    mfu = "" if r.get("pct_roofline") is None else f"{r['pct_roofline']:.0f}%"
+    policy = r["impl"].split("remat ")[-1]
+    out.append(f"| {r['name']}, {r['shape']} | {policy} | {ms} | {tflops} | {mfu} | "
+               f"{(r.get('note') or '').replace('|', '/')} |")
+  return out + [""]
+
+
 def _plots(runs: list[Run], by_device: dict[str, list[Line]], results: pathlib.Path,
            folder: pathlib.Path, report_dir: pathlib.Path) -> dict[str, str]:
   """The plots into ``folder``, by name -> path relative to the report; none without
@@ -373,6 +397,7 @@ def main(argv=None) -> int:
   rooflines = [(name, path) for name, path in drawn.items() if name.startswith("roofline ")]
   if rooflines:
     text += ["## Rooflines", ""] + [f"![{name}]({path})" for name, path in rooflines] + [""]
+  text += _model_on_tpus(runs, results)
   text += _lessons(runs, results, drawn)
   out.write_text("\n".join(text) + "\n")
   count = sum(map(len, by_device.values()))
