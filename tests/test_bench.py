@@ -151,12 +151,10 @@ def test_report_from_the_committed_results(tmp_path):
   import re
 
   bench_dir = pathlib.Path(bench_main.__file__).parent
-  out = bench_dir / "REPORT-test.md"  # beside the results, which it links relatively
-  try:
-    assert bench_main.main(["report", "--out", str(out), "--plots", str(tmp_path)]) == 0
-    text = out.read_text()
-  finally:
-    out.unlink(missing_ok=True)
+  out = tmp_path / "report"  # markdown
+  plots = tmp_path / "plots"
+  assert bench_main.main(["report", "--out", str(out), "--plots", str(plots)]) == 0
+  text = out.read_text()
   assert "## NVIDIA H100" in text and "## NVIDIA H200" in text
   links = re.findall(r"\]\((results/[^)]+)\)", text)
   assert links
@@ -168,11 +166,11 @@ def test_report_from_the_committed_results(tmp_path):
     assert f"### {lesson}" in text
   assert "TPU v5e (predicted)" in text.split("### fusion")[1].split("###")[0]
   assert "**Block-scaled fp8, NVIDIA H100" in text
-  plots = sorted(p.name for p in tmp_path.glob("*.png"))
-  assert plots == ["matmul_waves.png", "roofline_nvidia_h100_80gb_hbm3.png",
+  drawn = sorted(p.name for p in plots.glob("*.png"))
+  assert drawn == ["matmul_waves.png", "roofline_nvidia_h100_80gb_hbm3.png",
                    "roofline_nvidia_h200.png"]
-  for name in plots:
-    assert f"/{name})" in text
+  for name in drawn:
+    assert f"](plots/{name})" in text
 
 
 def test_lessons_smoke(tmp_path):
