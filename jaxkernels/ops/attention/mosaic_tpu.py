@@ -123,44 +123,27 @@ def _block_visits(call: Call, bq: int, bk: int) -> int:
   return visits
 
 
-def _cost(call: Call, bq: int, bk: int, backward: bool) -> pl.CostEstimate:
-  """What the kernels compute and move, for the compiler (its cost analysis cannot look inside
-  a Mosaic kernel, and counted 0 FLOPs without this; bench/NOTES.md, TPU columns): per visited
-  block pair, the forward's two products (4 bq bk h FLOPs) and bq bk exponentials, reading
-  that key block's k and v; the backward's five products (recomputing the scores in both of
-  its kernels: 14 bq bk h), its exponentials twice, reading q, dout and the statistics per pair
-  in the dk/dv kernel and k, v per pair in the dq kernel."""
-  heads = call.batch * call.heads
-  pairs = heads * _block_visits(call, bq, bk) * bq * bk
-  item = call.dtype.itemsize
-  h, rows = call.head_dim, heads * call.q_len
-  kv_block_reads = heads * _block_visits(call, bq, bk) * bk * h * item * 2  # k and v a pair
-  if not backward:
-    return pl.CostEstimate(flops=4 * pairs * h, transcendentals=pairs,
-                           bytes_accessed=2 * rows * h * item + kv_block_reads + 4 * rows)
-  q_block_reads = heads * _block_visits(call, bq, bk) * bq * (2 * h * item + 8)
-  kv = call.batch * call.kv_heads * call.kv_len * h * item
-  return pl.CostEstimate(
-      flops=14 * pairs * h, transcendentals=2 * pairs,
-      bytes_accessed=(q_block_reads + 2 * kv * 2  # dk/dv: k, v in, dk, dv out
-                      + kv_block_reads + 3 * rows * h * item))  # dq: q, do in, dq out
-
-
-def _backward_costs(call: Call, bq: int, bk: int) -> dict[str, pl.CostEstimate]:
-  """The backward's estimate (``_cost``) split between its two kernels: dk/dv's four
-  products (8 bq bk h a pair: scores, dp, dv, dk) and its reads of q, dout and the statistics
-  per pair; dq's three (6 bq bk h: scores, dp, dq) and its reads of k, v per pair."""
-  whole = _cost(call, bq, bk, backward=True)
-  pairs = whole.transcendentals // 2
+def _costs(call: Call, bq: int, bk: int) -> dict[str, pl.CostEstimate]:
+  """What each kernel computes and moves with (bq, bk) blocks, for the compiler (its cost
+  analysis cannot look inside a Mosaic kernel, and counted 0 FLOPs without this;
+  bench/NOTES.md, TPU columns). Per visited block pair: the forward's two products (4 bq bk h
+  FLOPs) and bq bk exponentials, reading that key block's k and v; dk/dv's four products
+  (8 bq bk h: scores, dp, dv, dk), reading q, dout and the statistics; dq's three (6 bq bk h:
+  scores, dp, dq), reading k and v. Each kernel's exponentials once a pair."""
+  visits = call.batch * call.heads * _block_visits(call, bq, bk)
+  pairs = visits * bq * bk
   h, item = call.head_dim, call.dtype.itemsize
-  heads = call.batch * call.heads
-  rows = heads * call.q_len
-  kv_block_reads = heads * _block_visits(call, bq, bk) * bk * h * item * 2
-  dq_bytes = kv_block_reads + 3 * rows * h * item
+  rows = call.batch * call.heads * call.q_len
+  kv_block_reads = visits * bk * h * item * 2  # k and v a pair
+  q_block_reads = visits * bq * (2 * h * item + 8)  # q, dout, lse and delta a pair
+  kv = call.batch * call.kv_heads * call.kv_len * h * item
   return dict(
+      fwd=pl.CostEstimate(flops=4 * pairs * h, transcendentals=pairs,
+                          bytes_accessed=2 * rows * h * item + kv_block_reads + 4 * rows),
       dkdv=pl.CostEstimate(flops=8 * pairs * h, transcendentals=pairs,
-                           bytes_accessed=whole.bytes_accessed - dq_bytes),
-      dq=pl.CostEstimate(flops=6 * pairs * h, transcendentals=pairs, bytes_accessed=dq_bytes))
+                           bytes_accessed=q_block_reads + 2 * kv * 2),  # k, v in; dk, dv out
+      dq=pl.CostEstimate(flops=6 * pairs * h, transcendentals=pairs,
+                         bytes_accessed=kv_block_reads + 3 * rows * h * item))  # q, do; dq
 
 
 def _repeat(step, first, end, count: int):
@@ -285,7 +268,7 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
       scratch_shapes=[_vmem((bq, 1)), _vmem((bq, 1)), _vmem((bq, h))],
       compiler_params=_mosaic_tpu.params(("parallel", "parallel", "parallel", "arbitrary"),
                                          config.vmem_limit_bytes, interpret),
-      cost_estimate=_cost(call, bq, bk, backward=False),
+      cost_estimate=_costs(call, bq, bk)["fwd"],
       interpret=interpret,
       name="jk_attention_fwd",
   )(*inputs)
@@ -439,7 +422,7 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
 
   inputs = [arrays[name] for name in order]
   params = lambda sem: _mosaic_tpu.params(sem, config.vmem_limit_bytes, interpret)
-  backward_cost = _backward_costs(call, bq, bk)
+  backward_cost = _costs(call, bq, bk)
 
   # dk, dv: grid (B, K, key block, (head of the group, query block)); a skipped step repeats
   # the last visible query block's index, so nothing is fetched for it.
