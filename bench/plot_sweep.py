@@ -60,7 +60,10 @@ def from_json(path: str, host_clock_from: int = 0) -> dict[str, list[tuple[int, 
   return series
 
 
-def plot(series, out: str) -> None:
+def plot(series, out: str, *, model: dict[int, float] | None = None,
+         xlabel: str = "M = N = K, bf16 (NVIDIA H200, jax 0.11.2)", dpi: int = 110) -> None:
+  """Aligned and odd sizes in two panels; ``model``: a predicted TFLOP/s by size, drawn over
+  them (the report's wave model, bench/plots.py)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -70,14 +73,19 @@ def plot(series, out: str) -> None:
     for impl, points in sorted(series.items()):
       points = sorted(p for p in points if (p[0] % 2 == 1) == odd)
       ax.plot([p[0] for p in points], [p[1] for p in points], ".-", lw=0.8, ms=3, label=impl)
+    if model:
+      xs = [s for s in sorted(model) if (s % 2 == 1) == odd]
+      ax.plot(xs, [model[s] for s in xs], "-", color="black", lw=0.8, alpha=0.6,
+              label="wave model, ours (heuristic tiles)")
     ax.set_ylabel("TFLOP/s")
     ax.set_title("odd sizes (128k + 1)" if odd else "aligned sizes (multiples of 128)",
                  fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  axes[1].set_xlabel("M = N = K, bf16 (NVIDIA H200, jax 0.11.2)")
+  axes[1].set_xlabel(xlabel)
   fig.tight_layout()
-  fig.savefig(out, dpi=110)
+  fig.savefig(out, dpi=dpi)
+  plt.close(fig)
 
 
 def main(argv: list[str]) -> None:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import re
@@ -142,52 +141,29 @@ def roofline_plot(runs, device: str, lines, out: pathlib.Path) -> bool:
 
 
 def waves_plot(results: pathlib.Path, out: pathlib.Path) -> bool:
-  """The H200's matmul sweep (the "final" runs) and the wave model's prediction for our
-  kernel; False where the sweep's files are not there."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  """The H200's matmul sweep (the "final" runs, read and drawn as ``plot_sweep`` does) and
+  the wave model's prediction for our kernel; False where the sweep's files are not there."""
   import jax.numpy as jnp
 
+  from bench import plot_sweep
+  from bench.matmul import SWEEP_HOST_CLOCK_FROM
   from jaxkernels.ops.matmul import mosaic_gpu
   from jaxkernels.ops.matmul.common import Problem
 
-  files = sorted((results / "nvidia_h200").glob("*_matmul-sweep-final-*.json"))
-  if not files:
-    return False
   series: dict[str, dict[int, float]] = {}
-  for path in files:
-    for row in json.loads(path.read_text())["rows"]:
-      if row["name"] != "sweep bf16" or not row.get("ms"):
-        continue
-      size = int(row["shape"].split("x")[0])
-      ms = row.get("kernel_ms") if size < 2048 and row.get("kernel_ms") else row["ms"]
-      series.setdefault(row["impl"], {})[size] = 2 * size ** 3 / (ms * 1e-3) / 1e12
+  for path in sorted((results / "nvidia_h200").glob("*_matmul-sweep-final-*.json")):
+    for impl, points in plot_sweep.from_json(str(path), SWEEP_HOST_CLOCK_FROM).items():
+      series.setdefault(impl, {}).update(points)
   if "mosaic_gpu" not in series:
     return False
   chip = hardware.chip_for("NVIDIA H200")
   bf16 = jnp.dtype(jnp.bfloat16)
-  sizes = sorted(series["mosaic_gpu"])
   model = {}
-  for size in sizes:
+  for size in sorted(series["mosaic_gpu"]):
     problem = Problem(m=size, n=size, k=size, dtype=bf16, out_dtype=bf16)
     config = mosaic_gpu.heuristic(problem, chip)
     model[size] = 2 * size ** 3 / mosaic_gpu.predicted_seconds(problem, config, chip.cores) / 1e12
-  fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-  for ax, odd in zip(axes, (False, True)):
-    for impl, points in sorted(series.items()):
-      xs = [s for s in sorted(points) if (s % 2 == 1) == odd]
-      ax.plot(xs, [points[s] for s in xs], ".-", lw=0.8, ms=3, label=impl)
-    xs = [s for s in sizes if (s % 2 == 1) == odd]
-    ax.plot(xs, [model[s] for s in xs], "-", color="black", lw=0.8, alpha=0.6,
-            label="wave model, ours (heuristic tiles)")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title("odd sizes (128k + 1)" if odd else "aligned sizes (multiples of 128)",
-                 fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-  axes[1].set_xlabel("M = N = K, bf16 (NVIDIA H200; the model's constants were fitted to it)")
-  fig.tight_layout()
-  fig.savefig(out, dpi=100)
-  plt.close(fig)
+  plot_sweep.plot({impl: sorted(points.items()) for impl, points in series.items()}, str(out),
+                  model=model, dpi=100,
+                  xlabel="M = N = K, bf16 (NVIDIA H200; the model's constants were fitted to it)")
   return True
