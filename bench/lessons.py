@@ -88,6 +88,24 @@ def _timed(session, fn, *args):
   return harness.time_sets(fn, [args], rounds=session.rounds, calls=session.calls)
 
 
+def _measure(session, lesson, case, impl, shape, dtype, fn, *args, want=None, nbytes=None,
+             flops=None, note="", error_in_note=False):
+  """The row of the jitted ``fn`` on ``args``: its error against ``want`` where given, and its
+  time; a row saying why where it fails to build or run. ``error_in_note``: the error is the
+  format's (fp8 against float32), not one a tolerance bounds: the note says it instead."""
+  try:
+    error = None if want is None else harness.relative_error(fn(*args), want)
+    seconds = _timed(session, fn, *args)
+  except Exception as e:  # noqa: BLE001 - a case that fails is a row; the others go on
+    return _failed(session, lesson, case, impl, shape, dtype, e)
+  if error_in_note:
+    note, error = f"error {error:.1e} against the float32 product", None
+  row = _row(session, lesson, case, impl, shape, dtype, seconds, nbytes=nbytes, flops=flops,
+             note=note)
+  row.error = error
+  return row
+
+
 def _failed(session, lesson, case, impl, shape, dtype, error):
   row = harness.Row("lessons", f"{lesson}: {case}", impl, shape, jnp.dtype(dtype).name,
                     note=f"FAILED: {type(error).__name__}: {str(error)[:200]}")
@@ -145,17 +163,9 @@ def fusion(session):
           pallas_fused, interpret=session.interpret, block_rows=rows)), 2)
   want = fused(x)
   for case, (fn, words) in ways.items():
-    try:
-      error = harness.relative_error(fn(x), want)
-      seconds = _timed(session, fn, x)
-    except Exception as e:  # noqa: BLE001
-      _failed(session, "fusion", case, "xla", f"{n // 1024}x1024", F32, e)
-      continue
-    row = _row(session, "fusion", case, "pallas" if "Pallas" in case else "xla",
-               f"{n // 1024}x1024", F32,
-               seconds, nbytes=words * n * word,
-               note=f"{words} words an element (the model's count)")
-    row.error = error
+    _measure(session, "fusion", case, "pallas" if "Pallas" in case else "xla",
+             f"{n // 1024}x1024", F32, fn, x, want=want, nbytes=words * n * word,
+             note=f"{words} words an element (the model's count)")
 
 
 # --------------------------------------------------------------------------- #
@@ -179,18 +189,10 @@ def tiling(session):
     config = triton.Config(block_m=bm, block_n=bn, block_k=bk, num_warps=4 if bm * bn <= 4096
                            else 8, num_stages=3)
     fn = jax.jit(functools.partial(jk.matmul, implementation="triton", config=config))
-    case = f"matmul bf16, Triton tile {bm}x{bn}x{bk}"
-    try:
-      error = harness.relative_error(fn(a, b), want)
-      seconds = _timed(session, fn, a, b)
-    except Exception as e:  # noqa: BLE001
-      _failed(session, "tiling", case, "triton", f"{s}^3", BF16, e)
-      continue
     intensity = 2 * bm * bn / (bm + bn)
-    row = _row(session, "tiling", case, "triton", f"{s}x{s}x{s}", BF16, seconds,
-               flops=2.0 * s ** 3,
-               note=f"tile intensity {intensity:.0f} FLOP per element read")
-    row.error = error
+    _measure(session, "tiling", f"matmul bf16, Triton tile {bm}x{bn}x{bk}", "triton",
+             f"{s}x{s}x{s}", BF16, fn, a, b, want=want, flops=2.0 * s ** 3,
+             note=f"tile intensity {intensity:.0f} FLOP per element read")
 
 
 # --------------------------------------------------------------------------- #
@@ -219,14 +221,8 @@ def coalescing(session):
                         ((1024, 1), "copy in 1024 x 1 blocks (down columns)")):
       block = tuple(min(b, side) for b in block)
       fn = jax.jit(functools.partial(blocked_copy, block=block, interpret=session.interpret))
-      try:
-        error = harness.relative_error(fn(x), x)
-        seconds = _timed(session, fn, x)
-      except Exception as e:  # noqa: BLE001
-        _failed(session, "coalescing", case, "pallas", f"{side}x{side}", F32, e)
-        continue
-      _row(session, "coalescing", case, "pallas", f"{side}x{side}", F32, seconds,
-           nbytes=2 * x.size * 4).error = error
+      _measure(session, "coalescing", case, "pallas", f"{side}x{side}", F32, fn, x, want=x,
+               nbytes=2 * x.size * 4)
   # A matmul operand stored transposed: (N, K) read as B^T.
   s = 8192 if not session.smoke else 128
   keys = jax.random.split(jax.random.key(3), 2)
@@ -241,12 +237,8 @@ def coalescing(session):
     ways["matmul, B stored (N, K), read transposed (ours)"] = (
         jax.jit(lambda a, bt: jk.matmul(a, bt.T)), bt, "mosaic_gpu")
   for case, (fn, operand, impl) in ways.items():
-    try:
-      seconds = _timed(session, fn, a, operand)
-    except Exception as e:  # noqa: BLE001
-      _failed(session, "coalescing", case, impl, f"{s}^3", BF16, e)
-      continue
-    _row(session, "coalescing", case, impl, f"{s}x{s}x{s}", BF16, seconds, flops=2.0 * s ** 3)
+    _measure(session, "coalescing", case, impl, f"{s}x{s}x{s}", BF16, fn, a, operand,
+             flops=2.0 * s ** 3)
 
 
 # --------------------------------------------------------------------------- #
@@ -273,16 +265,9 @@ def masking(session):
   wants = {causal: jk.flash_attention(q, k, v, causal=causal, implementation="xla")
            for causal in (True, False)}
   for case, (fn, flops) in ways.items():
-    fn = jax.jit(fn)
-    try:
-      error = harness.relative_error(fn(q, k, v), wants["causal" in case])
-      seconds = _timed(session, fn, q, k, v)
-    except Exception as e:  # noqa: BLE001
-      _failed(session, "masking", case, "jaxkernels", f"{b}x{t}x{n}x{h}", BF16, e)
-      continue
-    _row(session, "masking", case, "jaxkernels", f"{b}x{t}x{n}x{h}", BF16, seconds,
-         flops=flops, note="TFLOP/s counts the causal half's work for the causal rows"
-         ).error = error
+    _measure(session, "masking", case, "jaxkernels", f"{b}x{t}x{n}x{h}", BF16, jax.jit(fn),
+             q, k, v, want=wants["causal" in case], flops=flops,
+             note="TFLOP/s counts the causal half's work for the causal rows")
 
 
 # --------------------------------------------------------------------------- #
@@ -319,15 +304,8 @@ def low_precision(session):
         jax.jit(lambda a, b: jk.matmul(a, b, a_scale=sa, b_scale=sb)), a8, b8,
         jnp.float8_e4m3fn)
   for case, (fn, x, y, dtype) in ways.items():
-    try:
-      error = harness.relative_error(fn(x, y), want)
-      seconds = _timed(session, fn, x, y)
-    except Exception as e:  # noqa: BLE001
-      _failed(session, "low precision", case, "xla", f"{s}^3", dtype, e)
-      continue
-    impl = "jaxkernels" if "ours" in case else "xla"
-    _row(session, "low precision", f"matmul {case}", impl, f"{s}x{s}x{s}", dtype, seconds,
-         flops=2.0 * s ** 3, note=f"error {error:.1e} against the float32 product")
+    _measure(session, "low precision", f"matmul {case}", "jaxkernels" if "ours" in case else "xla",
+             f"{s}x{s}x{s}", dtype, fn, x, y, want=want, flops=2.0 * s ** 3, error_in_note=True)
 
 
 # --------------------------------------------------------------------------- #
