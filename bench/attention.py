@@ -4,8 +4,9 @@ attention example and torch SDPA, measured in the same run.
 TFLOP/s count 4 B N T S H for the forward and 3.5 times that for forward+backward, halved when
 causal (the issue's convention); rows with a window or segments count the same FLOPs as their
 shape without them (an effective rate: their point is the time against the plain row). Each
-kernel row is checked against the float32 reference before it is timed (error <= twice the
-bfloat16 reference's), except at 32K, where the reference does not fit.
+kernel row is checked before it is timed by the numerics rule (jaxkernels.testing: error against
+the float64 reference <= twice the bfloat16 reference's), except at 32K, where the reference does
+not fit.
 """
 
 from __future__ import annotations
@@ -19,54 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkernels as jk
-from bench import harness
-from jaxkernels import roofline
+from bench import harness, shapes
 from jaxkernels.ops.attention import reference
 from jaxkernels.ops.attention.common import Window
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-  name: str
-  batch: int
-  length: int
-  heads: int
-  kv_heads: int
-  head_dim: int
-  causal: bool = False
-  window: tuple[int, int] | None = None
-  segments: int = 0  # packed sequences a row, equal lengths
-  soft_cap: float | None = None
-  check: bool = True
-  anchors: bool = True
-
-  def flops(self, label: str) -> float:
-    return roofline.attention_flops(self.batch, self.length, self.length, self.heads,
-                                    self.head_dim, causal=self.causal,
-                                    backward=label == "fwd+bwd")
-
-  def __str__(self):
-    return f"{self.batch}x{self.length}x{self.heads}/{self.kv_heads}x{self.head_dim}"
-
-
-def shapes(smoke: bool) -> list[Shape]:
-  if smoke:
-    # Causal is in "gqa" and "all features" (a fourth shape cost the GPU check ~15 s).
-    return [Shape("plain", 1, 200, 2, 2, 64), Shape("gqa", 1, 130, 4, 2, 96, causal=True),
-            Shape("all features", 1, 200, 2, 2, 64, causal=True, window=(64, 0), segments=2,
-                  soft_cap=30.0)]
-  out = [Shape("plain", 2, 4096, 16, 16, 128), Shape("causal", 2, 4096, 16, 16, 128, causal=True),
-         Shape("gqa h64", 2, 4096, 32, 8, 64), Shape("gqa h64 causal", 2, 4096, 32, 8, 64, causal=True),
-         Shape("gqa h256", 2, 4096, 32, 8, 256),
-         Shape("gqa h256 causal", 2, 4096, 32, 8, 256, causal=True),
-         # The mask features on the plain shape: their time against the plain row's.
-         Shape("segments x4", 2, 4096, 16, 16, 128, segments=4, anchors=False),
-         Shape("window 1024", 2, 4096, 16, 16, 128, window=(1024, 1024), anchors=False),
-         Shape("soft-cap", 2, 4096, 16, 16, 128, soft_cap=30.0, anchors=False),
-         Shape("causal+segments+window+cap", 2, 4096, 16, 16, 128, causal=True, window=(1024, 0),
-               segments=4, soft_cap=30.0, anchors=False),
-         Shape("long causal", 1, 32768, 16, 16, 128, causal=True, check=False)]
-  return out
+Shape = shapes.Attention
 
 
 def _inputs(shape: Shape, seed: int):
@@ -216,7 +175,7 @@ def _decode(session, only, sweep) -> None:
   example on the same call; full caches, and lengths drawn from [1, S]."""
   import contextlib
   context = jk.interpret_mode if session.interpret else contextlib.nullcontext
-  b, s, n, kv, h = (8, 32768, 32, 8, 128) if not session.smoke else (2, 300, 4, 2, 64)
+  b, s, n, kv, h = shapes.SMOKE_DECODE if session.smoke else shapes.DECODE
   for name, full in (("decode full cache", True), ("decode ragged lengths", False)):
     if only and name not in only:
       continue
@@ -227,10 +186,9 @@ def _decode(session, only, sweep) -> None:
     lengths = (jnp.full((b,), s, jnp.int32) if full else
                jax.random.randint(key[3], (b,), 1, s + 1, jnp.int32))
     cache_bytes = 2 * int(jnp.sum(lengths)) * kv * h * 2
-    oracle = reference.decode(q.astype(jnp.float32), k.astype(jnp.float32),
-                              v.astype(jnp.float32), lengths, scale=h ** -0.5)
-    naive = reference.decode(q, k, v, lengths, scale=h ** -0.5, compute_dtype=jnp.bfloat16)
-    tolerance = 2 * harness.relative_error(naive, oracle)
+    rule = harness.Rule(lambda cd: functools.partial(reference.decode, scale=h ** -0.5,
+                                                     compute_dtype=cd),
+                        (q, k, v, lengths), dtype=jnp.bfloat16, reduction=s)
     impls = {session.kernel: lambda q, k, v, n_: jk.decode_attention(
         q, k, v, lengths=n_, implementation=session.kernel)}
     if sweep and session.platform == "gpu":
@@ -261,10 +219,10 @@ def _decode(session, only, sweep) -> None:
       try:
         with context():
           program = jax.jit(fn)
-          row.error, row.tolerance = harness.relative_error(program(q, k, v, lengths),
-                                                            oracle), tolerance
-          if not row.error <= tolerance:
-            row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
+          row.error, row.tolerance = rule.verdict("fwd", program(q, k, v, lengths))
+          if not row.error <= row.tolerance:
+            row.note = (f"WRONG: error {row.error:.2e} > tolerance {row.tolerance:.2e}; "
+                        "not timed")
             rows[impl] = session.add(row)
             continue
           seconds, whole = harness.time_sets_rounds(program, [(q, k, v, lengths)],
@@ -290,7 +248,7 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
   _decode(session, only, sweep)
   import contextlib
   context = jk.interpret_mode if session.interpret else contextlib.nullcontext
-  for shape in shapes(session.smoke):
+  for shape in shapes.attention(session.smoke):
     if only and shape.name not in only:
       continue
     first = _inputs(shape, 0)
@@ -298,13 +256,11 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
         4 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)), budget=4 << 30,
         most=4)
     sets = [first] + [_inputs(shape, seed) for seed in range(1, n_sets)]
+    # The float64 oracle and the bfloat16 reference's error, forward and backward, once.
+    rule = harness.Rule(lambda cd: _reference(shape, cd), *first, dtype=jnp.bfloat16,
+                        reduction=max(shape.length, shape.head_dim),
+                        grads=(0, 1, 2)) if shape.check else None
     for label in ("fwd", "fwd+bwd"):
-      oracle = tolerance = None
-      if shape.check:
-        up = jax.tree.map(lambda a: a.astype(jnp.float32), first)
-        oracle = harness.Timed(_reference(shape, jnp.float32), (0, 1, 2)).outputs(label, *up)
-        naive = harness.Timed(_reference(shape, jnp.bfloat16), (0, 1, 2)).outputs(label, *first)
-        tolerance = 2 * harness.relative_error(naive, oracle)
       impls = {kernel: (_ours(shape, kernel), True) for kernel in _kernels(session)}
       unserved = ({kernel: _unserved(shape, kernel, first) for kernel in impls}
                   if session.platform == "gpu" else {})
@@ -332,11 +288,11 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
         try:
           with context():
             timed = harness.Timed(fn, (0, 1, 2))
-            if check and oracle is not None:
-              row.error = harness.relative_error(timed.outputs(label, *first), oracle)
-              row.tolerance = tolerance
-              if not row.error <= tolerance:
-                row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
+            if check and rule is not None:
+              row.error, row.tolerance = rule.verdict(label, timed.outputs(label, *first))
+              if not row.error <= row.tolerance:
+                row.note = (f"WRONG: error {row.error:.2e} > tolerance {row.tolerance:.2e}; "
+                            "not timed")
                 rows[impl] = session.add(row)
                 continue
             inputs = sets

@@ -10,17 +10,14 @@ import jax
 import jax.numpy as jnp
 
 import jaxkernels as jk
-from bench import harness
+from bench import harness, shapes
 from jaxkernels import roofline, timing
 from jaxkernels.ops.cross_entropy import reference
 
-VOCAB = 128256  # Llama 3's
-LINEAR = (16384, 2048, 131072)  # tokens, width, vocabulary: the issue's bar
-SMOKE_LINEAR = (300, 64, 1000)
 
 
 def _rows_case(session):
-  rows, vocab = (300, 1000) if session.smoke else (8192, VOCAB)
+  rows, vocab = shapes.SMOKE_CROSS_ENTROPY_ROWS if session.smoke else shapes.CROSS_ENTROPY_ROWS
   labels = jax.random.randint(jax.random.key(1), (rows,), 0, vocab)  # the same for every set
 
   def draw(seed):
@@ -34,10 +31,10 @@ def _rows_case(session):
       op=lambda impl, cfg: (lambda z: jk.softmax_cross_entropy(
           z, labels, reduction="none", z_loss=1e-4, implementation=impl, config=cfg)),
       reference=lambda cd: (lambda z: reference.softmax_cross_entropy(
-          z, labels, z_loss=1e-4, compute_dtype=cd)[0].astype(jnp.float32)),
+          z, labels, z_loss=1e-4, compute_dtype=cd)[0].astype(jnp.promote_types(cd, jnp.float32))),
       fwd_cost=roofline.cross_entropy_fwd(logits),
       bwd_cost=roofline.cross_entropy_bwd(logits, logits.dtype), grads=(0,),
-      dtype=jnp.bfloat16)
+      dtype=jnp.bfloat16, reduction=vocab)
 
 
 def _optax_loss(x, w, labels):
@@ -48,9 +45,10 @@ def _optax_loss(x, w, labels):
 
 
 def _linear(session):
-  """Loss and both gradients at LINEAR: time, the compiled program's temporaries and outputs,
+  """Loss and both gradients at shapes.LINEAR_CROSS_ENTROPY: time, the compiled program's temporaries and outputs,
   and the loss against the float32 reference."""
-  tokens, dim, vocab = SMOKE_LINEAR if session.smoke else LINEAR
+  tokens, dim, vocab = (shapes.SMOKE_LINEAR_CROSS_ENTROPY if session.smoke else
+                       shapes.LINEAR_CROSS_ENTROPY)
   k = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(k[0], (tokens, dim), jnp.bfloat16)
   w = (jax.random.normal(k[1], (dim, vocab), jnp.float32) / dim ** 0.5).astype(jnp.bfloat16)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 import jaxkernels as jk
 from bench import harness, shapes
-from jaxkernels import roofline
+from jaxkernels import _activations, roofline
 from jaxkernels.ops.elementwise import reference, triton
 from jaxkernels.ops.elementwise.api import Problem
 
@@ -47,7 +47,7 @@ def cases(session):
             lambda x, b: reference.bias_activation(x, b, activation=a, compute_dtype=cd)),
         fwd_cost=roofline.bias_activation_fwd(x, b, activation),
         bwd_cost=roofline.bias_activation_bwd(x, b, activation),
-        grads=(0, 1), dtype=dtype,
+        grads=(0, 1), dtype=dtype, reduction=rows, pointwise_rtol=_activations.RTOL,
         sweep=_sweep(rows, cols, "bias_activation", activation)
         if activation in ("silu", "gelu", "gelu_tanh") else {}))
   for activation in ("silu", "gelu"):
@@ -64,7 +64,7 @@ def cases(session):
         reference=lambda cd, a=activation: (
             lambda g, u: reference.glu(g, u, activation=a, compute_dtype=cd)),
         fwd_cost=roofline.glu_fwd(g, u, activation), bwd_cost=roofline.glu_bwd(g, u, activation),
-        grads=(0, 1), dtype=dtype,
+        grads=(0, 1), dtype=dtype, reduction=rows, pointwise_rtol=_activations.RTOL,
         sweep=_sweep(rows, cols, "glu", activation) if activation == "silu" else {}))
   return out
 

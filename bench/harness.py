@@ -1,8 +1,9 @@
 """Timing, checking and reporting shared by every suite.
 
 Timing is ``jaxkernels.timing``'s, the autotuner's own (warm-up, rounds of back-to-back calls,
-the median; a round's fixed cost cancelled). Every timed function is
-checked against the reference before it is timed; a wrong kernel is reported, never timed.
+the median; a round's fixed cost cancelled). Every timed function is checked before it is timed
+by the numerics rule the tests use (``jaxkernels.testing``: the float64 oracle, twice the naive
+computation's error; ``Rule``); a wrong kernel is reported, never timed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxkernels import backend, hardware, tuning
+from jaxkernels import backend, hardware, testing, tuning
 from jaxkernels.timing import (block, over_sets, time_call, time_rounds, time_sets,  # noqa: F401
                                time_sets_rounds)
 
@@ -153,15 +154,47 @@ def memory_bytes(device, default: int = 24 << 30) -> int:
 
 
 def relative_error(out, ref) -> float:
-  """max |out - ref| / max |ref|, the worst over all leaves; computed on the device in float32."""
-  worst = 0.0
-  for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
-    o, r = jnp.asarray(o, jnp.float32), jnp.asarray(r, jnp.float32)
-    if not bool(jnp.all(jnp.isfinite(o))):
-      return float("inf")
-    scale = max(float(jnp.max(jnp.abs(r))), 1e-30)
-    worst = max(worst, float(jnp.max(jnp.abs(o - r))) / scale)
-  return worst
+  """max |out - ref| / max |ref|, the worst over all leaves (jaxkernels.testing's measure)."""
+  return max(testing.errors(out, ref), default=0.0)
+
+
+class Rule:
+  """The numerics rule (jaxkernels.testing) on one input set: the float64 oracle and the naive
+  computation in the inputs' dtype, forward and every gradient, evaluated once; each timed
+  program's outputs (``fwd``: the outputs; ``bwd``: the gradients in ``grads``; ``fwd+bwd``:
+  both) are checked leaf by leaf against them.
+
+  ``reference(compute_dtype)`` is a function of the primals. ``naive=False``: no naive
+  computation bounds the error (fp8 on tensor cores, whose accuracy is documented instead): the
+  tolerance is the floor, ``pointwise_rtol``.
+  """
+
+  def __init__(self, reference, primals, cotangent=None, *, dtype, reduction: int,
+               grads: Sequence[int] = (), pointwise_rtol: float = 0.0, naive: bool = True):
+    self.grads = tuple(grads)
+    self.exact = testing.evaluate(reference, jnp.float64, primals, cotangent)
+    self.naive = testing.evaluate(reference, dtype, primals, cotangent) if naive else None
+    self.zero_scale = testing.input_scale(primals, cotangent)
+    self.options = dict(reduction=reduction, pointwise_rtol=pointwise_rtol,
+                        zero_scale=self.zero_scale)
+    self.has_grads = cotangent is not None
+
+  def _pick(self, label: str, result):
+    if not self.has_grads:
+      assert label == "fwd", label
+      return result
+    out, every = result
+    grads = tuple(every[i] for i in self.grads)
+    return {"fwd": out, "bwd": grads, "fwd+bwd": (out, grads)}[label]
+
+  def verdict(self, label: str, got) -> tuple[float, float]:
+    """(error, tolerance) of ``got``'s worst leaf: the one furthest over, or nearest to, its
+    tolerance."""
+    want = self._pick(label, self.exact)
+    naive = None if self.naive is None else self._pick(label, self.naive)
+    errors = testing.errors(got, want, self.zero_scale)
+    allowed = testing.allowed(naive, want, **self.options)
+    return max(zip(errors, allowed), key=lambda et: et[0] / et[1])
 
 
 def torch_copy_seconds(session: Session, n_elements: int) -> float:
@@ -315,12 +348,10 @@ class Case:
   bwd_cost: Any
   grads: tuple[int, ...]
   dtype: Any
+  reduction: int  # the longest reduction, forward or backward (the rule's float32 floor)
   sweep: dict[str, list] = dataclasses.field(default_factory=dict)  # label -> kernel configs
   anchors: dict[str, Callable] = dataclasses.field(default_factory=dict)  # fwd-only extras
-
-
-def _upcast(tree):
-  return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+  pointwise_rtol: float = 0.0  # documented per-element accuracy (the activations')
 
 
 class Timed:
@@ -381,12 +412,10 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
   shape = "x".join(map(str, jax.tree.leaves(first[0])[0].shape))
   costs = {"fwd": case.fwd_cost, "bwd": case.bwd_cost,
            "fwd+bwd": case.fwd_cost + case.bwd_cost}
+  # The float64 oracle and the naive computation's error, forward and backward, once.
+  rule = Rule(case.reference, *first, dtype=case.dtype, reduction=case.reduction,
+              grads=case.grads, pointwise_rtol=case.pointwise_rtol)
   for label, cost in costs.items():
-    # The oracle: the float32 spec on the same values, upcast (no output rounding).
-    oracle = Timed(case.reference(jnp.float32), case.grads).outputs(label, *_upcast(first))
-    # Tolerance: twice the error of the naive low-precision computation (jaxkernels.testing).
-    baseline = Timed(case.reference(case.dtype), case.grads).outputs(label, *first)
-    tolerance = 2 * relative_error(baseline, oracle)
 
     def measure(impl, fn, config=None, check=True):
       row = Row(case.suite, f"{case.name} {label}", impl, shape, jnp.dtype(case.dtype).name,
@@ -395,10 +424,10 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
         with context():
           timed = Timed(fn, case.grads)
           if check:
-            out = timed.outputs(label, *first)
-            row.error, row.tolerance = relative_error(out, oracle), tolerance
-            if not row.error <= tolerance:
-              row.note = f"WRONG: error {row.error:.2e} > tolerance {tolerance:.2e}; not timed"
+            row.error, row.tolerance = rule.verdict(label, timed.outputs(label, *first))
+            if not row.error <= row.tolerance:
+              row.note = (f"WRONG: error {row.error:.2e} > tolerance {row.tolerance:.2e}; "
+                          "not timed")
               return session.add(row)
           program, arg_sets = timed.programs[label], timed.arg_sets(label, sets)
           seconds, whole = time_sets_rounds(program, arg_sets, rounds=session.rounds,

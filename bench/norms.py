@@ -86,7 +86,7 @@ def cases(session):
         suite="norms", name=name, inputs=_inputs(rows, cols, dtype, layer, residual), op=op,
         reference=ref, fwd_cost=roofline.norm_fwd(x, s, b, r, layer=layer),
         bwd_cost=roofline.norm_bwd(x, s, b, r, layer=layer),
-        grads=(0, 2) + ((3,) if layer else ()), dtype=dtype,
+        grads=(0, 2) + ((3,) if layer else ()), dtype=dtype, reduction=max(rows, cols),
         sweep=_sweep(rows, cols) if residual else {},
         anchors={} if residual else _jax_pallas_example(layer)))
   return out

@@ -21,12 +21,9 @@ def _jax_pallas_example():
 
 
 def cases(session):
-  rows, cols = shapes.SMOKE_ROWS if session.smoke else shapes.HEADLINE_ROWS
+  cols = (shapes.SMOKE_ROWS if session.smoke else shapes.HEADLINE_ROWS)[1]
   out = []
-  # A model-width row, a vocabulary-wide one (the online, chunked path on Triton), and GPT-2's
-  # vocabulary, whose rows are not a whole number of 16-byte vectors.
-  for r, c in ((rows, cols), (rows // 16, cols * 16 if not session.smoke else 20000),
-               (rows // 16, 50257 if not session.smoke else 20001)):
+  for r, c in shapes.softmax_rows(session.smoke):
     def draw(seed, r=r, c=c):
       k = jax.random.split(jax.random.key(seed), 2)
       return (3 * jax.random.normal(k[0], (r, c), jnp.bfloat16),), \
@@ -41,7 +38,7 @@ def cases(session):
         op=lambda impl, cfg: (lambda x: jk.softmax(x, implementation=impl, config=cfg)),
         reference=lambda cd: (lambda x: reference.softmax(x, compute_dtype=cd)),
         fwd_cost=roofline.softmax_fwd(x), bwd_cost=roofline.softmax_bwd(x), grads=(0,),
-        dtype=jnp.bfloat16,
+        dtype=jnp.bfloat16, reduction=c,
         sweep={"fwd": [triton.Config(**{**config.__dict__, "block_rows": rr, "num_warps": w})
                        for rr, w in ((1, 4), (4, 8))]} if config.block_cols >= c else {},
         anchors=_jax_pallas_example() if c == cols else {}))

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
-from bench import harness
+from bench import harness, shapes
 from jaxkernels import hardware, roofline
 
 ROOT = pathlib.Path(__file__).resolve().parent
@@ -56,42 +56,45 @@ def _norm(layer, residual):
 
 
 def _cases() -> list[Case]:
-  rows = ((16384, 4096), BF16)
-  vector = ((4096,), BF16)
+  """The GPU suites' headline shapes (bench/shapes.py), so that the report lines them up."""
+  r, w = shapes.HEADLINE_ROWS
+  rows, vector, name_rows = ((r, w), BF16), ((w,), BF16), f"{r}x{w}"
+  logits = shapes.CROSS_ENTROPY_ROWS
+  plain, causal = shapes.attention(smoke=False)[:2]
+  qkv = (((plain.batch, plain.length, plain.heads, plain.head_dim), BF16),) * 3
   cases = []
   for passes, grad in (("fwd", False), ("fwd+bwd", True)):
     for layer in (False, True):
       for residual in (False, True):
         name = f"{'layer' if layer else 'rms'}_norm{'+residual' if residual else ''} {passes}"
-        cases.append(Case("norms", name, "16384x4096", (rows, vector, rows),
+        cases.append(Case("norms", name, name_rows, (rows, vector, rows),
                           _norm(layer, residual), grad))
     cases += [
-        Case("softmax", f"softmax one-pass {passes}", "16384x4096", (rows,),
+        Case("softmax", f"softmax one-pass {passes}", name_rows, (rows,),
              lambda impl, x: jk.softmax(x, implementation=impl), grad),
-        Case("elementwise", f"bias+gelu {passes}", "16384x4096", (rows, vector),
+        Case("elementwise", f"bias+gelu {passes}", name_rows, (rows, vector),
              lambda impl, x, b: jk.bias_activation(x, b, activation="gelu",
                                                    implementation=impl), grad),
-        Case("elementwise", f"glu silu {passes}", "16384x4096", (rows, rows),
+        Case("elementwise", f"glu silu {passes}", name_rows, (rows, rows),
              lambda impl, g, u: jk.glu(g, u, activation="silu", implementation=impl), grad),
-        Case("cross_entropy", f"cross_entropy rows {passes}", "8192x128256",
-             (((8192, 128256), BF16), ((8192,), jnp.int32)),
+        Case("cross_entropy", f"cross_entropy rows {passes}", "x".join(map(str, logits)),
+             ((logits, BF16), ((logits[0],), jnp.int32)),
              lambda impl, z, y: jk.softmax_cross_entropy(z, y, reduction="sum",
                                                          implementation=impl), grad),
-        Case("attention", f"plain {passes}", "2x4096x16/16x128",
-             (((2, 4096, 16, 128), BF16),) * 3,
+        Case("attention", f"{plain.name} {passes}", str(plain), qkv,
              lambda impl, q, k, v: jk.flash_attention(q, k, v, implementation=impl), grad),
-        Case("attention", f"causal {passes}", "2x4096x16/16x128",
-             (((2, 4096, 16, 128), BF16),) * 3,
+        Case("attention", f"{causal.name} {passes}", str(causal), qkv,
              lambda impl, q, k, v: jk.flash_attention(q, k, v, causal=True,
                                                        implementation=impl), grad),
     ]
+  big, mid = shapes.MATMUL_SQUARE[:2]  # 8192 and 4096
+  square = lambda s: (((s, s), BF16),) * 2
   cases += [
-      Case("matmul", "bf16", "8192x8192x8192", (((8192, 8192), BF16),) * 2,
+      Case("matmul", "bf16", f"{big}x{big}x{big}", square(big),
            lambda impl, a, b: jk.matmul(a, b, implementation=impl), False),
-      Case("matmul", "bf16", "4096x4096x4096", (((4096, 4096), BF16),) * 2,
+      Case("matmul", "bf16", f"{mid}x{mid}x{mid}", square(mid),
            lambda impl, a, b: jk.matmul(a, b, implementation=impl), False),
-      Case("matmul", "bias+gelu fwd+bwd", "4096x4096x4096",
-           (((4096, 4096), BF16), ((4096, 4096), BF16), ((4096,), BF16)),
+      Case("matmul", "bias+gelu fwd+bwd", f"{mid}x{mid}x{mid}", (*square(mid), ((mid,), BF16)),
            lambda impl, a, b, c: jk.matmul(a, b, bias=c, activation="gelu",
                                            implementation=impl), True),
   ]

@@ -130,11 +130,23 @@ def tolerances(reference, primals, cotangent=None, *, dtype, reduction: int,
                      input_scale(primals, cotangent))
 
 
+def allowed(baseline, oracle, *, reduction: int, pointwise_rtol: float = 0.0,
+            zero_scale: float = 0.0) -> list[float]:
+  """The rule itself: each floating leaf's largest allowed error (relative to the leaf's largest
+  magnitude), given the naive low-precision computation's result ``baseline`` and the float64
+  ``oracle``. ``baseline=None``: no naive computation to measure (a format whose accuracy is
+  documented instead, fp8 on tensor cores say): the floor alone."""
+  floor = max(4 * F32_EPS * math.sqrt(max(reduction, 1)), pointwise_rtol)
+  if baseline is None:
+    return [floor for _ in _floating_leaves(oracle)]
+  return [2 * b + floor for b in errors(baseline, oracle, zero_scale)]
+
+
 def _tolerances(reference, primals, cotangent, dtype, reduction, pointwise_rtol, zero_scale):
   oracle = evaluate(reference, jnp.float64, primals, cotangent)
   baseline = evaluate(reference, dtype, primals, cotangent)
-  floor = max(4 * F32_EPS * math.sqrt(max(reduction, 1)), pointwise_rtol)
-  return oracle, [2 * b + floor for b in errors(baseline, oracle, zero_scale)]
+  return oracle, allowed(baseline, oracle, reduction=reduction, pointwise_rtol=pointwise_rtol,
+                         zero_scale=zero_scale)
 
 
 def assert_matches(got, reference, primals, cotangent=None, *, dtype, reduction: int,

@@ -250,3 +250,26 @@ def test_tpu_prediction_bounds_the_compiled_program():
   row = tpu_predicted.predict(attention, "mosaic_tpu", mesh, chip)
   flops = roofline.attention_flops(1, 256, 256, 2, 64, backward=True)
   assert row["ms"] >= flops / chip.flops("bfloat16") * 1e3 and "own FLOP count" in row["note"]
+
+
+def test_bench_checks_by_the_tests_numerics_rule():
+  """A bench row is checked by jaxkernels.testing's rule, the tests' own: the float64 oracle,
+  each label's leaves (forward, the gradients, both) against twice the naive bfloat16 error plus
+  the float32 floor. A softmax that drops a column's term is WRONG; the naive one is within."""
+  from bench import harness
+  from jaxkernels import testing
+  from jaxkernels.ops.softmax import reference
+  from tests import numerics
+
+  gen = numerics.rng("bench-rule")
+  x = numerics.normal(gen, (64, 300), jnp.bfloat16, 3.0)
+  ct = numerics.normal(gen, (64, 300), jnp.bfloat16)
+  spec = lambda cd: lambda x: reference.softmax(x, compute_dtype=cd)
+  rule = harness.Rule(spec, (x,), ct, dtype=jnp.bfloat16, reduction=300, grads=(0,))
+  _, want = testing.tolerances(spec, (x,), ct, dtype=jnp.bfloat16, reduction=300)
+  right, vjp = jax.vjp(spec(jnp.bfloat16), x)
+  error, tolerance = rule.verdict("fwd+bwd", (right, vjp(ct)))
+  assert error <= tolerance and tolerance in want
+  dropped = jax.nn.softmax(x.astype(jnp.float32).at[:, 7].set(-jnp.inf)).astype(jnp.bfloat16)
+  error, tolerance = rule.verdict("fwd", dropped)
+  assert error > tolerance

@@ -20,7 +20,9 @@ import jaxkernels as jk
 from jaxkernels import _activations, _mosaic_gpu, backend, hardware, tuning
 from jaxkernels.ops.matmul import api as matmul_api
 from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, triton
+from jaxkernels.ops.matmul import reference as matmul_reference
 from jaxkernels.ops.matmul.common import Problem
+from bench import shapes
 from tests import numerics
 from tests.conftest import aot_compile, cuda_lowering
 
@@ -37,13 +39,8 @@ def reference(activation, has_bias, has_residual):
       rest = list(rest)
       bias = rest.pop(0) if has_bias else None
       residual = rest.pop(0) if has_residual else None
-      z = jnp.matmul(a.astype(cd), b.astype(cd), preferred_element_type=cd)
-      if bias is not None:
-        z = z + bias.astype(cd)
-      y = z if activation is None else _activations.reference(activation, z)
-      if residual is not None:
-        y = y + residual.astype(cd)
-      return y
+      return matmul_reference.in_dtype(cd, a, b, bias=bias, residual=residual,
+                                       activation=activation)
     return fn
   return make
 
@@ -94,7 +91,7 @@ class MatmulTest:
                             pointwise_rtol=_activations.RTOL)
 
   # M, N, K: one odd size each, none a multiple of any block; a batched a; K < one block.
-  @pytest.mark.parametrize("shape", [(37, 45, 70), (2, 19, 130, 33), (8, 16, 5)])
+  @pytest.mark.parametrize("shape", shapes.MATMUL_ODD)
   @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: "-".join(map(str, e)))
   def test_float32(self, shape, epilogue):
     self.check(shape, jnp.float32, epilogue)
@@ -191,7 +188,9 @@ class TestMosaicGpu(MatmulTest):
   def test_out_dtype(self):
     pytest.skip("covered by test_low_precision's bfloat16 output; the interpreter is slow")
 
-  @pytest.mark.parametrize("shape", [(100, 130, 70), (2, 257, 383, 129), (3, 2, 1027)])
+  # The GPU check's odd shapes (bench matmul --only checks), one of them batched.
+  @pytest.mark.parametrize("shape", [shapes.MATMUL_CHECKS[0], (2, *shapes.MATMUL_CHECKS[1]),
+                                     shapes.MATMUL_CHECKS[2]])
   @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: "-".join(map(str, e)))
   def test_odd_shapes(self, shape, epilogue):
     """Ragged M, N and K (TMA zero-fills and clips; C's past-the-end pieces skipped), every
@@ -265,12 +264,10 @@ def glu_reference(activation, has_bias, has_residual):
   def make(cd):
     def fn(a, b, *rest):
       rest = list(rest)
-      z = jnp.matmul(a.astype(cd), b.astype(cd), preferred_element_type=cd)
-      if has_bias:
-        z = z + rest.pop(0).astype(cd)
-      n = z.shape[-1] // 2
-      y = _activations.reference(activation, z[..., :n]) * z[..., n:]
-      return y + rest.pop(0).astype(cd) if has_residual else y
+      bias = rest.pop(0) if has_bias else None
+      residual = rest.pop(0) if has_residual else None
+      return matmul_reference.in_dtype(cd, a, b, bias=bias, residual=residual,
+                                       activation=activation, glu=True)
     return fn
   return make
 

@@ -14,7 +14,7 @@ from tests import numerics
 from tests.conftest import aot_compile, cuda_lowering
 
 EPS = 1e-5
-SMALL = ((1, 1), (3, 7), (37, 200), (130, 129))
+SMALL = shapes.SMALL_ROWS
 
 
 def _reference(layer):

@@ -15,7 +15,7 @@ from jaxkernels.ops.softmax.api import Problem
 from tests import numerics
 from tests.conftest import aot_compile, cuda_lowering
 
-SMALL = ((1, 1), (3, 7), (37, 200), (130, 129), shapes.ODD_ROWS[-1])
+SMALL = (*shapes.SMALL_ROWS, shapes.ODD_ROWS[-1])
 
 
 def _reference(axis=-1):

@@ -76,3 +76,36 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, a_scale=None, b_s
                         preferred_element_type=accumulator_dtype(a.dtype))
   return epilogue(acc, bias=bias, activation=activation, residual=residual, a_scale=a_scale,
                   b_scale=b_scale).astype(out_dtype)
+
+
+def in_dtype(compute_dtype, a, b, *, bias=None, activation=None, residual=None, a_scale=None,
+             b_scale=None, glu=False):
+  """The spec computed in ``compute_dtype`` throughout: every operand cast, the product and each
+  step of the epilogue rounded to that dtype. float64 is the numerics rule's oracle
+  (jaxkernels.testing), the inputs' dtype the naive computation whose error sets a kernel's
+  tolerance. Block scales dequantize the operands first (exactly, in float64); ``glu``: b is
+  [gate | up] and y = activation(gate) * up."""
+  cd = compute_dtype
+  a, b = a.astype(cd), b.astype(cd)
+  if is_blocked(a_scale, b_scale):
+    k, n = b.shape
+    bk, bn = k // a_scale.shape[-1], n // b_scale.shape[-1]
+    a = a * jnp.repeat(a_scale.astype(cd), bk, axis=-1)
+    b = b * jnp.repeat(jnp.repeat(b_scale.astype(cd), bk, axis=0), bn, axis=1)
+    a_scale = b_scale = None
+  z = jnp.matmul(a, b, preferred_element_type=cd)
+  if a_scale is not None:
+    z = z * (a_scale.astype(cd)[..., None] if a_scale.ndim else a_scale.astype(cd))
+  if b_scale is not None:
+    z = z * b_scale.astype(cd)
+  if bias is not None:
+    z = z + bias.astype(cd)
+  if glu:
+    gate, up = jnp.split(z, 2, axis=-1)
+    y = (gate if activation is None else _activations.reference(activation, gate)) * up
+  else:
+    y = z if activation is None else _activations.reference(activation, z)
+  if residual is not None:
+    y = y + residual.astype(cd)
+  return y
+
