@@ -172,7 +172,7 @@ class Rule:
   def __init__(self, reference, primals, cotangent=None, *, dtype, reduction: int,
                grads: Sequence[int] = (), pointwise_rtol: float = 0.0, naive: bool = True):
     self.grads = tuple(grads)
-    self.exact = testing.evaluate(reference, jnp.float64, primals, cotangent)
+    self.exact = testing.evaluate(reference, jnp.float64, primals, cotangent, host=False)
     self.naive = testing.evaluate(reference, dtype, primals, cotangent) if naive else None
     self.zero_scale = testing.input_scale(primals, cotangent)
     self.options = dict(reduction=reduction, pointwise_rtol=pointwise_rtol,

@@ -49,15 +49,18 @@ F32_EPS = float(np.finfo(np.float32).eps)
 
 
 def _f64(tree):
-  return jax.tree.map(lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64)),
+  """float64 copies, made where the arrays live (under x64)."""
+  return jax.tree.map(lambda a: None if a is None else jnp.asarray(a, jnp.float64),
                       tree, is_leaf=lambda a: a is None)
 
 
 def evaluate(reference: Callable[[Any], Callable[..., Any]], compute_dtype, primals,
-             cotangent=None):
+             cotangent=None, *, host: bool = True):
   """reference(compute_dtype)(*primals), and its vjp on ``cotangent`` if given: (outputs,
   grads). float64 runs under x64 on float64 copies of the floating inputs (the oracle);
-  integer inputs (segment ids, say) keep their dtype."""
+  integer inputs (segment ids, say) keep their dtype. The float64 answer comes back as NumPy
+  arrays, or with ``host=False`` stays on the device (for :func:`errors` there: a benchmark's
+  gigabyte of logits is not copied to the host)."""
   def run(args, ct):
     fn = reference(compute_dtype)
     if ct is None:
@@ -73,6 +76,8 @@ def evaluate(reference: Callable[[Any], Callable[..., Any]], compute_dtype, prim
       floating = lambda a: a is not None and jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)
       args = tuple(_f64(a) if floating(a) else a for a in primals)
       out = run(args, _f64(cotangent))
+      if not host:
+        return out
       return jax.tree.map(lambda a: np.asarray(a, np.float64)
                           if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a, out)
   return run(primals, cotangent)
@@ -84,9 +89,9 @@ def _floating_leaves(tree):
 
 
 def _largest(a) -> float:
-  a = np.asarray(jnp.asarray(a, jnp.float32) if not isinstance(a, np.ndarray) else a,
-                 np.float64)
-  return float(np.max(np.abs(np.where(np.isfinite(a), a, 0.0)), initial=0.0))
+  with jax.enable_x64(True):
+    a = jnp.asarray(a, jnp.float64)
+    return float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(a), a, 0.0)), initial=0.0))
 
 
 def input_scale(*trees) -> float:
@@ -109,16 +114,15 @@ def errors(got, want, zero_scale: float = 0.0) -> list[float]:
   ``zero_scale`` (:func:`input_scale`)."""
   out = []
   for g, w in zip(_floating_leaves(got), _floating_leaves(want), strict=True):
-    g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
-    w = np.asarray(w, np.float64)
     chex.assert_equal_shape([g, w])
-    same = (g == w) | ~np.isfinite(w)
-    if np.any(~np.isfinite(g) & ~same) or np.any(~np.isfinite(w) & (g != w)):
-      out.append(math.inf)
-      continue
-    scale = _magnitude(w, zero_scale)
-    g, w = np.where(same, 0.0, g), np.where(same, 0.0, w)
-    out.append(float(np.max(np.abs(g - w), initial=0.0) / scale))
+    with jax.enable_x64(True):  # in float64, on the device that holds the arrays
+      g, w = jnp.asarray(g, jnp.float64), jnp.asarray(w, jnp.float64)
+      same = (g == w) | ~jnp.isfinite(w)
+      if bool(jnp.any(~jnp.isfinite(g) & ~same)) or bool(jnp.any(~jnp.isfinite(w) & (g != w))):
+        out.append(math.inf)
+        continue
+      scale = _magnitude(w, zero_scale)
+      out.append(float(jnp.max(jnp.abs(jnp.where(same, 0.0, g - w)), initial=0.0)) / scale)
   return out
 
 
