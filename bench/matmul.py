@@ -54,22 +54,18 @@ def _flops(m, n, k):
   return 2.0 * m * n * k
 
 
-# fp8 with a bf16 output has no plain product to measure against (XLA's runs on the same tensor
-# cores): its documented accuracy is the bar, the bf16 output's rounding (2^-9) twice over and
-# the tensor cores' ~14-bit running sum of the fp8 products.
-FP8_RTOL = 8e-3
-
-
 def _rule(args, dtype, *, reduction, cotangent=None, grads=(), **spec):
   """The numerics rule for ``jk.matmul(*args, **spec)``: args are (a, b) and, as the spec
   names them, bias and residual; the scales are constants of the spec."""
   fp8 = jnp.dtype(dtype).itemsize == 1
+  # fp8's documented accuracy (reference.fp8_accuracy), in the rule's max-norm terms.
+  fp8_rtol = sum(reference.fp8_accuracy(reduction, tensor_cores=jax.default_backend() == "gpu"))
   names = [name for name in ("bias", "residual") if spec.pop(name, False)]
   def computed_in(cd):
     return lambda a, b, *rest: reference.in_dtype(cd, a, b, **dict(zip(names, rest)), **spec)
   return harness.Rule(computed_in, args, cotangent, dtype=dtype, reduction=reduction,
                       grads=grads, naive=not fp8,
-                      pointwise_rtol=max(FP8_RTOL if fp8 else 0.0,
+                      pointwise_rtol=max(fp8_rtol if fp8 else 0.0,
                                          _activations.RTOL if spec.get("activation") else 0.0))
 
 

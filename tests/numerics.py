@@ -12,6 +12,7 @@ baseline happened to get.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import zlib
 
@@ -41,6 +42,30 @@ def slow_when_interpreted(seconds: int) -> None:
   if not (COMPILED or SLOW):
     pytest.skip(f"interpreted it takes ~{seconds} s on 2 CPU cores: compiled in the GPU check "
                 "(python -m bench.gpu_check); JAXKERNELS_TEST_SLOW=1 runs it here")
+
+
+def _id(value) -> str:
+  if isinstance(value, tuple):
+    return ("x" if all(type(v) is int for v in value) else "-").join(map(str, value))
+  return str(value)
+
+
+def grid(*axes, center=None) -> list:
+  """The parameter combinations a test runs. Where the kernels compile (COMPILED, the GPU
+  check) or under SLOW: every combination. Interpreted on CI's 2 cores: a cross through
+  ``center`` (default: each axis's first value): every value of each axis once, with the
+  center's values on the other axes. Each value's own path (each shape's edges, each
+  activation's formula) still runs on the CPU; its pairings with every other axis's values
+  run compiled in the GPU check, where they take seconds, not minutes (bench/NOTES.md, Test
+  time)."""
+  if COMPILED or SLOW:
+    out = list(itertools.product(*axes))
+  else:
+    center = tuple(a[0] for a in axes) if center is None else tuple(center)
+    out = [center]
+    for i, axis in enumerate(axes):
+      out += [center[:i] + (v,) + center[i + 1:] for v in axis if v != center[i]]
+  return [pytest.param(*values, id="-".join(map(_id, values))) for values in out]
 
 
 def kernel_mode():

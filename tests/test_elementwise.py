@@ -17,6 +17,9 @@ from tests.conftest import aot_compile, cuda_lowering
 
 ACTIVATIONS = _activations.ACTIVATIONS
 SMALL = (*shapes.SMALL_ROWS, (9, 5000))  # and a row wider than one block
+# Every shape, every activation: the whole product compiled, a cross through (37, 200) and gelu
+# interpreted (numerics.grid).
+FLOAT32_GRID = numerics.grid(SMALL + shapes.BATCHED, ACTIVATIONS, center=((37, 200), "gelu"))
 
 
 def _pointwise_rtol(activation, z, weight):
@@ -97,13 +100,11 @@ class ElementwiseTest:
     return ((numerics.normal(gen, shape, dtype, 1.5, bound=bound),
              numerics.normal(gen, shape, dtype)), numerics.normal(gen, shape, dtype))
 
-  @pytest.mark.parametrize("shape", SMALL + shapes.BATCHED)
-  @pytest.mark.parametrize("activation", ACTIVATIONS)
+  @pytest.mark.parametrize("shape,activation", FLOAT32_GRID)
   def test_bias_activation_float32(self, shape, activation):
     self.check_bias_activation(shape, jnp.float32, activation)
 
-  @pytest.mark.parametrize("shape", SMALL + shapes.BATCHED)
-  @pytest.mark.parametrize("activation", ACTIVATIONS)
+  @pytest.mark.parametrize("shape,activation", FLOAT32_GRID)
   def test_glu_float32(self, shape, activation):
     self.check_glu(shape, jnp.float32, activation)
 

@@ -9,10 +9,22 @@ This is also the XLA fallback.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 
 from jaxkernels import _activations
+
+
+def fp8_accuracy(k: int, *, tensor_cores: bool = True) -> tuple[float, float]:
+  """The documented accuracy of an fp8 product with a bfloat16 output, (relative per element,
+  relative to the output's largest magnitude): the output's rounding, 2^-8; and the running sum
+  of the fp8 products, which Hopper's tensor cores round to about 14 bits as they accumulate
+  (DeepSeek-V3 report, 3.3.2): a random walk of sqrt(k) such roundings (float32 sums, the
+  interpreter's and XLA's on a CPU: 2^-22 a term). fp8 has no naive computation of its own to
+  measure against (XLA's runs on the same tensor cores): this bound is its tolerance."""
+  return 2 ** -8, (2 ** -14 if tensor_cores else 2 ** -22) * math.sqrt(k)
 
 
 def accumulator_dtype(dtype) -> jnp.dtype:
