@@ -98,7 +98,8 @@ class Line:
 
 def lines(runs: list[Run]) -> dict[str, list[Line]]:
   """By device, one Line per (suite, op, shape, dtype): from the newest run that timed one of
-  our kernels and an anchor there."""
+  our kernels and every anchor an older run timed there (a run cut short, or one without
+  torch, does not put a weaker baseline in the best one's place)."""
   newest: dict[tuple[str, tuple], Line] = {}
   for run in runs:  # oldest first: a newer run replaces an older one's line
     timed = collections.defaultdict(list)
@@ -109,6 +110,10 @@ def lines(runs: list[Run]) -> dict[str, list[Line]]:
       ours = [r for r in rows if _impl(r) in OURS]
       anchors = [r for r in rows if _impl(r) in ANCHORS]
       if not ours or not anchors:
+        continue
+      older = newest.get((run.device, key))
+      if older is not None and not ({_impl(r) for r in older.others if _impl(r) in ANCHORS}
+                                    <= {_impl(r) for r in anchors}):
         continue
       best = lambda rs: min(rs, key=lambda r: r["ms"])
       newest[run.device, key] = Line(run, *key, best(ours), best(anchors),

@@ -273,3 +273,21 @@ def test_bench_checks_by_the_tests_numerics_rule():
   dropped = jax.nn.softmax(x.astype(jnp.float32).at[:, 7].set(-jnp.inf)).astype(jnp.bfloat16)
   error, tolerance = rule.verdict("fwd", dropped)
   assert error > tolerance
+
+
+def test_report_keeps_a_run_with_every_anchor_over_a_newer_one_without(tmp_path):
+  """A newer run that lacks an anchor an older run timed at the shape (cut short, or torch
+  missing) does not replace it: the speedup stays against the best baseline measured."""
+  from bench import report
+
+  results = tmp_path / "results"
+  _result(results / "chip/full.json", "2026-01-01",
+          [dict(impl="triton", ms=1.0), dict(impl="xla", ms=3.0), dict(impl="cudnn", ms=0.9)])
+  _result(results / "chip/cut.json", "2026-02-01",
+          [dict(impl="triton", ms=1.0), dict(impl="xla", ms=3.0)])
+  (line,) = report.lines(report.load(results))["Chip"]
+  assert line.run.path.name == "full.json" and line.anchor["impl"] == "cudnn"
+  _result(results / "chip/rerun.json", "2026-03-01",
+          [dict(impl="triton", ms=0.8), dict(impl="xla", ms=3.0), dict(impl="cudnn", ms=0.9)])
+  (line,) = report.lines(report.load(results))["Chip"]
+  assert line.run.path.name == "rerun.json" and line.speedup == 0.9 / 0.8
