@@ -198,7 +198,10 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
          "max(FLOPs / peak, bytes / HBM bandwidth), a lower bound that sees no pipeline "
          "bubble, and for ours and the anchors alike. The anchors there: XLA, and for attention "
          "JAX's Pallas TPU flash attention fed its native (B, N, T, H) layout (tokamax is "
-         "not an anchor yet).",
+         "not an anchor yet). Both attention kernels' bytes come from one block-traffic model "
+         "(roofline.attention_traffic: k and v re-read for every query block): ours as the "
+         "compiler counts our program (the model, which our kernels state, plus our (B, T, N, H) "
+         "layout's transposes), the example's at its 128 x 128 blocks.",
          "",
          "| device | family | shapes | ours faster | geomean speedup | range "
          "| median roofline, ours |",

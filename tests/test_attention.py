@@ -404,6 +404,22 @@ class TestAttentionMosaicTpu(AttentionTest):
       assert name in text, name
 
 
+  def test_block_traffic_model(self):
+    """roofline.attention_traffic, the one model of every flash kernel's bytes: with one block
+    a sequence each array moves once; with n query blocks k and v are read n times (all of
+    them, or under a causal mask the n (n + 1) / 2 block pairs at or below the diagonal)."""
+    b, t, n, h, item = 2, 512, 3, 64, 2
+    array, rows = b * n * t * h * item, b * n * t
+    once = roofline.attention_traffic(b, t, t, n, n, h, visits=1, block_q=t, block_k=t)
+    assert once["fwd"] == 4 * array + 4 * rows  # q, k, v in; o out; the float32 lse
+    assert once["dkdv"] == 2 * array + 8 * rows + 4 * array  # q, do, lse, delta; k, v; dk, dv
+    assert once["dq"] == 2 * array + 3 * array  # k, v; q, do; dq
+    for causal, visits in ((False, 16), (True, 4 * 5 // 2)):
+      assert roofline.attention_block_visits(t, t, 128, 128, causal=causal) == visits
+      blocks = roofline.attention_traffic(b, t, t, n, n, h, visits=visits, block_q=128,
+                                          block_k=128)
+      assert blocks["fwd"] == 2 * array + 4 * rows + b * n * visits * 128 * h * item * 2
+
   @pytest.mark.parametrize("causal", [False, True])
   def test_compiled_cost_counts_the_visited_blocks(self, tpu_mesh, causal):
     """The kernels state what they compute (pl.CostEstimate): the TPU compiler's cost analysis

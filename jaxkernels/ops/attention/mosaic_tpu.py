@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkernels import _mosaic_tpu, hardware
+from jaxkernels import _mosaic_tpu, hardware, roofline
 from jaxkernels._tiling import check_fields, round_up
 from jaxkernels.ops.attention.common import (Call, Window, dot, key_blocks, query_blocks,
                                              visible)
@@ -129,21 +129,17 @@ def _costs(call: Call, bq: int, bk: int) -> dict[str, pl.CostEstimate]:
   bench/NOTES.md, TPU columns). Per visited block pair: the forward's two products (4 bq bk h
   FLOPs) and bq bk exponentials, reading that key block's k and v; dk/dv's four products
   (8 bq bk h: scores, dp, dv, dk), reading q, dout and the statistics; dq's three (6 bq bk h:
-  scores, dp, dq), reading k and v. Each kernel's exponentials once a pair."""
-  visits = call.batch * call.heads * _block_visits(call, bq, bk)
-  pairs = visits * bq * bk
-  h, item = call.head_dim, call.dtype.itemsize
-  rows = call.batch * call.heads * call.q_len
-  kv_block_reads = visits * bk * h * item * 2  # k and v a pair
-  q_block_reads = visits * bq * (2 * h * item + 8)  # q, dout, lse and delta a pair
-  kv = call.batch * call.kv_heads * call.kv_len * h * item
-  return dict(
-      fwd=pl.CostEstimate(flops=4 * pairs * h, transcendentals=pairs,
-                          bytes_accessed=2 * rows * h * item + kv_block_reads + 4 * rows),
-      dkdv=pl.CostEstimate(flops=8 * pairs * h, transcendentals=pairs,
-                           bytes_accessed=q_block_reads + 2 * kv * 2),  # k, v in; dk, dv out
-      dq=pl.CostEstimate(flops=6 * pairs * h, transcendentals=pairs,
-                         bytes_accessed=kv_block_reads + 3 * rows * h * item))  # q, do; dq
+  scores, dp, dq), reading k and v (roofline.attention_traffic: the bytes). Each kernel's
+  exponentials once a pair."""
+  visits = _block_visits(call, bq, bk)
+  pairs = call.batch * call.heads * visits * bq * bk
+  h = call.head_dim
+  moved = roofline.attention_traffic(call.batch, call.q_len, call.kv_len, call.heads,
+                                     call.kv_heads, h, visits=visits, block_q=bq, block_k=bk,
+                                     itemsize=call.dtype.itemsize)
+  flops = dict(fwd=4 * pairs * h, dkdv=8 * pairs * h, dq=6 * pairs * h)
+  return {kernel: pl.CostEstimate(flops=flops[kernel], transcendentals=pairs,
+                                  bytes_accessed=int(moved[kernel])) for kernel in flops}
 
 
 def _repeat(step, first, end, count: int):
