@@ -483,6 +483,36 @@ def test_matmul_block_scales_layouts(mesh, layout, scales):
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.parametrize("rules", [None, {"batch": "data", "embed": "model"}],
+                         ids=["data parallel", "row parallel"])
+def test_matmul_block_scales_on_an_auto_mesh(mesh, rules):
+  """Block-scaled fp8 on the Auto mesh in context (jit with in_shardings, logical axis rules):
+  the scales follow their operands' split, K's blocks included where the rules split "embed";
+  the product as on one device, each shard's block of a in the program, nothing warned."""
+  gen = numerics.rng("sharding-auto-block-scales", str(rules))
+  f8 = jnp.float8_e4m3fn
+  a, b = numerics.normal(gen, (8, 16, 128), f8), numerics.normal(gen, (128, 64), f8)
+  a_scale = jnp.asarray(gen.uniform(0.25, 4, (8, 16, 128 // 32)), jnp.float32)
+  b_scale = jnp.asarray(gen.uniform(0.25, 4, (128 // 32, 64 // 16)), jnp.float32)
+  fn = lambda a, b, sa, sb: jk.matmul(a, b, a_scale=sa, b_scale=sb, out_dtype=jnp.float32)
+  want = fn(a, b, a_scale, b_scale)
+  auto = _auto_mesh()
+  shardings = tuple(NamedSharding(auto, P("data") if x.ndim > 2 else P())
+                    for x in (a, b, a_scale, b_scale))
+  with jax.set_mesh(auto), jk.sharding_rules(rules), \
+       warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    step = jax.jit(fn, in_shardings=shardings)
+    got = step(a, b, a_scale, b_scale)
+    text = step.lower(a, b, a_scale, b_scale).as_text()
+  assert not [w for w in caught if issubclass(w.category, jk.ShardingWarning)], [
+      str(w.message) for w in caught]
+  # float32 sums in another order (the K shards' partial sums): a few float32 ulps of the terms.
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+  local = "2x16x64" if rules else "2x16x128"
+  assert f"tensor<{local}xf8E4M3FN>" in text, local
+
+
 @pytest.mark.parametrize("layout", ["data parallel", "row parallel", "column parallel"])
 def test_matmul_glu_layouts(mesh, layout):
   """matmul(glu=True) on split operands: the product as its layout splits it, then glu on
