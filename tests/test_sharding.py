@@ -22,6 +22,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
 from jaxkernels import _activations, backend, partitioning
+from jaxkernels.ops.cross_entropy import reference as cross_entropy_reference
 from jaxkernels.ops.elementwise import reference as elementwise_reference
 from jaxkernels.ops.norms import reference as norms_reference
 from jaxkernels.ops.softmax import reference as softmax_reference
@@ -1050,3 +1051,82 @@ def test_linear_loss_dw_is_summed_in_float32_and_rounded_once(mesh, reduction):
                                              _put(mesh, labels, P(("data", "model"))))
   assert dw.dtype == jnp.bfloat16 and dw.sharding.spec in (P(), P(None, None))
   assert error(dw) <= 1.1 * error(once), (error(dw), error(once))
+
+# Vocabulary parallelism: (x's spec, w's spec) on the (data 4, model 2) mesh.
+VOCAB_LAYOUTS = {"tokens x vocabulary": (P("data", None), P(None, "model")),
+                 "vocabulary over all": (P(), P(None, ("data", "model")))}
+
+
+@pytest.mark.parametrize("layout", sorted(VOCAB_LAYOUTS))
+@pytest.mark.parametrize("impl,options", [
+    ("triton", dict(reduction="none")),
+    ("xla", dict(reduction="mean", label_smoothing=0.1, z_loss=1e-3, ignore_index=-1)),
+    ("triton", dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3, ignore_index=-1))],
+    ids=["triton-none", "xla-smoothing-zloss-ignore-mean", "triton-smoothing-zloss-ignore-sum"])
+def test_linear_loss_vocabulary_parallel(mesh, layout, impl, options):
+  """w split over its vocabulary: each slice's log-sum-exp, label logit and logit sum combined
+  by collectives of one number a token (never the logits, never w gathered), forward and both
+  gradients by the numerics rule against the unsplit loss; labels in every slice, ignored
+  rows among them; dw stays split as w is."""
+  spec_x, spec_w = VOCAB_LAYOUTS[layout]
+  gen = numerics.rng("sharding-vocab", layout, impl, str(options))
+  tokens, d, vocab = 64, 32, 96
+  x = numerics.normal(gen, (tokens, d), jnp.float32)
+  w = numerics.normal(gen, (d, vocab), jnp.float32, d ** -0.5)
+  labels = jnp.asarray(gen.integers(0, vocab, tokens), jnp.int32)
+  if options.get("ignore_index") is not None:
+    labels = labels.at[::7].set(options["ignore_index"])
+  reduction = options["reduction"]
+  kw = {k: v for k, v in options.items() if k != "reduction"}
+  ct = (numerics.normal(gen, (tokens,), jnp.float32) if reduction == "none"
+        else jnp.float32(1.3))
+
+  def ref(cd):
+    def f(x, w):
+      loss = cross_entropy_reference.linear_softmax_cross_entropy(x, w, labels,
+                                                                 compute_dtype=cd, **kw)[0]
+      kept = jnp.ones(labels.shape, bool) if kw.get("ignore_index") is None else (
+          labels != kw["ignore_index"])
+      if reduction == "sum":
+        return jnp.sum(loss)
+      if reduction == "mean":
+        return jnp.sum(loss) / jnp.maximum(jnp.sum(kept), 1).astype(cd)
+      return loss
+    return f
+
+  fn = jax.jit(lambda x, w: jk.linear_softmax_cross_entropy(
+      x, w, _put(mesh, labels, P(*spec_x[:1])), reduction=reduction, chunk_size=16,
+      implementation=impl, **kw))
+  sx, sw = _put(mesh, x, spec_x), _put(mesh, w, spec_w)
+  with jk.interpret_mode("triton"), warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out, vjp = jax.vjp(fn, sx, sw)
+    got = (out, vjp(ct))
+    text = jax.jit(lambda x, w: jax.vjp(fn, x, w)[1](ct)).lower(sx, sw).compile().as_text()
+  assert not [w_ for w_ in caught if issubclass(w_.category, jk.ShardingWarning)], [
+      str(w_.message) for w_ in caught]
+  assert "all-gather" not in text  # neither w nor the logits gathered
+  assert got[1][1].sharding.spec == spec_w  # dw split as w is
+  numerics.assert_matches(got, ref, (x, w), ct, dtype=jnp.float32, reduction=max(vocab, tokens))
+
+
+def test_tpu_compile_vocabulary_parallel_loss(tpu4):
+  """The fused loss with w's vocabulary split over 2 chips and the tokens over the other 2,
+  compiled for the TPU (Explicit axes): the Mosaic row kernels run per chip on a slice of the
+  vocabulary, forward and backward, and nothing is gathered; the collectives are reductions of
+  one number a token (and dx's sum over the slices)."""
+  mesh = jax.sharding.Mesh(tpu4.devices.reshape(2, 2), ("data", "model"),
+                           axis_types=(AxisType.Explicit,) * 2)
+  struct = lambda shape, dtype, spec: jax.ShapeDtypeStruct(
+      shape, dtype, sharding=NamedSharding(mesh, spec))
+  x = struct((4096, 512), jnp.bfloat16, P("data", None))
+  w = struct((512, 32768), jnp.bfloat16, P(None, "model"))
+  labels = struct((4096,), jnp.int32, P("data"))
+  loss = lambda x, w, y: jk.linear_softmax_cross_entropy(x, w, y, implementation="mosaic_tpu")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jk.ShardingWarning)
+    compiled = _tpu_compile(mesh, jax.value_and_grad(loss, argnums=(0, 1)), x, w, labels)
+  text = compiled.as_text()
+  assert "all-gather" not in text and "all-to-all" not in text
+  assert "jk_cross_entropy_fwd" in text and "jk_cross_entropy_bwd" in text
+  assert "all-reduce" in text

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkernels import _checks, backend, partitioning
 from jaxkernels._tiling import bucket, round_up
 from jaxkernels.ops.cross_entropy import mosaic_tpu, reference, triton
-from jaxkernels.partitioning import Whole
+from jaxkernels.partitioning import Free, Whole
 
 # The public names: warnings, errors, supports() and the tuning tables say these.
 OP = "softmax_cross_entropy"
@@ -342,6 +342,110 @@ def _linear_total_bwd(spec, saved, g):
 _linear_total.defvjp(_linear_total_fwd, _linear_total_bwd)
 
 
+@dataclasses.dataclass(frozen=True)
+class _VocabSplit:
+  """This shard holds w's columns [index * V_local, (index + 1) * V_local) of ``vocab``, the
+  mesh axes ``axes`` (linearized in their order) indexing the slices."""
+
+  axes: tuple[str, ...]
+  vocab: int
+
+
+def _in_slice(split: _VocabSplit, spec: _Linear, labels, v_local: int):
+  """(the labels as this slice's columns, where the label lies in it, where the row counts):
+  a label elsewhere becomes column 0 (the row kernels give NaN for a label outside their
+  columns), an ignored row keeps ``ignore_index``."""
+  local = labels - lax.axis_index(split.axes) * v_local
+  inside = (local >= 0) & (local < v_local)
+  kept = jnp.ones(labels.shape, bool) if spec.options.ignore_index is None else (
+      labels != spec.options.ignore_index)
+  return jnp.where(inside | ~kept, jnp.where(kept, local, labels), 0), inside & kept, kept
+
+
+def _vocab_forward(spec: _Linear, split: _VocabSplit, x, w, labels):
+  """(loss, lse) per token with w's vocabulary split over ``split.axes``. The log-sum-exp from
+  each slice's row kernels, combined by a max and a sum across the slices; z[y] and sum(z)
+  from x against w's label columns and column sum: collectives of one number a token, never
+  the logits."""
+  options, axes = spec.options, split.axes
+  wc = spec.weight(w)
+  v_local = w.shape[1]
+  local, inside, kept = _in_slice(split, spec, labels, v_local)
+  _, lse_local = _linear_loss(spec, x, w, local)  # each slice's own log-sum-exp
+  peak = lax.stop_gradient(lax.pmax(lse_local, axes))
+  peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+  lse = jnp.log(lax.psum(jnp.exp(lse_local - peak), axes)) + peak
+  f32 = lambda a: a.astype(jnp.float32)
+  columns = jnp.take(wc, jnp.clip(local, 0, v_local - 1), axis=1)  # (D, tokens)
+  picked = lax.psum(jnp.where(inside, jnp.einsum("td,dt->t", f32(x), f32(columns)), 0.0), axes)
+  loss = lse - picked
+  if options.label_smoothing:
+    total = lax.psum(jnp.dot(f32(x), jnp.sum(f32(wc), axis=1)), axes)
+    loss = loss + options.label_smoothing * (picked - total / split.vocab)
+  if options.z_loss:
+    loss = loss + options.z_loss * lse * lse
+  loss = jnp.where((labels >= 0) & (labels < split.vocab), loss, jnp.nan)
+  return jnp.where(kept, loss, 0.0), lse
+
+
+def _vocab_grads(spec: _Linear, split: _VocabSplit, x, w, labels, lse, g):
+  """(dx's part from this slice, dw's slice) for the per-token cotangent ``g``, the slice's
+  logits recomputed chunk by chunk: d loss / d z = g (softmax(z) (1 + 2 z_loss lse) -
+  (1 - e) onehot(y) - e / V), the softmax against the whole vocabulary's ``lse``. On the row
+  kernels (their vocabulary the slice's), two corrections: a row whose label lies in another
+  slice gets back the (1 - e) g the kernel took at its stand-in column 0, and smoothing's
+  share is e / V, not e / V_local. shard_map's transpose sums dx over the slices."""
+  options, dtype, w_dtype = spec.options, x.dtype, w.dtype
+  wc = spec.weight(w)
+  v_local = w.shape[1]
+  local, inside, kept = _in_slice(split, spec, labels, v_local)
+  e = options.label_smoothing
+
+  def dlogits_of(logits, local_c, inside_c, kept_c, lse_c, g_c):
+    if spec.plan is None:
+      z = logits.astype(jnp.float32)
+      p = jnp.exp(z - lse_c[:, None]) * (1 + 2 * options.z_loss * lse_c)[:, None]
+      onehot = (jnp.arange(v_local)[None, :] == local_c[:, None]) & inside_c[:, None]
+      d = g_c[:, None] * (p - (1 - e) * onehot - e / split.vocab)
+      return jnp.where(kept_c[:, None], d, 0.0).astype(dtype)
+    d = _backward(spec.plan, options, logits, local_c, lse_c, g_c, jnp.float32)
+    elsewhere = kept_c & ~inside_c
+    d = d.at[:, 0].add(jnp.where(elsewhere, (1 - e) * g_c, 0.0))
+    if e:
+      d = d + jnp.where(kept_c, g_c * e * (1 / v_local - 1 / split.vocab), 0.0)[:, None]
+    return d.astype(dtype)
+
+  def step(dw, chunk):
+    x_c, local_c, inside_c, kept_c, lse_c, g_c = chunk
+    dlogits = dlogits_of(_logits(x_c, wc), local_c, inside_c, kept_c, lse_c, g_c)
+    dx = jnp.dot(dlogits, wc.T, preferred_element_type=dtype)
+    dw = dw + jnp.dot(x_c.T, dlogits, preferred_element_type=jnp.float32)
+    return dw, dx
+
+  chunks = _chunks(spec, x, local, inside, kept, lse, g)
+  dw, dx = lax.scan(step, jnp.zeros(w.shape, jnp.float32), tuple(chunks))
+  return dx.reshape(x.shape), dw.astype(w_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _vocab_rows(spec, split, x, w, labels):
+  return _vocab_forward(spec, split, x, w, labels)[0]
+
+
+def _vocab_rows_fwd(spec, split, x, w, labels):
+  loss, lse = _vocab_forward(spec, split, x, w, labels)
+  return loss, (x, w, labels, lse)
+
+
+def _vocab_rows_bwd(spec, split, saved, g):
+  x, w, labels, lse = saved
+  g = lax.psum(g, split.axes)  # each slice's share of the cotangent (_linear_across)
+  return (*_vocab_grads(spec, split, x, w, labels, lse, g), None)
+
+
+_vocab_rows.defvjp(_vocab_rows_fwd, _vocab_rows_bwd)
+
+
 def _chunk(tokens: int, vocab: int, chunk_size) -> int:
   if chunk_size is not None:
     if (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
@@ -373,6 +477,11 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
     chunk_size: tokens a chunk, or None.
     implementation: None (best available), "xla", "triton" or "mosaic_tpu": the row kernels'.
     config: their Config (for a (chunk, V) problem of x's dtype); None picks one.
+
+  On a mesh, x's tokens and w's vocabulary split (the logical axes "batch", ..., and "vocab"
+  on Auto axes): a vocabulary split over some axes is vocabulary parallel, each device's row
+  kernels running on its slice of the vocabulary, the slices' statistics combined by
+  collectives of one number a token.
   """
   return backend.call(_LINEAR_OP, implementation, config, x=x, w=w, labels=labels,
                       label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
@@ -389,10 +498,12 @@ def _validate_linear(x, w, labels, *, label_smoothing, z_loss, ignore_index, red
                      f"V > 0, got {tuple(w.shape)}")
   labels = _labels(op, labels, x.shape[:-1], "x without its last axis")
   _chunk(1, w.shape[1], chunk_size)  # checks it
-  # w_compute: the dtype w's products run in where w comes wider (set only by _linear_across).
+  # w_compute: the dtype w's products run in where w comes wider; vocab_split: the mesh axes
+  # w's vocabulary is split over and the whole vocabulary's size (both set only by
+  # _linear_across).
   return dict(x=x, w=w, labels=labels,
               options=_options(op, label_smoothing, z_loss, ignore_index, reduction),
-              reduction=reduction, chunk_size=chunk_size, w_compute=None)
+              reduction=reduction, chunk_size=chunk_size, w_compute=None, vocab_split=None)
 
 
 def _linear_problem(x, w, chunk_size, **unused):
@@ -401,9 +512,11 @@ def _linear_problem(x, w, chunk_size, **unused):
   return Problem.of(jax.ShapeDtypeStruct((chunk, w.shape[1]), x.dtype))
 
 
-def _linear(plan, x, w, labels, options: _Options, reduction, chunk_size, w_compute):
+def _linear(plan, x, w, labels, options: _Options, reduction, chunk_size, w_compute,
+            vocab_split=None):
   """The fused loss on one device (or shard), on ``plan``'s row kernels (None: the
-  reference's math, chunk by chunk the same)."""
+  reference's math, chunk by chunk the same); ``vocab_split``: this shard holds a slice of w's
+  vocabulary (:class:`_VocabSplit`)."""
   tokens, vocab = math.prod(x.shape[:-1]), w.shape[1]
   chunk = _chunk(tokens, vocab, chunk_size)
   padded = round_up(max(tokens, 1), chunk)
@@ -411,6 +524,14 @@ def _linear(plan, x, w, labels, options: _Options, reduction, chunk_size, w_comp
   flat_labels = jnp.pad(labels.reshape(tokens), (0, padded - tokens))
   valid = jnp.arange(padded) < tokens
   spec = _Linear(plan, options, chunk, (jnp.dtype(x.dtype), jnp.dtype(w.dtype)), w_compute)
+  if vocab_split is not None:
+    loss = _vocab_rows(spec, vocab_split, flat_x, w, flat_labels)
+    if reduction == "none":
+      return loss[:tokens].reshape(labels.shape)
+    weights = valid.astype(jnp.float32)
+    if reduction == "mean":
+      weights = weights / jnp.maximum(_count(flat_labels, options, valid), 1.0)
+    return jnp.sum(lax.stop_gradient(weights) * loss)
   if reduction == "none":
     loss = _linear_rows(spec, flat_x, w, flat_labels)
     return loss[:tokens].reshape(labels.shape)
@@ -423,43 +544,59 @@ def _linear(plan, x, w, labels, options: _Options, reduction, chunk_size, w_comp
 
 def _linear_rule(x, **unused):
   """The fused loss's split rule: x's tokens (its leading dimensions; the labels' with them)
-  split freely; D and the vocabulary are reduced over, so x's D and all of w stay whole. On a
-  mesh of Auto axes: x's tokens as "batch", "length", ..., D as "embed"; w (D, V)."""
+  split freely, and so does w's vocabulary (vocabulary parallel: each slice's statistics are
+  combined by collectives of one number a token); D is contracted over, so x's D and w's stay
+  whole. On a mesh of Auto axes: x's tokens as "batch", "length", ..., D as "embed"; w as
+  ("embed", "vocab")."""
   rows = partitioning.row_dims(x.ndim, "embed", label="tokens")
-  projection = "each shard of tokens needs the whole projection"
   return {"x": (*rows, Whole("embed")),
-          "w": (Whole("embed", why=projection), Whole("vocab", why=projection)),
+          "w": (Whole("embed", why="each token's logits contract over it"),
+                Free("vocab", "vocab", label="vocabulary")),
           "labels": rows}
 
 
 def _linear_across(where, rule, local, *, x, w, labels, options: _Options, reduction,
-                   chunk_size, w_compute):
+                   chunk_size, w_compute, vocab_split):
   """The fused loss on a mesh (Explicit axes, or Auto axes in context, split by the rules):
-  each shard of tokens runs it with the whole w; the shards' sums and token counts are added
-  after. dw sums over the shards (shard_map's transpose of w's replication): in float32,
-  rounded to a 16-bit w's dtype once after the sum (w enters the shards as float32, its
-  products still run in its dtype)."""
+  each shard of tokens runs it with its slice of w's vocabulary (all of it where the
+  vocabulary is whole); the shards' sums and token counts are added after. dw sums over the
+  token shards (shard_map's transpose of w's replication), in float32, rounded to a 16-bit
+  w's dtype once after the sum (w enters the shards as float32, its products still run in its
+  dtype); dx over the vocabulary's slices likewise."""
+  del vocab_split
   rows = rule["labels"]
   row_groups = [d.group for d in rows]
+  vocab_axes = where.axes("vocab")
+  split = _VocabSplit(vocab_axes, w.shape[1]) if vocab_axes else None
   if where.size(*row_groups) > 1 and jnp.dtype(w.dtype).itemsize < 4:
     w_compute, w = w.dtype, w.astype(jnp.float32)
 
+  # Under a split vocabulary every slice holds the same losses: each returns its copy along a
+  # leading axis over the slices, and their mean is taken outside. Returned as one copy (an
+  # output that does not vary over those axes), shard_map's transpose hands each slice a
+  # share of the cotangent; as copies, each gets its own, and _vocab_rows_bwd sums them.
+  copies = where.size("vocab")
+
   def call(x, w, labels):
     if reduction == "none":
-      return local(x=x, w=w, labels=labels, w_compute=w_compute)
-    total = local(x=x, w=w, labels=labels, reduction="sum", w_compute=w_compute)
+      loss = local(x=x, w=w, labels=labels, w_compute=w_compute, vocab_split=split)
+      return loss if split is None else loss[None]
+    total = local(x=x, w=w, labels=labels, reduction="sum", w_compute=w_compute,
+                  vocab_split=split)
     return jnp.stack([total, _count(labels, options)])[None]
 
-  out_dims = rows if reduction == "none" else P(partitioning.entry(where.axes(*row_groups)),
-                                                 None)
+  if reduction == "none":
+    out_dims = rows if split is None else P(partitioning.entry(vocab_axes), *where.spec(rows))
+  else:
+    out_dims = P(partitioning.entry(where.axes(*row_groups) + vocab_axes), None)
   out = where.run(call, {"x": x, "w": w, "labels": labels}, rule, out_dims)
   if reduction == "none":
-    return out
+    return out if split is None else jnp.sum(out, axis=0) / copies
   # Summed over the shards first, then indexed: the sum's transpose keeps the cotangent split
   # as ``out`` is. Sliced first (out[:, 0]), jax 0.11's transpose of the slice pads an
   # unsplit cotangent, and the train step's grad failed ("Expected cotangent type
   # float32[1@(data,fsdp),2] but got float32[1,2]"); jax 0.10 did not check the type.
-  sums = jnp.sum(out, axis=0)
+  sums = jnp.sum(out, axis=0) / copies
   total, count = sums[0], lax.stop_gradient(sums[1])
   return total if reduction == "sum" else total / jnp.maximum(count, 1.0)
 
