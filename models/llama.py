@@ -198,10 +198,34 @@ def shardings(state: nnx.State, mesh: jax.sharding.Mesh):
                       is_leaf=lambda x: isinstance(x, P))
 
 
+def check_divides(state: nnx.State, mesh: jax.sharding.Mesh) -> None:
+  """Raises a ValueError naming the first parameter whose dimension the mesh axes it is laid
+  out over (:func:`shardings`) do not divide: which parameter, which dimension and its logical
+  name, which axes. ``state`` may be abstract (``nnx.eval_shape``'s)."""
+  with nnx.logical_axis_rules(()):
+    logical = nnx.get_partition_spec(state)
+
+  def check(path, value, sharding, names):
+    for dim, entry in enumerate(sharding.spec):
+      axes = partitioning.axes(entry)
+      k = partitioning.size(mesh, axes)
+      if axes and value.shape[dim] % k:
+        name = tuple(names)[dim] if dim < len(tuple(names)) else None
+        raise ValueError(
+            f"the model's {jax.tree_util.keystr(path)} {tuple(value.shape)}: its dimension "
+            f"{dim} ({name or 'unnamed'}, size {value.shape[dim]}) is laid out over mesh axes "
+            f"{axes} of size {k}, which does not divide it; lay it out on a mesh whose "
+            f"{' x '.join(axes)} divides {value.shape[dim]}")
+  jax.tree_util.tree_map_with_path(check, state, shardings(state, mesh), logical,
+                                   is_leaf=lambda x: isinstance(x, P))
+
+
 def place(tree, mesh: jax.sharding.Mesh):
   """``tree`` (a model, an optimizer, or their ``nnx.state``) laid out on ``mesh``
-  (:func:`shardings`)."""
+  (:func:`shardings`); a mesh that does not divide a parameter is refused
+  (:func:`check_divides`)."""
   state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
+  check_divides(state, mesh)
   placed = jax.device_put(state, shardings(state, mesh))
   if isinstance(tree, nnx.State):
     return placed

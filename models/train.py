@@ -382,6 +382,11 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   if tc.batch % where.size:
     raise UsageError(f"--batch {tc.batch} must be a multiple of the {where.size} devices it is "
                      "split over")
+  try:  # before anything is written: the layout of the model's shapes alone
+    llama.check_divides(nnx.state(nnx.eval_shape(lambda: _model_and_optimizer(cfg, tc))), where)
+  except ValueError as e:
+    raise UsageError(f"--data {data_axis} on {where.size} devices (data {where.shape['data']} x "
+                     f"fsdp {where.shape['fsdp']}): {e}") from e
   checkpoints = None
   if checkpoint_dir is not None:
     checkpoints = Checkpoints(checkpoint_dir, _identity(cfg, tc, data))

@@ -238,6 +238,28 @@ def test_another_configs_checkpoints_are_refused_and_kept(tmp_path, capsys):
   assert {p: p.stat().st_mtime_ns for p in directory.rglob("*")} == before
 
 
+def test_a_mesh_that_does_not_divide_the_model_is_refused_before_anything_is_written(
+    tmp_path, capsys, monkeypatch):
+  """Six devices put fsdp 6 across the tiny model's width of 64: the CLI refuses it as a usage
+  error naming the parameter, its dimension and the axis, before the checkpoint directory
+  exists; the library's layout (llama.place) refuses it too."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  six = jax.devices()[:6]
+  with pytest.raises(ValueError, match=r"dimension 2 \(embed, size 64\) is laid out over mesh "
+                     r"axes \('fsdp',\) of size 3, which does not divide it"):
+    train.init(llama.preset("tiny", max_len=32), train.TrainConfig(batch=6, seq_len=32),
+               train.mesh(1, devices=six[:3]))
+  monkeypatch.setattr(train.jax, "local_devices", lambda: six)
+  directory = tmp_path / "run"
+  code, err = _main(capsys, "--batch", "12", "--seq-len", "32", "--steps", "2",
+                    "--checkpoint-dir", str(directory))
+  assert code == 2, err
+  assert ("--data 1 on 6 devices (data 1 x fsdp 6): the model's" in err
+          and "(embed, size 64) is laid out over mesh axes ('fsdp',) of size 6" in err), err
+  assert not directory.exists()
+
+
 def test_flags_are_checked_and_help_shows_defaults(capsys):
   for argv, says in ((["--learning-rate", "-1"], "--learning-rate -1.0: must be a finite"),
                      (["--learning-rate", "nan"], "--learning-rate nan: must be a finite"),
