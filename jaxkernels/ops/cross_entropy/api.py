@@ -114,9 +114,14 @@ def _reduce(loss, labels, options: _Options, reduction: str):
   return jnp.sum(loss) / jnp.maximum(_count(labels, options), 1.0)
 
 
-def _count(labels, options: _Options, valid=None):
-  kept = jnp.ones(labels.shape, bool) if options.ignore_index is None else (
+def _kept(labels, options: _Options):
+  """Where a token counts: its label is not ``ignore_index``."""
+  return jnp.ones(labels.shape, bool) if options.ignore_index is None else (
       labels != options.ignore_index)
+
+
+def _count(labels, options: _Options, valid=None):
+  kept = _kept(labels, options)
   if valid is not None:
     kept = kept & valid
   return jnp.sum(kept, dtype=jnp.float32)
@@ -357,8 +362,7 @@ def _in_slice(split: _VocabSplit, spec: _Linear, labels, v_local: int):
   columns), an ignored row keeps ``ignore_index``."""
   local = labels - lax.axis_index(split.axes) * v_local
   inside = (local >= 0) & (local < v_local)
-  kept = jnp.ones(labels.shape, bool) if spec.options.ignore_index is None else (
-      labels != spec.options.ignore_index)
+  kept = _kept(labels, spec.options)
   return jnp.where(inside | ~kept, jnp.where(kept, local, labels), 0), inside & kept, kept
 
 
@@ -524,22 +528,18 @@ def _linear(plan, x, w, labels, options: _Options, reduction, chunk_size, w_comp
   flat_labels = jnp.pad(labels.reshape(tokens), (0, padded - tokens))
   valid = jnp.arange(padded) < tokens
   spec = _Linear(plan, options, chunk, (jnp.dtype(x.dtype), jnp.dtype(w.dtype)), w_compute)
-  if vocab_split is not None:
-    loss = _vocab_rows(spec, vocab_split, flat_x, w, flat_labels)
-    if reduction == "none":
-      return loss[:tokens].reshape(labels.shape)
-    weights = valid.astype(jnp.float32)
-    if reduction == "mean":
-      weights = weights / jnp.maximum(_count(flat_labels, options, valid), 1.0)
-    return jnp.sum(lax.stop_gradient(weights) * loss)
   if reduction == "none":
-    loss = _linear_rows(spec, flat_x, w, flat_labels)
+    loss = (_linear_rows(spec, flat_x, w, flat_labels) if vocab_split is None else
+            _vocab_rows(spec, vocab_split, flat_x, w, flat_labels))
     return loss[:tokens].reshape(labels.shape)
   # The padding's weight is 0; an ignored token's loss and gradient are 0 in the row kernels.
   weights = valid.astype(jnp.float32)
   if reduction == "mean":
     weights = weights / jnp.maximum(_count(flat_labels, options, valid), 1.0)
-  return _linear_total(spec, flat_x, w, flat_labels, lax.stop_gradient(weights))
+  weights = lax.stop_gradient(weights)
+  if vocab_split is not None:
+    return jnp.sum(weights * _vocab_rows(spec, vocab_split, flat_x, w, flat_labels))
+  return _linear_total(spec, flat_x, w, flat_labels, weights)
 
 
 def _linear_rule(x, **unused):
