@@ -67,6 +67,10 @@ def main(argv=None) -> int:
                       help="model: the train step AOT-compiled for v5e, v5p and v6e, each remat "
                            "policy's compiled peak memory; lessons: fusion's bytes and tiling's "
                            "VMEM compiled for them (any host; needs libtpu)")
+  parser.add_argument("--layouts", action="store_true",
+                      help="model --tpu: the sharded train steps (1b under fsdp and fsdp x "
+                           "tensor on 4 chips of v5p and v6e, the 8b on 8 of v5p): per-chip "
+                           "memory, collectives and predicted step time")
   parser.add_argument("--out", default=None, help="directory for the JSON (default "
                       "bench/results/<device>; --smoke: ~/.cache/jaxkernels/bench-smoke/<device>)")
   args = parser.parse_args(argv)
@@ -94,6 +98,8 @@ def main(argv=None) -> int:
                  sweep_range=tuple(int(v) for v in args.sweep_range.split(":")), only=only)
     elif name == "attention":
       attention.run(session, sweep=args.sweep, only=only)
+    elif name == "model" and args.tpu and args.layouts:
+      model.tpu_layouts(session)
     elif name == "model" and args.tpu:
       model.tpu_compiled(session, policies=policies)
     elif name == "lessons" and args.tpu:

@@ -213,6 +213,82 @@ def run_remat(session: harness.Session, only=None, policies=None) -> None:
 
 TPU_TOPOLOGIES = harness.hardware.TPU_TOPOLOGIES
 TPU_PRESET = ("350m", 8)
+# The sharded train steps compiled for TPU slices: (preset, topology, mesh sizes, batch,
+# scan_layers). The 1b under fsdp and fsdp x tensor on four chips of v5p and of v6e; the
+# 8b-shaped model (width 4096, 32 / 8 heads, MLP 14336) under fsdp x tensor on eight of v5p,
+# its layers one scanned body (one layer's program to compile).
+TPU_LAYOUTS = (
+    ("1b", "v5p:2x2x1", {"fsdp": 4}, 16, False),
+    ("1b", "v5p:2x2x1", {"fsdp": 2, "tensor": 2}, 16, False),
+    ("1b", "v6e:2x2", {"fsdp": 4}, 16, False),
+    ("1b", "v6e:2x2", {"fsdp": 2, "tensor": 2}, 16, False),
+    ("8b", "v5p:2x2x2", {"fsdp": 4, "tensor": 2}, 16, True),
+)
+
+
+def _predicted(compiled, cfg, tokens: int, seq_len: int, chip) -> tuple[float, float, float,
+                                                                        str]:
+  """(seconds, MFU %, FLOPs, a note) of one device's compiled program: max(FLOPs / dense bf16 peak,
+  bytes / HBM bandwidth) by its cost analysis; a lower bound (no bubble, no exposed latency,
+  no collective time)."""
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, list) else cost) or {}
+  flops, moved = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+  compute_s, memory_s = flops / chip.flops("bfloat16"), moved / chip.hbm_bandwidth
+  seconds = max(compute_s, memory_s)
+  from models import llama
+  mfu = llama.mfu(cfg, tokens / seconds, seq_len, chip.flops("bfloat16"))
+  bound = "compute" if compute_s >= memory_s else "memory"
+  return seconds, mfu, flops, (f"{flops / 1e12:.2f} TFLOP and {moved / 1e9:.1f} GB a chip by the "
+                        f"compiled program's cost analysis, {bound}-bound")
+
+
+def tpu_layouts(session: harness.Session, layouts=TPU_LAYOUTS) -> None:
+  """The sharded train step (models.train's mesh: data, fsdp, tensor, sequence) AOT-compiled
+  for TPU slices from this host: per chip, the compiled program's memory (its arguments, the
+  parameters' and optimizer's share, and its peak) against the chip's HBM, the collectives in
+  the program, and the step time predicted from its cost analysis (:func:`_predicted`, with
+  every chip's tokens: MFU by PaLM's count). Compiled, not measured."""
+  import re
+
+  import numpy as np
+  from jax.experimental import topologies
+  from jax.sharding import AxisType, Mesh
+
+  from jaxkernels import remat
+  from models import llama, train
+  for name, topology_name, sizes, batch, scanned in layouts:
+    layout = " x ".join(f"{axis} {n}" for axis, n in sizes.items())
+    row = harness.Row("model", f"{name} train step, compiled for {topology_name}",
+                      f"jaxkernels, {layout}", f"batch {batch} x 2048", "bfloat16")
+    start = time.perf_counter()
+    try:
+      topology = topologies.get_topology_desc(platform="tpu", topology_name=topology_name)
+      devices = np.array(topology.devices)
+      shape = tuple(sizes.get(axis, 1) for axis in llama.MESH_AXES)
+      mesh = Mesh(devices.reshape(shape), llama.MESH_AXES,
+                  axis_types=(AxisType.Explicit,) * len(shape))
+      cfg = llama.preset(name, scan_layers=scanned)
+      tc = train.TrainConfig(batch=batch, seq_len=2048, steps=10_000, warmup=10)
+      compiled = train.compiled_step(cfg, tc, mesh)
+      peak = remat.compiled_peak_bytes(compiled)
+      params, moments = train.held(train.abstract_state(cfg, tc), mesh)
+      chip = hardware.chip_for(topology.devices[0].device_kind)
+      seconds, mfu, _, note = _predicted(compiled, cfg, batch * tc.seq_len // devices.size,
+                                         tc.seq_len, chip)
+      row.ms, row.pct_roofline = seconds * 1e3, mfu
+      text = compiled.as_text()
+      counts = {kind: len(re.findall(rf" {kind}(?:-start)?\(", text))
+                for kind in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")}
+      fits = "fits" if peak <= chip.hbm_bytes else "DOES NOT FIT"
+      row.note = (f"predicted, not measured: {note}; per chip: parameters "
+                  f"{params / 2**30:.2f} GiB, optimizer {moments / 2**30:.2f} GiB, compiled peak "
+                  f"{peak / 2**30:.2f} GiB of {chip.hbm_bytes / 2**30:.0f} ({fits}); "
+                  f"collectives {', '.join(f'{k} {v}' for k, v in counts.items())}; "
+                  f"{devices.size} chips; compile {time.perf_counter() - start:.0f} s")
+    except Exception as e:  # noqa: BLE001 - one that does not compile is a row
+      row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+    session.add(row)
 
 
 def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLOGIES),
@@ -246,20 +322,12 @@ def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLO
         cfg = llama.preset(name, remat=policy)
         compiled = train.compiled_step(cfg, tc, mesh)
         peak = remat.compiled_peak_bytes(compiled)
-        cost = compiled.cost_analysis()
-        cost = (cost[0] if isinstance(cost, list) else cost) or {}
-        flops, moved = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-        spec = hardware.chip_for(topology.devices[0].device_kind)
-        compute_s, memory_s = flops / spec.flops("bfloat16"), moved / spec.hbm_bandwidth
-        seconds = max(compute_s, memory_s)
-        row.ms = seconds * 1e3
-        row.tflops = flops / seconds / 1e12
-        row.pct_roofline = llama.mfu(cfg, batch * tc.seq_len / seconds, tc.seq_len,
-                                     spec.flops("bfloat16"))
-        bound = "compute" if compute_s >= memory_s else "memory"
-        row.note = (f"predicted, not measured: {flops / 1e12:.2f} TFLOP and {moved / 1e9:.1f} "
-                    f"GB by the compiled program's cost analysis, {bound}-bound; MFU (PaLM's "
-                    f"count) at that time; compiled peak {peak / 2**30:.2f} GiB; compile "
+        chip = hardware.chip_for(topology.devices[0].device_kind)
+        seconds, row.pct_roofline, flops, note = _predicted(compiled, cfg, batch * tc.seq_len,
+                                                            tc.seq_len, chip)
+        row.ms, row.tflops = seconds * 1e3, flops / seconds / 1e12
+        row.note = (f"predicted, not measured: {note}; MFU (PaLM's count) at that time; "
+                    f"compiled peak {peak / 2**30:.2f} GiB; compile "
                     f"{time.perf_counter() - start:.0f} s")
       except Exception as e:  # noqa: BLE001 - one that does not compile is a row
         message = str(e)

@@ -7,7 +7,7 @@ from jaxkernels.backend import (
     supports as supports,
 )
 from jaxkernels import timing as timing, tuning as tuning
-from jaxkernels.partitioning import (ShardingWarning as ShardingWarning,
+from jaxkernels.partitioning import (ShardingWarning as ShardingWarning, zigzag as zigzag,
                                      sharding_rules as sharding_rules)
 from jaxkernels.ops.cross_entropy.api import (
     linear_softmax_cross_entropy as linear_softmax_cross_entropy,

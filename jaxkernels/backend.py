@@ -112,6 +112,9 @@ def interpreter_has_effects() -> bool:
   return _interpret_setting() in ("1", "mosaic_tpu", "mosaic_gpu")
 
 
+partitioning.can_nest = lambda: not interpreter_has_effects()
+
+
 def _host_threads() -> int:
   """Threads of XLA:CPU's pool, which runs host callbacks: ``NPROC`` where it is set (read
   when jax starts), else the cores this process may use."""
@@ -374,6 +377,10 @@ def call(op: Op, implementation: str | None, config: Any, /, **arguments: Any) -
     where = partitioning.split(op.name, implementation, arrays, rule, xla_too=op.xla_too)
     if where is not None:
       local = lambda **changed: _local(op, implementation, config, {**args, **changed})
+      # The plan (None: the reference) for a call of other local arguments: the per-shard
+      # pieces of an op that runs its kernels more than once a shard (ring attention).
+      local.plan = lambda **changed: _plan(op, implementation, config, {**args, **changed})
+      local.implementation, local.config = implementation, config
       if op.across is not None:
         return op.across(where, rule, local, **args)
       out = op.out(rule, **args) if op.out is not None else next(iter(rule.values()))
@@ -383,9 +390,13 @@ def call(op: Op, implementation: str | None, config: Any, /, **arguments: Any) -
 
 def _local(op: Op, implementation: str | None, config: Any, args: dict[str, Any]) -> Any:
   """The validated call on one device, or one shard."""
-  chosen = plan(op.name, implementation, target_of(*args.values()), op.problem(**args),
-                op.kernels, config, empty=op.empty(**args), **op.options(**args))
+  chosen = _plan(op, implementation, config, args)
   return op.reference(**args) if chosen is None else op.kernel(chosen, **args)
+
+
+def _plan(op: Op, implementation: str | None, config: Any, args: dict[str, Any]) -> Plan | None:
+  return plan(op.name, implementation, target_of(*args.values()), op.problem(**args),
+              op.kernels, config, empty=op.empty(**args), **op.options(**args))
 
 
 def ops() -> list[str]:
@@ -587,8 +598,14 @@ class Plan:
     try:
       hash(tuple(static.values()))
     except TypeError:  # an option that cannot be a jit's static argument: called as it is
-      return kernel(*args, **static)
-    return _jitted(kernel, tuple(sorted(static)))(*args, **static)
+      jitted = kernel
+    else:
+      jitted = _jitted(kernel, tuple(sorted(static)))
+    # A pallas_call's outputs carry no varying-axes type: traced unchecked, also where a
+    # shard_map that checks them holds the call (partitioning.run, over the mesh axes that
+    # split none of its operands, on each of which every value is the same).
+    with partitioning.check_vma(False):
+      return jitted(*args, **static)
 
 
 @functools.cache

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxkernels as jk
-from jaxkernels import remat
+from jaxkernels import partitioning, remat
 
 Dtype = Any
 
@@ -107,12 +107,18 @@ def _param(rngs: nnx.Rngs | None, init, shape, dtype, axes=None):
 
 
 def whole_weight(value, dtype):
-  """A weight in ``dtype``, whole: one split over a mesh of Explicit axes (fully sharded data
-  parallelism) is cast and then gathered, so the gather moves ``dtype``'s bytes; under
-  ``jax.grad`` the gather's transpose sums the gradient back onto the split."""
+  """A weight in ``dtype``, gathered along the data-like mesh axes it is split over (fully
+  sharded data parallelism: those of ``jaxkernels.partitioning.DATA_AXES``, "data", "fsdp",
+  ...; on a mesh of Explicit axes), cast first so that the gather moves ``dtype``'s bytes;
+  under ``jax.grad`` the gather's transpose sums the gradient back onto the split. A split
+  over another axis ("tensor", say) is model parallelism and stays: the op runs per shard
+  (a column- or row-parallel matmul, the vocabulary-parallel loss)."""
   w = value.astype(dtype)
-  if any(axes is not None for axes in jax.typeof(w).sharding.spec):
-    w = jax.sharding.reshard(w, P())
+  spec = tuple(jax.typeof(w).sharding.spec)
+  kept = tuple(partitioning.entry(tuple(a for a in partitioning.axes(e)
+                                        if a not in partitioning.DATA_AXES)) for e in spec)
+  if kept != spec:
+    w = jax.sharding.reshard(w, P(*kept))
   return w
 
 
@@ -154,19 +160,26 @@ class LayerNorm(nnx.Module):
 
 class GLUMLP(nnx.Module):
   """The gated MLP: ``down(act(x @ gate) * (x @ up))`` (SwiGLU with "silu", GeGLU with
-  "gelu"): the gate and up projections one matmul of x against their weights side by side
-  (x read once) with the gate's activation and product in its epilogue (``matmul(glu=True)``:
-  one kernel on mosaic_gpu, else the product and one fused ``glu`` pass reading both halves in
-  place), the hidden activations tagged ``mlp_hidden`` for the remat policies."""
+  "gelu"): the gate and up projections one matmul of x against their weights stacked,
+  ``gate_up`` (in, 2, hidden) (x read once), with the gate's activation and product in its
+  epilogue (``matmul(glu=True)``: one kernel on mosaic_gpu, else the product and one fused
+  ``glu`` pass reading both halves in place), the hidden activations tagged ``mlp_hidden``
+  for the remat policies. Split over its hidden width (tensor parallelism) each shard's
+  slice of ``gate_up`` holds its own gate and up columns: the first product column-parallel,
+  ``down`` row-parallel, one sum across the shards."""
 
   def __init__(self, in_features: int, hidden_features: int, *, activation: str = "silu",
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                kernel_init=nnx.initializers.lecun_normal(), implementation: str | None = None,
                axes: tuple[str | None, str | None] | None = None, rngs: nnx.Rngs):
     """``axes``: (the features' name, the hidden dimension's name) for the parameters' layout:
-    gate_up is (in, hidden), down (hidden, in)."""
-    self.gate_up = _param(rngs, kernel_init, (in_features, 2 * hidden_features), param_dtype,
-                          axes)
+    gate_up is (in, 2, hidden), down (hidden, in)."""
+    # Initialized as the (in, 2 hidden) side-by-side matrix (its fan-in, its values) and
+    # stacked: [:, 0] the gate's columns, [:, 1] up's.
+    stacked = lambda key, shape, dtype: kernel_init(key, (shape[0], 2 * shape[2]),
+                                                    dtype).reshape(shape)
+    self.gate_up = _param(rngs, stacked, (in_features, 2, hidden_features), param_dtype,
+                          None if axes is None else (axes[0], None, axes[1]))
     self.down = _param(rngs, kernel_init, (hidden_features, in_features), param_dtype,
                        None if axes is None else axes[::-1])
     self.hidden, self.activation = hidden_features, activation

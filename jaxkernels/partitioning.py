@@ -45,6 +45,7 @@ across shards (a row-parallel matmul's psum, the losses' sums: its ``across``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import threading
@@ -53,9 +54,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 _WARNED: set[str] = set()
+# JAX's switch for checking varying-axes types while tracing (shard_map's check_vma sets it;
+# pallas_call turns it off for its kernel's body), jax 0.10 to 0.12.
+check_vma = jax._src.config._check_vma  # noqa: SLF001
 
 
 class ShardingWarning(UserWarning):
@@ -190,6 +195,18 @@ def logical_spec(names: Sequence[str | None], mesh, rules=None) -> list:
     used.update(picked)
     spec.append(entry(picked))
   return spec
+
+
+def zigzag(length: int, shards: int) -> np.ndarray:
+  """The zig-zag order of positions 0..length-1 over ``shards``: the positions in 2 x shards
+  equal chunks, shard i's slice holding chunk i then chunk 2 x shards - 1 - i. ``x[:, order]``
+  lays a (batch, length, ...) array out so; ``order.argsort()`` undoes it."""
+  if shards < 1 or length % (2 * shards):
+    raise ValueError(f"zigzag: the length {length} must be a multiple of 2 x shards "
+                     f"({2 * shards}): each shard holds two equal chunks")
+  chunks = np.arange(length).reshape(2 * shards, -1)
+  return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]])
+                         for i in range(shards)])
 
 
 def row_names(ndim: int, feature: str) -> tuple[str, ...]:
@@ -403,6 +420,13 @@ def _dividing(op: str, name: str, a, spec, mesh) -> list:
   return spec
 
 
+# Whether :func:`run` may nest a shard_map over the axes that split nothing (set by backend:
+# not under the Mosaic interpreters, whose host callbacks in a nested manual computation abort
+# XLA:CPU's lowering, Shardy on jax 0.10.2 "Check failed: buffer != nullptr"; there the plain
+# shard_map, with its extra all-reduces).
+can_nest: Callable[[], bool] = lambda: True
+
+
 def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mapping[str, P],
         out_specs) -> Any:
   """``call(**arrays)`` under shard_map over ``mesh``, each array split as ``specs`` says
@@ -426,9 +450,51 @@ def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mappin
     return call(**dict(zip(names, local)), **absent)
 
   # check_vma=False: a pallas_call's outputs carry no varying-axes type; the op's rule is what
-  # says how they vary.
-  return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                       check_vma=False)(*args)
+  # says how they vary. Its transpose then treats an operand that a mesh axis does not split
+  # as one whose shards' cotangents differ: it divides the output's cotangent by the axis'
+  # size and adds the operands' across it, an all-reduce of each such operand (an
+  # activation's size) in the backward. Over an axis that splits nothing of this call (a
+  # norm's rows beside a tensor axis) every device computes the same thing: the call runs
+  # in a shard_map over those axes nested in the one over the others, which knows its inputs
+  # and outputs are the same on each (check_vma), and the backward adds nothing across them.
+  used = {a for spec in (*in_specs, *jax.tree.leaves(out_specs, is_leaf=lambda x: isinstance(
+      x, P))) for e in spec for a in axes(e)}
+  unused = frozenset(a for a in mesh.axis_names if a not in used)
+  if not used or all(dict(mesh.shape)[a] == 1 for a in unused) or not can_nest():
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                         check_vma=False)(*args)
+
+  same = jax.tree.map(lambda _: P(), out_specs, is_leaf=lambda x: isinstance(x, P))
+
+  def split(*local):
+    return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(),) * len(
+        local), out_specs=same, axis_names=unused, check_vma=True)(*local)
+
+  return jax.shard_map(split, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                       axis_names=frozenset(used), check_vma=False)(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def psum_out(x, names: tuple[str, ...]):
+  """``lax.psum(x, names)`` for a sum that leaves the shard_map (:func:`run`) unsplit over
+  ``names``, and whatever follows it there runs the same on each shard (a row-parallel
+  product's partial sums and its epilogue). shard_map's transpose hands each shard the
+  output's cotangent divided by the axes' size (check_vma=False); the true cotangent of each
+  partial sum is the whole of it, so the backward multiplies it back, with no collective,
+  where lax.psum's transpose would add the shares across the axes (an all-reduce of the
+  output's size, one a row-parallel layer in a tensor-parallel step)."""
+  return jax.lax.psum(x, names)
+
+
+def _psum_out_fwd(x, names):
+  return jax.lax.psum(x, names), None
+
+
+def _psum_out_bwd(names, _, ct):
+  return (ct * jax.lax.psum(1, names),)
+
+
+psum_out.defvjp(_psum_out_fwd, _psum_out_bwd)
 
 
 def unsplit_mesh(*arrays: Any):

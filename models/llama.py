@@ -40,10 +40,13 @@ KERNELS = ("jaxkernels", "xla")
 # which kernel a difference from kernels="xla" comes from).
 OPS = ("norm", "matmul", "attention", "mlp", "loss")
 
-# Logical axis -> mesh axis. The width ("embed") of every weight is split over fsdp; a stacked
-# layer axis, the heads, the MLP's hidden width and the vocabulary stay whole.
-RULES = {"embed": "fsdp", "layers": None, "heads": None, "mlp": None, "vocab": None}
+# Logical axis -> mesh axis. The width ("embed") of every weight is split over fsdp (gathered
+# where a layer uses it); the heads, the MLP's hidden width and the vocabulary over tensor
+# (kept split: Megatron's tensor parallelism, the vocabulary-parallel loss); a stacked layer
+# axis stays whole. An axis the mesh lacks, or of size 1, splits nothing.
+RULES = {"embed": "fsdp", "layers": None, "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 BATCH = ("data", "fsdp")  # the mesh axes that split the batch
+MESH_AXES = ("data", "fsdp", "tensor", "sequence")  # the train CLI's mesh, in this order
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,6 +118,11 @@ class Config:
     return self.width // self.heads
 
   @property
+  def group(self) -> int:
+    """Query heads a kv head serves."""
+    return self.heads // self.kv_heads
+
+  @property
   def matmul_params(self) -> int:
     """Parameters that multiply each token: the blocks' projections and the output head."""
     qkv = self.width * (self.heads + 2 * self.kv_heads) * self.head_dim
@@ -140,6 +148,10 @@ PRESETS = {
                    max_len=2048),
     "1b": Config(vocab=32000, width=2048, depth=16, heads=16, kv_heads=4, mlp_width=5632,
                  max_len=2048),
+    # Llama 3 8B's shape: past one device (its parameters and Adam's moments take 96 GB in
+    # float32); for meshes that split it (fsdp x tensor).
+    "8b": Config(vocab=128256, width=4096, depth=32, heads=32, kv_heads=8, mlp_width=14336,
+                 max_len=8192, rope_theta=500000.0),
 }
 
 
@@ -165,13 +177,32 @@ def _rotate(x, cos, sin):
                          axis=-1).astype(x.dtype)
 
 
-def _lookup(table, tokens):
-  """table[tokens] in float32, split as the tokens are: on a mesh of Explicit axes a gather
-  must say how its output is split (the batch, as data parallelism splits it)."""
-  spec = jax.typeof(tokens).sharding.spec
+def sequence_split() -> tuple[tuple[str, ...], int]:
+  """(the mesh axes that split the sequence, their size): the ``sequence`` axis of the mesh in
+  context where it has more than one device, else ((), 1)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if getattr(mesh, "empty", True) or "sequence" not in mesh.axis_names:
+    return (), 1
+  n = dict(mesh.shape)["sequence"]
+  return (("sequence",), n) if n > 1 else ((), 1)
+
+
+def _lookup(table, tokens, sequence: tuple[str, ...] = ()):
+  """table[tokens] in float32, split as the tokens are, and along the sequence over
+  ``sequence``: on a mesh of Explicit axes a gather must say how its output is split."""
+  spec = tuple(jax.typeof(tokens).sharding.spec) + (None,) * tokens.ndim
+  spec = (spec[0], partitioning.entry(sequence) if sequence else spec[1])
   split = any(axes is not None for axes in spec)
   return table.at[tokens].get(out_sharding=P(*spec, None) if split else None).astype(
       jnp.float32)
+
+
+def _replicated(value):
+  """``value`` in float32, whole on every device (a table that a lookup gathers rows of)."""
+  w = value.astype(jnp.float32)
+  if any(axes is not None for axes in jax.typeof(w).sharding.spec):
+    w = jax.sharding.reshard(w, P())
+  return w
 
 
 def _named(init, *axes):
@@ -186,6 +217,8 @@ def shardings(state: nnx.State, mesh: jax.sharding.Mesh):
   rules = partitioning.rules_set(mesh)
   if rules is None:
     rules = {name: partitioning.axes(axis) for name, axis in RULES.items()}
+  sizes = dict(mesh.shape)
+  rules = {name: tuple(a for a in value if sizes.get(a, 1) > 1) for name, value in rules.items()}
 
   def mesh_spec(spec):
     return P(*partitioning.logical_spec(tuple(spec), mesh, rules))
@@ -253,10 +286,14 @@ class Block(nnx.Module):
     self.cfg = cfg
     norm = cfg.implementation("norm")
     init = nnx.initializers.normal(0.02)
-    qkv_width = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     self.attn_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=norm,
                                  rngs=rngs)
-    self.qkv = nnx.Param(_named(init, "embed", "heads")(rngs.params(), (cfg.width, qkv_width)))
+    # q, k and v's weights grouped by kv head: (width, kv_heads, group + 2, head_dim), each
+    # kv head's `group` query heads, then its k, then its v. Split over the kv heads (tensor
+    # parallelism), each shard's slice is a whole set of groups: one column-parallel product,
+    # attention over its own heads, nothing paired across shards.
+    self.qkv = nnx.Param(_named(init, "embed", "heads", None, None)(
+        rngs.params(), (cfg.width, cfg.kv_heads, cfg.group + 2, cfg.head_dim)))
     out_init = nnx.initializers.normal(0.02 / (2 * cfg.depth) ** 0.5)
     self.out = nnx.Param(_named(out_init, "heads", "embed")(
         rngs.params(), (cfg.heads * cfg.head_dim, cfg.width)))
@@ -266,7 +303,7 @@ class Block(nnx.Module):
                           implementation=cfg.implementation("mlp"),
                           axes=("embed", "mlp"), rngs=rngs)
 
-  def __call__(self, delta, stream, cos, sin):
+  def __call__(self, delta, stream, cos, sin, layout="contiguous"):
     """(this block's MLP output, the residual stream up to it): ``delta`` is the previous
     block's output, added to ``stream`` inside the first norm; the MLP's output is added
     inside the next block's (or the final) norm."""
@@ -275,18 +312,21 @@ class Block(nnx.Module):
     impl = cfg.implementation("matmul")
     normed, stream = self.attn_norm(delta.astype(dtype), residual=stream)
     b, t, _ = normed.shape
-    qkv = jk.matmul(normed, jkf.whole_weight(self.qkv[...], dtype), implementation=impl)
-    q, k, v = jnp.split(qkv, [cfg.heads * cfg.head_dim, (cfg.heads + cfg.kv_heads) *
-                              cfg.head_dim], axis=-1)
-    q = remat.tag(_rotate(q.reshape(b, t, cfg.heads, cfg.head_dim), cos, sin), remat.QUERY)
-    k = remat.tag(_rotate(k.reshape(b, t, cfg.kv_heads, cfg.head_dim), cos, sin), remat.KEY)
-    v = remat.tag(v.reshape(b, t, cfg.kv_heads, cfg.head_dim), remat.VALUE)
+    w = jkf.whole_weight(self.qkv[...], dtype)  # split over tensor where the heads are
+    qkv = jk.matmul(normed, w.reshape(cfg.width, -1), implementation=impl)
+    qkv = qkv.reshape(b, t, cfg.kv_heads, cfg.group + 2, cfg.head_dim)
+    # Query head n = g * group + j attends with kv head g = n // group (flash_attention's).
+    q = qkv[:, :, :, :cfg.group].reshape(b, t, cfg.heads, cfg.head_dim)
+    k, v = qkv[:, :, :, cfg.group], qkv[:, :, :, cfg.group + 1]
+    q = remat.tag(_rotate(q, cos, sin), remat.QUERY)
+    k = remat.tag(_rotate(k, cos, sin), remat.KEY)
+    v = remat.tag(v, remat.VALUE)
     if cfg.on_xla("attention"):
       cudnn = jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
       attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                               implementation="cudnn" if cudnn else None)
     else:
-      attended = jk.flash_attention(q, k, v, causal=True)
+      attended = jk.flash_attention(q, k, v, causal=True, sequence_layout=layout)
     delta = jk.matmul(attended.reshape(b, t, -1), jkf.whole_weight(self.out[...], dtype),
                       implementation=impl)
     normed, stream = self.mlp_norm(delta, residual=stream)
@@ -313,18 +353,27 @@ class Llama(nnx.Module):
                            implementation=cfg.implementation("loss"),
                            axes=("embed", "vocab"), rngs=rngs)
 
-  def hidden(self, tokens):
-    """(B, T) tokens -> (B, T, width) final hidden states (after the last norm)."""
+  def hidden(self, tokens, positions=None, layout: str = "contiguous"):
+    """(B, T) tokens -> (B, T, width) final hidden states (after the last norm). On a mesh
+    whose ``sequence`` axis splits the sequence (:func:`sequence_split`), the stream is split
+    along T over it and attention runs as ring attention; ``positions`` (default 0..T-1) are
+    the tokens' positions, and ``layout`` how they lie over the sequence's shards
+    (``flash_attention``'s ``sequence_layout``: "zigzag" with positions ``jk.zigzag(T, n)``)."""
     cfg = self.cfg
-    cos, sin = rotary(jnp.arange(tokens.shape[1]), cfg.head_dim, cfg.rope_theta)
+    sequence, _ = sequence_split()
+    positions = jnp.arange(tokens.shape[1]) if positions is None else positions
+    cos, sin = rotary(positions, cfg.head_dim, cfg.rope_theta)
+    if sequence:  # split along T as the stream is
+      cos, sin = (jax.sharding.reshard(x, P(partitioning.entry(sequence), None))
+                  for x in (cos, sin))
     # The residual stream stays float32.
-    stream = _lookup(jkf.whole_weight(self.embed.embedding[...], jnp.float32), tokens)
+    stream = _lookup(_replicated(self.embed.embedding[...]), tokens, sequence)
     delta = jnp.zeros_like(stream, jnp.dtype(cfg.dtype))  # split as the stream is
 
     policies = cfg.layer_policies()
 
     def apply(carry, block):
-      return block(*carry, cos, sin)
+      return block(*carry, cos, sin, layout)
 
     # One function per policy, built once: layers that share it share its traced program, and
     # so each kernel's lowering (a Mosaic GPU kernel's is ~1 s; one function per layer took
@@ -354,11 +403,22 @@ class Llama(nnx.Module):
 def loss_fn(model: Llama, tokens):
   """Next-token cross-entropy (mean over positions), with the config's z-loss."""
   cfg = model.cfg
-  hidden = model.hidden(tokens[:, :-1])
-  labels = tokens[:, 1:]
+  inputs, labels = tokens[:, :-1], tokens[:, 1:]
+  _, shards = sequence_split()
+  if shards > 1 and not cfg.on_xla("attention"):
+    # Ring attention, causal, balanced: the tokens (and their labels and positions) in the
+    # zig-zag order over the sequence's shards; the mean loss is the same in any order.
+    order = jk.zigzag(inputs.shape[1], shards)
+    inputs, labels = inputs[:, order], labels[:, order]
+    hidden = model.hidden(inputs, positions=jnp.asarray(order), layout="zigzag")
+  else:
+    hidden = model.hidden(inputs)
   if not cfg.on_xla("loss"):
     return model.head(hidden, labels, z_loss=cfg.z_loss)
   logits = model.head(hidden).astype(jnp.float32)
+  spec = tuple(jax.typeof(logits).sharding.spec)
+  if len(spec) == logits.ndim and spec[-1] is not None:  # split over the vocabulary (tensor)
+    logits = jax.sharding.reshard(logits, P(*spec[:-1], None))  # optax takes each row whole
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   if cfg.z_loss:
     loss = loss + cfg.z_loss * jax.nn.logsumexp(logits, axis=-1) ** 2

@@ -11,9 +11,13 @@ The corpus is the text of the Python standard library's modules (``--corpus`` ta
 a directory of text instead): nothing is fetched. Tokens are bytes (the presets' vocabularies
 are at least 256).
 
-The step runs on a mesh with ``data`` and ``fsdp`` axes over every local device (``--data``
-devices on ``data``, the rest on ``fsdp``): the parameters and the optimizer's state laid out by
-their logical names (``llama.place``), the batch split over both axes.
+The step runs on a mesh of every local device with axes ``data``, ``fsdp``, ``tensor`` and
+``sequence`` (``--mesh data=2,fsdp=2,tensor=2``: an axis left out is 1, fsdp takes the devices
+the others leave): the parameters and the optimizer's state laid out by their logical names
+(``llama.place``: each weight's width over fsdp, its heads, MLP width or vocabulary over
+tensor), the batch split over data and fsdp, the sequence over sequence. The layout chosen
+and what it costs a device (parameters, optimizer state, the compiled step's activations) are
+printed before the first step.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import pathlib
 import signal
 import sys
@@ -39,7 +44,7 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxkernels import hardware, remat, tuning
+from jaxkernels import hardware, partitioning, remat, tuning
 from models import llama
 
 CORPUS_BYTES = 8 << 20  # the standard library's first 8 MiB of module text, in path order
@@ -133,19 +138,124 @@ def batch_at(data: np.ndarray, step: int, tc: TrainConfig) -> np.ndarray:
   if len(data) < tc.batch * span:
     raise UsageError(f"the corpus ({len(data)} bytes) is shorter than one batch: batch "
                      f"{tc.batch} x (seq_len {tc.seq_len} + 1) = {tc.batch * span} tokens")
-  starts = np.random.default_rng([tc.seed, step]).integers(0, len(data) - span + 1, tc.batch)
-  return np.stack([data[s:s + span] for s in starts]).astype(np.int32)
+  return np.stack([data[s:s + span] for s in _starts(data, step, tc)]).astype(np.int32)
+
+
+def _starts(data: np.ndarray, step: int, tc: TrainConfig) -> np.ndarray:
+  """Where each of step ``step``'s windows starts in the corpus."""
+  span = tc.seq_len + 1
+  return np.random.default_rng([tc.seed, step]).integers(0, len(data) - span + 1, tc.batch)
 
 
 # The step.
 
-def mesh(data: int = 1, devices=None) -> jax.sharding.Mesh:
-  """``data`` x (the rest) devices on axes ("data", "fsdp"), both Explicit."""
-  devices = jax.local_devices() if devices is None else devices
-  if data < 1 or len(devices) % data:
-    raise UsageError(f"--data {data} must divide the {len(devices)} local devices")
-  return jax.make_mesh((data, len(devices) // data), llama.BATCH,
-                       axis_types=(AxisType.Explicit,) * 2, devices=devices)
+def _devices() -> list:
+  """Every device of the run: this process's, or with several processes (``distributed``)
+  every process's."""
+  return jax.devices()
+
+
+def distributed(coordinator: str | None = None, num_processes: int | None = None,
+                process_id: int | None = None) -> None:
+  """Joins a run of several processes (hosts) through ``jax.distributed.initialize``: where
+  ``coordinator`` is None, JAX reads the cluster from its environment (a Cloud TPU pod
+  slice's, SLURM's, ...). Host CPUs exchange through gloo."""
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # host devices' collectives
+  try:
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+  except (RuntimeError, ValueError) as e:
+    raise UsageError(f"--distributed: could not join the run ({type(e).__name__}: {e}); on a "
+                     "machine with no cluster environment pass --coordinator HOST:PORT, "
+                     "--num-processes and --process-id") from e
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """``--mesh``'s value, "data=2,fsdp=2,tensor=2": each named axis' size (one of
+  ``llama.MESH_AXES``, a whole number >= 1)."""
+  sizes: dict[str, int] = {}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    name, sep, value = part.partition("=")
+    name = name.strip()
+    if not sep or name not in llama.MESH_AXES or name in sizes:
+      what = ("is not of the form axis=size" if not sep else
+              f"names axis {name!r} twice" if name in sizes else f"has an unknown axis {name!r}")
+      raise UsageError(f"--mesh {text!r} {what}; the axes are {', '.join(llama.MESH_AXES)}, "
+                       "e.g. --mesh data=2,fsdp=2,tensor=2")
+    try:
+      sizes[name] = int(value)
+    except ValueError:
+      sizes[name] = 0
+    if sizes[name] < 1:
+      raise UsageError(f"--mesh {text!r}: {name}={value.strip()!r} must be a whole number >= 1")
+  return sizes
+
+
+def mesh(data: int = 1, devices=None, *, fsdp: int | None = None, tensor: int = 1,
+         sequence: int = 1) -> jax.sharding.Mesh:
+  """The devices on axes ``llama.MESH_AXES`` (data, fsdp, tensor, sequence), all Explicit;
+  ``fsdp=None`` takes the devices the others leave."""
+  devices = _devices() if devices is None else devices
+  others = data * tensor * sequence
+  if fsdp is None:
+    if min(data, tensor, sequence) < 1 or len(devices) % others:
+      raise UsageError(f"--mesh data={data},tensor={tensor},sequence={sequence} must divide "
+                       f"the {len(devices)} devices (fsdp takes the rest)")
+    fsdp = len(devices) // others
+  shape = dict(zip(llama.MESH_AXES, (data, fsdp, tensor, sequence)))
+  if min(shape.values()) < 1 or math.prod(shape.values()) != len(devices):
+    raise UsageError(f"--mesh {_described(shape)} holds {math.prod(shape.values())} devices; "
+                     f"there are {len(devices)}: the sizes' product must be the device count")
+  return jax.make_mesh(tuple(shape.values()), llama.MESH_AXES,
+                       axis_types=(AxisType.Explicit,) * len(shape), devices=devices)
+
+
+def held(state, where: jax.sharding.Mesh) -> tuple[int, int]:
+  """(parameter bytes, optimizer-state bytes) a device holds of (model, optimizer) ``state``
+  (may be abstract) laid out on ``where`` by ``llama.place``."""
+  shardings = llama.shardings(state, where)
+
+  def local_bytes(x, sharding):
+    parts = [partitioning.size(where, partitioning.axes(e)) for e in sharding.spec]
+    return x.size * x.dtype.itemsize // math.prod(parts)
+
+  return tuple(sum(jax.tree.leaves(jax.tree.map(local_bytes, state[i], shardings[i])))
+               for i in (0, 1))
+
+
+def layout(state, where: jax.sharding.Mesh) -> list[str]:
+  """What ``llama.place`` does with (model, optimizer) ``state`` (may be abstract) on
+  ``where``: a line per weight matrix (its shape, the stacked layers' in one, and its mesh
+  spec), then the bytes a device holds of the parameters and of the optimizer's state."""
+  model = state[0]
+  shardings = llama.shardings(state, where)
+  lines = []
+  leaves = jax.tree_util.tree_leaves_with_path(model)
+  for (path, x), sharding in zip(leaves, jax.tree.leaves(shardings[0]), strict=True):
+    if x.ndim >= 2:
+      keys = (getattr(k, "key", getattr(k, "name", k)) for k in path)
+      name = ".".join(str(k) for k in keys if k != "value")
+      lines.append(f"  {name:<22} {str(tuple(x.shape)):<22} {sharding.spec}")
+  params, moments = held(state, where)
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
+  lines.append(f"  a device holds {params / 2**20:.1f} MiB of the {total / 2**20:.1f} MiB of "
+               f"parameters, and {moments / 2**20:.1f} MiB of optimizer state")
+  return lines
+
+
+def _bytes(n: int) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def device_limit(where: jax.sharding.Mesh) -> int | None:
+  """The bytes a device's allocator may hold, where the device says (GPUs, TPUs), else None
+  (this process's first device of the mesh: the others' are alike)."""
+  mine = [d for d in where.devices.flat if d.process_index == jax.process_index()]
+  stats = mine[0].memory_stats() or {}
+  return stats.get("bytes_limit")
+
+
+def _described(shape) -> str:
+  return ",".join(f"{name}={size}" for name, size in dict(shape).items())
 
 
 def init(cfg: llama.Config, tc: TrainConfig, where: jax.sharding.Mesh | None = None):
@@ -198,6 +308,11 @@ def compiled_peak(cfg: llama.Config, tc: TrainConfig,
   return remat.compiled_peak_bytes(compiled_step(cfg, tc, where))
 
 
+def abstract_state(cfg: llama.Config, tc: TrainConfig) -> nnx.State:
+  """The (model, optimizer) state's shapes and dtypes, nothing allocated."""
+  return nnx.state(nnx.eval_shape(lambda: _model_and_optimizer(cfg, tc)))
+
+
 def _model_and_optimizer(cfg, tc):
   model = llama.Llama(cfg, rngs=nnx.Rngs(tc.seed))
   return model, nnx.Optimizer(model, optimizer(tc), wrt=nnx.Param)
@@ -216,9 +331,24 @@ def batch_sharding(where: jax.sharding.Mesh | None) -> NamedSharding | None:
 
 
 def shard_batch(tokens, where: jax.sharding.Mesh | None):
+  """The (whole) batch ``tokens`` laid out on ``where``; each process places its rows."""
   if where is None:
     return jnp.asarray(tokens)
-  return jax.device_put(tokens, batch_sharding(where))
+  return jax.make_array_from_callback(tokens.shape, batch_sharding(where),
+                                      lambda index: tokens[index])
+
+
+def batch_on(data: np.ndarray, step: int, tc: TrainConfig, where: jax.sharding.Mesh):
+  """Step ``step``'s batch (:func:`batch_at`'s) laid out on ``where``, each process reading
+  only the rows its devices hold (the data loader sharded per process)."""
+  span = tc.seq_len + 1
+  starts = _starts(data, step, tc)
+
+  def rows(index):
+    picked = starts[np.arange(tc.batch)[index[0]]]
+    return np.stack([data[s:s + span] for s in picked])[:, index[1]].astype(np.int32)
+
+  return jax.make_array_from_callback((tc.batch, span), batch_sharding(where), rows)
 
 
 # Checkpoints.
@@ -364,7 +494,8 @@ class Outcome:
 
 def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 100,
-          data_axis: int = 1, metrics_path: str | None = None, log_every: int = 10,
+          mesh_sizes: dict[str, int] | None = None, metrics_path: str | None = None,
+          log_every: int = 10,
           remat_budget: int | None = None, stream=None) -> Outcome:
   """Trains to ``tc.steps``, resuming from ``checkpoint_dir``'s latest checkpoint.
   ``remat_budget``: bytes a device for remat="auto" (default: 95% of the device's memory).
@@ -373,20 +504,33 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   is written from that step on: the last one holds the last good state) or where SIGINT or
   SIGTERM arrives (the step in flight finishes and is saved)."""
   stream = sys.stderr if stream is None else stream
+  if jax.process_index() != 0:  # one process of several speaks and writes the metrics
+    stream, metrics_path = open(os.devnull, "w"), None  # noqa: SIM115 - for the whole run
   if checkpoint_every < 1 or log_every < 1:
     raise UsageError(f"--checkpoint-every {checkpoint_every} and --log-every {log_every}: "
                      "each must be at least 1")
   data, described = corpus(corpus_path)
   batch_at(data, 0, tc)  # a corpus shorter than one batch fails here, before anything is written
-  where = mesh(data_axis)
-  if tc.batch % where.size:
-    raise UsageError(f"--batch {tc.batch} must be a multiple of the {where.size} devices it is "
-                     "split over")
+  where = mesh(**(mesh_sizes or {}))
+  on = f"--mesh {_described(where.shape)} ({where.size} devices)"
+  rows = math.prod(where.shape[a] for a in llama.BATCH)
+  if tc.batch % rows:
+    raise UsageError(f"--batch {tc.batch} must be a multiple of the {rows} devices of data x "
+                     f"fsdp that split it ({on})")
+  if tc.seq_len % where.shape["sequence"]:
+    raise UsageError(f"--seq-len {tc.seq_len} must be a multiple of the sequence axis' "
+                     f"{where.shape['sequence']} devices that split it ({on})")
+  abstract = abstract_state(cfg, tc)
   try:  # before anything is written: the layout of the model's shapes alone
-    llama.check_divides(nnx.state(nnx.eval_shape(lambda: _model_and_optimizer(cfg, tc))), where)
+    llama.check_divides(abstract, where)
   except ValueError as e:
-    raise UsageError(f"--data {data_axis} on {where.size} devices (data {where.shape['data']} x "
-                     f"fsdp {where.shape['fsdp']}): {e}") from e
+    raise UsageError(f"{on}: {e}") from e
+  params, moments = held(abstract, where)
+  if (limit := device_limit(where)) is not None and params + moments > limit:
+    raise UsageError(
+        f"{on}: a device would hold {_bytes(params)} of parameters and {_bytes(moments)} of "
+        f"optimizer state, more than its {_bytes(limit)}; spread them over more devices (a "
+        "larger fsdp or tensor axis)")
   checkpoints = None
   if checkpoint_dir is not None:
     checkpoints = Checkpoints(checkpoint_dir, _identity(cfg, tc, data))
@@ -407,6 +551,7 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
         f"{sum(x.size for x in jax.tree.leaves(nnx.state(state, nnx.Param)))/1e6:.1f}M "
         f"parameters; " + (f"resumed at step {start}" if start else "from step 0"),
         file=stream, flush=True)
+  print("layout:\n" + "\n".join(layout(state, where)), file=stream, flush=True)
   if start >= tc.steps:
     print(f"nothing to do: the checkpoint is at step {start} of {tc.steps} (a larger --steps "
           "trains on)", file=stream)
@@ -423,11 +568,15 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
     stack.enter_context(jax.set_mesh(where))
     if start < tc.steps:  # compiled here, to say how long it took (the calls below reuse it)
       began = time.perf_counter()
-      lowered = step.lower(state, shard_batch(batch_at(data, start, tc), where))
+      lowered = step.lower(state, batch_on(data, start, tc, where))
       lowered_at = time.perf_counter()
-      lowered.compile()
+      compiled = lowered.compile()
       print(f"train step: traced and lowered in {lowered_at - began:.1f} s, compiled in "
             f"{time.perf_counter() - lowered_at:.1f} s", file=stream, flush=True)
+      if (memory := compiled.memory_analysis()) is not None:
+        print(f"  a device's step needs {memory.temp_size_in_bytes / 2**20:.1f} MiB beyond its "
+              "arguments (activations and the gradients' buffers, as compiled)", file=stream,
+              flush=True)
     pending, clock = None, time.perf_counter()
 
     def flush():
@@ -447,7 +596,7 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
       return False
 
     for s in range(start, tc.steps):
-      state, metrics = step(state, shard_batch(batch_at(data, s, tc), where))
+      state, metrics = step(state, batch_on(data, s, tc, where))
       if pending is not None and not flush():  # the previous step's, read while this one runs
         break
       pending = (s + 1, metrics)
@@ -530,8 +679,17 @@ def main(argv=None) -> int:
   parser.add_argument("--checkpoint-dir", default=None, help="resume from it, save into it")
   parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between "
                       "checkpoints (and at the end, and on SIGINT/SIGTERM)")
-  parser.add_argument("--data", type=int, default=1, help="devices on the data axis (the "
-                      "rest on fsdp)")
+  parser.add_argument("--mesh", default="", help="devices on each mesh axis, e.g. "
+                      "data=2,fsdp=2,tensor=2,sequence=1: the axes are "
+                      f"{', '.join(llama.MESH_AXES)}; one left out is 1, fsdp takes the devices "
+                      "the others leave (default: every device on fsdp)")
+  parser.add_argument("--distributed", action="store_true", help="one process of a run on "
+                      "several hosts: jax.distributed.initialize() from the cluster's "
+                      "environment (a Cloud TPU pod slice, SLURM), or from --coordinator")
+  parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for "
+                      "--distributed where no cluster environment says it")
+  parser.add_argument("--num-processes", type=int, default=None, help="with --coordinator")
+  parser.add_argument("--process-id", type=int, default=None, help="with --coordinator")
   parser.add_argument("--metrics", default=None, help="append each step's numbers here (JSON "
                       "lines)")
   parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines "
@@ -542,6 +700,15 @@ def main(argv=None) -> int:
   parser.add_argument("--no-compilation-cache", action="store_true",
                       help="compile everything afresh, and write no cache")
   args = parser.parse_args(argv)
+  if args.coordinator is not None or args.num_processes is not None or (
+      args.process_id is not None):
+    args.distributed = True
+  if args.distributed:
+    try:
+      distributed(args.coordinator, args.num_processes, args.process_id)
+    except UsageError as e:
+      print(f"python -m models.train: error: {e}", file=sys.stderr)
+      return 2
   if not args.no_compilation_cache:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   try:
@@ -558,7 +725,7 @@ def main(argv=None) -> int:
       raise UsageError(f"--seq-len {tc.seq_len} is longer than the preset's max_len "
                        f"{cfg.max_len}")
     outcome = train(cfg, tc, corpus_path=args.corpus, checkpoint_dir=args.checkpoint_dir,
-                    checkpoint_every=args.checkpoint_every, data_axis=args.data,
+                    checkpoint_every=args.checkpoint_every, mesh_sizes=parse_mesh(args.mesh),
                     metrics_path=args.metrics, log_every=args.log_every,
                     remat_budget=None if args.remat_budget is None else
                     int(args.remat_budget * 2**30))
@@ -567,7 +734,7 @@ def main(argv=None) -> int:
     return 2
   if outcome.stopped:
     print(f"python -m models.train: {outcome.stopped}", file=sys.stderr)
-  elif outcome.losses:
+  elif outcome.losses and jax.process_index() == 0:
     loss = outcome.losses[-1]
     print(f"final loss {loss:.4f} ({math.exp(min(loss, 50)):.2f} perplexity per byte)",
           file=sys.stderr)

@@ -68,8 +68,8 @@ def test_glu_mlp_matches_jnp(impl):
   mlp = jkf.GLUMLP(32, 48, implementation=impl, rngs=nnx.Rngs(1))
 
   def plain(m, x):
-    w = m.gate_up[...]
-    return (jax.nn.silu(x @ w[:, :48]) * (x @ w[:, 48:])) @ m.down[...]
+    w = m.gate_up[...]  # (in, 2, hidden): the gate's and up's weights stacked
+    return (jax.nn.silu(x @ w[:, 0]) * (x @ w[:, 1])) @ m.down[...]
 
   with numerics.kernel_mode():
     y, g = _grads(mlp, lambda m, x: m(x), x)

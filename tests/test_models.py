@@ -158,13 +158,14 @@ def test_the_layout_follows_the_rules_set():
 
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
   state = nnx.state(llama.make(TINY, seed=0)[0])
-  qkv = lambda: llama.shardings(state, mesh)["blocks"]["qkv"].spec  # (layers, embed, heads)
+  # (layers, embed, heads (the kv heads' groups), the group's q, k and v, head dim)
+  qkv = lambda: tuple(llama.shardings(state, mesh)["blocks"]["qkv"].spec)[:3]
   with jk.sharding_rules(None):
-    assert tuple(qkv()) == (None, "fsdp", None)
+    assert qkv() == (None, "fsdp", None)  # the mesh has no tensor axis
   with jk.sharding_rules(embed="data", heads=("fsdp", "data")):
-    assert tuple(qkv()) == (None, "data", "fsdp")  # "data" taken by embed already
+    assert qkv() == (None, "data", "fsdp")  # "data" taken by embed already
   with jk.sharding_rules(None), flax_nnx.logical_axis_rules([("heads", "fsdp")]):
-    assert tuple(qkv()) == (None, None, "fsdp")
+    assert qkv() == (None, None, "fsdp")
 
 
 def test_bad_configs_say_what_exists():

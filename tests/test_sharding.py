@@ -6,6 +6,7 @@ a mesh axis that does not divide its dimension is named."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pathlib
@@ -395,6 +396,65 @@ def test_attention_layouts(mesh, layout):
     assert out.sharding.spec == spec
 
 
+@pytest.mark.parametrize("impl", ["triton", None])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ring_attention_matches_unsplit(mesh, causal, layout, impl):
+  """q's T and k's and v's S split over "model" (the batch over "data"): ring attention, the
+  k/v blocks passed around the shards (collective-permutes, nothing gathered), on the Triton
+  kernels (interpreted) or the reference (impl None on a CPU); GQA, the log-sum-exp returned;
+  forward and every gradient (the lse's cotangent too) by the numerics rule against unsplit
+  attention at the tokens' positions, which "zigzag" permutes."""
+  from jaxkernels.ops.attention import reference as attention_reference
+  from jaxkernels.ops.attention.common import Window
+
+  gen = numerics.rng("sharding-ring", causal, layout, str(impl))
+  b, t, n, kv, h = 4, 64, 4, 2, 16
+  q = numerics.normal(gen, (b, t, n, h), jnp.float32)
+  k, v = (numerics.normal(gen, (b, t, kv, h), jnp.float32) for _ in range(2))
+  ct = (numerics.normal(gen, q.shape, jnp.float32), numerics.normal(gen, q.shape[:-1],
+                                                                     jnp.float32))
+  order = jk.zigzag(t, 2) if layout == "zigzag" else np.arange(t)
+  undo = np.argsort(order)
+  spec = P("data", "model", None, None)
+  fn = jax.jit(lambda q, k, v: jk.flash_attention(q, k, v, causal=causal, return_lse=True,
+                                                  sequence_layout=layout, implementation=impl))
+  placed = [_put(mesh, x[:, order], spec) for x in (q, k, v)]
+  context = jk.interpret_mode("triton") if impl else contextlib.nullcontext()
+  with context, warnings.catch_warnings():
+    warnings.simplefilter("error", jk.ShardingWarning)
+    warnings.simplefilter("ignore", jk.FallbackWarning)
+    (out, lse), vjp = jax.vjp(fn, *placed)
+    grads = vjp((ct[0][:, order], ct[1][:, order]))
+    text = fn.lower(*placed).compile().as_text()
+  assert out.sharding.spec == spec and lse.sharding.spec == P(*spec[:3])
+  assert "collective-permute" in text and "all-gather" not in text
+  whole = lambda x: jnp.asarray(np.asarray(x)[:, undo])  # back in position order
+  got = ((whole(out), whole(lse)), tuple(map(whole, grads)))
+
+  def ref(cd):
+    return lambda q, k, v: attention_reference.attention(
+        q, k, v, window=Window.of(causal, None), scale=h ** -0.5, return_lse=True,
+        compute_dtype=cd)
+
+  numerics.assert_matches(got, ref, (q, k, v), ct, dtype=jnp.float32, reduction=t)
+
+
+def test_ring_attention_bad_layout_names_itself(mesh):
+  q = jnp.zeros((4, 12, 2, 16))
+  with pytest.raises(ValueError, match="sequence_layout='zigzag' orders the positions for ring "
+                     "attention.*window=\\(8, 0\\)"):
+    jk.flash_attention(q, q, q, causal=True, local_window_size=8, sequence_layout="zigzag")
+  with pytest.raises(ValueError, match="sequence_layout=.striped. is not one of"):
+    jk.flash_attention(q, q, q, sequence_layout="striped")
+  placed = _put(mesh, jnp.zeros((4, 10, 2, 16)), P("data", "model"))
+  with pytest.raises(ValueError, match="needs each of the 2 sequence shards to hold two equal "
+                     "chunks: T=10 is not a multiple of 4"):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", jk.FallbackWarning)
+      jk.flash_attention(placed, placed, placed, causal=True, sequence_layout="zigzag")
+
+
 def test_decode_attention_splits_batch_and_heads(mesh):
   """decode_attention's cache split over the batch and the kv heads, lengths with the batch:
   the reference's numbers, the output split as q was, nothing gathered."""
@@ -546,6 +606,57 @@ def test_matmul_glu_layouts(mesh, layout):
   assert out.sharding.spec[0] == spec_a[0]  # the rows stay split
   numerics.assert_matches(got, glu_spec("silu", False, False), (a, b), ct, dtype=jnp.float32,
                           reduction=k, pointwise_rtol=_activations.RTOL)
+
+
+STACKED_GLU_LAYOUTS = {  # name: (A's spec, the stacked B's, the output's)
+    "data parallel": (P(("data", "model"), None), P(None, None, None), P(("data", "model"), None)),
+    "column parallel": (P("data", None), P(None, None, "model"), P("data", "model")),
+    "row parallel": (P("data", "model"), P("model", None, None), P("data", None)),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(STACKED_GLU_LAYOUTS))
+def test_matmul_stacked_glu_layouts(mesh, layout):
+  """matmul(glu=True) with b stacked (K, 2, N), bias (2, N) and a residual: split over N each
+  shard gates its own columns (tensor parallelism's column-parallel MLP: nothing gathered,
+  nothing warned, the output split over N); split over K the partial products are summed
+  before the gate; forward and every gradient as the side-by-side call on one device."""
+  spec_a, spec_b, spec_out = STACKED_GLU_LAYOUTS[layout]
+  gen = numerics.rng("sharding-matmul-stacked-glu", layout)
+  m, k, n = 32, 64, 24
+  a = numerics.normal(gen, (m, k), jnp.float32, k ** -0.25)
+  b = numerics.normal(gen, (k, 2, n), jnp.float32, k ** -0.25)
+  bias, res = numerics.normal(gen, (2, n), jnp.float32), numerics.normal(gen, (m, n), jnp.float32)
+  ct = numerics.normal(gen, (m, n), jnp.float32)
+  config = jk.ops.matmul.triton.Config(block_m=16, block_n=16, block_k=16, num_warps=4,
+                                       num_stages=1)
+  fn = jax.jit(lambda a, b, bias, res: jk.matmul(
+      a, b, bias=bias, residual=res, activation="silu", glu=True,
+      precision=jax.lax.Precision.HIGHEST, implementation="triton", config=config))
+  with jk.interpret_mode("triton"), warnings.catch_warnings():
+    warnings.simplefilter("error", jk.ShardingWarning)
+    out, vjp = jax.vjp(fn, _put(mesh, a, spec_a), _put(mesh, b, spec_b),
+                       _put(mesh, bias, P(None, spec_b[2])), _put(mesh, res, spec_out))
+    got = (out, vjp(ct))
+    text = fn.lower(_put(mesh, a, spec_a), _put(mesh, b, spec_b),
+                    _put(mesh, bias, P(None, spec_b[2])), _put(mesh, res, spec_out)).as_text()
+  assert out.sharding.spec == spec_out
+  assert "all-gather" not in text and "all_gather" not in text
+  side_by_side = glu_spec("silu", True, True)
+  want = lambda cd: (lambda a, b, bias, res: side_by_side(cd)(
+      a, b.reshape(k, 2 * n), bias.reshape(2 * n), res))
+  numerics.assert_matches(got, want, (a, b, bias, res), ct, dtype=jnp.float32, reduction=k,
+                          pointwise_rtol=_activations.RTOL)
+
+
+def test_matmul_stacked_glu_bad_input_names_itself():
+  a = jnp.ones((4, 8))
+  with pytest.raises(ValueError, match=r"stacked, \(K, 2, N\).*got b shape \(8, 3, 4\)"):
+    jk.matmul(a, jnp.ones((8, 3, 4)), activation="silu", glu=True)
+  with pytest.raises(ValueError, match=r"bias must be \(2, 4\).*got shape \(8,\)"):
+    jk.matmul(a, jnp.ones((8, 2, 4)), bias=jnp.ones(8), activation="silu", glu=True)
+  with pytest.raises(ValueError, match="disagree on K"):
+    jk.matmul(a, jnp.ones((6, 2, 4)), activation="silu", glu=True)
 
 
 def test_gather_warns_once_and_an_explicit_kernel_refuses(mesh):

@@ -95,7 +95,7 @@ def test_fully_sharded_step_matches_one_device():
     losses.append(got)
     if where is not None:
       model, opt = nnx.merge(graphdef, state)
-      assert model.blocks.qkv[...].sharding.spec == P(None, "fsdp", None)
+      assert model.blocks.qkv[...].sharding.spec == P(None, "fsdp", None, None, None)
       assert model.blocks.mlp.down[...].sharding.spec == P(None, None, "fsdp")
       assert model.embed.embedding[...].sharding.spec == P(None, "fsdp")
       moments = jax.tree.leaves(nnx.state(opt))
@@ -104,16 +104,153 @@ def test_fully_sharded_step_matches_one_device():
   np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
+_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|"
+                         r"collective-permute|all-to-all)(?:-start)?\(.*?replica_groups=(\S+)")
+
+
+def collectives(text: str) -> list[tuple[str, str, str]]:
+  """(kind, shape, replica groups) of each collective in a compiled program's HLO text."""
+  return [(kind, shape, groups.rstrip(",")) for shape, kind, groups in
+          _COLLECTIVE.findall(text)]
+
+
+@pytest.mark.cpu_only
+def test_tensor_parallel_step_matches_one_device():
+  """(data 2, fsdp 2, tensor 2), the kernels interpreted: the same losses step for step as on
+  one device; q/k/v's kv heads, the MLP's hidden width, out's and down's rows and the
+  vocabulary split over tensor (the loss vocabulary-parallel); and the compiled step's
+  collectives over tensor are Megatron's: of the activations, an all-reduce after each
+  row-parallel product (attention's out, the MLP's down) forward, one before each
+  column-parallel product (qkv, gate_up) backward, one for the loss' dx; nothing else of an
+  activation's size is gathered, permuted or reduced over tensor."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  import jaxkernels as jk
+  cfg = llama.preset("tiny", max_len=32)
+  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  data, _ = train.corpus()
+  losses = {}
+  for name, where in (("one device", None), ("tensor", train.mesh(data=2, fsdp=2, tensor=2))):
+    graphdef, state = train.init(cfg, tc, where)
+    step = train.step_fn(graphdef, donate=False)
+    with jax.set_mesh(where) if where else contextlib.nullcontext(), jk.interpret_mode("triton"):
+      if where is not None:
+        text = step.lower(state, train.shard_batch(train.batch_at(data, 0, tc), where)
+                          ).compile().as_text()
+      got = []
+      for s in range(3):
+        state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
+        got.append(float(metrics["loss"]))
+    losses[name] = got
+  model = nnx.merge(graphdef, state)[0]
+  specs = {name: tuple(getattr(model.blocks, name)[...].sharding.spec) for name in ("qkv", "out")}
+  assert specs == {"qkv": (None, "fsdp", "tensor", None, None), "out": (None, "tensor", "fsdp")}
+  assert model.blocks.mlp.gate_up[...].sharding.spec == P(None, "fsdp", None, "tensor")
+  assert model.blocks.mlp.down[...].sharding.spec == P(None, "tensor", "fsdp")
+  assert model.head.kernel[...].sharding.spec == P("fsdp", "tensor")
+  # Float32 throughout; sums over the batch, the heads and the vocabulary in another order.
+  np.testing.assert_allclose(losses["tensor"], losses["one device"], rtol=1e-5)
+
+  found = collectives(text)
+  tensor_pairs = "{{0,1},{2,3},{4,5},{6,7}}"  # device d*4 + f*2 + t: tensor's groups
+  rows = "f32[2,32,"  # a device's activations: 2 sequences of 32 tokens
+  activations = [c for c in found if re.match(r"\w+\[\d+,32,", c[1])]  # any batch of them
+  over_tensor = [c for c in activations if c[2] == tensor_pairs]
+  assert [c[0] for c in over_tensor] == ["all-reduce"] * (4 * cfg.depth + 1), found
+  assert all(shape.startswith(f"{rows}{cfg.width}]") for _, shape, _ in over_tensor), over_tensor
+  # Of the activations nothing else crosses devices (a group of one device is no transfer).
+  moved = [c for c in activations if c[2] != tensor_pairs and not re.fullmatch(
+      r"\{(\{\d+\},?)+\}", c[2])]
+  assert not moved, moved
+  assert not [c for c in found if c[0] in ("collective-permute", "all-to-all")], found
+
+
+@pytest.mark.cpu_only
+def test_sequence_parallel_step_matches_one_device():
+  """(fsdp 4, sequence 2), the kernels interpreted: the stream split along the sequence,
+  attention as ring attention on the zig-zag layout: the same losses step for step as on one
+  device; the k/v blocks go around the ring (collective-permutes) and no activation is
+  gathered."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  import jaxkernels as jk
+  cfg = llama.preset("tiny", max_len=32)
+  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  data, _ = train.corpus()
+  losses = {}
+  for name, where in (("one device", None), ("sequence", train.mesh(fsdp=4, sequence=2))):
+    graphdef, state = train.init(cfg, tc, where)
+    step = train.step_fn(graphdef, donate=False)
+    with jax.set_mesh(where) if where else contextlib.nullcontext(), jk.interpret_mode("triton"):
+      if where is not None:
+        text = step.lower(state, train.shard_batch(train.batch_at(data, 0, tc), where)
+                          ).compile().as_text()
+      got = []
+      for s in range(3):
+        state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
+        got.append(float(metrics["loss"]))
+    losses[name] = got
+  # Float32 throughout; the online softmax merges the ring's blocks in another order.
+  np.testing.assert_allclose(losses["sequence"], losses["one device"], rtol=1e-5)
+  assert "collective-permute" in text
+  # A device's activations are 2 sequences of 16 positions; nothing of the batch's size moves.
+  gathered = [c for c in collectives(text) if c[0] == "all-gather"
+              and re.match(r"\w+\[\d+,(16|32),", c[1])]
+  assert not gathered, gathered
+
+
+@pytest.mark.cpu_only
+def test_two_processes_train_as_one(tmp_path):
+  """Two processes of 4 host devices each (jax.distributed, gloo), the mesh fsdp 4 x data 2
+  over all 8, each process loading only its rows and orbax saving each one's shards: the same
+  losses as one process with 8 devices, and the checkpoint they wrote resumes in one process
+  to the uninterrupted run's next losses."""
+  port = 20000 + os.getpid() % 20000
+  common = ["--steps", "4", "--warmup", "1", "--batch", "8", "--seq-len", "32",
+            "--mesh", "data=2,fsdp=4", "--checkpoint-every", "4", "--log-every", "2",
+            "--no-compilation-cache"]
+  run = lambda devices, *extra: subprocess.Popen(
+      [sys.executable, "-m", "models.train", *common, *extra], cwd=ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+  checkpoints = tmp_path / "two"
+  pair = [run(4, "--coordinator", f"localhost:{port}", "--num-processes", "2",
+              "--process-id", str(i), "--metrics", str(tmp_path / "two.jsonl"),
+              "--checkpoint-dir", str(checkpoints)) for i in range(2)]
+  outs = [p.communicate(timeout=600)[0] for p in pair]
+  assert [p.returncode for p in pair] == [0, 0], outs
+  assert "mesh {'data': 2, 'fsdp': 4, 'tensor': 1, 'sequence': 1}" in outs[0], outs[0]
+  assert not re.search(r"^step \d|final loss", outs[1], re.M), outs[1]  # process 0 speaks
+  # One process, 8 devices: the same 4 steps, then on to 6 from its own checkpoint and from
+  # the pair's (a longer --steps trains on, the cosine over the new length).
+  for name in ("one", "one", "pair's"):
+    directory = checkpoints if name == "pair's" else tmp_path / "one"
+    steps = "4" if not (tmp_path / "one.jsonl").exists() else "6"
+    single = run(8, "--metrics", str(tmp_path / f"{name}.jsonl"), "--steps", steps,
+                 "--checkpoint-dir", str(directory))
+    out = single.communicate(timeout=600)[0]
+    assert single.returncode == 0 and (steps == "4" or "resumed at step 4" in out), out
+  want, got = _curve(tmp_path / "one.jsonl"), _curve(tmp_path / "two.jsonl")
+  assert sorted(got) == [1, 2, 3, 4] and sorted(want) == [1, 2, 3, 4, 5, 6]
+  # Float32; the sums across the processes' devices run in another order.
+  np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-5)
+  after = _curve(tmp_path / "pair's.jsonl")
+  np.testing.assert_allclose([after[5], after[6]], [want[5], want[6]], rtol=1e-5)
+
+
 def test_a_checkpoint_restores_onto_another_mesh(tmp_path):
   """Saved after two steps on one layout, restored onto another (data 2 x fsdp 4 to one
-  device, one device to data 4 x fsdp 2): the arrays come back laid out as the new mesh lays
-  them, and the third step's loss is the one the saving run took."""
+  device, one device to data 4 x fsdp 2, data 2 x fsdp 4 to data 2 x fsdp 2 x tensor 2): the
+  arrays come back laid out as the new mesh lays them, and the third step's loss is the one
+  the saving run took."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   cfg = llama.preset("tiny", max_len=32)
   tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
   data, _ = train.corpus()
-  meshes = {"one device": None, "data 2 x fsdp 4": train.mesh(2), "data 4 x fsdp 2": train.mesh(4)}
+  meshes = {"one device": None, "data 2 x fsdp 4": train.mesh(2), "data 4 x fsdp 2": train.mesh(4),
+            "data 2 x fsdp 2 x tensor 2": train.mesh(2, tensor=2)}
   steps = {}  # one compiled step a mesh
 
   def run(name, s, state):
@@ -124,7 +261,8 @@ def test_a_checkpoint_restores_onto_another_mesh(tmp_path):
     return state, float(metrics["loss"])
 
   for saved_on, restored_on in (("data 2 x fsdp 4", "one device"),
-                                ("one device", "data 4 x fsdp 2")):
+                                ("one device", "data 4 x fsdp 2"),
+                                ("data 2 x fsdp 4", "data 2 x fsdp 2 x tensor 2")):
     graphdef, state = train.init(cfg, tc, meshes[saved_on])
     for s in range(2):
       state, _ = run(saved_on, s, state)
@@ -141,8 +279,9 @@ def test_a_checkpoint_restores_onto_another_mesh(tmp_path):
     qkv = nnx.merge(graphdef, restored)[0].blocks.qkv[...]
     if where is None:
       assert len(qkv.sharding.device_set) == 1
-    else:
-      assert qkv.sharding.mesh.shape == where.shape and qkv.sharding.spec == P(None, "fsdp", None)
+    else:  # laid out as the new mesh lays it: over tensor too where it has one
+      assert qkv.sharding.mesh.shape == where.shape and qkv.sharding.spec == P(
+          None, "fsdp", "tensor" if where.shape["tensor"] > 1 else None, None, None)
     _, got = run(restored_on, 2, restored)
     # The same float32 numbers; the sums over the batch and the gathers in another order.
     np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{saved_on} -> {restored_on}")
@@ -214,7 +353,7 @@ def _main(capsys, *argv):
 
 def test_bad_input_names_itself(tmp_path, capsys):
   code, err = _main(capsys, "--preset", "huge")
-  assert code == 2 and "preset 'huge' does not exist; presets: tiny, 125m, 350m, 1b" in err
+  assert code == 2 and "preset 'huge' does not exist; presets: tiny, 125m, 350m, 1b, 8b" in err
   code, err = _main(capsys, "--remat", "most")
   assert code == 2 and "remat='most' is not one of" in err
   short = tmp_path / "short.txt"
@@ -250,14 +389,62 @@ def test_a_mesh_that_does_not_divide_the_model_is_refused_before_anything_is_wri
                      r"axes \('fsdp',\) of size 3, which does not divide it"):
     train.init(llama.preset("tiny", max_len=32), train.TrainConfig(batch=6, seq_len=32),
                train.mesh(1, devices=six[:3]))
-  monkeypatch.setattr(train.jax, "local_devices", lambda: six)
+  monkeypatch.setattr(train, "_devices", lambda: six)
   directory = tmp_path / "run"
   code, err = _main(capsys, "--batch", "12", "--seq-len", "32", "--steps", "2",
                     "--checkpoint-dir", str(directory))
   assert code == 2, err
-  assert ("--data 1 on 6 devices (data 1 x fsdp 6): the model's" in err
+  assert ("--mesh data=1,fsdp=6,tensor=1,sequence=1 (6 devices): the model's" in err
           and "(embed, size 64) is laid out over mesh axes ('fsdp',) of size 6" in err), err
   assert not directory.exists()
+  # Tensor parallelism over more devices than the tiny model's 2 kv heads.
+  monkeypatch.setattr(train, "_devices", lambda: jax.devices()[:8])
+  code, err = _main(capsys, "--batch", "8", "--seq-len", "32", "--steps", "2", "--mesh",
+                    "data=2,tensor=4", "--checkpoint-dir", str(directory))
+  assert code == 2, err
+  assert ("--mesh data=2,fsdp=1,tensor=4,sequence=1 (8 devices): the model's" in err
+          and "(heads, size 2) is laid out over mesh axes ('tensor',) of size 4" in err), err
+  # The sequence over more shards than --seq-len has positions for.
+  code, err = _main(capsys, "--batch", "8", "--seq-len", "30", "--steps", "2", "--mesh",
+                    "fsdp=2,sequence=4", "--checkpoint-dir", str(directory))
+  assert code == 2 and "--seq-len 30 must be a multiple of the sequence axis' 4 devices" in err
+  assert not directory.exists()
+
+
+def test_a_layout_that_does_not_fit_is_refused_before_anything_is_written(
+    tmp_path, capsys, monkeypatch):
+  """A device whose memory cannot hold its share of the parameters and the optimizer's state
+  (a checkpoint restored onto too few devices, say): a usage error with the numbers and what
+  to change, the checkpoint directory untouched; spread over more devices it fits."""
+  directory = tmp_path / "run"
+  assert train.main(["--steps", "2", "--warmup", "1", "--batch", "8", "--seq-len", "32",
+                     "--checkpoint-dir", str(directory)]) == 0
+  before = {p: p.stat().st_mtime_ns for p in directory.rglob("*")}
+  monkeypatch.setattr(train, "device_limit", lambda where: 1 << 20)  # 1 MiB a device
+  monkeypatch.setattr(train, "_devices", lambda: jax.devices()[:1])
+  code, err = _main(capsys, "--steps", "4", "--warmup", "1", "--batch", "8", "--seq-len", "32",
+                    "--checkpoint-dir", str(directory))
+  assert code == 2, err
+  assert re.search(r"--mesh data=1,fsdp=1,tensor=1,sequence=1 \(1 devices\): a device would "
+                   r"hold \d+\.\d MiB of parameters and \d+\.\d MiB of optimizer state, more "
+                   r"than its 1\.0 MiB; spread them over more devices", err), err
+  assert {p: p.stat().st_mtime_ns for p in directory.rglob("*")} == before
+
+
+def test_mesh_flag_names_what_it_takes(capsys, monkeypatch):
+  """--mesh: an unknown axis, an axis twice, a size that is not a whole number, sizes whose
+  product is not the device count: each a usage error saying what is accepted."""
+  monkeypatch.setattr(train, "_devices", lambda: jax.devices()[:8])
+  for value, says in (
+      ("data=2,model=4", "has an unknown axis 'model'; the axes are data, fsdp, tensor, "
+       "sequence"),
+      ("data=2,data=4", "names axis 'data' twice"),
+      ("data2", "is not of the form axis=size"),
+      ("tensor=two", "tensor='two' must be a whole number >= 1"),
+      ("data=3", "--mesh data=3,tensor=1,sequence=1 must divide the 8 devices"),
+      ("data=2,fsdp=2,tensor=4", "holds 16 devices; there are 8")):
+    code, err = _main(capsys, "--mesh", value)
+    assert code == 2 and says in err, (value, err)
 
 
 def test_flags_are_checked_and_help_shows_defaults(capsys):

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxkernels import _checks, backend, remat
 from jaxkernels._tiling import bucket
 from jaxkernels.ops.attention import (mosaic_gpu, mosaic_tpu, mosaic_tpu_decode, reference,
-                                      triton, triton_decode)
+                                      ring, triton, triton_decode)
 from jaxkernels.ops.attention.common import Window
 from jaxkernels.partitioning import Free, Whole
 
@@ -104,7 +104,7 @@ def _segments(name, value, want, against):
 
 
 def _validate(q, k, v, *, causal, scale, bias, segment_ids, kv_segment_ids, local_window_size,
-              logits_soft_cap, return_lse=False) -> dict:
+              logits_soft_cap, sequence_layout="contiguous", return_lse=False) -> dict:
   del return_lse  # the public op's to act on
   q = _checks.array(OP, "q", q, min_rank=4)
   k = _checks.array(OP, "k", k, min_rank=4)
@@ -157,8 +157,24 @@ def _validate(q, k, v, *, causal, scale, bias, segment_ids, kv_segment_ids, loca
     bias = bias.reshape((1,) * (len(want) - bias.ndim) + _shape(bias))
     if _shape(bias)[-2:] != (t, s):  # the kernels read whole (T, S) planes
       bias = jnp.broadcast_to(bias, (*_shape(bias)[:-2], t, s))
+  layout = _checks.choice(OP, "sequence_layout", sequence_layout, ring.LAYOUTS)
+  if layout == "zigzag" and not _ringable(q, k, bias, segment_ids, window, soft_cap):
+    raise ValueError(f"{OP}: sequence_layout='zigzag' orders the positions for ring attention, "
+                     "which takes plain or causal attention of q and k of one length (no bias, "
+                     "segment ids, window or soft cap); got "
+                     f"T={t}, S={s}, window={tuple(window)}, bias "
+                     f"{'given' if bias is not None else 'None'}, segment_ids "
+                     f"{'given' if segment_ids is not None else 'None'}, logits_soft_cap "
+                     f"{soft_cap}")
   return dict(q=q, k=k, v=v, bias=bias, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-              window=window, scale=scale, soft_cap=soft_cap)
+              window=window, scale=scale, soft_cap=soft_cap, layout=layout)
+
+
+def _ringable(q, k, bias, segment_ids, window, soft_cap, **unused) -> bool:
+  """Whether a split sequence runs as ring attention (else it is gathered): plain or causal
+  attention of q and k of one length, nothing else."""
+  return (bias is None and segment_ids is None and soft_cap is None
+          and window in (Window(None, None), Window(None, 0)) and _shape(q)[-3] == _shape(k)[-3])
 
 
 def _finite_float(name, value) -> float:
@@ -176,12 +192,13 @@ def _finite_float(name, value) -> float:
 # --------------------------------------------------------------------------- #
 
 
-def _rule(q, **unused):
+def _rule(q, **args):
   """The split rule: the batch dimensions and the heads split freely, q's N with k's K (each
-  shard holds whole GQA groups; heads whose kv heads the axes do not divide stay whole); a
-  split sequence (T or S) or head dim is gathered. The bias broadcasts where its batch or head
-  dimension is 1. On a mesh of Auto axes, the dimensions' logical names are Flax's: q's and
-  k's heads both "heads"."""
+  shard holds whole GQA groups; heads whose kv heads the axes do not divide stay whole); the
+  sequence, q's T with k's and v's S, splits too where the call is ring attention's
+  (:func:`_ringable`), else a split sequence is gathered, as is a split head dim. The bias
+  broadcasts where its batch or head dimension is 1. On a mesh of Auto axes, the dimensions'
+  logical names are Flax's: q's and k's heads both "heads", their sequences "length"."""
   nb = q.ndim - 3
   batch = tuple(Free(f"batch{i}", "batch" if i == 0 else None, label="batch")
                 for i in range(nb))
@@ -189,18 +206,67 @@ def _rule(q, **unused):
   whole = lambda name, why: Whole(name, why=f"the kernels {why} it whole",
                                   instead="split the batch or the heads")
   broadcast = lambda d: dataclasses.replace(d, broadcast=True)
-  return dict(q=(*batch, whole("length", "walk"), heads, whole("kv", "contract")),
-              k=(*batch, whole("length", "walk"), heads, whole("kv", "contract")),
-              v=(*batch, whole(None, "walk"), heads, whole(None, "read")),
+  if _ringable(q, **args):
+    length = kv_length = Free("sequence", "length", label="sequence")
+  else:
+    length, kv_length = whole("length", "walk"), whole(None, "walk")
+  return dict(q=(*batch, length, heads, whole("kv", "contract")),
+              k=(*batch, length, heads, whole("kv", "contract")),
+              v=(*batch, kv_length, heads, whole(None, "read")),
               bias=(*map(broadcast, batch), broadcast(heads), Whole(), Whole()),
               segment_ids=(*batch, Whole()), kv_segment_ids=(*batch, Whole()),
               lengths=batch)
 
 
 def _out(rule, **unused):
-  """The output (..., T, N, H) and the log-sum-exp (..., T, N): split as q's batch and heads."""
-  rows, heads = rule["q"][:-3], rule["q"][-2]
-  return (*rows, None, heads, None), (*rows, None, heads)
+  """The output (..., T, N, H) and the log-sum-exp (..., T, N): split as q's batch, sequence
+  and heads."""
+  rows, length, heads = rule["q"][:-3], rule["q"][-3], rule["q"][-2]
+  return (*rows, length, heads, None), (*rows, length, heads)
+
+
+def _across(where, rule, local, *, q, k, v, bias, segment_ids, kv_segment_ids, window, scale,
+            soft_cap, layout):
+  """Per shard: the kernels on each shard's batch and heads; where the sequence is split,
+  ring attention over its mesh axes (``ring``), each step on the kernels the unsplit call's
+  plan would take for that block (or the reference)."""
+  arrays = dict(q=q, k=k, v=v, bias=bias, segment_ids=segment_ids,
+                kv_segment_ids=kv_segment_ids)
+  out = _out(rule)
+  axes = where.axes("sequence")
+  if not axes:
+    return where.run(local, arrays, rule, out)
+  n = where.size("sequence")
+  if layout == "zigzag" and (q.shape[-3] // n) % 2:
+    raise ValueError(f"{OP}: sequence_layout='zigzag' needs each of the {n} sequence shards to "
+                     f"hold two equal chunks: T={q.shape[-3]} is not a multiple of {2 * n}")
+
+  def plan(qb, kb, causal):
+    return local.plan(q=qb, k=kb, v=kb, window=Window.of(causal, None))
+
+  def forward(qb, kb, vb, causal):
+    chosen = plan(qb, kb, causal)
+    if chosen is None:
+      return reference.attention(qb, kb, vb, window=Window.of(causal, None), scale=scale,
+                                 return_lse=True)
+    return chosen.run(chosen.kernels.forward, qb, kb, vb, None, None, None)
+
+  def backward(qb, kb, vb, out, lse, dout, dlse, causal):
+    chosen = plan(qb, kb, causal)
+    if chosen is None:
+      return reference.block_grads(qb, kb, vb, out, lse, dout, dlse,
+                                   window=Window.of(causal, None), scale=scale)
+    return chosen.run(chosen.kernels.backward, qb, kb, vb, None, None, None, out, lse, dout,
+                      dlse)[:3]
+  blocks = ring.Blocks(forward, backward)
+
+  def per_shard(q, k, v, **unused):
+    lead = q.shape[:-3]
+    o, l = ring.attention(blocks, axes, n, window == Window(None, 0), layout,
+                          _flat(q, 3), _flat(k, 3), _flat(v, 3))
+    return o.reshape(q.shape), l.reshape((*lead, *l.shape[1:]))
+
+  return where.run(per_shard, arrays, rule, out)
 
 
 # --------------------------------------------------------------------------- #
@@ -269,10 +335,12 @@ def _kernel(plan, q, k, v, bias, segment_ids, kv_segment_ids, **unused):
   return out.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
-def _reference(q, k, v, bias, segment_ids, kv_segment_ids, window, scale, soft_cap):
+def _reference(q, k, v, bias, segment_ids, kv_segment_ids, window, scale, soft_cap, layout):
   """(out, lse) by the reference. No key at all: every query sees nothing. No query (T = 0,
   or an empty batch or head axis): nothing to compute, and no gradient for k and v (T = 0 once
-  reached a reshape's ZeroDivisionError)."""
+  reached a reshape's ZeroDivisionError). ``layout``: unsplit, the zig-zag order is the
+  identity (one shard)."""
+  del layout
   if k.shape[-3] == 0 or q.size == 0:
     return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
   q2, k2, v2, bias, q_seg, kv_seg = _flat_args(q, k, v, bias, segment_ids, kv_segment_ids)
@@ -283,8 +351,8 @@ def _reference(q, k, v, bias, segment_ids, kv_segment_ids, window, scale, soft_c
 
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None, bias=None,
                     segment_ids=None, kv_segment_ids=None, local_window_size=None,
-                    logits_soft_cap: float | None = None, return_lse: bool = False,
-                    implementation=None, config=None):
+                    logits_soft_cap: float | None = None, sequence_layout: str = "contiguous",
+                    return_lse: bool = False, implementation=None, config=None):
   """Softmax attention, computed block by block without the (T, S) matrix in memory.
 
   The layout and mask semantics of ``jax.nn.dot_product_attention``: query i sits at position
@@ -303,6 +371,12 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     local_window_size: int w (query i sees i - w <= j <= i + w) or (left, right).
     logits_soft_cap: c > 0: logits become c * tanh(logits / c) (after the scale, before the
       bias, so that a bias can still mask).
+    sequence_layout: where T and S are split over mesh axes (ring attention, below): how the
+      positions lie over the shards. "contiguous" (default): shard i holds positions
+      [i T/n, (i + 1) T/n). "zigzag": T in 2n chunks, shard i holding chunks i and 2n - 1 - i
+      (``jaxkernels.zigzag(T, n)`` is that order; lay the tokens out by it, positions and
+      labels with them), so that causal attention is the same work on every shard. Unsplit,
+      either is the identity.
     return_lse: also return the (..., T, N) float32 log-sum-exp of each query's logits
       (natural log; -inf for a query that sees no key), with its gradient.
     implementation: None (best available), "xla", "mosaic_gpu" (Hopper), "triton",
@@ -314,12 +388,17 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     key (every key masked) gets 0 and zero gradients, not NaN (``jax.nn.dot_product_attention``
     gives such a query the mean of v).
 
-  Sharded arrays (a mesh of Explicit axes): the batch dims and the heads split freely; a split
-  T, S or H is gathered with a ``ShardingWarning``.
+  Sharded arrays (a mesh of Explicit axes, or Auto axes with the rules): the batch dims and
+  the heads split freely. T split with S over the same mesh axes runs ring attention
+  (sequence parallelism): k and v blocks passed around the shards, each step on the same
+  kernels, forward and backward, the memory a device holds 1 / shards of the whole; for plain
+  or causal attention with T == S (no bias, segment ids, window or soft cap). Otherwise a split
+  T or S, and a split H, is gathered with a ``ShardingWarning``.
   """
   out, lse = backend.call(_OP, implementation, config, q=q, k=k, v=v, causal=causal, scale=scale,
                           bias=bias, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                          local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
+                          local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                          sequence_layout=sequence_layout)
   return (out, lse) if return_lse else out
 
 
@@ -338,7 +417,7 @@ _OP = backend.register(backend.Op(
     validate=_validate, problem=_problem, reference=_reference, kernel=_kernel,
     options=lambda window, scale, soft_cap, **unused: dict(window=window, scale=scale,
                                                            soft_cap=soft_cap),
-    rule=_rule, out=_out,
+    rule=_rule, out=_out, across=_across,
 ), flash_attention)
 
 

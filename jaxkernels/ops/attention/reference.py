@@ -68,6 +68,34 @@ def attention(q, k, v, *, bias=None, q_segments=None, kv_segments=None,
   return out, lse.astype(compute_dtype or jnp.float32)
 
 
+def block_grads(q, k, v, out, lse, dout, dlse, *, window: Window, scale: float):
+  """(dq, dk, dv) of one k/v block's share of an attention whose whole output ``out`` and
+  log-sum-exp ``lse`` (B, T, N) are given (ring attention's backward; what the kernels'
+  backward computes from them): P = exp(logits - lse) on the block, dv = P^T dout,
+  dS = P (dout v^T - rowsum(dout out) + dlse), dq = scale dS k, dk = scale dS^T q. float32."""
+  b, t, n, h = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
+  group = n // kv_heads
+  f32 = lambda a: a.astype(jnp.float32)
+  hi = lax.Precision.HIGHEST
+  qg = f32(q).reshape(b, t, kv_heads, group, h)
+  logits = jnp.einsum("btkgh,bskh->bkgts", qg, f32(k), precision=hi) * scale
+  row = lambda x: jnp.moveaxis(x.reshape(b, t, kv_heads, group), 1, 3)[..., None]  # bkgt1
+  p = jnp.exp(logits - jnp.where(jnp.isneginf(row(lse)), 0.0, row(lse)))
+  mask = visible(jnp.arange(t)[:, None], jnp.arange(s)[None, :], window)
+  if mask is not None:
+    p = jnp.where(mask, p, 0.0)
+  p = jnp.where(jnp.isneginf(row(lse)), 0.0, p)
+  do = f32(dout).reshape(b, t, kv_heads, group, h)
+  dv = jnp.einsum("bkgts,btkgh->bskh", p, do, precision=hi)
+  dp = jnp.einsum("btkgh,bskh->bkgts", do, f32(v), precision=hi)
+  delta = row(jnp.sum(f32(dout) * f32(out), axis=-1))
+  ds = p * (dp - delta + row(f32(dlse)))
+  dq = jnp.einsum("bkgts,bskh->btkgh", ds, f32(k), precision=hi).reshape(b, t, n, h) * scale
+  dk = jnp.einsum("bkgts,btkgh->bskh", ds, qg, precision=hi) * scale
+  return dq, dk, dv
+
+
 def decode_positions(lengths, n_queries: int):
   """(B, Tq) positions of the new queries: the last ``n_queries`` of each sequence's
   ``lengths[b]`` (their keys and values already written into the cache)."""

@@ -159,6 +159,10 @@ def _validate(a, b, *, bias, activation, residual, glu, out_dtype, precision, a_
               b_scale):
   a = _operand("a", a, 2)
   b = _operand("b", b, 2)
+  if glu and b.ndim == 3:
+    return _validate_stacked(a, b, bias=bias, activation=activation, residual=residual,
+                             out_dtype=out_dtype, precision=precision, a_scale=a_scale,
+                             b_scale=b_scale)
   if b.ndim != 2:
     raise ValueError(f"{OP}: b must be (K, N), rank 2, got shape {tuple(b.shape)}")
   if a.shape[-1] != b.shape[0]:
@@ -193,6 +197,29 @@ def _validate(a, b, *, bias, activation, residual, glu, out_dtype, precision, a_
   # b_dtype: the product's operand dtype where b comes wider (set only by _across).
   return dict(a=a, b=b, bias=bias, activation=activation, residual=residual, glu=glu,
               out_dtype=out_dtype, precision=_in_context(precision), **scales, b_dtype=None)
+
+
+def _validate_stacked(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
+                      b_scale):
+  """glu=True with b stacked (K, 2, N), bias (2, N): the side-by-side call's checks on a
+  (K, 2N) b of its shape (a, K, dtypes, the residual, the activation, out_dtype), b and the
+  bias as given."""
+  if b.shape[1] != 2:
+    raise ValueError(f"{OP}: glu=True with a rank-3 b takes it stacked, (K, 2, N): b[:, 0] the "
+                     f"gate's weights, b[:, 1] up's; got b shape {tuple(b.shape)}")
+  if a_scale is not None or b_scale is not None:
+    raise ValueError(f"{OP}: a stacked glu b (K, 2, N) takes no a_scale or b_scale; pass b "
+                     "side by side, (K, 2N), to scale fp8/int8 operands")
+  k, _, n = b.shape
+  if bias is not None:
+    bias = _checks.array(OP, "bias", bias)
+    if tuple(bias.shape) != (2, n):
+      raise ValueError(f"{OP}: with a stacked glu b {tuple(b.shape)}, bias must be (2, {n}) "
+                       f"(the gate's and up's), got shape {tuple(bias.shape)}")
+  args = _validate(a, jax.ShapeDtypeStruct((k, 2 * n), b.dtype), bias=None,
+                   activation=activation, residual=residual, glu=True, out_dtype=out_dtype,
+                   precision=precision, a_scale=None, b_scale=None)
+  return {**args, "b": b, "bias": bias}
 
 
 def _scales(a, b, a_scale, b_scale, quantized) -> dict:
@@ -283,13 +310,17 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dt
     bias: (N,) or None, added in float32 before the activation.
     activation: None, "gelu" (exact), "gelu_tanh", "silu" or "relu".
     residual: (..., M, N) or None, added after the activation (a residual stream).
-    glu: b holds a gate's and an up projection's weights side by side, [gate | up] (K, 2N);
+    glu: b holds a gate's and an up projection's weights side by side, [gate | up] (K, 2N),
+      or stacked, (K, 2, N) with b[:, 0] the gate's and b[:, 1] up's (bias then (2, N));
       y = activation(a @ gate + bias[:N]) * (a @ up + bias[N:]) + residual is (..., M, N):
       a gated MLP's first half (SwiGLU with "silu"), activation required. On mosaic_gpu, for
       a plain 16-bit product with N a multiple of 64 and nothing sharded, one kernel computes
       each tile's gate and up blocks side by side and writes y (and, for the gradient, z =
       a @ b) from its accumulators; otherwise the product and then ``glu``, on the same
-      implementation where it has a glu kernel.
+      implementation where it has a glu kernel. Stacked, b splits over N (a column-parallel
+      product, tensor parallelism): each shard's (K, 2, N / shards) is its own [gate | up],
+      served whole by that shard's kernel, where side by side a split over 2N would part
+      each gate column from its up column (so that split is gathered, warned).
     out_dtype: the result's dtype; default a's dtype, bfloat16 for fp8/int8 operands.
     precision: None or a jax.lax.Precision, for float32 operands: DEFAULT (and None) lets the
       GPU kernels use tf32 tensor cores as XLA does; HIGHEST asks for full float32.
@@ -361,6 +392,9 @@ def _compose(implementation, config, *, a, b, bias, activation, residual, glu, o
   None (not composed) without glu."""
   if not glu:
     return None
+  if b.ndim == 3:
+    return _stacked(implementation, config, a=a, b=b, bias=bias, activation=activation,
+                    residual=residual, out_dtype=out_dtype, precision=precision)
   arrays = (a, b, bias, residual, a_scale, b_scale)
   target = backend.target_of(*arrays)
   plain = _problem(a, b, bias, activation, residual, out_dtype, precision, b_scale=b_scale)
@@ -384,6 +418,61 @@ def _compose(implementation, config, *, a, b, bias, activation, residual, glu, o
   return y
 
 
+def _stacked(implementation, config, *, a, b, bias, activation, residual, out_dtype,
+             precision):
+  """glu=True with b stacked (K, 2, N), where nothing is split (else None: the rule splits
+  it, :func:`_across`): the side-by-side call on b reshaped in place to (K, 2N); on
+  implementation="xla", plain JAX's products of the gate and up halves (its partitioner
+  splits them)."""
+  if implementation == "xla":
+    z = reference.stacked(a, b, bias=bias, out_dtype=out_dtype, precision=precision)
+    y = elementwise.glu(z[..., 0, :], z[..., 1, :], activation=activation, implementation="xla")
+    return y if residual is None else _add(y, residual)
+  if (any(partitioning.layout(x) for x in (a, b, bias, residual) if x is not None)
+      or partitioning.auto_mesh() is not None):
+    return None
+  return matmul(a, b.reshape(b.shape[0], -1), bias=None if bias is None else bias.reshape(-1),
+                activation=activation, residual=residual, glu=True, out_dtype=out_dtype,
+                precision=precision, implementation=implementation, config=config)
+
+
+def _add(y, residual):
+  return (y.astype(jnp.float32) + residual.astype(jnp.float32)).astype(y.dtype)
+
+
+def _stacked_across(where, rule, *, a, b, bias, activation, residual, out_dtype, precision,
+                    implementation, config):
+  """glu=True with b stacked (K, 2, N), split: on each shard the side-by-side call on its own
+  [gate | up], b reshaped in place to (K, 2N / shards). Rows split freely; N splits
+  column-parallel, each shard gating its own columns (tensor parallelism's first MLP product:
+  nothing gathered); K splits row-parallel, the partial products summed (float32) before the
+  gate, which needs the whole sum."""
+  arrays = dict(a=a, b=b, bias=bias, residual=residual)
+  k_axes = where.axes("k")
+
+  def local(a, b, bias, residual, b_dtype=None):
+    b = b.reshape(b.shape[0], -1).astype(b_dtype or b.dtype)
+    bias = None if bias is None else bias.reshape(-1)
+    if not k_axes:
+      return matmul(a, b, bias=bias, activation=activation, residual=residual, glu=True,
+                    out_dtype=out_dtype, precision=precision, implementation=implementation,
+                    config=config)
+    z = partitioning.psum_out(matmul(a, b, out_dtype=jnp.float32, precision=precision,
+                                     implementation=implementation, config=config), k_axes)
+    z = reference.epilogue(z, bias=bias).astype(out_dtype)
+    y = elementwise.glu(z, activation=activation,
+                        implementation=None if implementation == "mosaic_gpu" else implementation)
+    return y if residual is None else _add(y, residual)
+
+  rows = [d.group for d in rule["a"][:-1]]
+  if where.size(*rows) > 1 and jnp.dtype(b.dtype).itemsize < 4:
+    # dB summed over the row shards in float32, rounded once (as the plain product's rule).
+    arrays["b"] = b.astype(jnp.float32)
+    return where.run(lambda **shards: local(**shards, b_dtype=b.dtype), arrays, rule,
+                     rule["residual"])
+  return where.run(local, arrays, rule, rule["residual"])
+
+
 def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dtype, precision,
             a_scale, b_scale, b_dtype):
   """The matmul on split operands (``partitioning``). The rule (:func:`_rule`):
@@ -401,6 +490,10 @@ def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dt
   The backward partitions with it: shard_map's transpose adds dB over the row shards and
   d(bias) over the rows, and the row-parallel product's psum transposes to a broadcast.
   """
+  if glu and b.ndim == 3:
+    return _stacked_across(where, rule, a=a, b=b, bias=bias, activation=activation,
+                           residual=residual, out_dtype=out_dtype, precision=precision,
+                           implementation=local.implementation, config=local.config)
   arrays = dict(a=a, b=b, bias=bias, residual=residual, a_scale=a_scale, b_scale=b_scale)
   rows = [d.group for d in rule["a"][:-1]]
   k = where.axes("k")
@@ -424,7 +517,7 @@ def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dt
               else dict(a_scale=None, b_scale=None))
     partial = local(a=a, b=b, bias=None, activation=None, residual=None, out_dtype=jnp.float32,
                     **scales)
-    z = lax.psum(partial, k)
+    z = partitioning.psum_out(partial, k)
     after = {} if blocked else dict(a_scale=a_scale, b_scale=b_scale)
     return reference.epilogue(z, bias=bias, activation=activation, residual=residual,
                               **after).astype(out_dtype)
@@ -432,12 +525,15 @@ def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dt
   return where.run(row_parallel, arrays, rule, out)
 
 
-def _rule(a, a_scale, b_scale, **unused):
+def _rule(a, b, a_scale, b_scale, glu, **unused):
   """The split rule (see :func:`_across`). On a mesh of Auto axes: A's rows as "batch",
   "length", ..., K as "embed"; B's N has no name a matmul can know (heads? mlp?), so it stays
-  whole unless B's type splits it."""
+  whole unless B's type splits it; a stacked glu b's is the MLP's, "mlp"."""
   rows = partitioning.row_dims(a.ndim, "embed")
   k, n = Free("k", "embed", label="K"), Free("n", label="N")
+  if glu and b.ndim == 3:
+    n, pair = Free("n", "mlp", label="N"), partitioning.Whole(quiet=True)
+    return dict(a=(*rows, k), b=(k, pair, n), bias=(pair, n), residual=(*rows, n))
   rule = dict(a=(*rows, k), b=(k, n), bias=(n,), residual=(*rows, n),
               a_scale=rows if a_scale is not None and a_scale.ndim else (),
               b_scale=(n,) if b_scale is not None and b_scale.ndim else ())

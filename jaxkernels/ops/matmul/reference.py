@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkernels import _activations
+from jaxkernels import _activations, partitioning
 
 
 def fp8_accuracy(k: int, *, tensor_cores: bool = True) -> tuple[float, float]:
@@ -68,6 +69,26 @@ def is_blocked(a_scale, b_scale) -> bool:
   return b_scale is not None and b_scale.ndim == 2
 
 
+def _summed_split(a, b):
+  """Where a's and b's K are split over a mesh of Explicit axes (a row-parallel product in
+  plain JAX), the output's sharding, which JAX asks for (the partial sums then added across
+  K's axes); else None."""
+  have_a, have_b = partitioning.layout(a), partitioning.layout(b)
+  if have_a is None or have_b is None or not (have_a[1][-1] or have_b[1][0]):
+    return None
+  return jax.sharding.PartitionSpec(*have_a[1][:-1], *have_b[1][1:])
+
+
+def stacked(a, b, *, bias=None, out_dtype, precision=None):
+  """z = a @ b + bias for b (K, 2, N), bias (2, N): (..., M, 2, N), the stacked glu's gate
+  and up products (matmul's reference, contracting a's last dimension with b's first)."""
+  dims = (((a.ndim - 1,), (0,)), ((), ()))
+  acc_dtype = out_dtype if bias is None else accumulator_dtype(a.dtype)
+  z = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc_dtype,
+                      out_sharding=_summed_split(a, b))
+  return z if bias is None else epilogue(z, bias=bias).astype(out_dtype)
+
+
 def matmul(a, b, *, bias=None, activation=None, residual=None, a_scale=None, b_scale=None,
            out_dtype, precision=None):
   if is_blocked(a_scale, b_scale):
@@ -83,9 +104,11 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, a_scale=None, b_s
     # the cotangent in that dtype too, where a float32 product would hand them a float32
     # cotangent and make them float32 matmuls (tf32 on a GPU, at twice the bytes: the plain-JAX
     # Llama's step ran 1.6x slower so, bench/NOTES.md model-2).
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype,
+                           out_sharding=_summed_split(a, b))
   acc = lax.dot_general(a, b, dims, precision=precision,
-                        preferred_element_type=accumulator_dtype(a.dtype))
+                        preferred_element_type=accumulator_dtype(a.dtype),
+                        out_sharding=_summed_split(a, b))
   return epilogue(acc, bias=bias, activation=activation, residual=residual, a_scale=a_scale,
                   b_scale=b_scale).astype(out_dtype)
 
