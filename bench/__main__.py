@@ -16,7 +16,7 @@ import time
 import jax
 
 from bench import (attention, ceilings, cross_entropy, elementwise, harness, lessons, matmul,
-                   model, norms, report, sharding, softmax)
+                   model, norms, report, scaling, sharding, softmax)
 
 SUITES = {
     "norms": norms.run,
@@ -29,6 +29,7 @@ SUITES = {
     "attention": attention.run,
     "model": model.run,
     "lessons": lessons.run,
+    "scaling": scaling.run,
 }
 DEFAULT = ("norms", "elementwise", "softmax")
 # --smoke (the default on a CPU): every op family, at small shapes, each checked against its

@@ -995,6 +995,31 @@ ATTENTION_TPU_CASES = {
 }
 
 
+def test_tpu_compile_ring_attention(tpu4):
+  """Ring attention on 4 chips (the sequence of 8K split, zig-zag, causal, GQA), forward and
+  every gradient compiled for the TPU: the Mosaic TPU kernels on each chip's blocks, the k/v
+  blocks passed by collective permutes, nothing gathered; a chip needs under a third of what
+  one chip running the whole sequence needs (arguments, outputs and temporaries)."""
+  def step(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(jk.flash_attention(
+        q, k, v, causal=True, sequence_layout="zigzag").astype(jnp.float32)),
+        argnums=(0, 1, 2))(q, k, v)
+
+  def compiled(spec):
+    shard = NamedSharding(tpu4, spec)
+    q = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16, sharding=shard)
+    kv = jax.ShapeDtypeStruct((1, 8192, 2, 128), jnp.bfloat16, sharding=shard)
+    return _tpu_compile(tpu4, step, q, kv, kv)
+
+  split, whole = compiled(P(None, "data", None, None)), compiled(P())
+  text = split.as_text()
+  assert "jk_attention_fwd" in text and "collective-permute" in text
+  assert "all-gather" not in text and "all-to-all" not in text
+  per_chip = lambda c: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes +
+                        m.temp_size_in_bytes)(c.memory_analysis())
+  assert per_chip(split) <= per_chip(whole) / 3, (per_chip(split), per_chip(whole))
+
+
 @pytest.mark.parametrize("case", sorted(ATTENTION_TPU_CASES))
 def test_tpu_compile_keeps_attention_batch_split(tpu4, case):
   """The batch split over 4 chips: the Mosaic TPU attention kernels run on each chip's quarter,
@@ -1078,6 +1103,25 @@ def test_cuda_lowering_splits_mosaic_gpu_attention(mesh):
   text = export.export(jax.jit(_mosaic_gpu_attention_grads), platforms=["cuda"])(
       q, kv, kv).mlir_module()
   assert "manual_computation" in text
+  for name in MOSAIC_GPU_ATTENTION_KERNELS:
+    assert name in text, name
+  assert "all_gather" not in text and "all_to_all" not in text
+
+
+def test_cuda_lowering_of_ring_attention_on_mosaic_gpu(mesh):
+  """Ring attention (the sequence over "model", zig-zag, causal) exported for CUDA: each ring
+  step's forward and backward on the Mosaic GPU kernels in the manual computation, the blocks
+  passed by collective permutes, nothing gathered."""
+  from jax import export
+
+  shard = NamedSharding(mesh, P("data", "model", None, None))
+  q = jax.ShapeDtypeStruct((8, 512, 8, 128), jnp.bfloat16, sharding=shard)
+  kv = jax.ShapeDtypeStruct((8, 512, 2, 128), jnp.bfloat16, sharding=shard)
+  grads = lambda q, k, v: jax.grad(lambda q, k, v: jnp.sum(jk.flash_attention(
+      q, k, v, causal=True, sequence_layout="zigzag", implementation="mosaic_gpu").astype(
+          jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+  text = export.export(jax.jit(grads), platforms=["cuda"])(q, kv, kv).mlir_module()
+  assert "manual_computation" in text and "collective_permute" in text
   for name in MOSAIC_GPU_ATTENTION_KERNELS:
     assert name in text, name
   assert "all_gather" not in text and "all_to_all" not in text

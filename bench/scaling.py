@@ -1,0 +1,206 @@
+"""The train step on 1, 2, 4 and 8 devices (as many as this host has), and ring attention.
+
+``python -m bench scaling``. For each layout of ``models.train``'s mesh (data parallel, fsdp,
+fsdp x tensor) at the same batch a device (the model suite's: 4 x 2048 for the 1b), on our
+kernels and on plain JAX (kernels="xla": XLA's ops, cuDNN attention) on the same mesh: tokens/s,
+MFU (PaLM's count over the devices' dense bf16 peak), the scaling efficiency against the same
+kernels on one device (tokens/s over n times one device's), and each device's memory, measured
+(the allocator's peak, the largest over the devices) beside the compiled program's. Each
+measurement runs in a process of its own (its peak its own, an out-of-memory its own).
+
+Ring attention (``flash_attention`` with the sequence split, causal, zig-zag) at T = 64K and
+128K on n devices against one device's flash attention, and against cuDNN on a
+sequence-gathered layout (the heads split instead: q, k and v moved from a sequence split to a
+heads split and back, all-to-alls, with cuDNN on each device's heads), forward and backward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import jax
+
+from bench import harness
+
+PRESET, BATCH, SEQ = "1b", 4, 2048  # a device's batch: the model suite's 1b row
+LAYOUTS = {  # name: mesh sizes on n devices
+    "data": lambda n: {"data": n, "fsdp": 1},
+    "fsdp": lambda n: {"fsdp": n},
+    "fsdp x tensor": lambda n: {"fsdp": n // 2, "tensor": 2},
+}
+RING = {"heads": 16, "kv_heads": 4, "head_dim": 128}  # the 1b's attention
+RING_LENGTHS = (64 * 1024, 128 * 1024)
+
+
+def _timed(fn, *args, calls: int = 5, rounds: int = 3) -> float:
+  """Median seconds a call over ``rounds`` rounds of ``calls``."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / calls)
+  return sorted(times)[len(times) // 2]
+
+
+def _peak(devices) -> int | None:
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+  return max(peaks) if all(p is not None for p in peaks) else None
+
+
+def measure_step(preset: str, kernels: str, sizes: dict, batch: int, seq: int,
+                 steps: int) -> dict:
+  """The train step on the first prod(sizes) devices, laid out by ``sizes``."""
+  from jaxkernels import remat
+  from models import llama, train
+  n = math.prod(sizes.values())
+  devices = jax.devices()[:n]
+  where = train.mesh(devices=devices, **{"data": 1, **sizes})
+  cfg = llama.preset(preset, kernels=kernels)
+  tc = train.TrainConfig(batch=batch * sizes.get("data", 1) * sizes.get("fsdp", 1), seq_len=seq,
+                         steps=10_000, warmup=10)
+  graphdef, state = train.init(cfg, tc, where)
+  step = train.step_fn(graphdef)
+  data, _ = train.corpus()
+  tokens = train.shard_batch(train.batch_at(data, 0, tc), where)
+  with jax.set_mesh(where):
+    start = time.perf_counter()
+    compiled = step.lower(state, tokens).compile()
+    compile_s = time.perf_counter() - start
+    for _ in range(3):
+      state, metrics = compiled(state, tokens)
+    times = []
+    for _ in range(3):
+      start = time.perf_counter()
+      for _ in range(steps):
+        state, metrics = compiled(state, tokens)
+      jax.block_until_ready(metrics)
+      times.append((time.perf_counter() - start) / steps)
+  seconds = sorted(times)[1]
+  rate = tc.batch * seq / seconds
+  peak_flops = train.peak_flops(devices)
+  return {"ms": seconds * 1e3, "tokens_per_s": rate, "loss": float(metrics["loss"]),
+          "mfu": llama.mfu(cfg, rate, seq, peak_flops) if peak_flops else None,
+          "peak_bytes": _peak(devices), "compiled_bytes": remat.compiled_peak_bytes(compiled),
+          "compile_s": compile_s, "devices": n, "batch": tc.batch}
+
+
+def measure_ring(length: int, n: int, how: str) -> dict:
+  """Causal attention fwd+bwd at ``length`` on n devices: ``how`` "ring" (ours, the sequence
+  split, zig-zag), "one" (ours on one device), "cudnn heads" (cuDNN on a heads split, the
+  sequence gathered by all-to-alls)."""
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+  import jaxkernels as jk
+  from jaxkernels import remat
+  h, heads, kv = RING["head_dim"], RING["heads"], RING["kv_heads"]
+  devices = jax.devices()[:n]
+  mesh = jax.make_mesh((n,), ("sequence",), axis_types=(AxisType.Explicit,), devices=devices)
+  keys = jax.random.split(jax.random.key(0), 4)
+  shapes = ((1, length, heads, h), (1, length, kv, h), (1, length, kv, h), (1, length, heads, h))
+  split = NamedSharding(mesh, P(None, "sequence"))
+  q, k, v, ct = (jax.device_put(jax.random.normal(key, s, jnp.bfloat16), split)
+                 for key, s in zip(keys, shapes))
+
+  if how == "cudnn heads":
+    def attend(q, k, v):
+      by_heads = lambda x: jax.sharding.reshard(x, P(None, None, "sequence", None))
+      out = jax.nn.dot_product_attention(by_heads(q), by_heads(k), by_heads(v), is_causal=True,
+                                         implementation="cudnn")
+      return jax.sharding.reshard(out, P(None, "sequence", None, None))
+  else:
+    layout = "zigzag" if how == "ring" else "contiguous"
+
+    def attend(q, k, v):
+      return jk.flash_attention(q, k, v, causal=True, sequence_layout=layout)
+
+  def fwd_bwd(q, k, v, ct):
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, vjp(ct)
+
+  with jax.set_mesh(mesh):
+    step = jax.jit(fwd_bwd)
+    compiled = step.lower(q, k, v, ct).compile()
+    seconds = _timed(compiled, q, k, v, ct)
+  flops = 4 * length * length * heads * h * 3.5 / 2  # fwd 2 products, bwd 5; causal half
+  return {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
+          "peak_bytes": _peak(devices), "compiled_bytes": remat.compiled_peak_bytes(compiled)}
+
+
+def _child(function: str, args: dict, timeout: float = 300) -> dict:
+  """``function(**args)`` of this module in a process of its own."""
+  code = ("import json, sys; from bench import scaling; "
+          f"print('RESULT ' + json.dumps(scaling.{function}(**json.loads(sys.argv[1]))))")
+  try:
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
+                          text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {timeout:.0f} s"}
+  for line in done.stdout.splitlines():
+    if line.startswith("RESULT "):
+      return json.loads(line[len("RESULT "):])
+  tail = (done.stderr or done.stdout).strip().splitlines()
+  memory = any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower() for line in tail)
+  return {"error": "out of memory" if memory else (tail[-1][:300] if tail else
+                                                   f"exit {done.returncode}")}
+
+
+def _gib(n) -> str:
+  return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def run(session: harness.Session, sweep: bool = False) -> None:
+  del sweep
+  available = len(jax.devices())
+  counts = [n for n in (1, 2, 4, 8) if n <= available]
+  preset, batch, seq, steps = (("tiny", 2, 128, 2) if session.smoke else (PRESET, BATCH, SEQ, 5))
+  one: dict[str, float] = {}
+  for kernels in ("jaxkernels", "xla"):
+    for n in counts:
+      for name, sizes_of in LAYOUTS.items():
+        if n == 1 and name != "fsdp" or (name == "fsdp x tensor" and n < 2):
+          continue  # one device: one layout
+        sizes = sizes_of(n)
+        got = _child("measure_step", {"preset": preset, "kernels": kernels, "sizes": sizes,
+                                      "batch": batch, "seq": seq, "steps": steps})
+        layout = " x ".join(f"{a} {s}" for a, s in sizes.items() if s > 1) or "one device"
+        row = harness.Row("scaling", f"{preset} train step on {n} devices", f"{kernels}, "
+                          f"{layout}", f"batch {batch} x {seq} a device", "bfloat16")
+        if "error" in got:
+          row.note = f"FAILED: {got['error']}"
+          session.add(row)
+          continue
+        row.ms, row.pct_roofline = got["ms"], got["mfu"]
+        if n == 1:
+          one[kernels] = got["tokens_per_s"]
+        efficiency = (got["tokens_per_s"] / (n * one[kernels]) if kernels in one else None)
+        row.note = (f"{got['tokens_per_s']:.0f} tokens/s"
+                    + (f", scaling {efficiency:.3f} of linear" if efficiency else "")
+                    + f"; memory a device {_gib(got['peak_bytes'])} measured, "
+                    f"{_gib(got['compiled_bytes'])} compiled; loss {got['loss']:.3f}; compile "
+                    f"{got['compile_s']:.0f} s")
+        session.add(row)
+  lengths = (4096,) if session.smoke else RING_LENGTHS
+  for length in lengths:
+    cases = [(1, "one")] + [(n, how) for n in counts if n > 1 for how in ("ring", "cudnn heads")]
+    for n, how in cases:
+      got = _child("measure_ring", {"length": length, "n": n, "how": how})
+      row = harness.Row("scaling", f"causal attention fwd+bwd, T {length // 1024}K",
+                        {"one": "jaxkernels, one device", "ring": f"jaxkernels ring, {n} devices",
+                         "cudnn heads": f"cudnn, heads split, {n} devices"}[how],
+                        f"1 x {length} x {RING['heads']}/{RING['kv_heads']} x "
+                        f"{RING['head_dim']}", "bfloat16")
+      if "error" in got:
+        row.note = f"FAILED: {got['error']}"
+      else:
+        row.ms, row.tflops = got["ms"], got["tflops"]
+        row.note = (f"memory a device {_gib(got['peak_bytes'])} measured, "
+                    f"{_gib(got['compiled_bytes'])} compiled")
+      session.add(row)
