@@ -56,7 +56,8 @@ def main(argv=None) -> int:
   parser.add_argument("--tune", action="store_true", help="matmul: autotune ours first")
   parser.add_argument("--only", default=None,
                       help="matmul: run only these parts, comma-separated (checks,headline,sweep,glu); "
-                           "attention: only these shapes, by name; model: only these presets")
+                           "attention: only these shapes, by name; model: only these presets; scaling: steps, "
+                           "ring")
   parser.add_argument("--remat", action="store_true",
                       help="model: every remat policy and auto, with the largest batch each fits")
   parser.add_argument("--policies", default=None,
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
                  sweep_range=tuple(int(v) for v in args.sweep_range.split(":")), only=only)
     elif name == "attention":
       attention.run(session, sweep=args.sweep, only=only)
+    elif name == "scaling":
+      scaling.run(session, only=only)
     elif name == "model" and args.tpu and args.layouts:
       model.tpu_layouts(session)
     elif name == "model" and args.tpu:

@@ -156,13 +156,13 @@ def _gib(n) -> str:
   return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
 
 
-def run(session: harness.Session, sweep: bool = False) -> None:
-  del sweep
+def run(session: harness.Session, only=None) -> None:
+  """``only``: "steps" (the train step's layouts), "ring" (ring attention), or both (None)."""
   available = len(jax.devices())
   counts = [n for n in (1, 2, 4, 8) if n <= available]
   preset, batch, seq, steps = (("tiny", 2, 128, 2) if session.smoke else (PRESET, BATCH, SEQ, 5))
   one: dict[str, float] = {}
-  for kernels in ("jaxkernels", "xla"):
+  for kernels in ("jaxkernels", "xla") if only is None or "steps" in only else ():
     for n in counts:
       for name, sizes_of in LAYOUTS.items():
         if n == 1 and name != "fsdp" or (name == "fsdp x tensor" and n < 2):
@@ -188,7 +188,7 @@ def run(session: harness.Session, sweep: bool = False) -> None:
                     f"{got['compile_s']:.0f} s")
         session.add(row)
   lengths = (4096,) if session.smoke else RING_LENGTHS
-  for length in lengths:
+  for length in lengths if only is None or "ring" in only else ():
     cases = [(1, "one")] + [(n, how) for n in counts if n > 1 for how in ("ring", "cudnn heads")]
     for n, how in cases:
       got = _child("measure_ring", {"length": length, "n": n, "how": how})
