@@ -73,8 +73,10 @@ def measure_step(preset: str, kernels: str, sizes: dict, batch: int, seq: int,
     start = time.perf_counter()
     compiled = step.lower(state, tokens).compile()
     compile_s = time.perf_counter() - start
+    first = None
     for _ in range(3):
       state, metrics = compiled(state, tokens)
+      first = float(metrics["loss"]) if first is None else first
     times = []
     for _ in range(3):
       start = time.perf_counter()
@@ -85,7 +87,7 @@ def measure_step(preset: str, kernels: str, sizes: dict, batch: int, seq: int,
   seconds = sorted(times)[1]
   rate = tc.batch * seq / seconds
   peak_flops = train.peak_flops(devices)
-  return {"ms": seconds * 1e3, "tokens_per_s": rate, "loss": float(metrics["loss"]),
+  return {"ms": seconds * 1e3, "tokens_per_s": rate, "first_loss": first,
           "mfu": llama.mfu(cfg, rate, seq, peak_flops) if peak_flops else None,
           "peak_bytes": _peak(devices), "compiled_bytes": remat.compiled_peak_bytes(compiled),
           "compile_s": compile_s, "devices": n, "batch": tc.batch}
@@ -148,8 +150,9 @@ def _child(function: str, args: dict, timeout: float = 300) -> dict:
       return json.loads(line[len("RESULT "):])
   tail = (done.stderr or done.stdout).strip().splitlines()
   memory = any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower() for line in tail)
-  return {"error": "out of memory" if memory else (tail[-1][:300] if tail else
-                                                   f"exit {done.returncode}")}
+  errors = [line for line in tail if "Error" in line and not line.startswith("For simplicity")]
+  return {"error": "out of memory" if memory else (errors or tail or [f"exit {done.returncode}"])[
+      -1][:400]}
 
 
 def _gib(n) -> str:
@@ -184,7 +187,8 @@ def run(session: harness.Session, only=None) -> None:
         row.note = (f"{got['tokens_per_s']:.0f} tokens/s"
                     + (f", scaling {efficiency:.3f} of linear" if efficiency else "")
                     + f"; memory a device {_gib(got['peak_bytes'])} measured, "
-                    f"{_gib(got['compiled_bytes'])} compiled; loss {got['loss']:.3f}; compile "
+                    f"{_gib(got['compiled_bytes'])} compiled; first step's loss {got['first_loss']:.4f}; "
+                    f"compile "
                     f"{got['compile_s']:.0f} s")
         session.add(row)
   lengths = (4096,) if session.smoke else RING_LENGTHS

@@ -24,6 +24,7 @@ split over both axes. Logical axis rules set by the user (``jk.sharding_rules``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -281,6 +282,35 @@ def _checkpointed(apply, policy: str):
   return nnx.remat(apply, policy=remat.policy(policy))
 
 
+def _cudnn(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cudnn_attention(specs, q, k, v):
+  """Causal ``jax.nn.dot_product_attention`` on cuDNN, its gradients laid out as q, k and v are
+  (``specs``): on a mesh of Explicit axes cuDNN's backward (jax 0.11.2) returns them without
+  their mesh type, which the slices of the qkv product that made q, k and v refuse ("Expected
+  cotangent type bfloat16[2@(data,fsdp),...] but got bfloat16[2,...]")."""
+  del specs
+  return _cudnn(q, k, v)
+
+
+def _cudnn_attention_fwd(specs, q, k, v):
+  del specs
+  out, vjp = jax.vjp(_cudnn, q, k, v)
+  return out, vjp
+
+
+def _cudnn_attention_bwd(specs, vjp, ct):
+  grads = vjp(ct)
+  return tuple(g if all(e is None for e in spec) else jax.sharding.reshard(g, P(*spec))
+               for g, spec in zip(grads, specs))
+
+
+_cudnn_attention.defvjp(_cudnn_attention_fwd, _cudnn_attention_bwd)
+
+
 class Block(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -323,8 +353,11 @@ class Block(nnx.Module):
     v = remat.tag(v, remat.VALUE)
     if cfg.on_xla("attention"):
       cudnn = jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
-      attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                              implementation="cudnn" if cudnn else None)
+      if cudnn:
+        specs = tuple(tuple(jax.typeof(x).sharding.spec) for x in (q, k, v))
+        attended = _cudnn_attention(specs, q, k, v)
+      else:
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     else:
       attended = jk.flash_attention(q, k, v, causal=True, sequence_layout=layout)
     delta = jk.matmul(attended.reshape(b, t, -1), jkf.whole_weight(self.out[...], dtype),
