@@ -192,13 +192,14 @@ def _finite_float(name, value) -> float:
 # --------------------------------------------------------------------------- #
 
 
-def _rule(q, **args):
+def _rule(q, ring=True, **args):
   """The split rule: the batch dimensions and the heads split freely, q's N with k's K (each
   shard holds whole GQA groups; heads whose kv heads the axes do not divide stay whole); the
   sequence, q's T with k's and v's S, splits too where the call is ring attention's
   (:func:`_ringable`), else a split sequence is gathered, as is a split head dim. The bias
   broadcasts where its batch or head dimension is 1. On a mesh of Auto axes, the dimensions'
-  logical names are Flax's: q's and k's heads both "heads", their sequences "length"."""
+  logical names are Flax's: q's and k's heads both "heads", their sequences "length".
+  ``ring``: False for decode_attention, whose cache is never a ring's."""
   nb = q.ndim - 3
   batch = tuple(Free(f"batch{i}", "batch" if i == 0 else None, label="batch")
                 for i in range(nb))
@@ -206,7 +207,7 @@ def _rule(q, **args):
   whole = lambda name, why: Whole(name, why=f"the kernels {why} it whole",
                                   instead="split the batch or the heads")
   broadcast = lambda d: dataclasses.replace(d, broadcast=True)
-  if _ringable(q, **args):
+  if ring and _ringable(q, **args):
     length = kv_length = Free("sequence", "length", label="sequence")
   else:
     length, kv_length = whole("length", "walk"), whole(None, "walk")
@@ -567,5 +568,5 @@ _DECODE_OP = backend.register(backend.Op(
     validate=_validate_decode, problem=_decode_problem, reference=_decode_reference_call,
     kernel=_decode_kernel,
     options=lambda scale, soft_cap, **unused: dict(scale=scale, soft_cap=soft_cap),
-    rule=_rule, out=lambda rule, **unused: _out(rule)[0],
+    rule=functools.partial(_rule, ring=False), out=lambda rule, **unused: _out(rule)[0],
 ), decode_attention)
