@@ -226,8 +226,8 @@ TPU_LAYOUTS = (
 )
 
 
-def _predicted(compiled, cfg, tokens: int, seq_len: int, chip) -> tuple[float, float, float,
-                                                                        str]:
+def _predicted(compiled, cfg, tokens: int, seq_len: int, chip, causal_half: bool = False
+               ) -> tuple[float, float, float, str]:
   """(seconds, MFU %, FLOPs, a note) of one device's compiled program: max(FLOPs / dense bf16 peak,
   bytes / HBM bandwidth) by its cost analysis; a lower bound (no bubble, no exposed latency,
   no collective time)."""
@@ -237,7 +237,7 @@ def _predicted(compiled, cfg, tokens: int, seq_len: int, chip) -> tuple[float, f
   compute_s, memory_s = flops / chip.flops("bfloat16"), moved / chip.hbm_bandwidth
   seconds = max(compute_s, memory_s)
   from models import llama
-  mfu = llama.mfu(cfg, tokens / seconds, seq_len, chip.flops("bfloat16"))
+  mfu = llama.mfu(cfg, tokens / seconds, seq_len, chip.flops("bfloat16"), causal_half=causal_half)
   bound = "compute" if compute_s >= memory_s else "memory"
   return seconds, mfu, flops, (f"{flops / 1e12:.2f} TFLOP and {moved / 1e9:.1f} GB a chip by the "
                         f"compiled program's cost analysis, {bound}-bound")
@@ -279,7 +279,7 @@ def tpu_layouts(session: harness.Session, layouts=TPU_LAYOUTS) -> None:
                 "counts once")
       else:
         seconds, mfu, _, note = _predicted(compiled, cfg, batch * tc.seq_len // devices.size,
-                                           tc.seq_len, chip)
+                                           tc.seq_len, chip, causal_half=True)
         row.ms, row.pct_roofline = seconds * 1e3, mfu
       text = compiled.as_text()
       counts = {kind: len(re.findall(rf" {kind}(?:-start)?\(", text))

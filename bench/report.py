@@ -249,9 +249,10 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
 
 
 def _newest_with(runs: list[Run], results: pathlib.Path, suite: str, prefix: str = "",
-                 also_smoke_under: str = "tpu_compiled") -> dict[str, Run]:
-  """Per device folder, the newest run with rows of ``suite`` (named from ``prefix``); the
-  TPU's compiled runs count though made on a CPU host."""
+                 also_smoke_under: str = "tpu_compiled", keep=None) -> dict[str, Run]:
+  """Per device folder, the newest run with rows of ``suite`` (named from ``prefix``, and
+  where given that ``keep(row)`` takes); the TPU's compiled runs count though made on a CPU
+  host."""
   newest: dict[str, Run] = {}
   candidates = list(runs)
   for path in sorted((results / also_smoke_under).glob(f"*{suite}*.json")):
@@ -260,7 +261,8 @@ def _newest_with(runs: list[Run], results: pathlib.Path, suite: str, prefix: str
                           record.get("commit", "?"), record.get("jax", "?"),
                           tuple(record.get("rows", ()))))
   for run in sorted(candidates, key=lambda run: run.date):
-    if any(r["suite"] == suite and r["name"].startswith(prefix) for r in run.rows):
+    if any(r["suite"] == suite and r["name"].startswith(prefix) and (keep is None or keep(r))
+           for r in run.rows):
       newest[run.path.parent.name] = run
   return newest
 
@@ -340,8 +342,9 @@ def _fp8_blocks(runs: list[Run], results: pathlib.Path) -> list[str]:
 def _model_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
   """The train step compiled for each TPU generation (``python -m bench model --tpu``): each
   remat policy's predicted step time and MFU, and its compiled peak memory."""
-  run = _newest_with(runs, results, "model", prefix="").get("tpu_compiled")
-  rows = [r for r in (run.rows if run else ()) if "compiled for" in r["name"]]
+  one_chip = lambda r: "compiled for" in r["name"] and "remat " in r["impl"]
+  run = _newest_with(runs, results, "model", keep=one_chip).get("tpu_compiled")
+  rows = [r for r in (run.rows if run else ()) if one_chip(r)]
   if not rows:
     return []
   out = ["## Model step on TPUs (predicted)", "",
@@ -359,6 +362,60 @@ def _model_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
     out.append(f"| {r['name']}, {r['shape']} | {policy} | {ms} | {tflops} | {mfu} | "
                f"{(r.get('note') or '').replace('|', '/')} |")
   return out + [""]
+
+
+def _layouts_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
+  """The sharded train step compiled for TPU slices (``python -m bench model --tpu
+  --layouts``): per chip its memory against the chip's, its collectives, and the predicted
+  step time."""
+  sliced = lambda r: "compiled for" in r["name"] and "remat " not in r["impl"]
+  run = _newest_with(runs, results, "model", keep=sliced).get("tpu_compiled")
+  rows = [r for r in (run.rows if run else ()) if sliced(r)]
+  if not rows:
+    return []
+  out = ["## Sharded model step on TPU slices (compiled, predicted)", "",
+         "The train step on our kernels laid out as `python -m models.train --mesh` lays it, "
+         "AOT-compiled for TPU slices from a CPU host: each chip's share of the parameters and "
+         "Adam's moments, the compiled program's peak against the chip's HBM, its collectives, "
+         "and the step time predicted from its cost analysis (as above: a lower bound, with no "
+         f"collective time in it; MFU by PaLM's count with attention's causal half, the work the "
+         f"kernels do: the full count exceeds the compiled FLOPs, and a compute-bound bound "
+         f"then passes 100%) "
+         f"({_link(run, results)}).", "",
+         "| step | layout | predicted ms | MFU | per chip, and the program |",
+         "| --- | --- | ---: | ---: | --- |"]
+  for r in rows:
+    ms = "" if r.get("ms") is None else f"{r['ms']:.1f}"
+    mfu = "" if r.get("pct_roofline") is None else f"{r['pct_roofline']:.0f}%"
+    out.append(f"| {r['name']}, {r['shape']} | {r['impl'].split(', ', 1)[-1]} | {ms} | {mfu} | "
+               f"{(r.get('note') or '').replace('|', '/')} |")
+  return out + [""]
+
+
+def _scaling(runs: list[Run], results: pathlib.Path) -> list[str]:
+  """The train step on several GPUs and ring attention (``python -m bench scaling``)."""
+  out = []
+  for folder, run in _newest_with(runs, results, "scaling").items():
+    if folder == "tpu_compiled":
+      continue
+    rows = [r for r in run.rows if r["suite"] == "scaling"]
+    out += [f"## Several devices: {run.device}", "",
+            "The train step at one batch a device on 1 and n devices of one host, ours and "
+            "plain JAX (kernels=\"xla\") on the same mesh; scaling against the same kernels on "
+            "one device (tokens/s over n times one device's); memory a device measured (the "
+            "allocator's peak) and compiled. Then causal attention forward and backward at "
+            "long sequences: one device, our ring, and cuDNN on a heads split (TFLOP/s: the "
+            "call's causal work over its time, every device's together) "
+            f"({_link(run, results)}).",
+            "", "| what | impl | ms | MFU or TFLOP/s | note |", "| --- | --- | ---: | ---: | --- |"]
+    for r in rows:
+      ms = "" if r.get("ms") is None else f"{r['ms']:.2f}"
+      rate = (f"{r['pct_roofline']:.1f}%" if r.get("pct_roofline") is not None else
+              f"{r['tflops']:.0f}" if r.get("tflops") is not None else "")
+      out.append(f"| {r['name']}, {r['shape']} | {r['impl']} | {ms} | {rate} | "
+                 f"{(r.get('note') or '').replace('|', '/')} |")
+    out.append("")
+  return out
 
 
 def _plots(runs: list[Run], by_device: dict[str, list[Line]], results: pathlib.Path,
@@ -406,6 +463,8 @@ def main(argv=None) -> int:
   if rooflines:
     text += ["## Rooflines", ""] + [f"![{name}]({path})" for name, path in rooflines] + [""]
   text += _model_on_tpus(runs, results)
+  text += _layouts_on_tpus(runs, results)
+  text += _scaling(runs, results)
   text += _lessons(runs, results, drawn)
   out.write_text("\n".join(text) + "\n")
   count = sum(map(len, by_device.values()))
