@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
@@ -105,13 +106,44 @@ def test_fully_sharded_step_matches_one_device():
 
 
 _COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|"
-                         r"collective-permute|all-to-all)(?:-start)?\(.*?replica_groups=(\S+)")
+                         r"collective-permute|all-to-all)(?:-start)?\(.*?replica_groups="
+                         r"(mesh\[[^\]]*\](?:, device_ids=\(\S+\))? \{[^}]*\}|\S+)")
 
 
-def collectives(text: str) -> list[tuple[str, str, str]]:
-  """(kind, shape, replica groups) of each collective in a compiled program's HLO text."""
-  return [(kind, shape, groups.rstrip(",")) for shape, kind, groups in
-          _COLLECTIVE.findall(text)]
+def _groups(text: str) -> tuple[tuple[int, ...], ...]:
+  """Replica groups as device ids, from any of XLA's spellings: explicit ({{0,1},{2,3}}), iota
+  ([4,2]<=[4,2]T(1,0)), or mesh axes (mesh['data'=2,'tensor'=2] {'tensor'}, with jax 0.10's
+  ", device_ids=([2,2]T(1,0))" before the braces where the mesh's devices are permuted)."""
+  text = text.rstrip(",")
+  if text.startswith("{"):
+    return tuple(tuple(int(d) for d in g.split(",") if d) for g in re.findall(r"\{([\d,]*)\}",
+                                                                              text[1:-1]))
+  if text.startswith("mesh"):
+    axes = re.findall(r"'(\w+)'=(\d+)", text.split("]", 1)[0])
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    over = re.findall(r"'(\w+)'", text.split("{", 1)[1])
+    ids = np.arange(math.prod(sizes))
+    if (order := re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", text)):
+      dims, perm = order.groups()
+      ids = ids.reshape([int(d) for d in dims.split(",")])
+      ids = ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+    ids = ids.reshape(sizes)
+    moved = np.moveaxis(ids, [names.index(a) for a in over], range(len(sizes) - len(over),
+                                                                  len(sizes)))
+    size = math.prod(sizes[names.index(a)] for a in over)
+    return tuple(map(tuple, moved.reshape(-1, size).tolist()))
+  shape, dims, perm = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                                   text).groups()
+  ids = np.arange(math.prod(map(int, dims.split(",")))).reshape(
+      [int(d) for d in dims.split(",")])
+  if perm:
+    ids = ids.transpose([int(p) for p in perm.split(",")])
+  return tuple(map(tuple, ids.reshape([int(d) for d in shape.split(",")]).tolist()))
+
+
+def collectives(text: str) -> list[tuple[str, str, tuple[tuple[int, ...], ...]]]:
+  """(kind, shape, replica groups as device ids) of each collective in a compiled program."""
+  return [(kind, shape, _groups(groups)) for shape, kind, groups in _COLLECTIVE.findall(text)]
 
 
 @pytest.mark.cpu_only
@@ -152,15 +184,14 @@ def test_tensor_parallel_step_matches_one_device():
   np.testing.assert_allclose(losses["tensor"], losses["one device"], rtol=1e-5)
 
   found = collectives(text)
-  tensor_pairs = "{{0,1},{2,3},{4,5},{6,7}}"  # device d*4 + f*2 + t: tensor's groups
+  tensor_pairs = ((0, 1), (2, 3), (4, 5), (6, 7))  # device d*4 + f*2 + t: tensor's groups
   rows = "f32[2,32,"  # a device's activations: 2 sequences of 32 tokens
   activations = [c for c in found if re.match(r"\w+\[\d+,32,", c[1])]  # any batch of them
   over_tensor = [c for c in activations if c[2] == tensor_pairs]
   assert [c[0] for c in over_tensor] == ["all-reduce"] * (4 * cfg.depth + 1), found
   assert all(shape.startswith(f"{rows}{cfg.width}]") for _, shape, _ in over_tensor), over_tensor
   # Of the activations nothing else crosses devices (a group of one device is no transfer).
-  moved = [c for c in activations if c[2] != tensor_pairs and not re.fullmatch(
-      r"\{(\{\d+\},?)+\}", c[2])]
+  moved = [c for c in activations if c[2] != tensor_pairs and any(len(g) > 1 for g in c[2])]
   assert not moved, moved
   assert not [c for c in found if c[0] in ("collective-permute", "all-to-all")], found
 
