@@ -98,6 +98,7 @@ def measure_ring(length: int, n: int, how: str) -> dict:
   split, zig-zag), "one" (ours on one device), "cudnn heads" (cuDNN on a heads split, the
   sequence gathered by all-to-alls)."""
   import jax.numpy as jnp
+  import numpy as np
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
   import jaxkernels as jk
@@ -108,8 +109,10 @@ def measure_ring(length: int, n: int, how: str) -> dict:
   keys = jax.random.split(jax.random.key(0), 4)
   shapes = ((1, length, heads, h), (1, length, kv, h), (1, length, kv, h), (1, length, heads, h))
   split = NamedSharding(mesh, P(None, "sequence"))
-  q, k, v, ct = (jax.device_put(jax.random.normal(key, s, jnp.bfloat16), split)
-                 for key, s in zip(keys, shapes))
+  base = [np.asarray(jax.random.normal(key, s, jnp.bfloat16)) for key, s in zip(keys, shapes)]
+  # The positions' order: the zig-zag's for the ring.
+  order = jk.zigzag(length, n) if how == "ring" else np.arange(length)
+  q, k, v, ct = (jax.device_put(x[:, order], split) for x in base)
 
   if how == "cudnn heads":
     def attend(q, k, v):
@@ -131,9 +134,23 @@ def measure_ring(length: int, n: int, how: str) -> dict:
     step = jax.jit(fwd_bwd)
     compiled = step.lower(q, k, v, ct).compile()
     seconds = _timed(compiled, q, k, v, ct)
+    got = jax.device_get(compiled(q, k, v, ct))
   flops = 4 * length * length * heads * h * 3.5 / 2  # fwd 2 products, bwd 5; causal half
-  return {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
-          "peak_bytes": _peak(devices), "compiled_bytes": remat.compiled_peak_bytes(compiled)}
+  result = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
+            "peak_bytes": _peak(devices), "compiled_bytes": remat.compiled_peak_bytes(compiled)}
+  if n > 1:  # against our one-device flash attention on the same positions' inputs
+    undo = np.argsort(order)
+    whole = [jax.device_put(x, devices[0]) for x in base]
+    want = jax.device_get(jax.jit(lambda q, k, v, ct: jax.vjp(
+        lambda q, k, v: jk.flash_attention(q, k, v, causal=True), q, k, v)[1](ct) + (
+        jk.flash_attention(q, k, v, causal=True),))(*whole))
+    got = (*got[1], got[0])
+    errors = [float(np.max(np.abs(np.asarray(g, np.float32)[:, undo] -
+                                  np.asarray(w, np.float32))) /
+                    float(np.max(np.abs(np.asarray(w, np.float32)))))
+              for g, w in zip(got, want)]
+    result["error"] = max(errors)
+  return result
 
 
 def _child(function: str, args: dict, timeout: float = 300) -> dict:
@@ -204,7 +221,10 @@ def run(session: harness.Session, only=None) -> None:
       if "error" in got:
         row.note = f"FAILED: {got['error']}"
       else:
-        row.ms, row.tflops = got["ms"], got["tflops"]
+        row.ms, row.tflops, row.error = got["ms"], got["tflops"], got.get("error")
         row.note = (f"memory a device {_gib(got['peak_bytes'])} measured, "
-                    f"{_gib(got['compiled_bytes'])} compiled")
+                    f"{_gib(got['compiled_bytes'])} compiled" + (
+                        "; error: the largest of out's, dq's, dk's and dv's max |difference| "
+                        "over max |one device's flash attention| on the same inputs"
+                        if "error" in got else ""))
       session.add(row)
