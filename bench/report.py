@@ -395,24 +395,34 @@ def _layouts_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
 def _scaling(runs: list[Run], results: pathlib.Path) -> list[str]:
   """The train step on several GPUs and ring attention (``python -m bench scaling``)."""
   out = []
-  for folder, run in _newest_with(runs, results, "scaling").items():
+  steps = _newest_with(runs, results, "scaling", keep=lambda r: "train step" in r["name"])
+  rings = _newest_with(runs, results, "scaling", keep=lambda r: "attention" in r["name"])
+  for folder in sorted(set(steps) | set(rings)):
     if folder == "tpu_compiled":
       continue
-    rows = [r for r in run.rows if r["suite"] == "scaling"]
+    picked = [(run, [r for r in run.rows if r["suite"] == "scaling" and keep(r)])
+              for run, keep in ((steps.get(folder), lambda r: "train step" in r["name"]),
+                                (rings.get(folder), lambda r: "attention" in r["name"]))
+              if run is not None]
+    run = picked[0][0]
+    rows = [r for _, rows in picked for r in rows]
     out += [f"## Several devices: {run.device}", "",
             "The train step at one batch a device on 1 and n devices of one host, ours and "
             "plain JAX (kernels=\"xla\") on the same mesh; scaling against the same kernels on "
             "one device (tokens/s over n times one device's); memory a device measured (the "
             "allocator's peak) and compiled. Then causal attention forward and backward at "
             "long sequences: one device, our ring, and cuDNN on a heads split (TFLOP/s: the "
-            "call's causal work over its time, every device's together) "
-            f"({_link(run, results)}).",
-            "", "| what | impl | ms | MFU or TFLOP/s | note |", "| --- | --- | ---: | ---: | --- |"]
+            "call's causal work over its time, every device's together; err: against our "
+            "one-device flash attention on the same inputs) ("
+            + "; ".join(dict.fromkeys(_link(r, results) for r, _ in picked)) + ").",
+            "", "| what | impl | ms | MFU or TFLOP/s | err | note |",
+            "| --- | --- | ---: | ---: | ---: | --- |"]
     for r in rows:
       ms = "" if r.get("ms") is None else f"{r['ms']:.2f}"
       rate = (f"{r['pct_roofline']:.1f}%" if r.get("pct_roofline") is not None else
               f"{r['tflops']:.0f}" if r.get("tflops") is not None else "")
-      out.append(f"| {r['name']}, {r['shape']} | {r['impl']} | {ms} | {rate} | "
+      err = "" if r.get("error") is None else f"{r['error']:.1e}"
+      out.append(f"| {r['name']}, {r['shape']} | {r['impl']} | {ms} | {rate} | {err} | "
                  f"{(r.get('note') or '').replace('|', '/')} |")
     out.append("")
   return out
