@@ -440,6 +440,39 @@ def test_ring_attention_matches_unsplit(mesh, causal, layout, impl):
   numerics.assert_matches(got, ref, (q, k, v), ct, dtype=jnp.float32, reduction=t)
 
 
+def test_ring_attention_at_128k_holds_a_share_a_device():
+  """T = 128K, causal, zig-zag, over 8 host devices, the Triton kernels interpreted (compiled,
+  not run: the interpreter at 128K would take hours; the numbers are the small-T test's and
+  the GPU runs'): what a device needs (its arguments, outputs and temporaries, forward and
+  backward) is under a quarter of what one device running the whole sequence needs, where a
+  gathered k and v would hold the whole sequence on each."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  t = 128 * 1024
+
+  def step(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(jk.flash_attention(
+        q, k, v, causal=True, sequence_layout="zigzag").astype(jnp.float32)),
+        argnums=(0, 1, 2))(q, k, v)
+
+  def needs(n):
+    ring = jax.make_mesh((n,), ("sequence",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:n])
+    shard = NamedSharding(ring, P(None, "sequence"))
+    q = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.bfloat16, sharding=shard)
+    kv = jax.ShapeDtypeStruct((1, t, 1, 16), jnp.bfloat16, sharding=shard)
+    with jax.set_mesh(ring), jk.interpret_mode("triton"):
+      compiled = jax.jit(step).lower(q, kv, kv).compile()
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes, compiled
+
+  split, compiled = needs(8)
+  whole, _ = needs(1)
+  assert "collective-permute" in compiled.as_text()
+  assert "all-gather" not in compiled.as_text()
+  assert split < whole / 4, (split, whole)
+
+
 def test_ring_attention_bad_layout_names_itself(mesh):
   q = jnp.zeros((4, 12, 2, 16))
   with pytest.raises(ValueError, match="sequence_layout='zigzag' orders the positions for ring "
