@@ -459,3 +459,24 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
         row.vs_xla = xla.ms / row.ms
       if row.kernel_ms and xla.kernel_ms:
         row.kernel_vs_xla = xla.kernel_ms / row.kernel_ms
+
+
+def child(module: str, function: str, args: dict, timeout: float = 540) -> dict:
+  """``bench.<module>.<function>(**args)`` in a process of its own (its peak memory its own,
+  an out-of-memory its own), its JSON result; where it fails, {"error": what}."""
+  code = (f"import json, sys; from bench import {module}; "
+          f"print('RESULT ' + json.dumps({module}.{function}(**json.loads(sys.argv[1]))))")
+  try:
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
+                          text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {timeout:.0f} s"}
+  for line in done.stdout.splitlines():
+    if line.startswith("RESULT "):
+      return json.loads(line[len("RESULT "):])
+  tail = (done.stderr or done.stdout).strip().splitlines()
+  if any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower() for line in tail):
+    return {"error": "out of memory"}
+  errors = [line for line in tail if "Error" in line and not line.startswith("For simplicity")]
+  return {"error": (errors or tail or [f"exit {done.returncode}"])[-1][:400]}
+

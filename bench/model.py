@@ -13,8 +13,6 @@ with the causal half of attention, the work the kernels do.
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
 import sys
 import time
 
@@ -111,21 +109,7 @@ def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
 
 def _child(args: dict, timeout: float = 540) -> dict:
   """``measure(**args)`` in a process of its own."""
-  code = ("import json, sys; from bench import model; "
-          "print('RESULT ' + json.dumps(model.measure(**json.loads(sys.argv[1]))))")
-  try:
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
-                          text=True, timeout=timeout)
-  except subprocess.TimeoutExpired:
-    return {"error": f"timed out after {timeout:.0f} s"}
-  for line in done.stdout.splitlines():
-    if line.startswith("RESULT "):
-      return json.loads(line[len("RESULT "):])
-  tail = (done.stderr or done.stdout).strip().splitlines()
-  memory = any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower()
-               for line in tail)
-  return {"error": "out of memory" if memory else (tail[-1][:300] if tail else
-                                                   f"exit {done.returncode}")}
+  return harness.child("model", "measure", args, timeout)
 
 
 def _row(session, preset, batch, kernels, policy, scan, got, best_xla):

@@ -16,10 +16,7 @@ heads split and back, all-to-alls, with cuDNN on each device's heads), forward a
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 import time
 
 import jax
@@ -155,21 +152,7 @@ def measure_ring(length: int, n: int, how: str) -> dict:
 
 def _child(function: str, args: dict, timeout: float = 300) -> dict:
   """``function(**args)`` of this module in a process of its own."""
-  code = ("import json, sys; from bench import scaling; "
-          f"print('RESULT ' + json.dumps(scaling.{function}(**json.loads(sys.argv[1]))))")
-  try:
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
-                          text=True, timeout=timeout)
-  except subprocess.TimeoutExpired:
-    return {"error": f"timed out after {timeout:.0f} s"}
-  for line in done.stdout.splitlines():
-    if line.startswith("RESULT "):
-      return json.loads(line[len("RESULT "):])
-  tail = (done.stderr or done.stdout).strip().splitlines()
-  memory = any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower() for line in tail)
-  errors = [line for line in tail if "Error" in line and not line.startswith("For simplicity")]
-  return {"error": "out of memory" if memory else (errors or tail or [f"exit {done.returncode}"])[
-      -1][:400]}
+  return harness.child("scaling", function, args, timeout)
 
 
 def _gib(n) -> str:

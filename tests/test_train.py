@@ -146,6 +146,25 @@ def collectives(text: str) -> list[tuple[str, str, tuple[tuple[int, ...], ...]]]
   return [(kind, shape, _groups(groups)) for shape, kind, groups in _COLLECTIVE.findall(text)]
 
 
+def _three_steps(cfg, where):
+  """(three train steps' losses, the compiled step's HLO text (on a mesh), the model after
+  them) on ``where`` (None: one device), the kernels interpreted (Triton's)."""
+  import jaxkernels as jk
+  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  data, _ = train.corpus()
+  graphdef, state = train.init(cfg, tc, where)
+  step = train.step_fn(graphdef, donate=False)
+  text, losses = None, []
+  with jax.set_mesh(where) if where else contextlib.nullcontext(), jk.interpret_mode("triton"):
+    if where is not None:
+      text = step.lower(state, train.shard_batch(train.batch_at(data, 0, tc), where)
+                        ).compile().as_text()
+    for s in range(3):
+      state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
+      losses.append(float(metrics["loss"]))
+  return losses, text, nnx.merge(graphdef, state)[0]
+
+
 @pytest.mark.cpu_only
 def test_tensor_parallel_step_matches_one_device():
   """(data 2, fsdp 2, tensor 2), the kernels interpreted: the same losses step for step as on
@@ -157,24 +176,10 @@ def test_tensor_parallel_step_matches_one_device():
   activation's size is gathered, permuted or reduced over tensor."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  import jaxkernels as jk
   cfg = llama.preset("tiny", max_len=32)
-  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
-  data, _ = train.corpus()
-  losses = {}
-  for name, where in (("one device", None), ("tensor", train.mesh(data=2, fsdp=2, tensor=2))):
-    graphdef, state = train.init(cfg, tc, where)
-    step = train.step_fn(graphdef, donate=False)
-    with jax.set_mesh(where) if where else contextlib.nullcontext(), jk.interpret_mode("triton"):
-      if where is not None:
-        text = step.lower(state, train.shard_batch(train.batch_at(data, 0, tc), where)
-                          ).compile().as_text()
-      got = []
-      for s in range(3):
-        state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
-        got.append(float(metrics["loss"]))
-    losses[name] = got
-  model = nnx.merge(graphdef, state)[0]
+  want, _, _ = _three_steps(cfg, None)
+  got, text, model = _three_steps(cfg, train.mesh(data=2, fsdp=2, tensor=2))
+  losses = {"one device": want, "tensor": got}
   specs = {name: tuple(getattr(model.blocks, name)[...].sharding.spec) for name in ("qkv", "out")}
   assert specs == {"qkv": (None, "fsdp", "tensor", None, None), "out": (None, "tensor", "fsdp")}
   assert model.blocks.mlp.gate_up[...].sharding.spec == P(None, "fsdp", None, "tensor")
@@ -204,23 +209,10 @@ def test_sequence_parallel_step_matches_one_device():
   gathered."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  import jaxkernels as jk
   cfg = llama.preset("tiny", max_len=32)
-  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
-  data, _ = train.corpus()
-  losses = {}
-  for name, where in (("one device", None), ("sequence", train.mesh(fsdp=4, sequence=2))):
-    graphdef, state = train.init(cfg, tc, where)
-    step = train.step_fn(graphdef, donate=False)
-    with jax.set_mesh(where) if where else contextlib.nullcontext(), jk.interpret_mode("triton"):
-      if where is not None:
-        text = step.lower(state, train.shard_batch(train.batch_at(data, 0, tc), where)
-                          ).compile().as_text()
-      got = []
-      for s in range(3):
-        state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
-        got.append(float(metrics["loss"]))
-    losses[name] = got
+  want, _, _ = _three_steps(cfg, None)
+  got, text, _ = _three_steps(cfg, train.mesh(fsdp=4, sequence=2))
+  losses = {"one device": want, "sequence": got}
   # Float32 throughout; the online softmax merges the ring's blocks in another order.
   np.testing.assert_allclose(losses["sequence"], losses["one device"], rtol=1e-5)
   assert "collective-permute" in text

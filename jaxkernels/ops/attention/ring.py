@@ -28,8 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
-
 LAYOUTS = ("contiguous", "zigzag")
 
 
