@@ -138,7 +138,12 @@ def batch_at(data: np.ndarray, step: int, tc: TrainConfig) -> np.ndarray:
   if len(data) < tc.batch * span:
     raise UsageError(f"the corpus ({len(data)} bytes) is shorter than one batch: batch "
                      f"{tc.batch} x (seq_len {tc.seq_len} + 1) = {tc.batch * span} tokens")
-  return np.stack([data[s:s + span] for s in _starts(data, step, tc)]).astype(np.int32)
+  return _windows(data, _starts(data, step, tc), span)
+
+
+def _windows(data: np.ndarray, starts: np.ndarray, span: int) -> np.ndarray:
+  """The corpus' windows of ``span`` tokens at ``starts``, int32 (batch_at's rows)."""
+  return np.stack([data[s:s + span] for s in starts]).astype(np.int32)
 
 
 def _starts(data: np.ndarray, step: int, tc: TrainConfig) -> np.ndarray:
@@ -345,8 +350,7 @@ def batch_on(data: np.ndarray, step: int, tc: TrainConfig, where: jax.sharding.M
   starts = _starts(data, step, tc)
 
   def rows(index):
-    picked = starts[np.arange(tc.batch)[index[0]]]
-    return np.stack([data[s:s + span] for s in picked])[:, index[1]].astype(np.int32)
+    return _windows(data, starts[np.arange(tc.batch)[index[0]]], span)[:, index[1]]
 
   return jax.make_array_from_callback((tc.batch, span), batch_sharding(where), rows)
 

@@ -413,9 +413,7 @@ def _compose(implementation, config, *, a, b, bias, activation, residual, glu, o
              b_scale=b_scale, implementation=implementation, config=config)
   y = elementwise.glu(z, activation=activation,
                       implementation=None if implementation == "mosaic_gpu" else implementation)
-  if residual is not None:
-    y = (y.astype(jnp.float32) + residual.astype(jnp.float32)).astype(out_dtype)
-  return y
+  return y if residual is None else _add(y, residual)
 
 
 def _stacked(implementation, config, *, a, b, bias, activation, residual, out_dtype,
@@ -437,6 +435,7 @@ def _stacked(implementation, config, *, a, b, bias, activation, residual, out_dt
 
 
 def _add(y, residual):
+  """glu's output plus the residual, added in float32 (y is in out_dtype already)."""
   return (y.astype(jnp.float32) + residual.astype(jnp.float32)).astype(y.dtype)
 
 
