@@ -6,7 +6,10 @@ kernels and on plain JAX (kernels="xla": XLA's ops, cuDNN attention) on the same
 MFU (PaLM's count over the devices' dense bf16 peak), the scaling efficiency against the same
 kernels on one device (tokens/s over n times one device's), and each device's memory, measured
 (the allocator's peak, the largest over the devices) beside the compiled program's. Each
-measurement runs in a process of its own (its peak its own, an out-of-memory its own).
+measurement runs in a process of its own (its peak its own, an out-of-memory its own). On a GPU
+each layout's steps are then traced (``jax.profiler``) and its streams' kernels read back: a
+step's compute time, its collectives' (NCCL's kernels) and how much of that ran while compute
+did (``overlap``).
 
 Ring attention (``flash_attention`` with the sequence split, causal, zig-zag) at T = 64K and
 128K on n devices against one device's flash attention, and against cuDNN on a
@@ -17,6 +20,9 @@ heads split and back, all-to-alls, with cuDNN on each device's heads), forward a
 from __future__ import annotations
 
 import math
+import pathlib
+import re
+import tempfile
 import time
 
 import jax
@@ -51,9 +57,94 @@ def _peak(devices) -> int | None:
   return max(peaks) if all(p is not None for p in peaks) else None
 
 
+# A collective's kernel: NCCL's (ncclDevKernel_AllReduce_..., ncclKernel_SendRecv...) and XLA's
+# own collective kernels.
+COLLECTIVE = re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
+                        r"collective_?permute", re.IGNORECASE)
+
+
+def _merged(spans) -> list[list[int]]:
+  """``spans`` ((start, end), ...) as sorted disjoint spans."""
+  out: list[list[int]] = []
+  for start, end in sorted(spans):
+    if out and start <= out[-1][1]:
+      out[-1][1] = max(out[-1][1], end)
+    else:
+      out.append([start, end])
+  return out
+
+
+def _length(spans) -> int:
+  return sum(end - start for start, end in spans)
+
+
+def _common(a, b) -> int:
+  """The time two lists of sorted disjoint spans share."""
+  i = j = total = 0
+  while i < len(a) and j < len(b):
+    total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+    if a[i][1] < b[j][1]:
+      i += 1
+    else:
+      j += 1
+  return total
+
+
+def overlap(planes, steps: int) -> dict:
+  """What a step's kernels did on each GPU, from a profile's planes (``ProfileData.planes``):
+  milliseconds a step of compute (the union of every other kernel's time), of collectives (the
+  union of COLLECTIVE kernels' time) and of collective time that compute ran beside; each the
+  mean over the devices, with the largest exposed (collective, not overlapped) time and the
+  collectives' kernels by time. A collective kernel's time includes its wait for the slowest
+  peer: it bounds the transfer's own time from above. Memory copies count as neither."""
+  devices, by_name = [], {}
+  for plane in planes:
+    if not plane.name.startswith("/device:GPU:"):
+      continue
+    compute, collective = [], []
+    for line in plane.lines:
+      if not line.name.startswith("Stream"):  # the derived lines (XLA Ops, Steps...) repeat them
+        continue
+      for event in line.events:
+        span = (event.start_ns, event.start_ns + event.duration_ns)
+        if COLLECTIVE.search(event.name):
+          collective.append(span)
+          name = event.name.split("(")[0]
+          by_name[name] = by_name.get(name, 0) + event.duration_ns
+        elif not event.name.startswith(("Memcpy", "Memset")):
+          compute.append(span)
+    compute, collective = _merged(compute), _merged(collective)
+    devices.append((_length(compute), _length(collective), _common(compute, collective)))
+  if not devices or not any(c for c, _, _ in devices):
+    raise ValueError("the profile holds no GPU stream's kernels (planes: "
+                     f"{sorted({p.name for p in planes})[:8]})")
+  per_step = lambda ns: ns / 1e6 / steps / len(devices)
+  compute, collective, common = (per_step(sum(d[i] for d in devices)) for i in range(3))
+  return {"compute_ms": compute, "collective_ms": collective, "overlapped_ms": common,
+          "exposed_ms": collective - common,
+          "exposed_ms_max": max(c - o for _, c, o in devices) / 1e6 / steps,
+          "overlapped": common / collective if collective else None,
+          "collectives": {name: ns / 1e6 / steps / len(devices) for name, ns in
+                          sorted(by_name.items(), key=lambda kv: -kv[1])[:6]}}
+
+
+def _profiled(compiled, state, tokens, steps: int = 2):
+  """``overlap`` of ``steps`` steps, and the state after them."""
+  with tempfile.TemporaryDirectory() as where:
+    jax.block_until_ready(state)
+    with jax.profiler.trace(where):
+      for _ in range(steps):
+        state, metrics = compiled(state, tokens)
+      jax.block_until_ready(metrics)
+    (path,) = pathlib.Path(where).glob("**/*.xplane.pb")
+    data = jax.profiler.ProfileData.from_serialized_xspace(path.read_bytes())
+    return overlap(list(data.planes), steps), state
+
+
 def measure_step(preset: str, kernels: str, sizes: dict, batch: int, seq: int,
                  steps: int) -> dict:
-  """The train step on the first prod(sizes) devices, laid out by ``sizes``."""
+  """The train step on the first prod(sizes) devices, laid out by ``sizes``; on a GPU, the
+  profile of two more steps (``overlap``)."""
   from jaxkernels import remat
   from models import llama, train
   n = math.prod(sizes.values())
@@ -81,12 +172,19 @@ def measure_step(preset: str, kernels: str, sizes: dict, batch: int, seq: int,
         state, metrics = compiled(state, tokens)
       jax.block_until_ready(metrics)
       times.append((time.perf_counter() - start) / steps)
+    peak = _peak(devices)
+    profile = None
+    if devices[0].platform == "gpu":
+      try:
+        profile, state = _profiled(compiled, state, tokens)
+      except Exception as e:  # a profile missing is said, the step's numbers stand
+        profile = {"error": f"{type(e).__name__}: {e}"[:300]}
   seconds = sorted(times)[1]
   rate = tc.batch * seq / seconds
   peak_flops = train.peak_flops(devices)
-  return {"ms": seconds * 1e3, "tokens_per_s": rate, "first_loss": first,
+  return {"profile": profile, "ms": seconds * 1e3, "tokens_per_s": rate, "first_loss": first,
           "mfu": llama.mfu(cfg, rate, seq, peak_flops) if peak_flops else None,
-          "peak_bytes": _peak(devices), "compiled_bytes": remat.compiled_peak_bytes(compiled),
+          "peak_bytes": peak, "compiled_bytes": remat.compiled_peak_bytes(compiled),
           "compile_s": compile_s, "devices": n, "batch": tc.batch}
 
 
@@ -159,17 +257,32 @@ def _gib(n) -> str:
   return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def _profile_note(profile: dict | None) -> str:
+  if not profile:
+    return ""
+  if "error" in profile:
+    return f"; no profile: {profile['error']}"
+  note = (f"; profile, a step a device: compute {profile['compute_ms']:.1f} ms, collectives "
+          f"{profile['collective_ms']:.1f} ms")
+  if profile["collective_ms"]:
+    note += (f", {100 * profile['overlapped']:.0f}% of it beside compute (exposed "
+             f"{profile['exposed_ms']:.1f} ms, {profile['exposed_ms_max']:.1f} on the worst "
+             "device); by kernel: " + ", ".join(
+                 f"{name} {ms:.1f}" for name, ms in list(profile["collectives"].items())[:3]))
+  return note
+
+
 def run(session: harness.Session, only=None) -> None:
   """``only``: "steps" (the train step's layouts), "ring" (ring attention), or both (None)."""
   available = len(jax.devices())
   counts = [n for n in (1, 2, 4, 8) if n <= available]
   preset, batch, seq, steps = (("tiny", 2, 128, 2) if session.smoke else (PRESET, BATCH, SEQ, 5))
   one: dict[str, float] = {}
-  for kernels in ("jaxkernels", "xla") if only is None or "steps" in only else ():
-    for n in counts:
-      for name, sizes_of in LAYOUTS.items():
-        if n == 1 and name != "fsdp" or (name == "fsdp x tensor" and n < 2):
-          continue  # one device: one layout
+  for n in counts if only is None or "steps" in only else ():
+    for name, sizes_of in LAYOUTS.items():
+      if n == 1 and name != "fsdp" or (name == "fsdp x tensor" and n < 2):
+        continue  # one device: one layout
+      for kernels in ("jaxkernels", "xla"):  # side by side: the same machine's minute
         sizes = sizes_of(n)
         got = _child("measure_step", {"preset": preset, "kernels": kernels, "sizes": sizes,
                                       "batch": batch, "seq": seq, "steps": steps})
@@ -187,9 +300,9 @@ def run(session: harness.Session, only=None) -> None:
         row.note = (f"{got['tokens_per_s']:.0f} tokens/s"
                     + (f", scaling {efficiency:.3f} of linear" if efficiency else "")
                     + f"; memory a device {_gib(got['peak_bytes'])} measured, "
-                    f"{_gib(got['compiled_bytes'])} compiled; first step's loss {got['first_loss']:.4f}; "
-                    f"compile "
-                    f"{got['compile_s']:.0f} s")
+                    f"{_gib(got['compiled_bytes'])} compiled; first step's loss "
+                    f"{got['first_loss']:.4f}; compile {got['compile_s']:.0f} s"
+                    + _profile_note(got.get("profile")))
         session.add(row)
   lengths = (4096,) if session.smoke else RING_LENGTHS
   for length in lengths if only is None or "ring" in only else ():

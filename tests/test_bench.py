@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
-
 import pytest
 
 import jaxkernels as jk
@@ -291,3 +291,38 @@ def test_report_keeps_a_run_with_every_anchor_over_a_newer_one_without(tmp_path)
           [dict(impl="triton", ms=0.8), dict(impl="xla", ms=3.0), dict(impl="cudnn", ms=0.9)])
   (line,) = report.lines(report.load(results))["Chip"]
   assert line.run.path.name == "rerun.json" and line.speedup == 0.9 / 0.8
+
+
+def test_profile_overlap_reads_each_gpus_streams():
+  """bench.scaling.overlap: compute and collective time a step from the streams' kernels alone
+  (not the derived lines that repeat them), the collective time under compute, per device."""
+  from types import SimpleNamespace as NS
+
+  from bench import scaling
+
+  def plane(name, lines):
+    return NS(name=name, lines=[NS(name=line, events=[
+        NS(name=event, start_ns=start, duration_ns=end - start) for event, start, end in events])
+        for line, events in lines.items()])
+
+  gpu0 = plane("/device:GPU:0", {
+      "Stream #13(Compute)": [("loop_fusion", 0, 10e6), ("jk_matmul", 20e6, 30e6)],
+      "Stream #20(Nccl)": [("ncclDevKernel_AllGather_RING_LL(args)", 5e6, 25e6)],
+      "Stream #30(MemcpyD2D)": [("MemcpyD2D", 30e6, 50e6)],
+      "XLA Ops": [("fusion", 0, 50e6)]})
+  gpu1 = plane("/device:GPU:1", {
+      "Stream #13(Compute)": [("loop_fusion", 0, 10e6)],
+      "Stream #20(Nccl)": [("ncclDevKernel_AllReduce_Sum_f32(args)", 10e6, 14e6)]})
+  got = scaling.overlap([plane("/host:CPU", {"python": [("step", 0, 1e9)]}), gpu0, gpu1],
+                        steps=2)
+  # Device 0: compute 20 ms, collectives 20 of which 10 under compute; device 1: 10, 4, 0.
+  chex.assert_trees_all_close(
+      {k: got[k] for k in ("compute_ms", "collective_ms", "overlapped_ms", "exposed_ms",
+                           "exposed_ms_max", "overlapped")},
+      {"compute_ms": 7.5, "collective_ms": 6.0, "overlapped_ms": 2.5, "exposed_ms": 3.5,
+       "exposed_ms_max": 5.0, "overlapped": 2.5 / 6.0})
+  assert list(got["collectives"]) == ["ncclDevKernel_AllGather_RING_LL",
+                                      "ncclDevKernel_AllReduce_Sum_f32"]
+  assert "collectives 6.0 ms, 42% of it beside compute" in scaling._profile_note(got)
+  with pytest.raises(ValueError, match="no GPU stream"):
+    scaling.overlap([plane("/host:CPU", {"python": [("step", 0, 1e9)]})], steps=1)
