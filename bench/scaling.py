@@ -94,7 +94,7 @@ def overlap(planes, steps: int) -> dict:
   """What a step's kernels did on each GPU, from a profile's planes (``ProfileData.planes``):
   milliseconds a step of compute (the union of every other kernel's time), of collectives (the
   union of COLLECTIVE kernels' time) and of collective time that compute ran beside; each the
-  mean over the devices, with the largest exposed (collective, not overlapped) time and the
+  mean over the devices that ran kernels (the profiler traces every GPU of the host), with the largest exposed (collective, not overlapped) time and the
   collectives' kernels by time. A collective kernel's time includes its wait for the slowest
   peer: it bounds the transfer's own time from above. Memory copies count as neither."""
   devices, by_name = [], {}
@@ -113,6 +113,8 @@ def overlap(planes, steps: int) -> dict:
           by_name[name] = by_name.get(name, 0) + event.duration_ns
         elif not event.name.startswith(("Memcpy", "Memset")):
           compute.append(span)
+    if not compute and not collective:
+      continue  # a GPU of the host that the program does not use
     compute, collective = _merged(compute), _merged(collective)
     devices.append((_length(compute), _length(collective), _common(compute, collective)))
   if not devices or not any(c for c, _, _ in devices):

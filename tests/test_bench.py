@@ -313,7 +313,8 @@ def test_profile_overlap_reads_each_gpus_streams():
   gpu1 = plane("/device:GPU:1", {
       "Stream #13(Compute)": [("loop_fusion", 0, 10e6)],
       "Stream #20(Nccl)": [("ncclDevKernel_AllReduce_Sum_f32(args)", 10e6, 14e6)]})
-  got = scaling.overlap([plane("/host:CPU", {"python": [("step", 0, 1e9)]}), gpu0, gpu1],
+  idle = plane("/device:GPU:2", {"Stream #7": []})  # the host's GPU the program did not use
+  got = scaling.overlap([plane("/host:CPU", {"python": [("step", 0, 1e9)]}), gpu0, gpu1, idle],
                         steps=2)
   # Device 0: compute 20 ms, collectives 20 of which 10 under compute; device 1: 10, 4, 0.
   chex.assert_trees_all_close(
