@@ -94,9 +94,10 @@ def overlap(planes, steps: int) -> dict:
   """What a step's kernels did on each GPU, from a profile's planes (``ProfileData.planes``):
   milliseconds a step of compute (the union of every other kernel's time), of collectives (the
   union of COLLECTIVE kernels' time) and of collective time that compute ran beside; each the
-  mean over the devices that ran kernels (the profiler traces every GPU of the host), with the largest exposed (collective, not overlapped) time and the
-  collectives' kernels by time. A collective kernel's time includes its wait for the slowest
-  peer: it bounds the transfer's own time from above. Memory copies count as neither."""
+  mean over the devices that ran kernels (the profiler traces every GPU of the host), with the
+  largest exposed (collective, not overlapped) time and the collectives' kernels by time. A
+  collective kernel's time includes its wait for the slowest peer: it bounds the transfer's own
+  time from above. Memory copies count as neither."""
   devices, by_name = [], {}
   for plane in planes:
     if not plane.name.startswith("/device:GPU:"):
