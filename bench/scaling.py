@@ -127,7 +127,7 @@ def overlap(planes, steps: int) -> dict:
           "exposed_ms": collective - common,
           "exposed_ms_max": max(c - o for _, c, o in devices) / 1e6 / steps,
           "overlapped": common / collective if collective else None,
-          "collectives": {name: ns / 1e6 / steps / len(devices) for name, ns in
+          "collectives": {name: per_step(ns) for name, ns in
                           sorted(by_name.items(), key=lambda kv: -kv[1])[:6]}}
 
 
