@@ -106,14 +106,20 @@ def _param(rngs: nnx.Rngs | None, init, shape, dtype, axes=None):
   return nnx.Param(init(key, shape, dtype), out_sharding=tuple(axes), eager_sharding=False)
 
 
-def whole_weight(value, dtype):
-  """A weight in ``dtype``, gathered along the data-like mesh axes it is split over (fully
-  sharded data parallelism: those of ``jaxkernels.partitioning.DATA_AXES``, "data", "fsdp",
-  ...; on a mesh of Explicit axes), cast first so that the gather moves ``dtype``'s bytes;
-  under ``jax.grad`` the gather's transpose sums the gradient back onto the split. A split
-  over another axis ("tensor", say) is model parallelism and stays: the op runs per shard
-  (a column- or row-parallel matmul, the vocabulary-parallel loss)."""
+def whole_weight(value, dtype, implementation: str | None = None):
+  """A weight in ``dtype`` as an op called with ``implementation`` takes it, under fully
+  sharded data parallelism (the weight split over data-like mesh axes, those of
+  ``jaxkernels.partitioning.DATA_AXES``: "data", "fsdp", ...; on a mesh of Explicit axes).
+  Cast first, so that a gather moves ``dtype``'s bytes. Our ops (any implementation but
+  "xla") gather such a weight in their own map, where its gradient leaves as a
+  reduce-scatter; XLA's ops take it gathered here (jnp's product refuses operands split over
+  one axis along two dimensions), and under ``jax.grad`` the gather's transpose sums the
+  gradient back onto the split. A split over another axis ("tensor", say) is model
+  parallelism and stays: the op runs per shard (a column- or row-parallel matmul, the
+  vocabulary-parallel loss)."""
   w = value.astype(dtype)
+  if implementation != "xla":
+    return w
   spec = tuple(jax.typeof(w).sharding.spec)
   kept = tuple(partitioning.entry(tuple(a for a in partitioning.axes(e)
                                         if a not in partitioning.DATA_AXES)) for e in spec)
@@ -188,10 +194,11 @@ class GLUMLP(nnx.Module):
   def __call__(self, x):
     dtype = self.dtype or x.dtype
     matmul = functools.partial(jk.matmul, implementation=self.implementation)
-    hidden = matmul(x.astype(dtype), whole_weight(self.gate_up[...], dtype),
-                    activation=self.activation, glu=True)
+    weight = lambda w: whole_weight(w, dtype, self.implementation)
+    hidden = matmul(x.astype(dtype), weight(self.gate_up[...]), activation=self.activation,
+                    glu=True)
     hidden = remat.tag(hidden, remat.MLP_HIDDEN)
-    return matmul(hidden, whole_weight(self.down[...], dtype))
+    return matmul(hidden, weight(self.down[...]))
 
 
 class LMHead(nnx.Module):
@@ -214,7 +221,7 @@ class LMHead(nnx.Module):
 
   def weight(self, dtype):
     w = self.tied.embedding[...].T if self.tied is not None else self.kernel[...]
-    return whole_weight(w, dtype)
+    return whole_weight(w, dtype, self.implementation)
 
   def __call__(self, x, labels=None, **loss_options):
     """Logits (x's dtype), or with ``labels`` the loss (float32; ``loss_options``: those of

@@ -263,24 +263,55 @@ class Free:
   """A dimension that splits freely. Dimensions of one ``group`` split over the same mesh axes:
   those of the first operand (in the rule's order) that splits one. ``name``: its logical name,
   for meshes of Auto axes (None: never split there). ``label``: how messages name the group.
-  ``broadcast``: a dimension of size 1 is broadcast against the group and stays whole."""
+  ``broadcast``: a dimension of size 1 is broadcast against the group and stays whole.
+  ``weight``: a weight's dimension (:func:`gathers_inside`)."""
 
   group: str
   name: str | None = None
   label: str | None = None
   broadcast: bool = False
+  weight: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Whole:
   """A dimension the kernels need whole (they reduce, walk or contract over it): gathered where
   it is split, warned (``why``, ``instead``: the warning's words) unless ``quiet`` (a vector
-  along a reduced dimension: its bytes are nothing beside the rows')."""
+  along a reduced dimension: its bytes are nothing beside the rows'). ``weight``: a weight's
+  dimension (:func:`gathers_inside`)."""
 
   name: str | None = None
   why: str | None = None
   instead: str = "split the rows"
   quiet: bool = False
+  weight: bool = False
+
+
+def fsdp_axes(d: Free | Whole, names: Sequence[str]) -> tuple[str, ...]:
+  """Of mesh axes ``names`` that split dimension ``d``, those it gathers as fully sharded data
+  parallelism does: the data-like ones (:data:`DATA_AXES`) where ``d`` is a weight's."""
+  return tuple(a for a in names if a in DATA_AXES) if d.weight else ()
+
+
+def gathers_inside(dims: Sequence[Free | Whole], have, target) -> dict[int, tuple[str, ...]]:
+  """Where an operand laid out as ``have`` enters the op's map as ``target``, the gathers the
+  map runs itself, {dimension: mesh axes}: those of fully sharded data parallelism, a
+  weight's dimension split over data-like axes after the target's (:func:`fsdp_axes`).
+  Gathered in the map (``lax.all_gather``) rather than before it, the weight's gradient
+  leaves as a reduce-scatter of each device's share, not an all-reduce of the whole weight
+  sliced after. Empty where any other dimension differs (the array moves before the map)."""
+  if have is None:
+    return {}
+  out = {}
+  for dim, (d, h, t) in enumerate(zip(dims, have, tuple(target) + (None,) * len(dims))):
+    h, t = axes(h), axes(t)
+    if h == t:
+      continue
+    extra = h[len(t):]
+    if h[:len(t)] != t or fsdp_axes(d, extra) != extra:
+      return {}
+    out[dim] = extra
+  return out
 
 
 Rule = Mapping[str, Sequence["Free | Whole"]]
@@ -288,10 +319,12 @@ Rule = Mapping[str, Sequence["Free | Whole"]]
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-  """What :func:`split` decided: the mesh, and the mesh axes each group splits over."""
+  """What :func:`split` decided: the mesh, the mesh axes each group splits over, and how each
+  operand was laid out (its spec: its type's, or the logical rules' on Auto axes)."""
 
   mesh: Any
   groups: Mapping[str, tuple[str, ...]]
+  layouts: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
   def axes(self, *groups: str) -> tuple[str, ...]:
     return tuple(a for g in groups for a in self.groups.get(g, ()))
@@ -306,16 +339,26 @@ class Split:
                for i, d in enumerate(dims)))
 
   def run(self, call: Callable[..., Any], arrays: Mapping[str, Any], rule: Rule,
-          out_dims) -> Any:
+          out_dims, wire: Mapping[str, Any] | None = None) -> Any:
     """``call(**arrays)`` once per shard, each array split as ``rule`` and this split say,
-    the outputs as ``out_dims`` (a tree of dims tuples, or of PartitionSpecs) say."""
-    specs = {name: self.spec(rule[name], a.shape) if a is not None else P()
-             for name, a in arrays.items()}
+    the outputs as ``out_dims`` (a tree of dims tuples, or of PartitionSpecs) say. A weight
+    split over data-like axes is gathered in the map (:func:`gathers_inside`), in
+    ``wire[name]``'s dtype where given (a weight the op widened to float32 for its gradient's
+    sum: the gather moves its own dtype's bytes, the gradient's reduce-scatter float32's)."""
+    specs, inside = {}, {}
+    for name, a in arrays.items():
+      specs[name] = self.spec(rule[name], a.shape) if a is not None else P()
+      if a is not None and (g := gathers_inside(rule[name], self.layouts.get(name),
+                                                specs[name])):
+        have = self.layouts[name]
+        inside[name] = g
+        specs[name] = P(*(have[i] if i in g else e for i, e in enumerate(
+            tuple(specs[name]) + (None,) * (a.ndim - len(specs[name])))))
     is_dims = lambda x: isinstance(x, tuple) and all(
         d is None or isinstance(d, (Free, Whole)) for d in x)
     out_specs = jax.tree.map(lambda d: d if isinstance(d, P) else self.spec(d), out_dims,
                              is_leaf=lambda x: isinstance(x, P) or is_dims(x))
-    return run(self.mesh, call, arrays, specs, out_specs)
+    return run(self.mesh, call, arrays, specs, out_specs, inside, wire)
 
 
 def split(op: str, implementation: str | None, arrays: Mapping[str, Any], rule: Rule, *,
@@ -348,16 +391,18 @@ def split(op: str, implementation: str | None, arrays: Mapping[str, Any], rule: 
     for dim, (d, e) in enumerate(zip(rule[name], specs[name], strict=True)):
       names = axes(e)
       if isinstance(d, Whole):
-        if names and not d.quiet:
-          gathered(op, implementation, name, a, dim, names, mesh, why=d.why, instead=d.instead)
+        loud = tuple(x for x in names if x not in fsdp_axes(d, names))
+        if loud and not d.quiet:
+          gathered(op, implementation, name, a, dim, loud, mesh, why=d.why, instead=d.instead)
         continue
       if d.group in groups or not names or (d.broadcast and a.shape[dim] == 1):
         continue  # decided already (this operand moves to it), or nothing to decide
       label = d.label or f"dimension {dim}"
       if clash := tuple(x for x in names if x in owner):
-        gathered(op, implementation, name, a, dim, clash, mesh,
-                 why=f"those axes already split {owner[clash[0]]}",
-                 instead=f"split {label} over other mesh axes")
+        if loud := tuple(x for x in clash if x not in fsdp_axes(d, clash)):
+          gathered(op, implementation, name, a, dim, loud, mesh,
+                   why=f"those axes already split {owner[loud[0]]}",
+                   instead=f"split {label} over other mesh axes")
         names = tuple(x for x in names if x not in owner)
       if names:
         groups[d.group], first[d.group] = names, (name, a, dim, label)
@@ -377,7 +422,8 @@ def split(op: str, implementation: str | None, arrays: Mapping[str, Any], rule: 
                  f"dimension {dim}, which splits with {by}'s {label}",
                  instead=f"split {label} over axes that divide {name}'s")
         groups[d.group] = ()
-  return Split(mesh, {g: n for g, n in groups.items() if n})
+  return Split(mesh, {g: n for g, n in groups.items() if n},
+               {k: tuple(spec) for k, spec in specs.items()})
 
 
 def rows_rule(rows: Mapping[str, Any], vectors: Mapping[str, Any], reduced: int | None,
@@ -428,11 +474,15 @@ can_nest: Callable[[], bool] = lambda: True
 
 
 def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mapping[str, P],
-        out_specs) -> Any:
+        out_specs, inside: Mapping[str, Mapping[int, tuple[str, ...]]] | None = None,
+        wire: Mapping[str, Any] | None = None) -> Any:
   """``call(**arrays)`` under shard_map over ``mesh``, each array split as ``specs`` says
   (resharded first where it is split otherwise: slicing a whole array is local; gathering a
   split one is what the rules warn of), None arrays passed through as None. On a mesh of Auto
-  axes the compiler moves each array to its split."""
+  axes the compiler moves each array to its split. ``inside``: {array: {dimension: mesh
+  axes}}, the gathers the map runs on entry (:func:`gathers_inside`), each in ``wire``'s dtype
+  for that array where given."""
+  inside, wire = inside or {}, wire or {}
   names = [name for name, a in arrays.items() if a is not None]
   args, in_specs = [], []
   padded = lambda spec, ndim: P(*spec, *[None] * (ndim - len(spec)))
@@ -445,6 +495,14 @@ def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mappin
     args.append(a)
     in_specs.append(target)
   absent = {name: None for name, a in arrays.items() if a is None}
+
+  def gather(local):
+    out = []
+    for name, x in zip(names, local):
+      for dim, over in sorted(inside.get(name, {}).items()):
+        x = all_gather(x, over, dim, np.dtype(wire.get(name, x.dtype)))
+      out.append(x)
+    return out
 
   def body(*local):
     return call(**dict(zip(names, local)), **absent)
@@ -461,17 +519,39 @@ def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mappin
       x, P))) for e in spec for a in axes(e)}
   unused = frozenset(a for a in mesh.axis_names if a not in used)
   if not used or all(dict(mesh.shape)[a] == 1 for a in unused) or not can_nest():
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                         check_vma=False)(*args)
+    return jax.shard_map(lambda *local: body(*gather(local)), mesh=mesh,
+                         in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)(*args)
 
   same = jax.tree.map(lambda _: P(), out_specs, is_leaf=lambda x: isinstance(x, P))
 
   def split(*local):
+    local = gather(local)
     return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(),) * len(
         local), out_specs=same, axis_names=unused, check_vma=True)(*local)
 
   return jax.shard_map(split, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                        axis_names=frozenset(used), check_vma=False)(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def all_gather(x, names: tuple[str, ...], dim: int, dtype):
+  """``x`` gathered along ``dim`` over mesh axes ``names`` (tiled, inside a shard_map), moved
+  in ``dtype`` (a weight's compute dtype, where x came widened for its gradient): the values
+  are x's rounded to ``dtype``, in x's dtype. Its transpose is the reduce-scatter in x's dtype
+  (the sum of each device's gradient of the whole, each device keeping its share)."""
+  return jax.lax.all_gather(x.astype(dtype), names, axis=dim, tiled=True).astype(x.dtype)
+
+
+def _all_gather_fwd(x, names, dim, dtype):
+  return all_gather(x, names, dim, dtype), None
+
+
+def _all_gather_bwd(names, dim, dtype, _, ct):
+  del dtype
+  return (jax.lax.psum_scatter(ct, names, scatter_dimension=dim, tiled=True),)
+
+
+all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -342,7 +342,7 @@ class Block(nnx.Module):
     impl = cfg.implementation("matmul")
     normed, stream = self.attn_norm(delta.astype(dtype), residual=stream)
     b, t, _ = normed.shape
-    w = jkf.whole_weight(self.qkv[...], dtype)  # split over tensor where the heads are
+    w = jkf.whole_weight(self.qkv[...], dtype, impl)  # split over tensor where the heads are
     qkv = jk.matmul(normed, w.reshape(cfg.width, -1), implementation=impl)
     qkv = qkv.reshape(b, t, cfg.kv_heads, cfg.group + 2, cfg.head_dim)
     # Query head n = g * group + j attends with kv head g = n // group (flash_attention's).
@@ -360,7 +360,7 @@ class Block(nnx.Module):
         attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     else:
       attended = jk.flash_attention(q, k, v, causal=True, sequence_layout=layout)
-    delta = jk.matmul(attended.reshape(b, t, -1), jkf.whole_weight(self.out[...], dtype),
+    delta = jk.matmul(attended.reshape(b, t, -1), jkf.whole_weight(self.out[...], dtype, impl),
                       implementation=impl)
     normed, stream = self.mlp_norm(delta, residual=stream)
     return self.mlp(normed), stream

@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import warnings
@@ -701,12 +702,15 @@ def test_gather_warns_once_and_an_explicit_kernel_refuses(mesh):
     with pytest.raises(ValueError, match="implementation='triton' cannot serve this call: x's "
                        "dimension 1"):
       jax.jit(lambda x: jk.rms_norm(x, jnp.ones(128), implementation="triton"))(x)
-    b = _put(mesh, jnp.ones((128, 64)), P(None, "data"))
+    # Over a model axis; over a data-like one ("data") B would be a fully sharded weight,
+    # gathered quietly (test_fsdp_weight_is_gathered_in_the_map_...).
+    a = _put(mesh, jnp.ones((8, 128)), P("model", None))
+    b = _put(mesh, jnp.ones((128, 64)), P(None, "model"))
     with pytest.warns(jk.ShardingWarning, match="b's dimension 1 .* already split a's rows"):
-      jax.jit(lambda x, b: jk.matmul(x, b))(_put(mesh, jnp.ones((8, 128)), P("data", None)), b)
-    b = _put(mesh, jnp.ones((128, 64)), P("data", None))
+      jax.jit(lambda x, b: jk.matmul(x, b))(a, b)
+    b = _put(mesh, jnp.ones((128, 64)), P("model", None))
     with pytest.warns(jk.ShardingWarning, match="b's dimension 0 .* already split a's rows"):
-      jax.jit(lambda x, b: jk.matmul(x, b))(_put(mesh, jnp.ones((8, 128)), P("data", None)), b)
+      jax.jit(lambda x, b: jk.matmul(x, b))(a, b)
 
 
 def test_a_kernel_reached_on_auto_axes_is_refused_or_warned():
@@ -1190,11 +1194,13 @@ def test_cuda_lowering_on_auto_axes_runs_each_kernel_per_shard(mesh):
     assert "all_gather" not in text and "all_to_all" not in text
 
 
-def test_data_parallel_db_is_summed_in_float32_and_rounded_once(mesh):
-  """bfloat16, rows split over all 8 devices, B whole: each shard's dB is a partial sum of
-  the rows' contributions. Kept in float32 through the sum across shards and rounded once,
-  dB is as close to the exact one as a single rounding of it (within 10%); rounded at each
-  shard and summed in bfloat16, it was not (6.1e-3 off on 2 GPUs)."""
+@pytest.mark.parametrize("spec_b", [P(), P("data", None)], ids=["whole", "fsdp"])
+def test_data_parallel_db_is_summed_in_float32_and_rounded_once(mesh, spec_b):
+  """bfloat16, rows split over all 8 devices, B whole or split over "data" (fully sharded:
+  gathered in the map, dB reduce-scattered back onto the split): each shard's dB is a partial
+  sum of the rows' contributions. Kept in float32 through the sum across shards and rounded
+  once, dB is as close to the exact one as a single rounding of it (within 10%); rounded at
+  each shard and summed in bfloat16, it was not (6.1e-3 off on 2 GPUs)."""
   gen = numerics.rng("sharding", "db")
   a = numerics.normal(gen, (256, 64), jnp.bfloat16)
   b = numerics.normal(gen, (64, 32), jnp.bfloat16)
@@ -1204,11 +1210,83 @@ def test_data_parallel_db_is_summed_in_float32_and_rounded_once(mesh):
   error = lambda got: np.linalg.norm(np.asarray(got, np.float64) - exact) / np.linalg.norm(exact)
   with jk.interpret_mode("triton"):
     _, vjp = jax.vjp(jax.jit(lambda a, b: jk.matmul(a, b)),
-                     _put(mesh, a, P(("data", "model"), None)), _put(mesh, b, P()))
+                     _put(mesh, a, P(("data", "model"), None)), _put(mesh, b, spec_b))
     _, db = vjp(_put(mesh, dy, P(("data", "model"), None)))
-  assert db.dtype == jnp.bfloat16 and db.sharding.spec in (P(), P(None, None))
+  assert db.dtype == jnp.bfloat16
+  assert tuple(db.sharding.spec) + (None,) * 2 == tuple(spec_b) + (None,) * (4 - len(spec_b))
   assert error(db) <= 1.1 * error(once), (error(db), error(once))
 
+
+
+# Fully sharded data parallelism: the operands' specs on the (data 4, model 2) mesh (a or x,
+# the weight[, labels]) for each op that takes a weight, the weight split over "data" too.
+FSDP_LAYOUTS = {
+    "matmul, K over data": (P("data", None), P("data", None)),
+    "matmul, N over data, K over model": (P("data", "model"), P("model", "data")),
+    "stacked glu, K over data, N over model": (P("data", None), P("data", None, "model")),
+    "fused loss, D over data, vocabulary over model": (P("data", None), P("data", "model"),
+                                                       P("data")),
+}
+
+
+def _fsdp_case(layout, gen):
+  """(the op on (a or x, the weight[, labels]), its spec for assert_matches, the primals,
+  the cotangent, the contraction length) for an FSDP_LAYOUTS entry, float32."""
+  m, k, n = 32, 64, 48
+  a = numerics.normal(gen, (m, k), jnp.float32, k ** -0.25)
+  hi = jax.lax.Precision.HIGHEST
+  if layout.startswith("fused loss"):
+    w = numerics.normal(gen, (k, n), jnp.float32, k ** -0.25)
+    labels = jnp.asarray(gen.integers(0, n, m), jnp.int32)
+    fn = lambda impl: lambda x, w, labels: jk.linear_softmax_cross_entropy(
+        x, w, labels, reduction="none", implementation=impl)
+    spec = lambda cd: lambda x, w: cross_entropy_reference.linear_softmax_cross_entropy(
+        x, w, labels, compute_dtype=cd)[0]
+    return fn, spec, (a, w, labels), numerics.normal(gen, (m,), jnp.float32), k
+  if layout.startswith("stacked glu"):
+    b = numerics.normal(gen, (k, 2, n // 2), jnp.float32, k ** -0.25)
+    fn = lambda impl: lambda a, b: jk.matmul(a, b, activation="silu", glu=True, precision=hi,
+                                              implementation=impl)
+    side_by_side = glu_spec("silu", False, False)
+    spec = lambda cd: lambda a, b: side_by_side(cd)(a, b.reshape(k, n))
+    return fn, spec, (a, b), numerics.normal(gen, (m, n // 2), jnp.float32), k
+  b = numerics.normal(gen, (k, n), jnp.float32, k ** -0.25)
+  fn = lambda impl: lambda a, b: jk.matmul(a, b, precision=hi, implementation=impl)
+  return fn, matmul_spec(None, False, False), (a, b), numerics.normal(gen, (m, n),
+                                                                      jnp.float32), k
+
+
+@pytest.mark.parametrize("layout", sorted(FSDP_LAYOUTS))
+def test_fsdp_weight_is_gathered_in_the_map_and_its_gradient_reduce_scattered(mesh, layout):
+  """A weight split over a data-like axis ("data") where the rows are split over it too:
+  gathered inside the op's map, quietly (that is fully sharded data parallelism, not a
+  layout to warn of; an explicit kernel serves it), the rest of its split kept (column- or
+  row-parallel over "model", the vocabulary-parallel loss). Forward and gradients as the spec;
+  the weight's gradient comes back split as the weight is, by a reduce-scatter of each
+  device's share: no all-reduce of the weight's gathered size (the sum over the whole weight
+  that was sliced after)."""
+  specs = FSDP_LAYOUTS[layout]
+  fn, spec, primals, ct, k = _fsdp_case(layout, numerics.rng("sharding-fsdp", layout))
+  placed = [_put(mesh, x, s) for x, s in zip(primals, specs)]
+  diff, rest, at = placed[:2], placed[2:], 1  # (a or x, the weight), the labels
+  f = jax.jit(lambda *d: fn("triton")(*d, *rest))
+  with jk.interpret_mode("triton"), warnings.catch_warnings():
+    warnings.simplefilter("error", jk.ShardingWarning)
+    out, vjp = jax.vjp(f, *diff)
+    grads = vjp(ct)
+    text = jax.jit(lambda *d: jax.vjp(f, *d)[1](ct)).lower(*diff).compile().as_text()
+  w, dw = diff[at], grads[at]
+  chex.assert_equal(tuple(dw.sharding.spec) + (None,) * (w.ndim - len(dw.sharding.spec)),
+                    tuple(specs[at]) + (None,) * (w.ndim - len(specs[at])))
+  sizes = dict(mesh.shape)
+  gathered = [length // math.prod(sizes[a] for a in partitioning.axes(e) if a != "data")
+              for length, e in zip(w.shape, tuple(specs[at]) + (None,) * w.ndim)]
+  whole = f"f32[{','.join(map(str, gathered))}]"
+  reduced = re.findall(r"= (\S+) all-reduce(?:-start)?\(", text)
+  assert "reduce-scatter" in text, "no reduce-scatter in the compiled backward"
+  assert not [r for r in reduced if r.startswith(whole)], (whole, reduced)
+  numerics.assert_matches((out, grads), spec, primals[:2], ct, dtype=jnp.float32,
+                          reduction=k, pointwise_rtol=_activations.RTOL)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

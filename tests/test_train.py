@@ -78,7 +78,10 @@ def test_killed_run_resumes_to_the_same_curve(tmp_path):
 
 def test_fully_sharded_step_matches_one_device():
   """The batch over (data 2, fsdp 4), every weight split over fsdp along its width: the same
-  losses, step for step, as on one device, and the weights and Adam's moments stay split."""
+  losses, step for step, as on one device, and the weights and Adam's moments stay split.
+  Each weight is gathered in its op's map, so its gradient leaves as a reduce-scatter over
+  fsdp of each device's share: no all-reduce over fsdp carries a weight matrix (but the
+  embedding table's, whose lookup is XLA's)."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   cfg = llama.preset("tiny", max_len=32)
@@ -90,6 +93,9 @@ def test_fully_sharded_step_matches_one_device():
     step = train.step_fn(graphdef)
     got = []
     with jax.set_mesh(where) if where is not None else contextlib.nullcontext():
+      if where is not None:
+        text = step.lower(state, train.shard_batch(train.batch_at(data, 0, tc), where)
+                          ).compile().as_text()
       for s in range(3):
         state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
         got.append(float(metrics["loss"]))
@@ -103,6 +109,13 @@ def test_fully_sharded_step_matches_one_device():
       assert sum("fsdp" in str(x.sharding.spec) for x in moments) == 2 * 6  # mu and nu of the 6 weight matrices
   # Float32 throughout; the gradients' sums over the batch and the gathers run in another order.
   np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+  over_fsdp = [c for c in collectives(text)  # device d * 4 + f: fsdp's groups, or all 8
+               if c[2] in (((0, 1, 2, 3), (4, 5, 6, 7)), (tuple(range(8)),))]
+  scattered = [c for c in over_fsdp if c[0] == "reduce-scatter"]
+  assert len(scattered) == 4 * cfg.depth + 1, over_fsdp  # qkv, out, gate_up, down; the head
+  matrices = [shape for kind, shapes, _ in over_fsdp if kind == "all-reduce"
+              for shape in re.findall(r"\w+\[([\d,]*)\]", shapes) if "," in shape]
+  assert set(matrices) <= {f"{cfg.vocab},{cfg.width}"}, over_fsdp
 
 
 _COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|"

@@ -547,11 +547,12 @@ def _linear_rule(x, **unused):
   split freely, and so does w's vocabulary (vocabulary parallel: each slice's statistics are
   combined by collectives of one number a token); D is contracted over, so x's D and w's stay
   whole. On a mesh of Auto axes: x's tokens as "batch", "length", ..., D as "embed"; w as
-  ("embed", "vocab")."""
+  ("embed", "vocab"). w is a weight: split over data-like axes (fully sharded data
+  parallelism) it is gathered in the map, dw reduce-scattered."""
   rows = partitioning.row_dims(x.ndim, "embed", label="tokens")
   return {"x": (*rows, Whole("embed")),
-          "w": (Whole("embed", why="each token's logits contract over it"),
-                Free("vocab", "vocab", label="vocabulary")),
+          "w": (Whole("embed", why="each token's logits contract over it", weight=True),
+                Free("vocab", "vocab", label="vocabulary", weight=True)),
           "labels": rows}
 
 
@@ -568,8 +569,10 @@ def _linear_across(where, rule, local, *, x, w, labels, options: _Options, reduc
   row_groups = [d.group for d in rows]
   vocab_axes = where.axes("vocab")
   split = _VocabSplit(vocab_axes, w.shape[1]) if vocab_axes else None
+  wire = {}
   if where.size(*row_groups) > 1 and jnp.dtype(w.dtype).itemsize < 4:
     w_compute, w = w.dtype, w.astype(jnp.float32)
+    wire = {"w": w_compute}  # gathered over data-like axes (fsdp) in its own dtype
 
   # Under a split vocabulary every slice holds the same losses: each returns its copy along a
   # leading axis over the slices, and their mean is taken outside. Returned as one copy (an
@@ -589,7 +592,7 @@ def _linear_across(where, rule, local, *, x, w, labels, options: _Options, reduc
     out_dims = rows if split is None else P(partitioning.entry(vocab_axes), *where.spec(rows))
   else:
     out_dims = P(partitioning.entry(where.axes(*row_groups) + vocab_axes), None)
-  out = where.run(call, {"x": x, "w": w, "labels": labels}, rule, out_dims)
+  out = where.run(call, {"x": x, "w": w, "labels": labels}, rule, out_dims, wire=wire)
   if reduction == "none":
     return out if split is None else jnp.sum(out, axis=0) / copies
   # Summed over the shards first, then indexed: the sum's transpose keeps the cotangent split

@@ -468,7 +468,7 @@ def _stacked_across(where, rule, *, a, b, bias, activation, residual, out_dtype,
     # dB summed over the row shards in float32, rounded once (as the plain product's rule).
     arrays["b"] = b.astype(jnp.float32)
     return where.run(lambda **shards: local(**shards, b_dtype=b.dtype), arrays, rule,
-                     rule["residual"])
+                     rule["residual"], wire={"b": b.dtype})
   return where.run(local, arrays, rule, rule["residual"])
 
 
@@ -506,7 +506,8 @@ def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dt
     # summed in float32 and rounded to B's dtype once, outside: summed in bfloat16, dB was
     # 6.1e-3 off on 2 GPUs (a rounding at each shard, another at the sum).
     arrays["b"] = b.astype(jnp.float32)
-    return where.run(lambda **shards: local(**shards, b_dtype=b.dtype), arrays, rule, out)
+    return where.run(lambda **shards: local(**shards, b_dtype=b.dtype), arrays, rule, out,
+                     wire={"b": b.dtype})
 
   blocked = reference.is_blocked(a_scale, b_scale)
 
@@ -527,13 +528,17 @@ def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dt
 def _rule(a, b, a_scale, b_scale, glu, **unused):
   """The split rule (see :func:`_across`). On a mesh of Auto axes: A's rows as "batch",
   "length", ..., K as "embed"; B's N has no name a matmul can know (heads? mlp?), so it stays
-  whole unless B's type splits it; a stacked glu b's is the MLP's, "mlp"."""
+  whole unless B's type splits it; a stacked glu b's is the MLP's, "mlp". B and the bias are
+  weights: split over data-like axes (fully sharded data parallelism), they are gathered in
+  the map, their gradients reduce-scattered (``partitioning.gathers_inside``)."""
   rows = partitioning.row_dims(a.ndim, "embed")
   k, n = Free("k", "embed", label="K"), Free("n", label="N")
+  weight = lambda d: dataclasses.replace(d, weight=True)
   if glu and b.ndim == 3:
-    n, pair = Free("n", "mlp", label="N"), partitioning.Whole(quiet=True)
-    return dict(a=(*rows, k), b=(k, pair, n), bias=(pair, n), residual=(*rows, n))
-  rule = dict(a=(*rows, k), b=(k, n), bias=(n,), residual=(*rows, n),
+    n, pair = Free("n", "mlp", label="N"), partitioning.Whole(quiet=True, weight=True)
+    return dict(a=(*rows, k), b=(weight(k), pair, weight(n)), bias=(pair, weight(n)),
+                residual=(*rows, n))
+  rule = dict(a=(*rows, k), b=(weight(k), weight(n)), bias=(weight(n),), residual=(*rows, n),
               a_scale=rows if a_scale is not None and a_scale.ndim else (),
               b_scale=(n,) if b_scale is not None and b_scale.ndim else ())
   if reference.is_blocked(a_scale, b_scale):
