@@ -57,7 +57,7 @@ def main(argv=None) -> int:
   parser.add_argument("--only", default=None,
                       help="matmul: run only these parts, comma-separated (checks,headline,sweep,glu); "
                            "attention: only these shapes, by name; model: only these presets; scaling: steps, "
-                           "ring")
+                           "ring, and device counts (1,4: only those)")
   parser.add_argument("--remat", action="store_true",
                       help="model: every remat policy and auto, with the largest batch each fits")
   parser.add_argument("--policies", default=None,

@@ -276,9 +276,13 @@ def _profile_note(profile: dict | None) -> str:
 
 
 def run(session: harness.Session, only=None) -> None:
-  """``only``: "steps" (the train step's layouts), "ring" (ring attention), or both (None)."""
+  """``only``: "steps" (the train step's layouts), "ring" (ring attention), either or both
+  (None: both), and device counts ("1", "4": only those; default every count up to the
+  host's)."""
   available = len(jax.devices())
-  counts = [n for n in (1, 2, 4, 8) if n <= available]
+  picked = {int(x) for x in only or () if x.isdigit()}
+  only = [x for x in only or () if not x.isdigit()] or None
+  counts = [n for n in (1, 2, 4, 8) if n <= available and (not picked or n in picked)]
   preset, batch, seq, steps = (("tiny", 2, 128, 2) if session.smoke else (PRESET, BATCH, SEQ, 5))
   one: dict[str, float] = {}
   for n in counts if only is None or "steps" in only else ():
