@@ -548,7 +548,18 @@ def _all_gather_fwd(x, names, dim, dtype):
 
 def _all_gather_bwd(names, dim, dtype, _, ct):
   del dtype
-  return (jax.lax.psum_scatter(ct, names, scatter_dimension=dim, tiled=True),)
+  scatter = lambda ct: jax.lax.psum_scatter(ct, names, scatter_dimension=dim, tiled=True)
+  # In a map manual over some axes only (run's nested form), jax 0.12's reduce-scatter fails to
+  # lower where the mesh's other axes are Explicit ("Length of sharding.spec (2) must be equal
+  # to aval's ndim (0)"): it runs in a map over those axes too, where each holds the same.
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = getattr(jax.sharding.AxisType, "Manual", None)
+  rest = frozenset(a for a, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
+                   if t != manual)
+  if rest:
+    scatter = jax.shard_map(scatter, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=rest,
+                            check_vma=False)
+  return (scatter(ct),)
 
 
 all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)

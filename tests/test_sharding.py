@@ -1289,6 +1289,24 @@ def test_fsdp_weight_is_gathered_in_the_map_and_its_gradient_reduce_scattered(me
                           reduction=k, pointwise_rtol=_activations.RTOL)
 
 
+def test_fsdp_weight_on_an_auto_mesh_follows_the_rules(mesh):
+  """On a mesh of Auto axes in context, rules that split "embed" over "data" lay B's K out over
+  it: B is gathered in the map (the map over "data" alone, "model" splitting nothing), no
+  warning, and dB reduce-scattered; forward and gradients as the spec."""
+  auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names)
+  fn, spec, (a, b), ct, k = _fsdp_case("matmul, K over data", numerics.rng("sharding-fsdp-auto"))
+  f = jax.jit(fn("triton"), in_shardings=(NamedSharding(auto, P("data")),
+                                          NamedSharding(auto, P("data"))))
+  with jax.set_mesh(auto), jk.sharding_rules(batch="data", embed="data"), \
+       jk.interpret_mode("triton"), warnings.catch_warnings():
+    warnings.simplefilter("error", jk.ShardingWarning)
+    out, vjp = jax.vjp(f, a, b)
+    grads = vjp(ct)
+    text = jax.jit(lambda a, b: jax.vjp(f, a, b)[1](ct)).lower(a, b).compile().as_text()
+  assert "reduce-scatter" in text, "no reduce-scatter in the compiled backward"
+  numerics.assert_matches((out, grads), spec, (a, b), ct, dtype=jnp.float32, reduction=k)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_linear_loss_dw_is_summed_in_float32_and_rounded_once(mesh, reduction):
   """The fused loss's dw, tokens split over all 8 devices, w bfloat16 and whole (x float32:

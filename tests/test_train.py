@@ -202,9 +202,13 @@ def test_tensor_parallel_step_matches_one_device():
   np.testing.assert_allclose(losses["tensor"], losses["one device"], rtol=1e-5)
 
   found = collectives(text)
+  # A combined collective (XLA's combiner: a tuple of arrays; jax 0.12's pairs an activation's
+  # all-reduce with a scalar's) counts each array in it.
+  arrays = [(kind, shape, groups) for kind, shapes, groups in found
+            for shape in re.findall(r"\w+\[[\d,]*\]", shapes)]
   tensor_pairs = ((0, 1), (2, 3), (4, 5), (6, 7))  # device d*4 + f*2 + t: tensor's groups
   rows = "f32[2,32,"  # a device's activations: 2 sequences of 32 tokens
-  activations = [c for c in found if re.match(r"\w+\[\d+,32,", c[1])]  # any batch of them
+  activations = [c for c in arrays if re.match(r"\w+\[\d+,32,", c[1])]  # any batch of them
   over_tensor = [c for c in activations if c[2] == tensor_pairs]
   assert [c[0] for c in over_tensor] == ["all-reduce"] * (4 * cfg.depth + 1), found
   assert all(shape.startswith(f"{rows}{cfg.width}]") for _, shape, _ in over_tensor), over_tensor
