@@ -36,7 +36,10 @@ residual's, q's heads and k's, a matmul's K in A and in B) split over the same m
 of the first operand that splits one; a mesh axis splits one group at most. A whole dimension
 (one the kernels reduce, walk or contract over) is gathered where it is split, with a one-time
 :class:`ShardingWarning` naming the op, the axes and the bytes moved (or a ValueError where the
-caller named a kernel), as is a group whose axes do not divide one of its dimensions. One
+caller named a kernel), as is a group whose axes do not divide one of its dimensions. A
+weight's dimension (``weight=True``: a matmul's B, the fused loss's w) split over data-like
+axes is fully sharded data parallelism: gathered quietly inside the map, its gradient
+reduce-scattered back (:func:`gathers_inside`). One
 function, :func:`split`, reads a rule and the operands' layout for every op, and dispatch's one
 entry (``backend.call``) runs the op per shard through :meth:`Split.run`, with what the op adds
 across shards (a row-parallel matmul's psum, the losses' sums: its ``across``).
