@@ -290,16 +290,17 @@ class Whole:
   weight: bool = False
 
 
-def fsdp_axes(d: Free | Whole, names: Sequence[str]) -> tuple[str, ...]:
-  """Of mesh axes ``names`` that split dimension ``d``, those it gathers as fully sharded data
-  parallelism does: the data-like ones (:data:`DATA_AXES`) where ``d`` is a weight's."""
-  return tuple(a for a in names if a in DATA_AXES) if d.weight else ()
+def warned_axes(d: Free | Whole, names: Sequence[str]) -> tuple[str, ...]:
+  """Of mesh axes ``names`` that split dimension ``d``, those a gather of it warns of: all
+  but the data-like ones (:data:`DATA_AXES`) where ``d`` is a weight's, which it gathers as
+  fully sharded data parallelism does."""
+  return tuple(a for a in names if not (d.weight and a in DATA_AXES))
 
 
 def gathers_inside(dims: Sequence[Free | Whole], have, target) -> dict[int, tuple[str, ...]]:
   """Where an operand laid out as ``have`` enters the op's map as ``target``, the gathers the
   map runs itself, {dimension: mesh axes}: those of fully sharded data parallelism, a
-  weight's dimension split over data-like axes after the target's (:func:`fsdp_axes`).
+  weight's dimension split over data-like axes after the target's (:func:`warned_axes`).
   Gathered in the map (``lax.all_gather``) rather than before it, the weight's gradient
   leaves as a reduce-scatter of each device's share, not an all-reduce of the whole weight
   sliced after. Empty where any other dimension differs (the array moves before the map)."""
@@ -311,7 +312,7 @@ def gathers_inside(dims: Sequence[Free | Whole], have, target) -> dict[int, tupl
     if h == t:
       continue
     extra = h[len(t):]
-    if h[:len(t)] != t or fsdp_axes(d, extra) != extra:
+    if h[:len(t)] != t or warned_axes(d, extra):
       return {}
     out[dim] = extra
   return out
@@ -394,15 +395,14 @@ def split(op: str, implementation: str | None, arrays: Mapping[str, Any], rule: 
     for dim, (d, e) in enumerate(zip(rule[name], specs[name], strict=True)):
       names = axes(e)
       if isinstance(d, Whole):
-        loud = tuple(x for x in names if x not in fsdp_axes(d, names))
-        if loud and not d.quiet:
+        if (loud := warned_axes(d, names)) and not d.quiet:
           gathered(op, implementation, name, a, dim, loud, mesh, why=d.why, instead=d.instead)
         continue
       if d.group in groups or not names or (d.broadcast and a.shape[dim] == 1):
         continue  # decided already (this operand moves to it), or nothing to decide
       label = d.label or f"dimension {dim}"
       if clash := tuple(x for x in names if x in owner):
-        if loud := tuple(x for x in clash if x not in fsdp_axes(d, clash)):
+        if loud := warned_axes(d, clash):
           gathered(op, implementation, name, a, dim, loud, mesh,
                    why=f"those axes already split {owner[loud[0]]}",
                    instead=f"split {label} over other mesh axes")

@@ -113,9 +113,8 @@ def test_fully_sharded_step_matches_one_device():
                if c[2] in (((0, 1, 2, 3), (4, 5, 6, 7)), (tuple(range(8)),))]
   scattered = [c for c in over_fsdp if c[0] == "reduce-scatter"]
   assert len(scattered) == 4 * cfg.depth + 1, over_fsdp  # qkv, out, gate_up, down; the head
-  matrices = [shape for kind, shapes, _ in over_fsdp if kind == "all-reduce"
-              for shape in re.findall(r"\w+\[([\d,]*)\]", shapes) if "," in shape]
-  assert set(matrices) <= {f"{cfg.vocab},{cfg.width}"}, over_fsdp
+  matrices = [shape for kind, shape, _ in over_fsdp if kind == "all-reduce" and "," in shape]
+  assert set(matrices) <= {f"f32[{cfg.vocab},{cfg.width}]"}, over_fsdp
 
 
 _COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|"
@@ -155,8 +154,11 @@ def _groups(text: str) -> tuple[tuple[int, ...], ...]:
 
 
 def collectives(text: str) -> list[tuple[str, str, tuple[tuple[int, ...], ...]]]:
-  """(kind, shape, replica groups as device ids) of each collective in a compiled program."""
-  return [(kind, shape, _groups(groups)) for shape, kind, groups in _COLLECTIVE.findall(text)]
+  """(kind, shape, replica groups as device ids) of each array each collective in a compiled
+  program moves: a combined one (XLA's combiner: a tuple of arrays; jax 0.12's pairs an
+  activation's all-reduce with a scalar's) gives one entry an array."""
+  return [(kind, shape, _groups(groups)) for shapes, kind, groups in _COLLECTIVE.findall(text)
+          for shape in re.findall(r"\w+\[[\d,]*\]", shapes)]
 
 
 def _three_steps(cfg, where):
@@ -202,13 +204,9 @@ def test_tensor_parallel_step_matches_one_device():
   np.testing.assert_allclose(losses["tensor"], losses["one device"], rtol=1e-5)
 
   found = collectives(text)
-  # A combined collective (XLA's combiner: a tuple of arrays; jax 0.12's pairs an activation's
-  # all-reduce with a scalar's) counts each array in it.
-  arrays = [(kind, shape, groups) for kind, shapes, groups in found
-            for shape in re.findall(r"\w+\[[\d,]*\]", shapes)]
   tensor_pairs = ((0, 1), (2, 3), (4, 5), (6, 7))  # device d*4 + f*2 + t: tensor's groups
   rows = "f32[2,32,"  # a device's activations: 2 sequences of 32 tokens
-  activations = [c for c in arrays if re.match(r"\w+\[\d+,32,", c[1])]  # any batch of them
+  activations = [c for c in found if re.match(r"\w+\[\d+,32,", c[1])]  # any batch of them
   over_tensor = [c for c in activations if c[2] == tensor_pairs]
   assert [c[0] for c in over_tensor] == ["all-reduce"] * (4 * cfg.depth + 1), found
   assert all(shape.startswith(f"{rows}{cfg.width}]") for _, shape, _ in over_tensor), over_tensor
