@@ -269,9 +269,28 @@ def init(cfg: llama.Config, tc: TrainConfig, where: jax.sharding.Mesh | None = N
   return graphdef, (llama.place(state, where) if where is not None else state)
 
 
+# XLA's combiner thresholds for the step on GPUs (its default is 30 MiB): at 256 MiB a layer's
+# weight gradients leave as one reduce-scatter (fsdp) or all-reduce (data parallel), not one a
+# weight, and its weights arrive as one all-gather. NCCL moves a few large collectives faster
+# than many, and they overlap compute for less time, where they slow its kernels (they hold
+# SMs): fsdp 4 on H100s, collectives 25.6 -> 15.5 ms a step (bench/NOTES.md, scaling-3).
+GPU_COMBINE_BYTES = {f"xla_gpu_{op}_combine_threshold_bytes": 256 << 20
+                     for op in ("reduce_scatter", "all_gather", "all_reduce")}
+
+
+def compiler_options() -> dict | None:
+  """The train step's XLA options: on GPUs ``GPU_COMBINE_BYTES``, each unless ``XLA_FLAGS``
+  sets it (the user's flag wins); elsewhere none."""
+  if jax.default_backend() != "gpu":
+    return None
+  flags = os.environ.get("XLA_FLAGS", "")
+  return {k: v for k, v in GPU_COMBINE_BYTES.items() if f"--{k}=" not in flags} or None
+
+
 def step_fn(graphdef, donate: bool = True):
   """The jitted train step: (state, tokens) -> (state, {"loss", "grad_norm"}), the old state's
-  buffers donated to the new (unless ``donate`` is False)."""
+  buffers donated to the new (unless ``donate`` is False), compiled with
+  :func:`compiler_options`."""
 
   def step(state, tokens):
     model, opt = nnx.merge(graphdef, state)
@@ -279,7 +298,7 @@ def step_fn(graphdef, donate: bool = True):
     opt.update(model, grads)
     return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-  return jax.jit(step, donate_argnums=0 if donate else ())
+  return jax.jit(step, donate_argnums=0 if donate else (), compiler_options=compiler_options())
 
 
 def auto_remat(cfg: llama.Config, tc: TrainConfig, budget: int | None = None,

@@ -469,6 +469,22 @@ def test_a_layout_that_does_not_fit_is_refused_before_anything_is_written(
   assert {p: p.stat().st_mtime_ns for p in directory.rglob("*")} == before
 
 
+def test_the_step_combines_collectives_on_gpus_and_the_users_xla_flags_win(monkeypatch):
+  """On a GPU the step compiles with XLA's combiner thresholds raised (a layer's gradients as
+  one collective); a threshold the user's XLA_FLAGS sets is left to it; other backends get no
+  options."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_all_gather_combine_threshold_bytes=1024")
+  assert train.compiler_options() == {
+      "xla_gpu_reduce_scatter_combine_threshold_bytes": 256 << 20,
+      "xla_gpu_all_reduce_combine_threshold_bytes": 256 << 20}
+  monkeypatch.setenv("XLA_FLAGS", " ".join(f"--{k}=1" for k in train.GPU_COMBINE_BYTES))
+  assert train.compiler_options() is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  monkeypatch.delenv("XLA_FLAGS")
+  assert train.compiler_options() is None
+
+
 def test_mesh_flag_names_what_it_takes(capsys, monkeypatch):
   """--mesh: an unknown axis, an axis twice, a size that is not a whole number, sizes whose
   product is not the device count: each a usage error saying what is accepted."""
