@@ -20,6 +20,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import sys
 from typing import Any
 
@@ -400,12 +401,14 @@ def _scaling(runs: list[Run], results: pathlib.Path) -> list[str]:
   for folder in sorted(set(steps) | set(rings)):
     if folder == "tpu_compiled":
       continue
-    picked = [(run, [r for r in run.rows if r["suite"] == "scaling" and keep(r)])
-              for run, keep in ((steps.get(folder), lambda r: "train step" in r["name"]),
-                                (rings.get(folder), lambda r: "attention" in r["name"]))
-              if run is not None]
+    picked = _by_count(runs, folder) + [
+        (run, [r for r in run.rows if r["suite"] == "scaling" and "attention" in r["name"]])
+        for run in (rings.get(folder),) if run is not None]
     run = picked[0][0]
     rows = [r for _, rows in picked for r in rows]
+    count = lambda r: int(m.group(1)) if (m := re.search(r" on (\d+) devices", r["name"])) else 0
+    rows = sorted((r for r in rows if "train step" in r["name"]), key=count) + [
+        r for r in rows if "train step" not in r["name"]]  # sorted is stable: the runs' order
     out += [f"## Several devices: {run.device}", "",
             "The train step at one batch a device on 1 and n devices of one host, ours and "
             "plain JAX (kernels=\"xla\") on the same mesh; scaling against the same kernels on "
@@ -413,7 +416,8 @@ def _scaling(runs: list[Run], results: pathlib.Path) -> list[str]:
             "allocator's peak) and compiled; on a GPU, a profile of two more steps "
             "(jax.profiler): a step's compute time a device, its collectives' (NCCL's kernels, "
             "whose time includes the wait for the slowest peer), the share of that beside "
-            "compute and the rest, exposed. Then causal attention forward and backward at "
+            "compute and the rest, exposed; each device count's rows from the newest run that "
+            "measured it. Then causal attention forward and backward at "
             "long sequences: one device, our ring, and cuDNN on a heads split (TFLOP/s: the "
             "call's causal work over its time, every device's together; err: against our "
             "one-device flash attention on the same inputs) ("
@@ -429,6 +433,21 @@ def _scaling(runs: list[Run], results: pathlib.Path) -> list[str]:
                  f"{(r.get('note') or '').replace('|', '/')} |")
     out.append("")
   return out
+
+
+def _by_count(runs: list[Run], folder: str) -> list[tuple[Run, list[dict]]]:
+  """The train step's rows of a device folder, each device count's from the newest run that
+  measured it (a run's scaling is against its own one device: a count's rows never mix
+  runs), the runs newest first."""
+  taken, picked = set(), []
+  for run in sorted((r for r in runs if r.path.parent.name == folder), key=lambda r: r.date,
+                    reverse=True):
+    rows = [r for r in run.rows if r["suite"] == "scaling" and "train step" in r["name"]
+            and r["name"] not in taken]
+    if rows:
+      taken |= {r["name"] for r in rows}
+      picked.append((run, rows))
+  return picked
 
 
 def _plots(runs: list[Run], by_device: dict[str, list[Line]], results: pathlib.Path,
