@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -181,6 +182,33 @@ def _three_steps(cfg, where):
 
 
 @pytest.mark.cpu_only
+def test_init_makes_each_devices_share_where_it_lies(monkeypatch):
+  """The model and its optimizer come from one program laid out on the mesh: each device
+  computes and holds its share alone (nothing is made whole and then placed: the first device
+  held all of it, Adam's moments too), with one device's values, bit for bit."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  cfg = llama.preset("tiny", max_len=32)
+  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  _, whole = train.init(cfg, tc)
+  where = train.mesh(fsdp=4, tensor=2)
+
+  def placed(*args, **kwargs):
+    raise AssertionError("init placed an array made elsewhere")
+
+  monkeypatch.setattr(jax, "device_put", placed)
+  _, state = train.init(cfg, tc, where)
+  monkeypatch.undo()
+  shardings = jax.tree.leaves(llama.shardings(state, where))
+  split = 0
+  for got, sharding, want in zip(jax.tree.leaves(state), shardings, jax.tree.leaves(whole)):
+    assert got.sharding == sharding
+    chex.assert_trees_all_equal(np.asarray(got), np.asarray(want))
+    shard = got.addressable_shards[0].data
+    split += shard.size * 8 == got.size  # over fsdp 4 x tensor 2: an eighth a device
+  assert split == 18  # six matrices (q/k/v, out, gate/up, down, embedding, head), 3 each
+
+
 def test_tensor_parallel_step_matches_one_device():
   """(data 2, fsdp 2, tensor 2), the kernels interpreted: the same losses step for step as on
   one device; q/k/v's kv heads, the MLP's hidden width, out's and down's rows and the
