@@ -290,19 +290,20 @@ GPU_COMBINE_BYTES = {f"xla_gpu_{op}_combine_threshold_bytes": 256 << 20
                      for op in ("reduce_scatter", "all_gather", "all_reduce")}
 
 
-def compiler_options() -> dict | None:
-  """The train step's XLA options: on GPUs ``GPU_COMBINE_BYTES``, each unless ``XLA_FLAGS``
-  sets it (the user's flag wins); elsewhere none."""
-  if jax.default_backend() != "gpu":
+def compiler_options(platform: str | None = None) -> dict | None:
+  """The train step's XLA options for ``platform`` (default: the default backend's): on GPUs
+  ``GPU_COMBINE_BYTES``, each unless ``XLA_FLAGS`` sets it (the user's flag wins); elsewhere
+  none."""
+  if (platform or jax.default_backend()) != "gpu":
     return None
   flags = os.environ.get("XLA_FLAGS", "")
   return {k: v for k, v in GPU_COMBINE_BYTES.items() if f"--{k}=" not in flags} or None
 
 
-def step_fn(graphdef, donate: bool = True):
+def step_fn(graphdef, donate: bool = True, platform: str | None = None):
   """The jitted train step: (state, tokens) -> (state, {"loss", "grad_norm"}), the old state's
   buffers donated to the new (unless ``donate`` is False), compiled with
-  :func:`compiler_options`."""
+  :func:`compiler_options` for ``platform`` (default: the default backend's)."""
 
   def step(state, tokens):
     model, opt = nnx.merge(graphdef, state)
@@ -310,7 +311,8 @@ def step_fn(graphdef, donate: bool = True):
     opt.update(model, grads)
     return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-  return jax.jit(step, donate_argnums=0 if donate else (), compiler_options=compiler_options())
+  return jax.jit(step, donate_argnums=0 if donate else (),
+                 compiler_options=compiler_options(platform))
 
 
 def auto_remat(cfg: llama.Config, tc: TrainConfig, budget: int | None = None,
@@ -334,7 +336,9 @@ def compiled_step(cfg: llama.Config, tc: TrainConfig, where: jax.sharding.Mesh |
   if where is not None:
     state = _abstract_on(state, where)
   with jax.set_mesh(where) if where is not None else contextlib.nullcontext():
-    return step_fn(graphdef).lower(state, tokens).compile()
+    # For the mesh's devices, which may be another platform's (a TPU topology's, from a CPU).
+    platform = None if where is None else where.devices.flat[0].platform
+    return step_fn(graphdef, platform=platform).lower(state, tokens).compile()
 
 
 def compiled_peak(cfg: llama.Config, tc: TrainConfig,

@@ -508,9 +508,11 @@ def test_the_step_combines_collectives_on_gpus_and_the_users_xla_flags_win(monke
       "xla_gpu_all_reduce_combine_threshold_bytes": 256 << 20}
   monkeypatch.setenv("XLA_FLAGS", " ".join(f"--{k}=1" for k in train.GPU_COMBINE_BYTES))
   assert train.compiler_options() is None
-  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   monkeypatch.delenv("XLA_FLAGS")
+  assert train.compiler_options("tpu") is None  # a TPU topology's compile from a GPU host
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   assert train.compiler_options() is None
+  assert train.compiler_options("gpu") == train.GPU_COMBINE_BYTES
 
 
 def test_mesh_flag_names_what_it_takes(capsys, monkeypatch):
