@@ -15,7 +15,8 @@ from bench import __main__ as bench_main
 
 @pytest.mark.cpu_only
 def test_bench_smoke_softmax(tmp_path, capsys):
-  assert bench_main.main(["softmax", "--out", str(tmp_path)]) == 0
+  # One round of one call: the schema, the rows and their errors, not the timing, are checked.
+  assert bench_main.main(["softmax", "--rounds", "1", "--calls", "1", "--out", str(tmp_path)]) == 0
   printed = capsys.readouterr().out
   assert "INTERPRET mode" in printed  # CPU numbers are labelled as correctness, not speed
   [path] = tmp_path.glob("*.json")
@@ -176,7 +177,8 @@ def test_report_from_the_committed_results(tmp_path):
 def test_lessons_smoke(tmp_path):
   """Every lesson runs on the CPU at its smoke size (kernels interpreted), each case checked
   against its reference where it has one; none fails."""
-  assert bench_main.main(["lessons", "--smoke", "--out", str(tmp_path)]) == 0
+  assert bench_main.main(["lessons", "--smoke", "--rounds", "1", "--calls", "1", "--out",
+                          str(tmp_path)]) == 0
   (path,) = tmp_path.glob("*_lessons_smoke.json")
   rows = [r for r in json.loads(path.read_text())["rows"] if r["suite"] == "lessons"]
   from bench import lessons

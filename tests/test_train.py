@@ -374,7 +374,7 @@ def test_the_kernels_train_step_matches_xla_on_explicit_meshes():
     step = train.step_fn(graphdef)
     got = []
     with jax.set_mesh(where), jk.interpret_mode("triton"):
-      for s in range(3):
+      for s in range(2):  # the second step runs on the first's update
         state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
         got.append(float(metrics["loss"]))
     losses[kernels, data_axis] = got
@@ -384,7 +384,7 @@ def test_the_kernels_train_step_matches_xla_on_explicit_meshes():
 
 
 def test_auto_remat_fits_its_budget_and_says_so():
-  cfg = llama.preset("tiny", max_len=32, depth=4)
+  cfg = llama.preset("tiny", max_len=32, depth=2)
   tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
   peaks = {policy: train.compiled_peak(dataclasses.replace(cfg, remat=policy), tc)
            for policy in ("none", "full")}
@@ -392,8 +392,8 @@ def test_auto_remat_fits_its_budget_and_says_so():
   budget = (peaks["none"] + peaks["full"]) // 2  # "none" overflows it
   planned, choice = train.auto_remat(dataclasses.replace(cfg, remat="auto"), tc, budget)
   assert choice.peak_bytes <= budget < peaks["none"]
-  assert planned.remat == choice.policies and len(choice.policies) == 4
-  assert set(choice.policies) <= set(remat.LADDER) and choice.policies != ("none",) * 4
+  assert planned.remat == choice.policies and len(choice.policies) == 2
+  assert set(choice.policies) <= set(remat.LADDER) and choice.policies != ("none",) * 2
   assert "remat auto:" in str(choice) and "budget" in str(choice)
   with pytest.raises(ValueError, match="over the budget of"):
     train.auto_remat(dataclasses.replace(cfg, remat="auto"), tc, peaks["full"] // 4)
