@@ -284,8 +284,9 @@ def init(cfg: llama.Config, tc: TrainConfig, where: jax.sharding.Mesh | None = N
 # XLA's combiner thresholds for the step on GPUs (its default is 30 MiB): at 256 MiB a layer's
 # weight gradients leave as one reduce-scatter (fsdp) or all-reduce (data parallel), not one a
 # weight, and its weights arrive as one all-gather. NCCL moves a few large collectives faster
-# than many, and they overlap compute for less time, where they slow its kernels (they hold
-# SMs): fsdp 4 on H100s, collectives 25.6 -> 15.5 ms a step (bench/NOTES.md, scaling-3).
+# than many, and they run beside compute (whose kernels they slow) for less time: fsdp 4 on
+# H100s, 0.904 -> 0.933 of linear, collectives 26.1 -> 16.0 ms a step (bench/NOTES.md,
+# scaling-3).
 GPU_COMBINE_BYTES = {f"xla_gpu_{op}_combine_threshold_bytes": 256 << 20
                      for op in ("reduce_scatter", "all_gather", "all_reduce")}
 
