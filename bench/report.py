@@ -401,14 +401,14 @@ def _scaling(runs: list[Run], results: pathlib.Path) -> list[str]:
   for folder in sorted(set(steps) | set(rings)):
     if folder == "tpu_compiled":
       continue
-    picked = _by_count(runs, folder) + [
-        (run, [r for r in run.rows if r["suite"] == "scaling" and "attention" in r["name"]])
-        for run in (rings.get(folder),) if run is not None]
+    by_count, ring = _by_count(runs, folder), rings.get(folder)
+    ring_rows = [] if ring is None else [r for r in ring.rows
+                                         if r["suite"] == "scaling" and "attention" in r["name"]]
+    picked = by_count + ([(ring, ring_rows)] if ring is not None else [])
     run = picked[0][0]
-    rows = [r for _, rows in picked for r in rows]
-    count = lambda r: int(m.group(1)) if (m := re.search(r" on (\d+) devices", r["name"])) else 0
-    rows = sorted((r for r in rows if "train step" in r["name"]), key=count) + [
-        r for r in rows if "train step" not in r["name"]]  # sorted is stable: the runs' order
+    count = lambda r: int(re.search(r" on (\d+) devices", r["name"]).group(1))
+    # The steps by device count (sorted is stable: the runs' order within a count), then rings.
+    rows = sorted((r for _, rows in by_count for r in rows), key=count) + ring_rows
     out += [f"## Several devices: {run.device}", "",
             "The train step at one batch a device on 1 and n devices of one host, ours and "
             "plain JAX (kernels=\"xla\") on the same mesh; scaling against the same kernels on "

@@ -181,7 +181,6 @@ def _three_steps(cfg, where):
   return losses, text, nnx.merge(graphdef, state)[0]
 
 
-@pytest.mark.cpu_only
 def test_init_makes_each_devices_share_where_it_lies(monkeypatch):
   """The model and its optimizer come from one program laid out on the mesh: each device
   computes and holds its share alone (nothing is made whole and then placed: the first device
@@ -209,6 +208,7 @@ def test_init_makes_each_devices_share_where_it_lies(monkeypatch):
   assert split == 18  # six matrices (q/k/v, out, gate/up, down, embedding, head), 3 each
 
 
+@pytest.mark.cpu_only
 def test_tensor_parallel_step_matches_one_device():
   """(data 2, fsdp 2, tensor 2), the kernels interpreted: the same losses step for step as on
   one device; q/k/v's kv heads, the MLP's hidden width, out's and down's rows and the
