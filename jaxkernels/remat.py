@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -179,10 +180,13 @@ def compiled_peak_bytes(compiled) -> int:
 
 
 def device_budget(device=None, fraction: float = 0.95) -> int:
-  """``fraction`` of what the device's allocator may hold ("fit this batch on this device")."""
+  """``fraction`` of what the device's allocator may hold ("fit this batch on this device");
+  for a host CPU device, which reports no limit, of the machine's physical memory."""
   device = device or jax.devices()[0]
   stats = device.memory_stats() or {}
-  if "bytes_limit" not in stats:
-    raise ValueError(f"remat auto: {device.device_kind} reports no memory limit; give the "
-                     "budget in bytes")
-  return int(stats["bytes_limit"] * fraction)
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"] * fraction)
+  if device.platform == "cpu" and hasattr(os, "sysconf"):
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * fraction)
+  raise ValueError(f"remat auto: {device.device_kind} reports no memory limit; give the "
+                   "budget in bytes")

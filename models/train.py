@@ -66,13 +66,20 @@ class TrainConfig:
   weight_decay: float = 0.1  # on the weight matrices, not the norms' scales
   clip: float = 1.0  # the gradients' global norm
   seed: int = 0  # the parameters' and the batches'
+  # Whether warmup came from its default (a tenth of the steps): a resumed run then keeps the
+  # warmup its checkpoint was written with, so that a finished run trains on with more steps.
+  warmup_defaulted: bool = dataclasses.field(default=False, init=False, repr=False,
+                                             compare=False)
 
   def __post_init__(self):
     for name in ("steps", "batch", "seq_len"):
       if getattr(self, name) < 1:
         raise UsageError(f"--{_flag(name)} {getattr(self, name)}: must be at least 1")
+    if not 0 <= self.seed < 2**32:  # NumPy's generator and jax.random both take this range
+      raise UsageError(f"--seed {self.seed}: must be a whole number in [0, 2**32)")
     if self.warmup is None:
       object.__setattr__(self, "warmup", min(30, self.steps // 10))
+      object.__setattr__(self, "warmup_defaulted", True)
     if not 0 <= self.warmup < self.steps:
       raise UsageError(f"--warmup {self.warmup}: must be in [0, --steps {self.steps})")
     for name, ok, accepted in (
@@ -350,7 +357,10 @@ def compiled_peak(cfg: llama.Config, tc: TrainConfig,
 
 
 def abstract_state(cfg: llama.Config, tc: TrainConfig) -> nnx.State:
-  """The (model, optimizer) state's shapes and dtypes, nothing allocated."""
+  """The (model, optimizer) state's shapes and dtypes, nothing allocated. Remat changes no
+  shape, so a config whose remat is still "auto" has them too."""
+  if cfg.remat == "auto":
+    cfg = dataclasses.replace(cfg, remat="none")
   return nnx.state(nnx.eval_shape(lambda: _model_and_optimizer(cfg, tc)))
 
 
@@ -398,10 +408,21 @@ def _identity(cfg: llama.Config, tc: TrainConfig, data: np.ndarray) -> dict:
   run trains on with a larger ``--steps`` (the cosine then decays over the new length); not
   its ``--reference-ops`` (a switch for finding where a difference comes from, which leaves
   the state as it is; checkpoints from before it existed stay whole)."""
-  train = {k: v for k, v in dataclasses.asdict(tc).items() if k != "steps"}
+  train = {k: v for k, v in dataclasses.asdict(tc).items()
+           if k not in ("steps", "warmup_defaulted")}
   model = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "reference_ops"}
   return json.loads(json.dumps({"model": model, "train": train,
                                 "corpus": fingerprint(data)}))
+
+
+def _resumed_warmup(tc: TrainConfig, there: dict | None) -> TrainConfig:
+  """``tc`` with the warmup of the checkpoint it resumes (``there``, its identity), where the
+  user left --warmup to its default: that default follows --steps, and a finished run that
+  trains on with a larger --steps is the same run."""
+  warmup = (there or {}).get("train", {}).get("warmup")
+  if not tc.warmup_defaulted or not isinstance(warmup, int) or not 0 <= warmup < tc.steps:
+    return tc
+  return dataclasses.replace(tc, warmup=warmup)
 
 
 def _differences(want: dict, got: dict, prefix="") -> list[str]:
@@ -417,9 +438,11 @@ def _differences(want: dict, got: dict, prefix="") -> list[str]:
 
 class Checkpoints:
   """Orbax checkpoints of (state, identity) in ``directory``, kept ``keep`` deep. Opening a
-  directory that holds another run's checkpoints raises before anything is written."""
+  directory that holds another run's checkpoints (``check``, or ``identity`` given) raises
+  before anything is written; ``there`` is the identity its latest checkpoint holds (None in
+  a new directory)."""
 
-  def __init__(self, directory: str, identity: dict, keep: int = 2):
+  def __init__(self, directory: str, identity: dict | None = None, keep: int = 2):
     import orbax.checkpoint as ocp
     self._ocp = ocp
     self.directory = pathlib.Path(directory).absolute()
@@ -428,22 +451,29 @@ class Checkpoints:
     self.manager = ocp.CheckpointManager(
         self.directory, item_names=("state", "identity"),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
-    self.identity = identity
+    self.named, self.identity, self.there = directory, None, None
     step = self.latest()
     if step is not None:
       try:
-        there = self.manager.restore(step, args=ocp.args.Composite(
+        self.there = self.manager.restore(step, args=ocp.args.Composite(
             identity=ocp.args.JsonRestore()))["identity"]
       except Exception as e:  # noqa: BLE001 - a directory some other program wrote
         raise UsageError(f"--checkpoint-dir {directory}: step {step} there is not a "
                          f"models.train checkpoint ({type(e).__name__}); nothing was "
                          "changed") from e
-      differences = _differences(identity, there)
-      if differences:
-        raise UsageError(
-            f"--checkpoint-dir {directory}: its checkpoints were written by another config; "
-            f"nothing was changed. Differences: {'; '.join(differences)}. Pass the same "
-            "options to resume, or another directory to start afresh")
+    if identity is not None:
+      self.check(identity)
+
+  def check(self, identity: dict) -> None:
+    """Takes ``identity`` as this run's, raising where the directory's checkpoints are
+    another's."""
+    differences = [] if self.there is None else _differences(identity, self.there)
+    if differences:
+      raise UsageError(
+          f"--checkpoint-dir {self.named}: its checkpoints were written by another config; "
+          f"nothing was changed. Differences: {'; '.join(differences)}. Pass the same "
+          "options to resume, or another directory to start afresh")
+    self.identity = identity
 
   def latest(self) -> int | None:
     return self.manager.latest_step()
@@ -478,6 +508,10 @@ class Progress:
   def __init__(self, total: int, every: int, stream=sys.stderr):
     self.total, self.every, self.stream = total, every, stream
     self.live = stream.isatty()
+
+  def due(self, step: int) -> bool:
+    """Whether step ``step`` gets a line."""
+    return self.live or step % self.every == 0 or step == self.total
 
   def show(self, step: int, text: str) -> None:
     if self.live:
@@ -530,6 +564,8 @@ class Outcome:
   losses: list[float]
   stopped: str | None = None
   code: int = 0  # the CLI's exit status: 0, 1 (the loss diverged), 128 + a signal's number
+  tokens_per_s: float | None = None  # over the last interval shown
+  step: int | None = None  # the last step run
 
 
 def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
@@ -573,7 +609,9 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
         "larger fsdp or tensor axis)")
   checkpoints = None
   if checkpoint_dir is not None:
-    checkpoints = Checkpoints(checkpoint_dir, _identity(cfg, tc, data))
+    checkpoints = Checkpoints(checkpoint_dir)
+    tc = _resumed_warmup(tc, checkpoints.there)
+    checkpoints.check(_identity(cfg, tc, data))
   if cfg.remat == "auto":
     try:
       cfg, choice = auto_remat(cfg, tc, remat_budget, where)
@@ -598,8 +636,7 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   step = step_fn(graphdef)
   progress = Progress(tc.steps, log_every, stream)
   peak = peak_flops(list(where.devices.flat))
-  report = functools.partial(_report, tokens_per_step=tc.batch * tc.seq_len, cfg=cfg, tc=tc,
-                             peak=peak, progress=progress)
+  report = functools.partial(_report, cfg=cfg, tc=tc, peak=peak, progress=progress)
   outcome = Outcome([])
   saved = start if checkpoints is not None and start else None
   with contextlib.ExitStack() as stack:
@@ -617,15 +654,16 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
         print(f"  a device's step needs {memory.temp_size_in_bytes / 2**20:.1f} MiB beyond its "
               "arguments (activations and the gradients' buffers, as compiled)", file=stream,
               flush=True)
-    pending, clock = None, time.perf_counter()
+    pending, meter = None, Meter(start, tc.batch * tc.seq_len)
 
     def flush():
       """Reports the pending step; False where its numbers are not finite."""
-      nonlocal pending, clock
+      nonlocal pending
       done, metrics = pending
-      loss, grad_norm = report(done, metrics, clock, metrics_file=metrics_file)
+      loss, grad_norm = report(done, metrics, meter, metrics_file=metrics_file)
       outcome.losses.append(loss)
-      pending, clock = None, time.perf_counter()
+      outcome.tokens_per_s, outcome.step = meter.shown or meter.step_rate, done
+      pending = None
       if math.isfinite(loss) and math.isfinite(grad_norm):
         return True
       kept = (f"the last checkpoint, step {saved}, holds the last good state" if saved
@@ -661,15 +699,43 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   return outcome
 
 
-def _report(step, metrics, since, *, tokens_per_step, cfg, tc, peak, progress, metrics_file):
+class Meter:
+  """Tokens/s over each shown interval of steps. The clock is read as soon as a step's result
+  is ready on the device and before anything is printed or written, so an interval's time is
+  its own steps' (a clock read after the report left the report's time out of the next
+  interval and over-counted the rate: the last line of a run read 1.3x the others)."""
+
+  def __init__(self, step: int, tokens_per_step: int):
+    self.tokens_per_step = tokens_per_step
+    self.step, self.at = step, time.perf_counter()  # the last step ready, and when
+    self.since, self.since_at = self.step, self.at  # where the shown interval began
+    self.step_rate: float = 0.0  # the last step's tokens/s
+    self.shown: float | None = None  # the last shown interval's tokens/s
+
+  def ready(self, step: int) -> None:
+    """Step ``step``'s result is on the host."""
+    now = time.perf_counter()
+    self.step_rate = (step - self.step) * self.tokens_per_step / max(now - self.at, 1e-9)
+    self.step, self.at = step, now
+
+  def interval(self) -> float:
+    """Tokens/s since the last shown interval ended, which this one now ends."""
+    rate = (self.step - self.since) * self.tokens_per_step / max(self.at - self.since_at, 1e-9)
+    self.since, self.since_at, self.shown = self.step, self.at, rate
+    return rate
+
+
+def _report(step, metrics, meter, *, cfg, tc, peak, progress, metrics_file):
+  metrics = jax.device_get(metrics)  # waits for the step
+  meter.ready(step)
   loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-  seconds = time.perf_counter() - since
-  rate = tokens_per_step / seconds
-  mfu = f"{llama.mfu(cfg, rate, tc.seq_len, peak):.1f}%" if peak else "n/a"
-  progress.show(step, f"loss {loss:.4f} | {rate:,.0f} tokens/s | MFU {mfu}")
+  if progress.due(step):
+    rate = meter.interval()
+    mfu = f"{llama.mfu(cfg, rate, tc.seq_len, peak):.1f}%" if peak else "n/a"
+    progress.show(step, f"loss {loss:.4f} | {rate:,.0f} tokens/s | MFU {mfu}")
   if metrics_file:
     metrics_file.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad_norm,
-                                   "tokens_per_s": rate}) + "\n")
+                                   "tokens_per_s": meter.step_rate}) + "\n")
     metrics_file.flush()
   return loss, grad_norm
 
@@ -694,11 +760,17 @@ _FLAG_HELP = {
     "seed": "of the parameters and the batches"}
 
 
+def _train_flags():
+  """TrainConfig's fields that the CLI sets, one flag each."""
+  return [f for f in dataclasses.fields(TrainConfig) if f.init]
+
+
 def default_compilation_cache() -> str:
   return str(tuning.cache_dir() / "xla")
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+  """The CLI's flags."""
   parser = argparse.ArgumentParser(prog="python -m models.train", description=__doc__,
                                    formatter_class=_Formatter)
   parser.add_argument("--preset", default="tiny", help=f"one of {', '.join(llama.PRESETS)}")
@@ -710,7 +782,7 @@ def main(argv=None) -> int:
                       "(default: the preset's, none)")
   parser.add_argument("--remat-budget", type=float, default=None, help="GiB a device for "
                       "--remat auto (default: 95%% of the device's memory)")
-  for field in dataclasses.fields(TrainConfig):
+  for field in _train_flags():
     kind = int if field.name == "warmup" else type(field.default)
     parser.add_argument(f"--{_flag(field.name)}", type=kind, default=field.default,
                         help=_FLAG_HELP[field.name])
@@ -739,7 +811,11 @@ def main(argv=None) -> int:
                       "step loads its compiled program from here")
   parser.add_argument("--no-compilation-cache", action="store_true",
                       help="compile everything afresh, and write no cache")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
   if args.coordinator is not None or args.num_processes is not None or (
       args.process_id is not None):
     args.distributed = True
@@ -760,7 +836,7 @@ def main(argv=None) -> int:
       cfg = llama.preset(args.preset, **changes)
     except ValueError as e:  # the preset's name, --kernels, --reference-ops or --remat
       raise UsageError(str(e)) from e
-    tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    tc = TrainConfig(**{f.name: getattr(args, f.name) for f in _train_flags()})
     if tc.seq_len > cfg.max_len:
       raise UsageError(f"--seq-len {tc.seq_len} is longer than the preset's max_len "
                        f"{cfg.max_len}")
@@ -774,11 +850,18 @@ def main(argv=None) -> int:
     return 2
   if outcome.stopped:
     print(f"python -m models.train: {outcome.stopped}", file=sys.stderr)
-  elif outcome.losses and jax.process_index() == 0:
-    loss = outcome.losses[-1]
-    print(f"final loss {loss:.4f} ({math.exp(min(loss, 50)):.2f} perplexity per byte)",
-          file=sys.stderr)
+  if outcome.losses and outcome.code != 1 and jax.process_index() == 0:
+    print(summary(outcome), flush=True)
   return outcome.code
+
+
+def summary(outcome: Outcome) -> str:
+  """The run's one line on stdout, for scripts: ``final loss L at step S`` first, then the
+  perplexity a byte and the last interval's tokens/s."""
+  loss = outcome.losses[-1]
+  rate = f", {outcome.tokens_per_s:,.0f} tokens/s" if outcome.tokens_per_s else ""
+  return (f"final loss {loss:.4f} at step {outcome.step} ({math.exp(min(loss, 50)):.2f} "
+          f"perplexity per byte{rate})")
 
 
 if __name__ == "__main__":

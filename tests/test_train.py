@@ -537,7 +537,9 @@ def test_flags_are_checked_and_help_shows_defaults(capsys):
                      (["--checkpoint-every", "0"], "--checkpoint-every 0"),
                      (["--checkpoint-every", "-3"], "--checkpoint-every -3"),
                      (["--steps", "5", "--warmup", "5"], "--warmup 5: must be in [0, --steps 5)"),
-                     (["--clip", "0"], "--clip 0.0: must be")):
+                     (["--clip", "0"], "--clip 0.0: must be"),
+                     (["--seed", "-1"], "--seed -1: must be a whole number in [0, 2**32)"),
+                     (["--seed", str(2**32)], f"--seed {2**32}: must be")):
     code, err = _main(capsys, *argv)
     assert code == 2 and says in err, (argv, err)
   with pytest.raises(SystemExit):
@@ -571,14 +573,37 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, caps
 
 
 def test_a_finished_run_trains_on(tmp_path, capsys):
+  # With --warmup left to its default, which follows --steps (a tenth: 1 at 10 steps, 2 at
+  # 20): the run trains on with the warmup it was written with.
   directory = tmp_path / "run"
-  common = ["--batch", "8", "--seq-len", "32", "--warmup", "2", "--checkpoint-dir",
-            str(directory), "--no-compilation-cache"]
-  assert train.main(["--steps", "4", *common]) == 0
-  code, err = _main(capsys, "--steps", "4", *common)
+  common = ["--batch", "8", "--seq-len", "32", "--checkpoint-dir", str(directory),
+            "--no-compilation-cache"]
+  assert train.main(["--steps", "10", *common]) == 0
+  first = capsys.readouterr()
+  assert re.fullmatch(r"final loss \d+\.\d{4} at step 10 \(.*tokens/s\)\n", first.out)
+  code, err = _main(capsys, "--steps", "10", *common)
   assert code == 0 and "nothing to do" in err and "a larger --steps trains on" in err
-  code, err = _main(capsys, "--steps", "6", *common)
-  assert code == 0 and "resumed at step 4" in err and "final loss" in err
+  code = train.main(["--steps", "20", *common])
+  captured = capsys.readouterr()
+  assert code == 0 and "resumed at step 10" in captured.err, captured.err
+  assert captured.out.startswith("final loss") and "at step 20" in captured.out
+  # A warmup the user sets is compared as before.
+  code, err = _main(capsys, "--steps", "24", "--warmup", "3", *common)
+  assert code == 2 and "train.warmup: 1 there, 3 here" in err, err
+
+
+def test_throughput_is_timed_from_ready_to_ready(monkeypatch):
+  """Each shown interval's tokens/s is its steps' tokens over the time between the results
+  of its first and last steps being ready, whatever the reporting itself costs."""
+  clock = iter([0.0, 1.0, 2.0, 3.0, 4.5])
+  monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
+  meter = train.Meter(0, tokens_per_step=100)  # starts at 0.0
+  meter.ready(1)  # 1.0
+  meter.ready(2)  # 2.0
+  assert meter.step_rate == 100 and meter.interval() == 100  # 2 steps over 2 s
+  meter.ready(3)  # 3.0
+  meter.ready(4)  # 4.5
+  assert meter.step_rate == 100 / 1.5 and meter.interval() == 200 / 2.5
 
 
 def test_sigint_saves_and_the_same_command_resumes(tmp_path):
