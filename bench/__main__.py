@@ -37,10 +37,8 @@ DEFAULT = ("norms", "elementwise", "softmax")
 SMOKE = ("norms", "elementwise", "softmax", "cross_entropy", "matmul", "attention")
 
 
-def main(argv=None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if argv[:1] == ["report"]:  # from the committed results: no device, no suite run
-    return report.main(argv[1:])
+def parser() -> argparse.ArgumentParser:
+  """The command's flags (``report`` has its own: ``bench.report``)."""
   parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("suites", nargs="*", choices=[*SUITES, []], default=[],
@@ -75,7 +73,14 @@ def main(argv=None) -> int:
                            "memory, collectives and predicted step time")
   parser.add_argument("--out", default=None, help="directory for the JSON (default "
                       "bench/results/<device>; --smoke: ~/.cache/jaxkernels/bench-smoke/<device>)")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["report"]:  # from the committed results: no device, no suite run
+    return report.main(argv[1:])
+  args = parser().parse_args(argv)
   if args.tpu and args.out is None:  # compiled for TPUs from this host: their own folder
     args.out = str(harness.RESULTS / "tpu_compiled")
 
@@ -85,6 +90,8 @@ def main(argv=None) -> int:
   session = harness.Session(smoke=smoke, rounds=args.rounds or (3 if on_cpu else 20),
                             calls=args.calls if not on_cpu else 1)
   print(harness.environment_line(session), flush=True)
+  session.printer = harness.Table(session.interpret)
+  session.printer.header()
   suites = args.suites or list(SMOKE if smoke else DEFAULT)
   path = harness.save(session, suites, args.out)
   session.on_row = lambda: harness.save(session, suites, args.out, path)
@@ -114,16 +121,19 @@ def main(argv=None) -> int:
       model.run(session, only=only, policies=policies, unrolled=args.unrolled)
     else:
       SUITES[name](session, sweep=args.sweep)
-    print(f"{name}: {len(session.rows) - rows} rows in {time.perf_counter() - began:.0f} s",
+    print(f"({name}: {len(session.rows) - rows} rows in {time.perf_counter() - began:.0f} s)",
           file=sys.stderr, flush=True)
   if session.platform == "gpu":  # the copy again: a drop means the card throttled mid-run
     harness.copy_bandwidth(session).name = "copy (end of run)"
   harness.save(session, suites, args.out, path)
-  print(harness.table(session.rows))
-  print(harness.environment_line(session))
-  print(f"results: {path}")
-  print(f"report: {report.ROOT / 'REPORT.md'} (every device, every op against its anchors; "
-        "`python -m bench report` rebuilds it from bench/results/)")
+  session.printer.footer()
+  failed = [r for r in session.rows if r.error is not None and r.tolerance is not None
+            and not r.error <= r.tolerance]
+  print(f"{len(session.rows)} rows, {len(failed)} over their tolerance; "
+        f"results: {harness.shown_path(path)}")
+  if not session.smoke:
+    print(f"report: {harness.shown_path(report.ROOT / 'REPORT.md')} (every device, every op "
+          "against its anchors; `python -m bench report` rebuilds it from bench/results/)")
   return 0
 
 

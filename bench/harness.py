@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import pathlib
 import platform as platform_module
@@ -68,6 +69,7 @@ class Session:
   # Called after each row: `python -m bench` rewrites its JSON, so that a run cut off by a time
   # limit keeps every row it measured.
   on_row: Callable[[], Any] | None = None
+  printer: "Table | None" = None  # prints each row as it is added
 
   def __post_init__(self):
     self.device = jax.devices()[0]
@@ -94,16 +96,8 @@ class Session:
 
   def add(self, row: Row) -> Row:
     self.rows.append(row)
-    line = (f"{row.suite} {row.name} {row.impl}: {_fmt(row.ms, '.4f')} ms "
-            f"{_fmt(row.gbps, '.0f')} GB/s err {_fmt(row.error, '.1e')} {row.config or ''} "
-            f"{row.note}")
-    # Progress, on stderr: redrawn in place on a terminal (the table at the end has every
-    # row), a line each in a log (a run cut off by a time limit shows how far it got).
-    if sys.stderr.isatty():
-      sys.stderr.write(f"\r\033[K[{len(self.rows)}] {line[:150]}")
-    else:
-      sys.stderr.write(f"  {line}\n")
-    sys.stderr.flush()
+    if self.printer is not None:  # each row once, as it is measured: a run cut off shows it
+      self.printer.row(row)
     if self.on_row is not None:
       self.on_row()
     return row
@@ -257,6 +251,43 @@ def device_slug(device) -> str:
   return kind.lower().replace("nvidia ", "").replace(" ", "_")
 
 
+ROOT = RESULTS.parent.parent  # the repository
+
+
+def shown_path(path) -> str:
+  """``path`` as a person (and a committed log) should read it: relative to the repository
+  where it lies inside it, else with the home directory as ~."""
+  path = pathlib.Path(path).absolute()
+  for base, shown in ((ROOT.absolute(), ""), (pathlib.Path.home(), "~/")):
+    try:
+      return shown + str(path.relative_to(base))
+    except ValueError:
+      continue
+  return str(path)
+
+
+def scrub(text: str) -> str:
+  """``text`` (a log, a recorded command) with this machine's paths taken out, as committed
+  results hold them: the repository's files relative to it, Python's as ``python`` and
+  ``<site-packages>/...``, temporary directories as ``<tmp>``, the device call's output
+  folder as ``$OUT``, the home directory as ``~``."""
+  import re
+  root = str(ROOT.absolute())
+  text = text.replace(root + "/", "").replace(root, ".")
+  for pattern, replacement in SCRUBBED:
+    text = re.sub(pattern, replacement, text)
+  return text.replace(str(pathlib.Path.home()) + "/", "~/")
+
+
+# What ``scrub`` replaces; the results' hygiene test looks for what these leave behind.
+SCRUBBED = (
+    (r"/\S*?/site-packages/", "<site-packages>/"),
+    (r"(?<![\w.~<>$-])/\S*/bin/python[\d.]*", "python"),
+    (r"(?<![\w.~<>$-])/tmp/[\w.-]+", "<tmp>"),
+    (r"(?<![\w.~<>$-])/root/out\b", "$OUT"),
+)
+
+
 def default_out(session: Session) -> pathlib.Path:
   """Where a run's JSON goes: bench/results/<device>/ for measurements, to be committed; a
   smoke run's (small shapes, a check that everything runs) to the cache directory, outside the
@@ -271,7 +302,7 @@ def save(session: Session, suites: Sequence[str], out_dir: str | None,
   """Writes the session's rows as JSON (to ``path``, or a new stamped file) and returns where."""
   record = {
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "command": " ".join(["python -m bench", *sys.argv[1:]]),
+      "command": scrub(" ".join(["python -m bench", *sys.argv[1:]])),
       "commit": git_commit(),
       "device": session.device.device_kind,
       "platform": session.platform,
@@ -301,20 +332,92 @@ def _fmt(value, spec):
   return "" if value is None else format(value, spec)
 
 
-def table(rows: Sequence[Row]) -> str:
-  header = ("suite", "op", "impl", "shape", "dtype", "ms", "GB/s", "TFLOP/s", "%roof",
-            "vs xla", "kernel ms", "kernel GB/s", "k vs xla", "err", "config")
-  lines = [header]
-  for r in rows:
-    lines.append((r.suite, r.name, r.impl, r.shape, r.dtype, _fmt(r.ms, ".4f"),
-                  _fmt(r.gbps, ".0f"), _fmt(r.tflops, ".0f"), _fmt(r.pct_roofline, ".1f"),
-                  _fmt(r.vs_xla, ".2f"), _fmt(r.kernel_ms, ".4f"), _fmt(r.kernel_gbps, ".0f"),
-                  _fmt(r.kernel_vs_xla, ".2f"),
-                  _fmt(r.error, ".1e") + ("" if r.note == "" else " *"), (r.config or "")[:60]))
-  widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-  out = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
-  notes = [f"* {r.suite}/{r.name}/{r.impl}: {r.note}" for r in rows if r.note]
-  return "\n".join(out + notes)
+def _sig(value, digits=3):
+  """``value`` to ``digits`` significant figures, with thousands grouped, never in an
+  exponent (a CPU's 0.0004 GB/s reads as that, not as 0)."""
+  if value is None:
+    return ""
+  if value == 0 or not math.isfinite(value):
+    return f"{value:g}"
+  places = max(digits - 1 - math.floor(math.log10(abs(value))), 0)
+  return f"{value:,.{places}f}"
+
+
+# The table's columns: (header, width, what it shows, the row's text); on a CPU only those
+# marked for it (the interpreter's times say nothing of speed, and rates from them less).
+_COLUMNS = (
+    ("suite", 13, "the bench suite", True, lambda r: r.suite),
+    ("op", 30, "what was timed: the op and its pass (fwd, bwd, fwd+bwd)", True,
+     lambda r: r.name),
+    ("impl", 18, "who ran it: our kernel backend, xla, or an anchor (cudnn, torch, ...)",
+     True, lambda r: r.impl),
+    ("shape", 22, "the problem's shape", True, lambda r: r.shape),
+    ("dtype", 9, "the inputs' dtype", True, lambda r: r.dtype),
+    ("ms", 9, "milliseconds a call, steady state (median of rounds; host clock)", True,
+     lambda r: _sig(r.ms)),
+    ("GB/s", 7, "bytes the op must move over ms (the memory-bound ops' measure)", False,
+     lambda r: _sig(r.gbps)),
+    ("TFLOP/s", 7, "tera floating-point operations a second (the products' measure)", False,
+     lambda r: _sig(r.tflops)),
+    ("%roof", 6, "percent of the device's roofline for this op (hardware.py)", False,
+     lambda r: _fmt(r.pct_roofline, ".1f")),
+    ("xla/this", 8, "XLA's ms over this row's ms, same run: above 1 is faster than XLA",
+     False, lambda r: _fmt(r.vs_xla, ".2f")),
+    ("kernel ms", 9, "the same program's device time alone (CUPTI; GPUs)", False,
+     lambda r: _sig(r.kernel_ms)),
+    ("error", 16, "max |out - ref| / max |ref| against the float64 oracle, then the "
+     "tolerance the numerics rule allows; ! marks one over it", True,
+     lambda r: "" if r.error is None else (
+         f"{r.error:.1e}" + ("" if r.tolerance is None else
+                             f"{' <=' if r.error <= r.tolerance else ' !>'} {r.tolerance:.0e}"))),
+    ("note", 0, "[n]: note n below the table (a failure, a predicted figure, a config)", True,
+     None),
+)
+
+
+class Table:
+  """The rows as one table on stdout, each printed once as it is measured, under a header
+  that says what each column is; notes (a row's failure, what a predicted figure counts)
+  come after it, numbered."""
+
+  def __init__(self, interpret: bool, stream=None):
+    self.stream = sys.stdout if stream is None else stream
+    self.columns = [c for c in _COLUMNS if c[3] or not interpret]
+    self.interpret, self.notes = interpret, []
+
+  def header(self) -> None:
+    out = self.stream
+    if self.interpret:
+      print("On a CPU the Pallas kernels run in INTERPRET mode: each row checks a kernel "
+            "against the float64 oracle; its ms is the interpreter's and says nothing of "
+            "speed (no rates are shown).", file=out)
+    print("Columns:", file=out)
+    for name, _, what, *_ in self.columns:
+      print(f"  {name:<9} {what}", file=out)
+    print(self._line([name for name, *_ in self.columns]), file=out)
+    out.flush()
+
+  def _line(self, cells) -> str:
+    return "  ".join(str(c).ljust(w) if w else str(c)
+                     for c, (_, w, *_) in zip(cells, self.columns)).rstrip()
+
+  def row(self, row: Row) -> None:
+    cells = []
+    for name, width, _, _, text in self.columns:
+      if text is None:  # the note's number
+        text_of_note = " | ".join(filter(None, (row.note, row.config and f"config {row.config}")))
+        if text_of_note:
+          self.notes.append(text_of_note)
+        cells.append(f"[{len(self.notes)}]" if text_of_note else "")
+      else:
+        cell = str(text(row))
+        cells.append(cell if len(cell) <= width else cell[:width - 1] + "~")
+    print(self._line(cells), file=self.stream, flush=True)
+
+  def footer(self) -> None:
+    for i, note in enumerate(self.notes, 1):
+      print(f"[{i}] {' '.join(note.split())}", file=self.stream)
+    self.stream.flush()
 
 
 def environment_line(session: Session) -> str:
@@ -412,6 +515,8 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
   shape = "x".join(map(str, jax.tree.leaves(first[0])[0].shape))
   costs = {"fwd": case.fwd_cost, "bwd": case.bwd_cost,
            "fwd+bwd": case.fwd_cost + case.bwd_cost}
+  if session.interpret:  # a check, not a timing: forward+backward checks every output and
+    costs = {"fwd+bwd": costs["fwd+bwd"]}  # gradient at once (a CPU's make bench: 3x sooner)
   # The float64 oracle and the naive computation's error, forward and backward, once.
   rule = Rule(case.reference, *first, dtype=case.dtype, reduction=case.reduction,
               grads=case.grads, pointwise_rtol=case.pointwise_rtol)
