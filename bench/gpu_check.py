@@ -1,21 +1,24 @@
 """python -m bench.gpu_check [--out DIR] [--only STEP,...]
 
 The check a developer runs on the GPU machine before resolving anything that touches a kernel,
-the model or the CLI: what a user runs, compiled on the GPU, in one call of under 9 minutes.
+the model or the CLI: what a user runs, compiled on the GPU.
 
 Steps, each a process of its own with a time limit, its output in the log:
   versions     jax, jaxlib, the device
   tests        the compiled test cases of every kernel family (JAXKERNELS_TEST_COMPILED=1),
                the Flax drop-ins and the model; the ops on a one-device mesh of Explicit axes
-  train-tiny   the README's first command, `python -m models.train --preset tiny`, kernels on
+  readme       every command the README shows (bench/readme.py), at the README's own sizes: a
+               train command for a few steps (then again, where it checkpoints: it must see
+               the run whole), `make bench` as what it runs, `python -m bench`
   train-125m   `--preset 125m` with the kernels, killed (SIGKILL) after its step-20 checkpoint and
                run again: it must resume there and give the same losses as before the kill
   interrupt    `--preset tiny` sent SIGINT mid-run: it saves, says so and exits 130; the same
                command resumes
-  bench        `python -m bench --smoke`: every op family, checked against its reference
 Each step's output reaches the log as it comes; no step runs past the check's budget (--budget,
-540 s). A table of the steps closes the output. The log goes to bench/results/<device>/ (or
---out) as <time>_gpu_check_jax<version>.log.
+540 s: a device command's limit is 600; `--only` splits the check over two calls). A table of
+the steps closes the output. The log goes to bench/results/<device>/ (or --out) as
+<time>_gpu_check_jax<version>.log, with this machine's paths taken out (``harness.scrub``) and
+without the tests' per-case lines (the summary names every failure).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ TEST_FILES = ("test_models.py", "test_one_device_mesh.py", "test_flax.py", "test
               "test_softmax.py", "test_testing.py")
 
 
-# The tests and the smoke run compile hundreds of small XLA programs (references, oracles) whose
-# speed is not the point: XLA's GEMM autotuning off for them. The train steps keep it (a user's).
+# The tests compile hundreds of small XLA programs (references, oracles) whose speed is not the
+# point: XLA's GEMM autotuning off for them. The train steps and the bench keep it (a user's).
 NO_AUTOTUNING = " ".join(
     f for f in (os.environ.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0") if f)
 
@@ -58,14 +61,23 @@ class Outcome:
   summary: str
 
 
+# pytest -v's lines for each case (scheduled, passed, skipped): on stdout as they come, so that
+# a step cut off by its limit still names its failures there; left out of the committed log
+# (~880 cases twice over, 200 KB), whose summary names every failure and error.
+_PER_CASE = re.compile(r"^(tests/\S+::\S+ ?|\[gw\d+\] \[ *\d+%\] (PASSED|SKIPPED) .*)\n?$")
+
+
 class Log:
   def __init__(self, path: pathlib.Path):
-    self.path = path
+    from bench import harness
+    self.path, self.scrub = path, harness.scrub
     path.parent.mkdir(parents=True, exist_ok=True)
     self.file = open(path, "w")
 
   def write(self, text: str) -> None:
-    self.file.write(text)
+    kept = "".join(line for line in text.splitlines(keepends=True)
+                   if not _PER_CASE.match(line))
+    self.file.write(self.scrub(kept))
     self.file.flush()
     sys.stdout.write(text)
     sys.stdout.flush()
@@ -170,14 +182,34 @@ def _signalled(argv, number: int, limit: float, ready) -> tuple[int, str]:
   return process.returncode, out
 
 
-def train_tiny(log: Log, workdir: pathlib.Path) -> Outcome:
-  code, out, seconds = _run(log, "train-tiny", [sys.executable, "-m", "models.train",
-                                                "--preset", "tiny",
-                                                "--compilation-cache", str(workdir / "xla")],
-                            240)
-  loss = _last(r"final loss ([\d.]+)", out)
-  ok = code == 0 and loss != "" and float(loss) < 3.0
-  return Outcome("train-tiny", ok, seconds, f"final loss {loss or '?'} (must be < 3.0)")
+def readme_commands(log: Log, workdir: pathlib.Path) -> Outcome:
+  """Every command the README shows, at its own sizes: a train command for a few steps, and
+  where it checkpoints, again (it must find the run whole); the bench as ``make bench`` runs
+  it. Each must exit 0; a train command must end on its final loss, the bench with none of
+  its rows over its tolerance."""
+  from bench import readme
+  start, said, ok = time.perf_counter(), [], True
+  for command in readme.commands():
+    if command.kind == "make test":  # CI's command: the tests step runs them compiled
+      continue
+    argv = readme.on_gpu(command, workdir / f"line{command.line}")
+    code, out, _ = _run(log, f"readme line {command.line}", [sys.executable, *argv[1:]],
+                        420 if command.kind == "bench" else 300)
+    if command.kind == "train":
+      loss, rate = _last(r"final loss ([\d.]+)", out), _last(r"([\d,]+) tokens/s\)", out)
+      good = code == 0 and loss != ""
+      if good and "--checkpoint-dir" in argv:
+        code, again, _ = _run(log, f"readme line {command.line} again",
+                              [sys.executable, *argv[1:]], 120)
+        good = code == 0 and "nothing to do" in again
+      said.append(f"{command.argv[3:5]}: " + (f"loss {loss}, {rate} tokens/s" if good else
+                                                "FAILED"))
+    else:
+      counts = re.search(r"^(\d+) rows, (\d+) over their tolerance", out, re.M)
+      good = code == 0 and counts is not None and counts.group(2) == "0"
+      said.append(f"bench: {counts.group(0) if counts else 'no summary'}")
+    ok = ok and good
+  return Outcome("readme", ok, time.perf_counter() - start, "; ".join(said))
 
 
 def train_125m(log: Log, workdir: pathlib.Path) -> Outcome:
@@ -237,22 +269,7 @@ def interrupt(log: Log, workdir: pathlib.Path) -> Outcome:
                  f"{'there' if ok else '?'}")
 
 
-def bench(log: Log, workdir: pathlib.Path) -> Outcome:
-  # Three rounds: the smoke run checks that every op family runs and matches its reference;
-  # its times are not the measurement (bench/results/ holds those).
-  code, out, seconds = _run(log, "bench", [sys.executable, "-m", "bench", "--smoke", "--rounds",
-                                           "3", "--out", str(workdir / "bench")], 240,
-                                  XLA_FLAGS=NO_AUTOTUNING)
-  # Our kernels' rows that failed to run or were wrong (an anchor that cannot run on this
-  # JAX, e.g. one of JAX's own Pallas examples, is its row's note, not our failure).
-  failed = re.findall(r"^ +\S+ .* (?:triton|mosaic_gpu)[^:]*: .*(?:FAILED|WRONG).*$", out,
-                      flags=re.M)
-  rows = sum(int(n) for n in re.findall(r"^\w+: (\d+) rows in", out, flags=re.M))
-  return Outcome("bench", code == 0 and not failed, seconds,
-                 f"{rows} rows, {len(failed)} of our kernels' failed or wrong")
-
-
-STEPS = ("versions", "tests", "train-tiny", "train-125m", "interrupt", "bench")
+STEPS = ("versions", "tests", "readme", "train-125m", "interrupt")
 
 
 def main(argv=None) -> int:
@@ -286,9 +303,9 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory(prefix="jaxkernels-gpu-check-") as tmp:
     workdir = pathlib.Path(tmp)
     runs = {"versions": lambda: versions(log), "tests": lambda: tests(log, args.tests_limit),
-            "train-tiny": lambda: train_tiny(log, workdir),
+            "readme": lambda: readme_commands(log, workdir),
             "train-125m": lambda: train_125m(log, workdir),
-            "interrupt": lambda: interrupt(log, workdir), "bench": lambda: bench(log, workdir)}
+            "interrupt": lambda: interrupt(log, workdir)}
     for name in STEPS:
       if name in only:
         outcomes.append(runs[name]())

@@ -45,9 +45,37 @@ def pytest_configure(config):
       "bench's interpret mode); skipped where the kernels compile (JAXKERNELS_TEST_COMPILED)")
 
 
+  config.addinivalue_line(
+      "markers", "slow: a case beyond the one-of-each that CI runs (a grid's other points, a "
+      "second layout of a mode already covered): runs under JAXKERNELS_TEST_SLOW=1 and "
+      "compiled in the GPU check (docs/testing.md)")
+
+
+def _first_case_only(item) -> bool:
+  """A test class whose ``FIRST_CASE_ONLY`` holds (by default a test base's XLA subclass, the
+  reference's own battery) runs the first case of each parametrized test, and its drawn
+  (hypothesis) test not at all, outside SLOW. The kernels' classes compare every case against
+  the float64 oracle, which is the reference evaluated in float64, so the reference's own grid
+  adds little: the first case checks the dispatch and the dtype path. A schedule variant of a
+  kernel (the Mosaic GPU matmul's ping-pong and ring) sets it too: its base class runs the
+  grid through the same kernel body."""
+  if not getattr(item.cls, "FIRST_CASE_ONLY", getattr(item.cls, "IMPL", None) == "xla"):
+    return False
+  if item.originalname == "test_drawn":
+    return True
+  callspec = getattr(item, "callspec", None)
+  return callspec is not None and any(index for index in callspec.indices.values())
+
+
 def pytest_collection_modifyitems(config, items):
-  """Compiled, the tests that assert CPU behaviour skip, and so do a test base's cases for a
-  kernel of another platform (Mosaic TPU on a GPU), except its AOT compiles (``tpu_mesh``)."""
+  """Outside SLOW and COMPILED, the ``slow`` cases skip (CI runs one of each). Compiled, the
+  tests that assert CPU behaviour skip, and so do a test base's cases for a kernel of another
+  platform (Mosaic TPU on a GPU), except its AOT compiles (``tpu_mesh``)."""
+  if not (numerics.COMPILED or numerics.SLOW):
+    slow = pytest.mark.skip(reason="slow: JAXKERNELS_TEST_SLOW=1 runs it (docs/testing.md)")
+    for item in items:
+      if "slow" in item.keywords or _first_case_only(item):
+        item.add_marker(slow)
   if not numerics.COMPILED:
     return
   import jax

@@ -68,6 +68,21 @@ def grid(*axes, center=None) -> list:
   return [pytest.param(*values, id="-".join(map(_id, values))) for values in out]
 
 
+def some(params, keep) -> list:
+  """``params`` (values or ``pytest.param``s, ids as pytest makes them) with those not in
+  ``keep`` (their ids) marked slow: CI runs ``keep``, SLOW and the GPU check all of them."""
+  out = []
+  for value in params:
+    param = value if isinstance(value, type(pytest.param(0))) else pytest.param(value)
+    ident = param.id if param.id is not None else "-".join(map(_id, param.values))
+    marks = () if ident in keep else (pytest.mark.slow,)
+    out.append(pytest.param(*param.values, id=ident, marks=(*param.marks, *marks)))
+  unknown = set(keep) - {p.id for p in out}
+  if unknown:
+    raise ValueError(f"some: keep names {sorted(unknown)}, not among the params' ids")
+  return out
+
+
 def kernel_mode():
   """Where a test runs the kernels it checks: interpreted on the CPU (CI), or compiled
   (``COMPILED``)."""

@@ -140,11 +140,13 @@ GATHERS = {("rms_norm", "batch+hidden"), ("layer_norm", "batch+hidden"),
 
 
 def _tpu_interpreted() -> set[tuple[str, str]]:
-  """The (op, layout) pairs CI runs on the Mosaic TPU interpreter (~10 s each in a process of
-  its own): each op once, the layouts taken in turn. Triton runs every pair, through the same
-  split rules; JAXKERNELS_TEST_SLOW=1 runs every pair on both."""
+  """The (op, layout) pairs CI runs on the Mosaic TPU interpreter (~15 s each in a process of
+  its own): each kernel module once (the norms, the elementwise ops, softmax), the layouts
+  taken in turn. Triton runs every pair through the same split rules, and every op's split
+  compiles for TPUs in test_tpu_compile_keeps_rows_split; JAXKERNELS_TEST_SLOW=1 runs every
+  pair on both."""
   layouts, out = sorted(LAYOUTS), set()
-  for i, op in enumerate(sorted(OPS)):
+  for i, op in enumerate(("rms_norm", "glu_packed", "softmax")):
     turn = layouts[i % len(layouts):] + layouts[:i % len(layouts)]
     out.add((op, next(l for l in turn if (op, l) not in GATHERS)))
   return out
@@ -204,8 +206,8 @@ def _auto_mesh():
                            axis_types=(AxisType.Auto,) * 2)
 
 
-@pytest.mark.parametrize("rules", sorted(AUTO_RULES))
-@pytest.mark.parametrize("op", sorted(OPS))
+# Every op under the default rules, every rule with one op (numerics.grid); all pairs under SLOW.
+@pytest.mark.parametrize("op,rules", numerics.grid(sorted(OPS), sorted(AUTO_RULES)))
 def test_auto_mesh_in_context_splits_by_the_rules(mesh, op, rules):
   """The row ops under ``jax.set_mesh`` of Auto axes, jitted with in_shardings (the classic
   way): each runs per shard as the rules split its rows (Triton, interpreted; each shard's
@@ -357,7 +359,10 @@ ATTENTION_LAYOUTS = {"batch": P(("data", "model"), None, None, None),
 ATTENTION_GATHERS = {"batch+seq", "heads over 4"}
 
 
-@pytest.mark.parametrize("layout", sorted(ATTENTION_LAYOUTS))
+# CI: heads split (attention's tensor parallelism, batch beside it) and a gathered sequence;
+# the batch alone and heads over both axes under SLOW.
+@pytest.mark.parametrize("layout", numerics.some(sorted(ATTENTION_LAYOUTS),
+                                                 keep={"batch+heads", "batch+seq"}))
 def test_attention_layouts(mesh, layout):
   """Causal GQA attention with segments and a per-head bias, forward and every gradient, by the
   numerics rule; the output split as q was where nothing is gathered."""
@@ -397,9 +402,8 @@ def test_attention_layouts(mesh, layout):
     assert out.sharding.spec == spec
 
 
-@pytest.mark.parametrize("impl", ["triton", None])
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal,layout,impl", numerics.grid(
+    [True, False], ["zigzag", "contiguous"], ["triton", None]))
 def test_ring_attention_matches_unsplit(mesh, causal, layout, impl):
   """q's T and k's and v's S split over "model" (the batch over "data"): ring attention, the
   k/v blocks passed around the shards (collective-permutes, nothing gathered), on the Triton
