@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,7 +205,9 @@ def readme_commands(log: Log, workdir: pathlib.Path) -> Outcome:
         good = code == 0 and "nothing to do" in again
       said.append(f"{command.argv[3:5]}: " + (f"loss {loss}, {rate} tokens/s" if good else
                                                 "FAILED"))
-    else:
+    else:  # its results beside the log, to be committed with it
+      for result in (workdir / f"line{command.line}").rglob("*.json"):
+        shutil.copy(result, log.path.parent / result.name)
       counts = re.search(r"^(\d+) rows, (\d+) over their tolerance", out, re.M)
       good = code == 0 and counts is not None and counts.group(2) == "0"
       said.append(f"bench: {counts.group(0) if counts else 'no summary'}")
