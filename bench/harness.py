@@ -383,7 +383,7 @@ class Table:
   def __init__(self, interpret: bool, stream=None):
     self.stream = sys.stdout if stream is None else stream
     self.columns = [c for c in _COLUMNS if c[3] or not interpret]
-    self.interpret, self.notes = interpret, []
+    self.interpret, self.notes, self.xla = interpret, [], {}
 
   def header(self) -> None:
     out = self.stream
@@ -402,6 +402,13 @@ class Table:
                      for c, (_, w, *_) in zip(cells, self.columns)).rstrip()
 
   def row(self, row: Row) -> None:
+    key = (row.suite, row.name, row.shape, row.dtype)
+    if row.impl == "xla":
+      self.xla[key] = row
+    elif row.vs_xla is None and row.ms and key in self.xla and self.xla[key].ms:
+      # The suites set it once every way of a case has run; printed as it runs, a row takes
+      # it from XLA's row of the same case, timed just before.
+      row = dataclasses.replace(row, vs_xla=self.xla[key].ms / row.ms)
     cells = []
     for name, width, _, _, text in self.columns:
       if text is None:  # the note's number
@@ -421,8 +428,7 @@ class Table:
 
 
 def environment_line(session: Session) -> str:
-  mode = ("Pallas kernels ran in INTERPRET mode on the CPU: numbers check correctness, "
-          "they say nothing about speed" if session.interpret else "compiled kernels")
+  mode = "kernels interpreted" if session.interpret else "compiled kernels"
   return (f"device: {session.device.device_kind} ({session.platform}); jax {jax.__version__}; "
           f"{mode}; {os.cpu_count()} CPUs")
 

@@ -503,7 +503,8 @@ class Checkpoints:
 # The loop.
 
 class Progress:
-  """One line, redrawn in place on a terminal; on a pipe, a line every ``every`` steps."""
+  """Every ``every`` steps and at the last: one line redrawn in place on a terminal, on a
+  pipe a line each."""
 
   def __init__(self, total: int, every: int, stream=sys.stderr):
     self.total, self.every, self.stream = total, every, stream
@@ -511,7 +512,7 @@ class Progress:
 
   def due(self, step: int) -> bool:
     """Whether step ``step`` gets a line."""
-    return self.live or step % self.every == 0 or step == self.total
+    return step % self.every == 0 or step == self.total
 
   def show(self, step: int, text: str) -> None:
     if self.live:
@@ -520,7 +521,7 @@ class Progress:
       if step == self.total:
         self.stream.write("\n")
       self.stream.flush()
-    elif step % self.every == 0 or step == self.total:
+    else:
       print(f"step {step}/{self.total} {text}", file=self.stream, flush=True)
 
 
@@ -678,11 +679,16 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
       if pending is not None and not flush():  # the previous step's, read while this one runs
         break
       pending = (s + 1, metrics)
-      due = s + 1 == tc.steps or (s + 1) % checkpoint_every == 0
-      if stopper.received is not None or (checkpoints is not None and due):
+      save = checkpoints is not None and (
+          stopper.received is not None or s + 1 == tc.steps or (s + 1) % checkpoint_every == 0)
+      # A step that gets a line is waited for here, right after it is dispatched: its clock
+      # is then read as it finishes whether the device or the host is the slower, and each
+      # line's interval holds its own steps (read one step behind, as the others are, a run
+      # whose host is the slower showed the last line at twice the rate: nothing followed it).
+      if save or stopper.received is not None or progress.due(s + 1):
         if not flush():  # never save a state that a non-finite step made
           break
-        if checkpoints is not None:
+        if save:
           checkpoints.save(s + 1, state)
           saved = s + 1
       if stopper.received is not None and s + 1 < tc.steps:
@@ -805,7 +811,7 @@ def parser() -> argparse.ArgumentParser:
   parser.add_argument("--metrics", default=None, help="append each step's numbers here (JSON "
                       "lines)")
   parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines "
-                      "(when not on a terminal)")
+                      "(redrawn in place on a terminal)")
   parser.add_argument("--compilation-cache", default=default_compilation_cache(),
                       help="JAX's persistent compilation cache: a second run of the same "
                       "step loads its compiled program from here")

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +20,7 @@ COMMANDS = readme.commands()
 
 
 def _run(argv, timeout=600):
+  argv = [sys.executable, *argv[1:]]  # "python" as this test's interpreter
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKERNELS_INTERPRET": "triton",
          "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
   done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -57,7 +59,7 @@ def test_commands_are_sized_and_keep_their_own_flags(tmp_path):
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c.kind == "train"],
-                         ids=lambda c: f"line{c.line}")
+                         ids=lambda c: " ".join(c.argv[3:5]))
 def test_train_command_runs(command, tmp_path):
   argv = readme.on_cpu(command, tmp_path)
   code, out, err = _run(argv)
@@ -77,7 +79,7 @@ def test_train_command_runs(command, tmp_path):
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c.kind == "bench"],
-                         ids=lambda c: f"line{c.line}")
+                         ids=lambda c: c.text)
 def test_bench_command_runs_and_reads(command, tmp_path):
   """What a person reads on a CPU: one notice that the rows check correctness, a legend of
   the columns, each row once, paths relative to the repository or the home directory."""
