@@ -690,7 +690,7 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
           break
         if save:
           checkpoints.save(s + 1, state)
-          saved = s + 1
+          saved, meter.saves = s + 1, meter.saves + 1
       if stopper.received is not None and s + 1 < tc.steps:
         name = signal.Signals(stopper.received).name
         outcome.stopped = (f"stopped at step {s + 1} by {name}; " + (
@@ -717,6 +717,7 @@ class Meter:
     self.since, self.since_at = self.step, self.at  # where the shown interval began
     self.step_rate: float = 0.0  # the last step's tokens/s
     self.shown: float | None = None  # the last shown interval's tokens/s
+    self.saves = 0  # checkpoints written in the interval: their time is in its rate
 
   def ready(self, step: int) -> None:
     """Step ``step``'s result is on the host."""
@@ -730,6 +731,11 @@ class Meter:
     self.since, self.since_at, self.shown = self.step, self.at, rate
     return rate
 
+  def said(self) -> str:
+    """What the shown interval held beside its steps (then forgotten)."""
+    saves, self.saves = self.saves, 0
+    return f" (with {saves} checkpoint save{'s' * (saves > 1)})" if saves else ""
+
 
 def _report(step, metrics, meter, *, cfg, tc, peak, progress, metrics_file):
   metrics = jax.device_get(metrics)  # waits for the step
@@ -738,7 +744,7 @@ def _report(step, metrics, meter, *, cfg, tc, peak, progress, metrics_file):
   if progress.due(step):
     rate = meter.interval()
     mfu = f"{llama.mfu(cfg, rate, tc.seq_len, peak):.1f}%" if peak else "n/a"
-    progress.show(step, f"loss {loss:.4f} | {rate:,.0f} tokens/s | MFU {mfu}")
+    progress.show(step, f"loss {loss:.4f} | {rate:,.0f} tokens/s | MFU {mfu}{meter.said()}")
   if metrics_file:
     metrics_file.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad_norm,
                                    "tokens_per_s": meter.step_rate}) + "\n")

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkernels import remat
 from models import llama, train
+from tests import numerics
 
 ROOT = pathlib.Path(__file__).parent.parent
 # Tiny, short and small: 8 sequences (one a device on the test run's 8 host devices).
