@@ -44,6 +44,13 @@ def slow_when_interpreted(seconds: int) -> None:
                 "(python -m bench.gpu_check); JAXKERNELS_TEST_SLOW=1 runs it here")
 
 
+def draws(full: int) -> int:
+  """How many examples a hypothesis test draws: ``full`` where the kernels compile (the GPU
+  check) or under SLOW; on CI's 2 cores a quarter, at least one (each drawn case is a fresh
+  interpreted run; the suite's time)."""
+  return full if COMPILED or SLOW else max(1, full // 4)
+
+
 def _id(value) -> str:
   if isinstance(value, tuple):
     return ("x" if all(type(v) is int for v in value) else "-").join(map(str, value))

@@ -185,7 +185,7 @@ class AttentionTest:
 
   # No shrinking: an example costs seconds interpreted; a failure prints the case it drew. The
   # base class's test runs once per implementation (each subclass an executor).
-  @settings(max_examples=2, deadline=None, phases=(Phase.explicit, Phase.generate),
+  @settings(max_examples=numerics.draws(2), deadline=None, phases=(Phase.explicit, Phase.generate),
             suppress_health_check=[HealthCheck.differing_executors])
   @given(data=st.data())
   def test_drawn(self, data):

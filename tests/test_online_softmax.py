@@ -34,7 +34,7 @@ def _tolerance(cols, blocks):
   return 2 * (cols + blocks) * numerics.F32_EPS
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=numerics.draws(25), deadline=None)
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 9), blocks=st.integers(1, 5),
        width=st.integers(1, 33), masked=st.integers(0, 2))
 def test_rows_update_matches_the_whole_row(seed, rows, blocks, width, masked):
@@ -55,7 +55,7 @@ def test_rows_update_matches_the_whole_row(seed, rows, blocks, width, masked):
   chex.assert_trees_all_close(np.asarray(acc[:, 0]), np.asarray(state.total), rtol=1e-6)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=numerics.draws(20), deadline=None)
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 6), lanes=st.integers(1, 16),
        steps=st.integers(1, 4), edge=st.integers(0, 5))
 def test_lanes_then_merge_and_combine(seed, rows, lanes, steps, edge):
