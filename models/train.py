@@ -707,9 +707,9 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
 
 class Meter:
   """Tokens/s over each shown interval of steps. The clock is read as soon as a step's result
-  is ready on the device and before anything is printed or written, so an interval's time is
-  its own steps' (a clock read after the report left the report's time out of the next
-  interval and over-counted the rate: the last line of a run read 1.3x the others)."""
+  is on the host, before anything is printed or written: read after the report, the report's
+  own time fell out of the next interval and the rate was over-counted. (The loop waits for
+  each shown step as it is dispatched, so that its clock is read as it finishes.)"""
 
   def __init__(self, step: int, tokens_per_step: int):
     self.tokens_per_step = tokens_per_step
