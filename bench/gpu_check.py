@@ -203,8 +203,8 @@ def readme_commands(log: Log, workdir: pathlib.Path) -> Outcome:
         code, again, _ = _run(log, f"readme line {command.line} again",
                               [sys.executable, *argv[1:]], 120)
         good = code == 0 and "nothing to do" in again
-      said.append(f"{command.argv[3:5]}: " + (f"loss {loss}, {rate} tokens/s" if good else
-                                                "FAILED"))
+      said.append(f"{' '.join(command.argv[3:5])}: " + (f"loss {loss}, {rate} tokens/s"
+                                                         if good else "FAILED"))
     else:  # its results beside the log, to be committed with it
       for result in (workdir / f"line{command.line}").rglob("*.json"):
         shutil.copy(result, log.path.parent / result.name)

@@ -15,6 +15,7 @@ import math
 import os
 import pathlib
 import platform as platform_module
+import re
 import statistics
 import subprocess
 import sys
@@ -271,7 +272,6 @@ def scrub(text: str) -> str:
   results hold them: the repository's files relative to it, Python's as ``python`` and
   ``<site-packages>/...``, temporary directories as ``<tmp>``, the device call's output
   folder as ``$OUT``, the home directory as ``~``."""
-  import re
   root = str(ROOT.absolute())
   text = text.replace(root + "/", "").replace(root, ".")
   for pattern, replacement in SCRUBBED:
@@ -343,8 +343,8 @@ def _sig(value, digits=3):
   return f"{value:,.{places}f}"
 
 
-# The table's columns: (header, width, what it shows, the row's text); on a CPU only those
-# marked for it (the interpreter's times say nothing of speed, and rates from them less).
+# The table's columns: (header, width, what it shows, shown on a CPU, the row's text); on a
+# CPU only those so marked (the interpreter's times say nothing of speed, rates from them less).
 _COLUMNS = (
     ("suite", 13, "the bench suite", True, lambda r: r.suite),
     ("op", 30, "what was timed: the op and its pass (fwd, bwd, fwd+bwd)", True,

@@ -40,9 +40,10 @@ def test_the_readme_shows_the_commands_this_file_runs():
 
 def test_a_command_of_an_unknown_kind_is_refused(tmp_path):
   page = tmp_path / "README.md"
-  page.write_text("```\nmake deploy\n```\n")
-  with pytest.raises(ValueError, match="make deploy"):
-    readme.commands(page)
+  for command in ("make deploy", "python -m bench.gpu_check"):
+    page.write_text(f"```\n{command}\n```\n")
+    with pytest.raises(ValueError, match=command):
+      readme.commands(page)
 
 
 def test_commands_are_sized_and_keep_their_own_flags(tmp_path):
