@@ -116,8 +116,3 @@ def on_gpu(command: Command, workdir: pathlib.Path, steps: int = 6) -> list[str]
     argv = _set(argv, "--rounds", "3")
     return argv if "--out" in argv else _set(argv, "--out", str(workdir / "bench"))
   raise ValueError(f"README.md:{command.line}: {command.text!r} has no GPU size")
-
-
-def quoted(argv) -> str:
-  return " ".join(shlex.quote(a) for a in argv)
-

@@ -43,8 +43,6 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "cpu_only: asserts what happens to arrays on a CPU (dispatch, fallback, the "
       "bench's interpret mode); skipped where the kernels compile (JAXKERNELS_TEST_COMPILED)")
-
-
   config.addinivalue_line(
       "markers", "slow: a case beyond the one-of-each that CI runs (a grid's other points, a "
       "second layout of a mode already covered): runs under JAXKERNELS_TEST_SLOW=1 and "
