@@ -70,7 +70,8 @@ def _rule(args, dtype, *, reduction, cotangent=None, grads=(), **spec):
 
 
 def _time(session, fn, m, n, k, dtype, *, bias=False):
-  n_sets = harness.sets_for((m * k + k * n) * jnp.dtype(dtype).itemsize, most=4)
+  n_sets = 1 if session.interpret or session.smoke else harness.sets_for(
+      (m * k + k * n) * jnp.dtype(dtype).itemsize, most=4)
   sets = [_inputs(m, n, k, dtype, seed, bias=bias) for seed in range(n_sets)]
   return harness.time_sets(fn, sets, rounds=session.rounds, calls=session.calls)
 
@@ -232,6 +233,8 @@ def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, s
       row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
     rows[impl] = row
   n_sets = n_sets or harness.sets_for((2 * s * s) * jnp.dtype(dtype).itemsize, most=4)
+  if session.interpret or session.smoke:  # as harness.measure: no timing to trust, one set
+    n_sets = 1
   sets = [_inputs(s, s, s, dtype, seed, bias=bias) for seed in range(n_sets)]
   batched = {impl: harness.over_sets(fn) for impl, fn in programs.items()}
   for fn in batched.values():

@@ -71,6 +71,7 @@ def evaluate(reference: Callable[[Any], Callable[..., Any]], compute_dtype, prim
     ct = jax.tree.map(lambda c, o: jnp.asarray(c, o.dtype), ct, out)
     return out, vjp(ct)
 
+  run = jax.jit(run)
   if compute_dtype == jnp.float64:
     with jax.enable_x64(True):
       floating = lambda a: a is not None and jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)
@@ -88,10 +89,47 @@ def _floating_leaves(tree):
           if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)]
 
 
+def _on_host(*arrays) -> bool:
+  """Whether the arrays are NumPy's or live on the CPU: there the error measure is NumPy's (no
+  program to compile per shape, the suite's time); on an accelerator it is one program on the
+  device (a benchmark's gigabyte of logits is not copied to the host)."""
+  return all(not isinstance(a, jax.Array) or all(d.platform == "cpu" for d in a.devices())
+             for a in arrays)
+
+
+def _stats(g, w, xp):
+  """(any non-finite value of g where it is wrong, max |g - w| over the rest, max finite |w|),
+  float64 in the namespace ``xp`` (NumPy, or jax.numpy inside a jit); ``g`` None: the last
+  alone."""
+  w = xp.asarray(w, xp.float64)
+  largest = xp.max(xp.abs(xp.where(xp.isfinite(w), w, 0.0)), initial=0.0)
+  if g is None:
+    return False, 0.0, largest
+  g = xp.asarray(g, xp.float64)
+  same = (g == w) | ~xp.isfinite(w)
+  wrong = xp.any(~xp.isfinite(g) & ~same) | xp.any(~xp.isfinite(w) & (g != w))
+  return wrong, xp.max(xp.abs(xp.where(same, 0.0, g - w)), initial=0.0), largest
+
+
+_device_stats = jax.jit(lambda g, w: _stats(g, w, jnp))
+
+
+def _measure(g, w) -> tuple[bool, float, float]:
+  """:func:`_stats` where the arrays are: NumPy on the host, one jitted program on a device."""
+  if _on_host(g, w):
+    to_host = lambda a: None if a is None else np.asarray(a).astype(np.float64)
+    with np.errstate(invalid="ignore"):  # inf - inf where both are inf: masked by `same`
+      return tuple(map(_to_python, _stats(to_host(g), to_host(w), np)))
+  with jax.enable_x64(True):  # in float64, on the device that holds the arrays
+    return tuple(map(_to_python, _device_stats(g, w)))
+
+
+def _to_python(value):
+  return bool(value) if np.asarray(value).dtype == bool else float(value)
+
+
 def _largest(a) -> float:
-  with jax.enable_x64(True):
-    a = jnp.asarray(a, jnp.float64)
-    return float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(a), a, 0.0)), initial=0.0))
+  return _measure(None, a)[2]
 
 
 def input_scale(*trees) -> float:
@@ -115,14 +153,11 @@ def errors(got, want, zero_scale: float = 0.0) -> list[float]:
   out = []
   for g, w in zip(_floating_leaves(got), _floating_leaves(want), strict=True):
     chex.assert_equal_shape([g, w])
-    with jax.enable_x64(True):  # in float64, on the device that holds the arrays
-      g, w = jnp.asarray(g, jnp.float64), jnp.asarray(w, jnp.float64)
-      same = (g == w) | ~jnp.isfinite(w)
-      if bool(jnp.any(~jnp.isfinite(g) & ~same)) or bool(jnp.any(~jnp.isfinite(w) & (g != w))):
-        out.append(math.inf)
-        continue
-      scale = _magnitude(w, zero_scale)
-      out.append(float(jnp.max(jnp.abs(jnp.where(same, 0.0, g - w)), initial=0.0)) / scale)
+    wrong, difference, largest = _measure(g, w)
+    if wrong:
+      out.append(math.inf)
+      continue
+    out.append(difference / max(largest or zero_scale, 1e-30))
   return out
 
 

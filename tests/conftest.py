@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 # Eight host devices, set before jax starts, so that the sharding tests have a (4, 2) mesh on
 # the CPU; everything else runs on the first of them, as on one device.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
+# The suite's CPU time is mostly XLA compiling small programs (the interpreted kernels, the
+# oracle's), not running them: LLVM's optimization passes cost more than they save at the
+# tests' shapes (a quarter of the suite's time, bench/NOTES.md readme-2). The level changes how
+# fast the code runs, not what it computes (no fast-math at any level).
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 # The Mosaic GPU interpreter runs a CTA's warpgroups as threads whose barrier waits block inside
 # host callbacks, and XLA:CPU runs those on its pool of NPROC (default: the cores) threads: on
@@ -65,14 +72,43 @@ def _first_case_only(item) -> bool:
   return callspec is not None and any(index for index in callspec.indices.values())
 
 
+# The fixtures that compile for a real TPU generation, one case per generation.
+TPU_GENERATION_FIXTURES = ("tpu_mesh", "tpu4")
+
+
+def _other_generations(items) -> set:
+  """The TPU AOT cases CI leaves to SLOW: of each test's cases that differ only in the TPU
+  generation, all but one, picked by a hash of the test's name, so that each generation still
+  compiles a share of the kernels on CI and every kernel compiles for a TPU (the compiler's
+  work is the same program per generation, ~5-15 s a case; the GPU check runs them all)."""
+  groups = {}
+  for item in items:
+    callspec = getattr(item, "callspec", None)
+    generation = [n for n in TPU_GENERATION_FIXTURES if callspec and n in callspec.indices]
+    if not generation:
+      continue
+    value = str(callspec.params[generation[0]])
+    others = [part for part in callspec.id.split("-") if part != value]
+    key = f"{item.path.name}::{item.cls and item.cls.__name__}::{item.originalname}{others}"
+    groups.setdefault(key, []).append((value, item))
+  out = set()
+  for key, group in groups.items():
+    group.sort(key=lambda pair: pair[0])
+    keep = zlib.crc32(key.encode()) % len(group)
+    out.update(id(item) for i, (_, item) in enumerate(group) if i != keep)
+  return out
+
+
 def pytest_collection_modifyitems(config, items):
-  """Outside SLOW and COMPILED, the ``slow`` cases skip (CI runs one of each). Compiled, the
-  tests that assert CPU behaviour skip, and so do a test base's cases for a kernel of another
-  platform (Mosaic TPU on a GPU), except its AOT compiles (``tpu_mesh``)."""
+  """Outside SLOW and COMPILED, the ``slow`` cases skip (CI runs one of each, and each TPU
+  compile for one generation). Compiled, the tests that assert CPU behaviour skip, and so do a
+  test base's cases for a kernel of another platform (Mosaic TPU on a GPU), except its AOT
+  compiles (``tpu_mesh``)."""
   if not (numerics.COMPILED or numerics.SLOW):
     slow = pytest.mark.skip(reason="slow: JAXKERNELS_TEST_SLOW=1 runs it (docs/testing.md)")
+    other_generations = _other_generations(items)
     for item in items:
-      if "slow" in item.keywords or _first_case_only(item):
+      if "slow" in item.keywords or _first_case_only(item) or id(item) in other_generations:
         item.add_marker(slow)
   if not numerics.COMPILED:
     return

@@ -30,8 +30,8 @@ def _pointwise_rtol(activation, z, weight):
   max(w |s|)."""
   with jax.enable_x64(True):
     z64 = jnp.asarray(np.asarray(z, np.float64)).ravel()
-    slope = np.abs(np.asarray(jax.vmap(jax.grad(
-        lambda t: _activations.reference(activation, t)))(z64)))
+    slope = np.abs(np.asarray(jax.jit(jax.vmap(jax.grad(  # one program, not one per op
+        lambda t: _activations.reference(activation, t))))(z64)))
   w = np.abs(np.asarray(weight, np.float64)).ravel()
   ratio = np.max(w * np.maximum(slope, 1.0)) / max(np.max(w * slope), 1e-300)
   return _activations.RTOL * max(1.0, float(ratio))

@@ -101,6 +101,8 @@ def test_bench_command_runs_and_reads(command, tmp_path):
   body = lines[start + 2 + len(legend):-1]
   rows = [line for line in body if not line.startswith("[")]
   assert len(rows) == len(record["rows"]), "each row printed once"
+  named = [row[:lines[start + 1 + len(legend)].index("  ms")] for row in rows]
+  assert len(set(named)) == len(named), "two rows a reader cannot tell apart"
   for row in record["rows"]:
     ours = row["impl"] not in ("xla",) and row["suite"] != "anchor"
     assert not (ours and row["note"].startswith(("FAILED", "WRONG"))), row

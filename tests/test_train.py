@@ -86,7 +86,7 @@ def test_fully_sharded_step_matches_one_device():
   embedding table's, whose lookup is XLA's)."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  cfg = llama.preset("tiny", max_len=32)
+  cfg = llama.preset("tiny", max_len=32, depth=1)
   tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
   data, _ = train.corpus()
   losses = []
@@ -188,7 +188,7 @@ def test_init_makes_each_devices_share_where_it_lies(monkeypatch):
   held all of it, Adam's moments too), with one device's values, bit for bit."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  cfg = llama.preset("tiny", max_len=32)
+  cfg = llama.preset("tiny", max_len=32, depth=1)
   tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
   _, whole = train.init(cfg, tc)
   where = train.mesh(fsdp=4, tensor=2)
@@ -220,7 +220,7 @@ def test_tensor_parallel_step_matches_one_device():
   activation's size is gathered, permuted or reduced over tensor."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  cfg = llama.preset("tiny", max_len=32)
+  cfg = llama.preset("tiny", max_len=32, depth=1)
   want, _, _ = _three_steps(cfg, None)
   got, text, model = _three_steps(cfg, train.mesh(data=2, fsdp=2, tensor=2))
   losses = {"one device": want, "tensor": got}
@@ -253,7 +253,7 @@ def test_sequence_parallel_step_matches_one_device():
   gathered."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  cfg = llama.preset("tiny", max_len=32)
+  cfg = llama.preset("tiny", max_len=32, depth=1)
   want, _, _ = _three_steps(cfg, None)
   got, text, _ = _three_steps(cfg, train.mesh(fsdp=4, sequence=2))
   losses = {"one device": want, "sequence": got}
@@ -314,7 +314,7 @@ def test_a_checkpoint_restores_onto_another_mesh(tmp_path):
   the saving run took."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  cfg = llama.preset("tiny", max_len=32)
+  cfg = llama.preset("tiny", max_len=32, depth=1)
   tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
   data, _ = train.corpus()
   meshes = {"one device": None, "data 2 x fsdp 4": train.mesh(2), "data 4 x fsdp 2": train.mesh(4),
