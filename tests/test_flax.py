@@ -101,17 +101,20 @@ def test_attention_fn_in_multi_head_attention(impl):
                                 rtol=1e-4)
 
 
-@pytest.mark.parametrize("decode", [False, True])
-@pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("use_bias,normalize_qk,dtype", [(True, False, jnp.float32),
-                                                         (False, True, jnp.float16)])
-def test_attention_fn_serves_multi_head_attention_as_flax_calls_it(decode, batched, use_bias,
-                                                                  normalize_qk, dtype):
+# (use_bias, normalize_qk, dtype) of the module
+MHA_VARIANTS = {"bias float32": (True, False, jnp.float32),
+                "normalized-qk float16": (False, True, jnp.float16)}
+
+
+@pytest.mark.parametrize("decode,batched,variant", numerics.grid(
+    [False, True], [False, True], sorted(MHA_VARIANTS)))
+def test_attention_fn_serves_multi_head_attention_as_flax_calls_it(decode, batched, variant):
   """Our attention_fn in the configurations Flax's own MultiHeadAttention is used and tested
   in: inputs with and without batch dims ((T, features) gives q (T, N, H), which once raised
   "q must have rank >= 4"), one token at a time against a decode cache (its mask a bias), the
   projections' biases, normalized q and k, float16. The same outputs as Flax's own
   dot_product_attention, step by step."""
+  use_bias, normalize_qk, dtype = MHA_VARIANTS[variant]
   features, length = 6, 4
   x = numerics.normal(numerics.rng("mha", decode, batched), (2, length, features) if batched
                       else (length, features), jnp.float32)

@@ -19,7 +19,7 @@ import jaxkernels as jk
 from models import llama
 from tests import numerics
 
-TINY = llama.preset("tiny", max_len=32)
+TINY = llama.preset("tiny", max_len=32, depth=1)  # one layer: a step compiles sooner
 
 
 def _tokens(cfg, batch=4, seed_label="tokens"):

@@ -3,6 +3,7 @@ also on a leaf that the exact answer makes zero everywhere."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,3 +43,27 @@ def test_an_all_zero_leaf_is_judged_against_the_inputs_scale():
   with pytest.raises(AssertionError, match="leaf 0"):
     testing.assert_matches(got + 1e-3 * float(jnp.max(jnp.abs(x))), _difference, (x,),
                            dtype=jnp.float32, reduction=1)
+
+
+@pytest.mark.cpu_only
+def test_the_baseline_rounds_every_step():
+  """The naive baseline rounds each step to its dtype, as evaluation op by op does (one jitted
+  program would not: XLA keeps a fusion's intermediates in float32, and the bar the baseline
+  sets would be tighter than the rule's): a chain of bfloat16 elementwise ops, a reduction
+  and the vjp, bit for bit against evaluation with jit disabled."""
+  gen = numerics.rng("baseline")
+  x = numerics.normal(gen, (16, 96), jnp.bfloat16, 2.0)
+  ct = numerics.normal(gen, (16, 96), jnp.bfloat16)
+
+  def reference(dtype):
+    def f(x):
+      y = jnp.exp(x.astype(dtype) * 0.7) * 1.3 - x
+      return y / jnp.sum(y * y, axis=-1, keepdims=True)
+    return f
+
+  jitted = testing.evaluate(reference, jnp.bfloat16, (x,), ct)
+  with jax.disable_jit():
+    eager = testing.evaluate(reference, jnp.bfloat16, (x,), ct)
+  for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager), strict=True):
+    assert a.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

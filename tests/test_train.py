@@ -370,7 +370,7 @@ def test_the_kernels_train_step_matches_xla_on_explicit_meshes():
   for kernels, data_axis, devices in (("xla", 1, jax.devices()[:1]),
                                       ("jaxkernels", 1, jax.devices()[:1]),
                                       ("jaxkernels", 4, jax.devices())):
-    cfg = llama.preset("tiny", max_len=32, kernels=kernels)
+    cfg = llama.preset("tiny", max_len=32, depth=1, kernels=kernels)
     where = train.mesh(data_axis, devices)
     graphdef, state = train.init(cfg, tc, where)
     step = train.step_fn(graphdef)
