@@ -282,6 +282,7 @@ def scrub(text: str) -> str:
 # What ``scrub`` replaces; the results' hygiene test looks for what these leave behind.
 SCRUBBED = (
     (r"/\S*?/site-packages/", "<site-packages>/"),
+    (r"(?<![\w.~<>$-])/\S*?/lib/python[\d.]+/", "<python-lib>/"),  # a traceback's stdlib frames
     (r"(?<![\w.~<>$-])/\S*/bin/python[\d.]*", "python"),
     (r"(?<![\w.~<>$-])/tmp/[\w.-]+", "<tmp>"),
     (r"(?<![\w.~<>$-])/root/out\b", "$OUT"),

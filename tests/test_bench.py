@@ -313,3 +313,14 @@ def test_profile_overlap_reads_each_gpus_streams():
   assert "collectives 6.0 ms, 42% of it beside compute" in scaling._profile_note(got)
   with pytest.raises(ValueError, match="no GPU stream"):
     scaling.overlap([plane("/host:CPU", {"python": [("step", 0, 1e9)]})], steps=1)
+
+
+def test_scrub_takes_out_every_kind_of_machine_path():
+  """What a log may carry from the machine it ran on: a venv's interpreter and packages, the
+  standard library's frames in a traceback, a work directory, the device call's $OUT."""
+  from bench import harness
+  text = ("/opt/torch/bin/python3 -m pytest; /opt/torch/lib/python3.12/site-packages/jax/x.py:3; "
+          "/usr/lib/python3.12/dataclasses.py:1581: in replace; /tmp/tmpab_c1/ckpt; /root/out/x")
+  assert harness.scrub(text) == (
+      "python -m pytest; <site-packages>/jax/x.py:3; <python-lib>/dataclasses.py:1581: in "
+      "replace; <tmp>/ckpt; $OUT/x")

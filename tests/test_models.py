@@ -105,13 +105,14 @@ def test_remat_changes_no_number(policy, kernels, scan):
   and on the kernels (Triton's, interpreted: matmul names its output for "dots"), against
   policy "none" unrolled: the same loss and gradients. Float32 products in float32: under
   tf32 (a GPU's default) two programs may round differently (2e-7 of 5e-4 on the H100)."""
-  tokens = _tokens(TINY, seed_label="remat")
+  cfg = TINY if isinstance(policy, str) else dataclasses.replace(TINY, depth=len(policy))
+  tokens = _tokens(cfg, seed_label="remat")
   context = contextlib.nullcontext() if kernels == "xla" or numerics.COMPILED else \
       jk.interpret_mode("triton")
   with context, jax.default_matmul_precision("highest"):
     (loss, grads), (want_loss, want_grads) = [
         nnx.value_and_grad(llama.loss_fn)(llama.make(dataclasses.replace(
-            TINY, remat=name, kernels=kernels, scan_layers=layers), seed=1)[0], tokens)
+            cfg, remat=name, kernels=kernels, scan_layers=layers), seed=1)[0], tokens)
         for name, layers in ((policy, scan), ("none", False))]
   np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(nnx.state(grads)), jax.tree.leaves(nnx.state(want_grads))):
