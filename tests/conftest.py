@@ -12,16 +12,13 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                              " --xla_force_host_platform_device_count=8").strip()
 # Interpreted on the CPU, the suite's time is mostly XLA compiling small programs (the
 # interpreted kernels, the oracle's), not running them: LLVM's optimization passes cost more
-# than they save at the tests' shapes (a quarter of the time), and splitting each module's
-# codegen over threads is overhead where every core already runs a test worker (softmax's file
-# 48 s to 41). These change how fast the code runs, not what it computes (no fast-math at any
-# level); compiled on a GPU (the GPU check) they are left alone. bench/NOTES.md readme-2.
-CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
-                     "--xla_cpu_parallel_codegen_split_count=1")
-if os.environ.get("JAXKERNELS_TEST_COMPILED", "0") in ("", "0"):
-  for flag in CPU_COMPILE_FLAGS:
-    if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
-      os.environ["XLA_FLAGS"] += " " + flag
+# than they save at the tests' shapes (a quarter of the time). The level changes how fast the
+# code runs, not what it computes (no fast-math at any level); compiled on a GPU (the GPU
+# check) it is left alone. bench/NOTES.md readme-2.
+CPU_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+if (os.environ.get("JAXKERNELS_TEST_COMPILED", "0") in ("", "0")
+    and CPU_COMPILE_FLAG.split("=")[0] not in os.environ["XLA_FLAGS"]):
+  os.environ["XLA_FLAGS"] += " " + CPU_COMPILE_FLAG
 
 # The Mosaic GPU interpreter runs a CTA's warpgroups as threads whose barrier waits block inside
 # host callbacks, and XLA:CPU runs those on its pool of NPROC (default: the cores) threads: on
