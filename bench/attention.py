@@ -255,9 +255,9 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
     if only and shape.name not in only:
       continue
     first = _inputs(shape, 0)
-    n_sets = 1 if session.interpret or session.smoke else harness.sets_for(
-        4 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)), budget=4 << 30,
-        most=4)
+    n_sets = harness.sets_for(
+        session, 4 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)),
+        budget=4 << 30, most=4)
     sets = [first] + [_inputs(shape, seed) for seed in range(1, n_sets)]
     # The float64 oracle and the bfloat16 reference's error, forward and backward, once.
     rule = harness.Rule(lambda cd: _reference(shape, cd), *first, dtype=jnp.bfloat16,

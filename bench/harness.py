@@ -137,8 +137,12 @@ def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *,
   return statistics.median(totals) / 1e3 / len(sets), names
 
 
-def sets_for(bytes_per_set: int, budget: int = 3 << 30, most: int = 8) -> int:
-  """How many distinct input sets to rotate through: up to ``most``, within ``budget`` bytes."""
+def sets_for(session: Session, bytes_per_set: int, budget: int = 3 << 30, most: int = 8) -> int:
+  """How many distinct input sets to rotate through: up to ``most``, within ``budget`` bytes.
+  A smoke or interpreted run has no timing to trust: one set (it checks that everything
+  builds, runs and matches)."""
+  if session.interpret or session.smoke:
+    return 1
   return max(1, min(most, budget // max(bytes_per_set, 1)))
 
 
@@ -515,9 +519,8 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
   # it was 7-12% of the time; 16 negates a program ran at 87 us a negate against 105 for one,
   # 81 us of kernel (bench/NOTES.md, run 17). A set is each input twice over (the residuals
   # the backward reads), so an eighth of the device's memory holds 4 x budget / 8 sets' worth.
-  # A smoke run checks that everything builds, runs and matches: one set.
-  n_sets = 1 if session.interpret or session.smoke else sets_for(
-      2 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)),
+  n_sets = sets_for(
+      session, 2 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)),
       budget=memory_bytes(session.device) // 8, most=16)
   sets = [first] + [case.inputs(seed) for seed in range(1, n_sets)]
   shape = "x".join(map(str, jax.tree.leaves(first[0])[0].shape))

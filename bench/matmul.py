@@ -70,8 +70,7 @@ def _rule(args, dtype, *, reduction, cotangent=None, grads=(), **spec):
 
 
 def _time(session, fn, m, n, k, dtype, *, bias=False):
-  n_sets = 1 if session.interpret or session.smoke else harness.sets_for(
-      (m * k + k * n) * jnp.dtype(dtype).itemsize, most=4)
+  n_sets = harness.sets_for(session, (m * k + k * n) * jnp.dtype(dtype).itemsize, most=4)
   sets = [_inputs(m, n, k, dtype, seed, bias=bias) for seed in range(n_sets)]
   return harness.time_sets(fn, sets, rounds=session.rounds, calls=session.calls)
 
@@ -84,7 +83,7 @@ def _torch_seconds(session, m, n, k, dtype="bfloat16", rounds=None, n_sets=None)
   tdtype = {"bfloat16": torch.bfloat16}[dtype]
   sets = [(torch.randn(m, k, device="cuda", dtype=tdtype), torch.randn(k, n, device="cuda",
                                                                        dtype=tdtype))
-          for _ in range(n_sets or harness.sets_for((m * k + k * n) * 2, most=4))]
+          for _ in range(n_sets or harness.sets_for(session, (m * k + k * n) * 2, most=4))]
   for a, b in sets:
     torch.matmul(a, b)
   torch.cuda.synchronize()
@@ -232,9 +231,7 @@ def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, s
     except Exception as e:  # noqa: BLE001
       row.note = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
     rows[impl] = row
-  n_sets = n_sets or harness.sets_for((2 * s * s) * jnp.dtype(dtype).itemsize, most=4)
-  if session.interpret or session.smoke:  # as harness.measure: no timing to trust, one set
-    n_sets = 1
+  n_sets = harness.sets_for(session, (2 * s * s) * jnp.dtype(dtype).itemsize, most=n_sets or 4)
   sets = [_inputs(s, s, s, dtype, seed, bias=bias) for seed in range(n_sets)]
   batched = {impl: harness.over_sets(fn) for impl, fn in programs.items()}
   for fn in batched.values():

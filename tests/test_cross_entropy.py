@@ -22,7 +22,8 @@ from tests.conftest import aot_compile, cuda_lowering
 
 IGNORE = -100
 # Each backend's drawn test is its own (hypothesis wants one executor a test function).
-DRAWN = settings(max_examples=numerics.draws(4), deadline=None, phases=(Phase.explicit, Phase.generate))
+DRAWN = settings(max_examples=numerics.draws(4), deadline=None,
+                 phases=(Phase.explicit, Phase.generate))
 
 
 def _reduced(loss, labels, reduction, ignore_index):
