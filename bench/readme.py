@@ -91,13 +91,15 @@ def _paths(argv: list[str], workdir: pathlib.Path) -> list[str]:
 def on_cpu(command: Command, workdir: pathlib.Path) -> list[str]:
   """``command`` at the smallest size that keeps its flags meaningful on a 2-core CPU: the
   tiny preset, 8 sequences of 32 tokens (one a host device), 3 steps, every other flag as the
-  README gives it; the bench's suites at one round of one call (a check, not a timing)."""
+  README gives it, JAX's compilation cache (on by default) under ``workdir`` as on a GPU;
+  the bench's suites at one round of one call (a check, not a timing)."""
   argv = _paths(list(command.argv), workdir)
   if command.kind == "train":
     for flag, value in (("--preset", "tiny"), ("--batch", "8"), ("--seq-len", "32"),
                         ("--steps", "3"), ("--log-every", "1")):
       argv = _set(argv, flag, value)
-    return _set(argv, "--no-compilation-cache", None)
+    return argv if "--compilation-cache" in argv else _set(
+        argv, "--compilation-cache", str(workdir / "xla"))
   if command.kind == "bench":
     argv = _set(_set(argv, "--rounds", "1"), "--calls", "1")
     return argv if "--out" in argv else _set(argv, "--out", str(workdir / "bench"))

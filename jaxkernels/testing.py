@@ -80,11 +80,15 @@ def evaluate(reference: Callable[[Any], Callable[..., Any]], compute_dtype, prim
         return out
       return jax.tree.map(lambda a: np.asarray(a, np.float64)
                           if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a, out)
-  # The naive computation op by op, each step rounded to its dtype: in one program XLA keeps
-  # a fusion's intermediates in float32 (excess precision; on the CPU too, 6% of a bfloat16
-  # chain's elements, tests/test_testing.py), which would make the baseline better than naive
-  # and the bar tighter than the rule.
-  return run(primals, cotangent)
+  # The naive computation, each step rounded to its dtype: one program, without the excess
+  # precision XLA otherwise allows itself (a fusion's intermediates kept in float32, on the
+  # CPU too: 6% of a bfloat16 chain's elements, tests/test_testing.py), which would make the
+  # baseline better than naive and the bar tighter than the rule.
+  return jax.jit(run, compiler_options=_ROUNDED)(primals, cotangent)
+
+
+# XLA's option for a program that rounds every step to its dtype, as evaluation op by op does.
+_ROUNDED = {"xla_allow_excess_precision": False}
 
 
 def _floating_leaves(tree):

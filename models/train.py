@@ -613,7 +613,12 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
     checkpoints = Checkpoints(checkpoint_dir)
     tc = _resumed_warmup(tc, checkpoints.there)
     checkpoints.check(_identity(cfg, tc, data))
-  if cfg.remat == "auto":
+  finished = checkpoints is not None and (checkpoints.latest() or 0) >= tc.steps
+  if cfg.remat == "auto" and finished:
+    # No step will run, so none to fit: no probe (each candidate is a compile of the step).
+    # Remat changes no shape: the state restores as it would under any policy.
+    cfg = dataclasses.replace(cfg, remat="none")
+  elif cfg.remat == "auto":
     try:
       cfg, choice = auto_remat(cfg, tc, remat_budget, where)
     except ValueError as e:  # no plan fits --remat-budget

@@ -12,13 +12,33 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                              " --xla_force_host_platform_device_count=8").strip()
 # Interpreted on the CPU, the suite's time is mostly XLA compiling small programs (the
 # interpreted kernels, the oracle's), not running them: LLVM's optimization passes cost more
-# than they save at the tests' shapes (a quarter of the time). The level changes how fast the
-# code runs, not what it computes (no fast-math at any level); compiled on a GPU (the GPU
-# check) it is left alone. bench/NOTES.md readme-2.
-CPU_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+# than they save at the tests' shapes (a quarter of the time), and XLA:CPU's MLIR fusion
+# emitters take twice the time of its older loop emitters to compile them (a switch XLA
+# dropped after jax 0.10: set only where this XLA knows it, or it would refuse to start).
+# These change how fast code compiles and runs, not what it computes (no fast-math); compiled
+# on a GPU (the GPU check) they are left alone. bench/NOTES.md readme-2, readme-3.
+OPTIMIZATION_LEVEL = "--xla_backend_optimization_level=0"
+LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_knows(flag: str) -> bool:
+  """Whether this jaxlib's XLA takes ``flag`` (an unknown XLA flag ends the process at start)."""
+  import subprocess
+  import sys
+  env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                        capture_output=True, timeout=120).returncode == 0
+
+
+# Once, in the first process: xdist's workers inherit the flags.
 if (os.environ.get("JAXKERNELS_TEST_COMPILED", "0") in ("", "0")
-    and CPU_COMPILE_FLAG.split("=")[0] not in os.environ["XLA_FLAGS"]):
-  os.environ["XLA_FLAGS"] += " " + CPU_COMPILE_FLAG
+    and "JAXKERNELS_TEST_CPU_FLAGS" not in os.environ):
+  _flags = [f for f in (OPTIMIZATION_LEVEL, LOOP_EMITTERS)
+            if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
+  if LOOP_EMITTERS in _flags and not _xla_knows(LOOP_EMITTERS):
+    _flags.remove(LOOP_EMITTERS)
+  os.environ["XLA_FLAGS"] += "".join(" " + f for f in _flags)
+  os.environ["JAXKERNELS_TEST_CPU_FLAGS"] = " ".join(_flags)
 
 # The Mosaic GPU interpreter runs a CTA's warpgroups as threads whose barrier waits block inside
 # host callbacks, and XLA:CPU runs those on its pool of NPROC (default: the cores) threads: on

@@ -45,8 +45,10 @@ def test_kernels_match_the_xla_path():
   parameters."""
   tokens = _tokens(TINY, seed_label="match")
   want_model, _ = llama.make(dataclasses.replace(TINY, kernels="xla"), seed=3)
+  # One program each (op by op, every primitive of the model compiled on its own: 2x the time).
+  loss_and_grads = nnx.jit(nnx.value_and_grad(llama.loss_fn))
   with jax.default_matmul_precision("highest"):
-    want_loss, want_grads = nnx.value_and_grad(llama.loss_fn)(want_model, tokens)
+    want_loss, want_grads = loss_and_grads(want_model, tokens)
   # Float32 throughout: each fused op may differ from XLA's by its reduction's rounding, ~4 eps
   # sqrt(n) for its longest reduction (the vocabulary's or the width's); they pass through.
   tolerance = 4 * numerics.F32_EPS * TINY.vocab**0.5 * (4 * TINY.depth + 2)
@@ -54,7 +56,7 @@ def test_kernels_match_the_xla_path():
   # Compiled on a GPU, the device's best kernels; on the CPU, Triton's interpreted.
   context = contextlib.nullcontext() if numerics.COMPILED else jk.interpret_mode("triton")
   with context, jax.default_matmul_precision("highest"):
-    loss, grads = nnx.value_and_grad(llama.loss_fn)(model, tokens)
+    loss, grads = loss_and_grads(model, tokens)
   assert abs(float(loss) - float(want_loss)) <= tolerance * abs(float(want_loss))
   errors = numerics.errors(jax.tree.leaves(nnx.state(grads)),
                            [np.asarray(g) for g in jax.tree.leaves(nnx.state(want_grads))])
@@ -110,8 +112,8 @@ def test_remat_changes_no_number(policy, kernels, scan):
   context = contextlib.nullcontext() if kernels == "xla" or numerics.COMPILED else \
       jk.interpret_mode("triton")
   with context, jax.default_matmul_precision("highest"):
-    (loss, grads), (want_loss, want_grads) = [
-        nnx.value_and_grad(llama.loss_fn)(llama.make(dataclasses.replace(
+    (loss, grads), (want_loss, want_grads) = [  # each one program, as a train step runs it
+        nnx.jit(nnx.value_and_grad(llama.loss_fn))(llama.make(dataclasses.replace(
             cfg, remat=name, kernels=kernels, scan_layers=layers), seed=1)[0], tokens)
         for name, layers in ((policy, scan), ("none", False))]
   np.testing.assert_allclose(loss, want_loss, rtol=1e-6)

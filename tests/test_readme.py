@@ -76,6 +76,8 @@ def test_train_command_runs(command, tmp_path):
     assert os.path.isdir(os.path.join(directory, "3")), os.listdir(directory)
     code, out, err = _run(argv)  # the same command again: the run is whole
     assert code == 0 and "nothing to do: the checkpoint is at step 3" in err, err[-3000:]
+    assert "remat auto:" not in err, "a finished run probed remat plans it will not train"
+    assert os.listdir(os.path.join(os.path.dirname(directory), "xla")), "no compilation cache"
 
 
 @pytest.mark.cpu_only

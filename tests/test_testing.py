@@ -47,10 +47,11 @@ def test_an_all_zero_leaf_is_judged_against_the_inputs_scale():
 
 @pytest.mark.cpu_only
 def test_the_baseline_rounds_every_step():
-  """The naive baseline rounds each step to its dtype, as evaluation op by op does (one jitted
-  program would not: XLA keeps a fusion's intermediates in float32, and the bar the baseline
-  sets would be tighter than the rule's): a chain of bfloat16 elementwise ops, a reduction
-  and the vjp, bit for bit against evaluation with jit disabled."""
+  """The naive baseline, one program, rounds each step to its dtype as evaluation op by op
+  does (with XLA's excess precision, its default, it would not: a fusion's intermediates stay
+  in float32, and the bar the baseline sets would be tighter than the rule's): a chain of
+  bfloat16 elementwise ops, a reduction and the vjp, bit for bit against evaluation with jit
+  disabled."""
   gen = numerics.rng("baseline")
   x = numerics.normal(gen, (16, 96), jnp.bfloat16, 2.0)
   ct = numerics.normal(gen, (16, 96), jnp.bfloat16)
