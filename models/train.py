@@ -684,24 +684,29 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
       if pending is not None and not flush():  # the previous step's, read while this one runs
         break
       pending = (s + 1, metrics)
+      # The signal read once a step: one landing between the save's decision and the stop's
+      # (while the step was waited for, say) stopped the run unsaved, saying it had saved (the
+      # GPU check: SIGINT at step 55, resumed from 0). One that lands after this read is the
+      # next step's.
+      received = stopper.received
       save = checkpoints is not None and (
-          stopper.received is not None or s + 1 == tc.steps or (s + 1) % checkpoint_every == 0)
+          received is not None or s + 1 == tc.steps or (s + 1) % checkpoint_every == 0)
       # A step that gets a line is waited for here, right after it is dispatched: its clock
       # is then read as it finishes whether the device or the host is the slower, and each
       # line's interval holds its own steps (read one step behind, as the others are, a run
       # whose host is the slower showed the last line at twice the rate: nothing followed it).
-      if save or stopper.received is not None or progress.due(s + 1):
+      if save or received is not None or progress.due(s + 1):
         if not flush():  # never save a state that a non-finite step made
           break
         if save:
           checkpoints.save(s + 1, state)
           saved, meter.saves = s + 1, meter.saves + 1
-      if stopper.received is not None and s + 1 < tc.steps:
-        name = signal.Signals(stopper.received).name
+      if received is not None and s + 1 < tc.steps:
+        name = signal.Signals(received).name
         outcome.stopped = (f"stopped at step {s + 1} by {name}; " + (
             "saved: the same command resumes" if checkpoints is not None else
             "nothing saved (no --checkpoint-dir)"))
-        outcome.code = 128 + stopper.received
+        outcome.code = 128 + received
         break
     if pending is not None:
       flush()

@@ -629,3 +629,32 @@ def test_sigint_saves_and_the_same_command_resumes(tmp_path):
   out = resumed.communicate(timeout=300)[0]
   assert resumed.returncode == 0 and f"resumed at step {stopped}" in out, out
   assert sorted(_curve(metrics)) == list(range(1, 25))
+
+
+def test_a_signal_that_lands_mid_step_is_saved_where_it_stops(tmp_path, capsys, monkeypatch):
+  """SIGINT read between a step's save decision and its stop check (the GPU check's run said
+  "stopped at step 55 ... saved" and its resume began at step 0): the run stops where it
+  saves, and resumes there."""
+
+  class Late(train._Stopper):
+    reads = 0
+
+    @property
+    def received(self):  # the signal lands right after the first step's first look
+      Late.reads += 1
+      return None if Late.reads == 1 else signal.SIGINT
+
+    @received.setter
+    def received(self, value):
+      pass
+
+  monkeypatch.setattr(train, "_Stopper", Late)
+  directory = tmp_path / "run"
+  common = ["--steps", "3", "--batch", "8", "--seq-len", "32", "--checkpoint-dir",
+            str(directory), "--no-compilation-cache"]
+  code, err = _main(capsys, *common)
+  stopped = int(re.search(r"stopped at step (\d+) by SIGINT; saved", err).group(1))
+  assert code == 128 + signal.SIGINT and sorted(os.listdir(directory)) == [str(stopped)], err
+  monkeypatch.undo()
+  code, err = _main(capsys, *common)
+  assert code == 0 and f"resumed at step {stopped}" in err, err
