@@ -472,6 +472,33 @@ def test_reference_is_jax_nn():
     chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_unbatched_inputs_and_vmap_over_the_only_batch_dim(impl):
+  """(T, N, H) without a batch dim, as jax.nn.dot_product_attention takes it (it once raised
+  "q must have rank >= 4"): the batched call's answer, gradient and log-sum-exp, and vmap over
+  the only batch dim; decode with (S, K, H) caches and a scalar length."""
+  gen = numerics.rng("unbatched", impl)
+  q = numerics.normal(gen, (2, 24, 4, 16), jnp.float32)
+  k = numerics.normal(gen, (2, 30, 2, 16), jnp.float32)
+  bias = numerics.normal(gen, (4, 24, 30), jnp.float32)
+  call = functools.partial(jk.flash_attention, causal=True, bias=bias, return_lse=True,
+                           implementation=impl)
+  with numerics.kernel_mode():
+    want, want_lse = call(q, k, k)
+    grad = jax.grad(lambda q: call(q, k[0], k[0])[0].sum())(q[0])
+    want_grad = jax.grad(lambda q: call(q, k, k)[0][0].sum())(q)[0]
+    got, lse = call(q[0], k[0], k[0])
+    mapped, mapped_lse = jax.vmap(call)(q, k, k)
+    decoded = jk.decode_attention(q[0, :1], k[0], k[0], lengths=20, implementation=impl)
+    want_decoded = jk.decode_attention(q[:1, :1], k[:1], k[:1], lengths=jnp.array([20]),
+                                       implementation=impl)[0]
+  chex.assert_shape((got, lse, decoded), ((24, 4, 16), (24, 4), (1, 4, 16)))
+  chex.assert_trees_all_close((got, lse, grad), (want[0], want_lse[0], want_grad), atol=1e-6,
+                              rtol=1e-6)
+  chex.assert_trees_all_close((mapped, mapped_lse), (want, want_lse), atol=1e-6, rtol=1e-6)
+  chex.assert_trees_all_close(decoded, want_decoded, atol=1e-6, rtol=1e-6)
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 40), row0=st.integers(0, 80), block=st.sampled_from([4, 16]),
        n_keys=st.integers(1, 90), left=st.sampled_from([None, 0, 3, 17]),

@@ -350,6 +350,15 @@ def _reference(q, k, v, bias, segment_ids, kv_segment_ids, window, scale, soft_c
   return out.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
+def _unbatched(q) -> bool:
+  return getattr(q, "ndim", None) == 3
+
+
+def _batch_of_one(*arrays):
+  """Each array (None passes) with a leading batch dimension of one."""
+  return [None if a is None else jnp.expand_dims(jnp.asarray(a), 0) for a in arrays]
+
+
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None, bias=None,
                     segment_ids=None, kv_segment_ids=None, local_window_size=None,
                     logits_soft_cap: float | None = None, sequence_layout: str = "contiguous",
@@ -360,7 +369,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
   i and key j at position j (top-left aligned where T != S).
 
   Args:
-    q: (..., T, N, H): bfloat16, float16 or float32; any leading batch dims.
+    q: (..., T, N, H): bfloat16, float16 or float32; any leading batch dims, or none.
     k, v: (..., S, K, H), q's dtype and batch dims; N a multiple of K (grouped-query and
       multi-query attention read each kv head once per group, never repeated in memory).
       H up to 256.
@@ -396,6 +405,14 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
   or causal attention with T == S (no bias, segment ids, window or soft cap). Otherwise a split
   T or S, and a split H, is gathered with a ``ShardingWarning``.
   """
+  if _unbatched(q):  # (T, N, H), as jax.nn.dot_product_attention takes it: a batch of one
+    q, k, v, segment_ids, kv_segment_ids = _batch_of_one(q, k, v, segment_ids, kv_segment_ids)
+    out = flash_attention(q, k, v, causal=causal, scale=scale, bias=bias,  # bias broadcasts
+                          segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                          local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                          sequence_layout=sequence_layout, return_lse=return_lse,
+                          implementation=implementation, config=config)
+    return jax.tree.map(lambda a: a[0], out)
   out, lse = backend.call(_OP, implementation, config, q=q, k=k, v=v, causal=causal, scale=scale,
                           bias=bias, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                           local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
@@ -520,7 +537,8 @@ def decode_attention(q, k_cache, v_cache, *, lengths, scale: float | None = None
   the GPU's SMs (or a TPU's TensorCores) and combined by log-sum-exp (flash-decoding).
 
   Args:
-    q: (..., Tq, N, H) new queries, Tq small (1-16; the kernel takes up to 64 rows a group).
+    q: (..., Tq, N, H) new queries, Tq small (1-16; the kernel takes up to 64 rows a group);
+      any leading batch dims, or none (then ``lengths`` is a scalar).
     k_cache, v_cache: (..., S, K, H), N a multiple of K; entries past a sequence's length are
       never read.
     lengths: (...) integers: the valid entries of each sequence's cache, the new queries' own
@@ -533,6 +551,12 @@ def decode_attention(q, k_cache, v_cache, *, lengths, scale: float | None = None
   Returns (..., Tq, N, H) in q's dtype; 0 for a query that sees no key. Differentiable (the
   reference's gradient).
   """
+  if _unbatched(q):  # (Tq, N, H) against (S, K, H) caches, lengths a scalar: a batch of one
+    q, k_cache, v_cache, lengths = _batch_of_one(q, k_cache, v_cache, lengths)
+    return decode_attention(q, k_cache, v_cache, lengths=lengths, scale=scale,
+                            logits_soft_cap=logits_soft_cap,
+                            local_window_size=local_window_size,
+                            implementation=implementation, config=config)[0]
   return backend.call(_DECODE_OP, implementation, config, q=q, k_cache=k_cache,
                       v_cache=v_cache, lengths=lengths, scale=scale,
                       logits_soft_cap=logits_soft_cap, local_window_size=local_window_size)
