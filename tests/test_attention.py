@@ -564,7 +564,7 @@ class TestAttentionErrors:
       (dict(k=jnp.ones((2, 10, 2, 32)), v=jnp.ones((2, 10, 2, 32))), ValueError, "same head dim"),
       (dict(k=jnp.ones((2, 10, 3, 16)), v=jnp.ones((2, 10, 3, 16))), ValueError,
        r"q's heads \(4\) must be a multiple of k's heads \(3\)"),
-      (dict(q=jnp.ones((8, 4, 16))), ValueError, "q must have rank >= 4"),
+      (dict(q=jnp.ones((8, 16))), ValueError, "q must have rank >= 4"),
       (dict(q=jnp.ones((2, 8, 4, 300)), k=jnp.ones((2, 10, 2, 300)),
             v=jnp.ones((2, 10, 2, 300))), ValueError, "head dim 300 is not supported"),
       (dict(segment_ids=jnp.zeros((2, 9), jnp.int32)), ValueError,
