@@ -613,8 +613,8 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
     checkpoints = Checkpoints(checkpoint_dir)
     tc = _resumed_warmup(tc, checkpoints.there)
     checkpoints.check(_identity(cfg, tc, data))
-  finished = checkpoints is not None and (checkpoints.latest() or 0) >= tc.steps
-  if cfg.remat == "auto" and finished:
+  start = (checkpoints.latest() if checkpoints is not None else None) or 0  # where it resumes
+  if cfg.remat == "auto" and start >= tc.steps:
     # No step will run, so none to fit: no probe (each candidate is a compile of the step).
     # Remat changes no shape: the state restores as it would under any policy.
     cfg = dataclasses.replace(cfg, remat="none")
@@ -625,9 +625,7 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
       raise UsageError(str(e)) from e
     print(choice, file=stream, flush=True)
   graphdef, state = init(cfg, tc, where)
-  start = 0
-  if checkpoints is not None and checkpoints.latest() is not None:
-    start = checkpoints.latest()
+  if start:
     state = checkpoints.restore(start, state)
   kernels = cfg.kernels + (f" (on XLA: {', '.join(cfg.reference_ops)})"
                            if cfg.reference_ops and cfg.kernels != "xla" else "")

@@ -190,6 +190,20 @@ def cuda_lowering(fn, *shapes) -> str:
   return exported.mlir_module()
 
 
+def run_alone(request, timeout: int, **env):
+  """This test (its node id) run again in a pytest process of its own, with ``env`` over this
+  process's environment and the session's seed: the finished process, for the caller to
+  check."""
+  import pathlib
+  import subprocess
+  import sys
+  return subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+      env={**os.environ, "JAXKERNELS_TEST_SEED": str(numerics.SEED), **env},
+      capture_output=True, text=True, timeout=timeout,
+      cwd=pathlib.Path(__file__).parent.parent)
+
+
 @pytest.fixture
 def default_emitters(request) -> bool:
   """For a test that compares bits between programs of different shapes (one device's and a
@@ -200,15 +214,8 @@ def default_emitters(request) -> bool:
   True where the test's body runs."""
   if LOOP_EMITTERS not in os.environ.get("XLA_FLAGS", ""):
     return True
-  import pathlib
-  import subprocess
-  import sys
   flags = os.environ["XLA_FLAGS"].replace(LOOP_EMITTERS, "").strip()
-  done = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-      env={**os.environ, "XLA_FLAGS": flags, "JAXKERNELS_TEST_CPU_FLAGS": flags,
-           "JAXKERNELS_TEST_SEED": str(numerics.SEED)},
-      capture_output=True, text=True, timeout=600, cwd=pathlib.Path(__file__).parent.parent)
+  done = run_alone(request, 600, XLA_FLAGS=flags, JAXKERNELS_TEST_CPU_FLAGS=flags)
   assert done.returncode == 0 and " passed" in done.stdout, (
       done.stdout[-4000:] + done.stderr[-2000:])
   return False

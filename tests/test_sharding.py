@@ -9,10 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import pathlib
 import re
-import subprocess
-import sys
 import warnings
 
 import chex
@@ -29,6 +26,7 @@ from jaxkernels.ops.elementwise import reference as elementwise_reference
 from jaxkernels.ops.norms import reference as norms_reference
 from jaxkernels.ops.softmax import reference as softmax_reference
 from tests import numerics
+from tests.conftest import run_alone
 from tests.test_matmul import glu_reference as glu_spec
 from tests.test_matmul import reference as matmul_spec
 
@@ -58,14 +56,9 @@ def _in_own_process(request) -> bool:
   between tests did not help); each alone passes in seconds."""
   if os.environ.get(_CHILD):
     return True
-  done = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-      # NPROC: the TPU interpreter's callbacks on 8 devices wait for each other, and need a
-      # thread more than there are devices (backend.check_interpreter_threads).
-      env={**os.environ, _CHILD: "1", "JAXKERNELS_TEST_SEED": str(numerics.SEED),
-           "NPROC": "16"},
-      capture_output=True, text=True, timeout=300,
-      cwd=pathlib.Path(__file__).parent.parent)
+  # NPROC: the TPU interpreter's callbacks on 8 devices wait for each other, and need a thread
+  # more than there are devices (backend.check_interpreter_threads).
+  done = run_alone(request, 300, **{_CHILD: "1", "NPROC": "16"})
   assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
   return False
 
