@@ -1,6 +1,8 @@
 """The model's train step (models/llama.py, AdamW with clipping as models/train.py runs it):
-kernels="jaxkernels" against kernels="xla" (XLA's ops, cuDNN attention, optax's loss on the
-whole logits: what a user of plain JAX has), per remat policy, at the issue's shapes.
+ours (kernels="jaxkernels") against two anchors: the independent plain-JAX Llama
+(bench/plain_llama.py: no project code, what a JAX user writes) and the model's own twin
+(kernels="xla": the same Flax model on XLA's ops, cuDNN attention and optax's loss), per remat
+policy, at the issue's shapes. Ours is compared with the fastest anchor of the run.
 
 Each measurement runs in a process of its own, so that its peak memory (the allocator's
 ``peak_bytes_in_use``) is its own and an out-of-memory leaves the rest standing.
@@ -27,7 +29,7 @@ POLICIES = ("none", "dots", "full")
 SMOKE = {"tiny": 4}
 
 
-def kernel_breakdown(step, state, tokens, top: int = 25) -> list[tuple[str, float, int]]:
+def kernel_breakdown(step, state, tokens, top: int = 60) -> list[tuple[str, float, int]]:
   """(kernel name, ms per step, launches) of one train step's most expensive kernels, by CUPTI
   (JAX's Mosaic GPU profiler); [] where it is not available. ``step`` must not donate."""
   try:
@@ -107,27 +109,51 @@ def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
   }
 
 
-def _child(args: dict, timeout: float = 540) -> dict:
-  """``measure(**args)`` in a process of its own."""
-  return harness.child("model", "measure", args, timeout)
+def measure_plain(preset: str, policy: str, batch: int, seq: int, steps: int,
+                  scan: bool = False, stream: str = "float32") -> dict:
+  """bench.plain_llama's step at ``preset``'s shape, with the rates :func:`measure` gives."""
+  from bench import plain_llama
+  from models import llama
+  cfg = llama.preset(preset)
+  seq = min(seq, cfg.max_len)
+  shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(plain_llama.Shape)}
+  got = plain_llama.measure(shape, batch, seq, steps, policy=policy, scan=scan, stream=stream)
+  rate = batch * seq / (got["ms"] / 1e3)
+  peak = train_peak_flops()
+  return {**got, "tokens_per_s": rate, "compiled_bytes": None, "kernels": [], "auto": None,
+          "largest_batch": None, "tflops": cfg.flops_per_token(seq) * rate / 1e12,
+          "mfu": llama.mfu(cfg, rate, seq, peak) if peak else None,
+          "mfu_causal_half": llama.mfu(cfg, rate, seq, peak, causal_half=True) if peak else None}
 
 
-def _row(session, preset, batch, kernels, policy, scan, got, best_xla):
+def train_peak_flops():
+  from models import train
+  return train.peak_flops(jax.devices()[:1])
+
+
+def _child(args: dict, timeout: float = 540, function: str = "measure") -> dict:
+  """``function(**args)`` (``measure`` or ``measure_plain``) in a process of its own."""
+  return harness.child("model", function, args, timeout)
+
+
+def _row(session, preset, batch, kernels, policy, scan, got, best_xla, stream=None):
   seq = min(SEQ, 128) if session.smoke else SEQ
-  impl = f"{kernels}, remat {policy}" + (", scan" if scan else "")
+  name = "plain JAX" if kernels == "plain" else kernels
+  impl = (f"{name}, remat {policy}" + (f", stream {stream}" if stream else "")
+          + (", scan" if scan else ""))
   row = harness.Row("model", f"{preset} train step", impl, f"batch {batch} x {seq}", "bfloat16")
   if "error" in got:
     row.note = f"FAILED: {got['error']}"
     return session.add(row)
   row.ms, row.tflops, row.pct_roofline = got["ms"], got["tflops"], got["mfu"]
-  if kernels != "xla" and best_xla:
+  if kernels == "jaxkernels" and best_xla:
     row.vs_xla = best_xla / got["ms"]
   peak = got["peak_bytes"]
   row.note = "; ".join(part for part in (
       f"{got['tokens_per_s']:,.0f} tokens/s",
       f"MFU {got['mfu']:.1f}% (causal half {got['mfu_causal_half']:.1f}%)" if got["mfu"] else "",
       f"peak {peak / 2**30:.1f} GiB" if peak else "",
-      f"compiled {got['compiled_bytes'] / 2**30:.1f} GiB",
+      f"compiled {got['compiled_bytes'] / 2**30:.1f} GiB" if got.get("compiled_bytes") else "",
       f"largest batch {got['largest_batch']}" if got.get("largest_batch") else "",
       got.get("auto") or "",
       f"loss {got['losses'][0]:.3f}->{got['losses'][-1]:.3f}",
@@ -136,11 +162,17 @@ def _row(session, preset, batch, kernels, policy, scan, got, best_xla):
   return session.add(row)
 
 
+# The plain-JAX Llama's configurations: (policy, scan, the residual stream's dtype).
+PLAIN = (("none", False, "float32"), ("none", False, "bfloat16"), ("dots", False, "bfloat16"),
+         ("none", True, "bfloat16"), ("dots", True, "bfloat16"))
+
+
 def run(session: harness.Session, sweep: bool = False, only=None, policies=None,
         unrolled: bool = False) -> None:
-  """Per preset: the plain-JAX twin and ours, unrolled, under none, dots and full (or
-  ``policies`` of them); and, unless ``unrolled``, each scanned under its fastest policy of
-  the issue's table (dots; none for ours) where that policy is run."""
+  """Per preset: the independent plain-JAX Llama (:data:`PLAIN`), the model's twin and ours,
+  unrolled, under none, dots and full (or ``policies`` of them); and, unless ``unrolled``,
+  each scanned under its fastest policy (dots; none for ours) where that policy is run. Ours
+  is compared with the fastest anchor, plain or twin."""
   del sweep
   models = SMOKE if session.smoke else MODELS
   if only:
@@ -152,6 +184,14 @@ def run(session: harness.Session, sweep: bool = False, only=None, policies=None,
   steps = 2 if session.smoke else 10
   for preset, batch in models.items():
     best_xla = None
+    for policy, scan, stream in PLAIN:
+      if (policies and policy not in policies) or (unrolled and scan):
+        continue
+      got = _child({"preset": preset, "policy": policy, "batch": batch, "seq": SEQ,
+                    "steps": steps, "scan": scan, "stream": stream}, function="measure_plain")
+      if "ms" in got:
+        best_xla = min(best_xla or got["ms"], got["ms"])
+      _row(session, preset, batch, "plain", policy, scan, got, None, stream)
     cases = [(k, p, False) for k in ("xla", "jaxkernels") for p in POLICIES]
     cases[3:3] = [("xla", "dots", True)]
     cases.append(("jaxkernels", "none", True))

@@ -324,3 +324,61 @@ def test_scrub_takes_out_every_kind_of_machine_path():
   assert harness.scrub(text) == (
       "python -m pytest; <site-packages>/jax/x.py:3; <python-lib>/dataclasses.py:1581: in "
       "replace; <tmp>/ckpt; $OUT/x")
+
+
+@pytest.mark.cpu_only
+def test_the_plain_jax_anchor_is_our_model_written_without_us():
+  """bench.plain_llama computes the function models.llama computes (its twin on XLA's ops),
+  given the same weights: the step it times does the same work, so the ratio is fair. Weights
+  drawn at a scale where attention is peaked and every layer moves the stream, so that a head
+  paired with the wrong kv head, a rotation of the wrong halves or a swapped gate would show."""
+  from flax import nnx
+
+  from bench import model as bench_model, plain_llama
+  from models import llama
+
+  cfg = llama.preset("tiny", kernels="xla", dtype="float32")
+  ours = llama.Llama(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(ours)
+
+  def redraw(path, x):  # scales near 1; each product's weights at unit gain by its fan-in
+    key = jax.random.fold_in(jax.random.key(1), hash(jax.tree_util.keystr(path)) % 2**31)
+    names = jax.tree_util.keystr(path)
+    if "scale" in names:
+      return 1 + 0.3 * jax.random.normal(key, x.shape)
+    fan_in = 1 if "embed" in names else x.shape[0 if "head" in names else 1]
+    return jax.random.normal(key, x.shape) / fan_in ** 0.5
+
+  ours = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(redraw, state))
+  blocks, g = ours.blocks, cfg.group
+  qkv = blocks.qkv[...]  # (L, D, kv_heads, group + 2, H)
+  flat = lambda w: w.reshape(*w.shape[:2], -1)
+  params = {
+      "embed": ours.embed.embedding[...],
+      "layers": {
+          "attn_norm": blocks.attn_norm.scale[...],
+          "wqkv": jnp.concatenate([flat(qkv[:, :, :, :g]), flat(qkv[:, :, :, g]),
+                                   flat(qkv[:, :, :, g + 1])], axis=-1),
+          "wo": blocks.out[...],
+          "mlp_norm": blocks.mlp_norm.scale[...],
+          "w_gate_up": flat(blocks.mlp.gate_up[...]),
+          "w_down": blocks.mlp.down[...],
+      },
+      "final_norm": ours.final_norm.scale[...],
+      "head": ours.head.kernel[...],
+  }
+  shape = plain_llama.Shape(**{f: getattr(cfg, f) for f in plain_llama.Shape.__dataclass_fields__})
+  tokens = jax.random.randint(jax.random.key(2), (2, 48), 0, cfg.vocab)
+  want = ours.hidden(tokens)
+  for policy, scan in (("none", False), ("dots", True)):
+    got = plain_llama.hidden(params, tokens, shape=shape, policy=policy, scan=scan,
+                             dtype=jnp.float32)
+    # float32 both, the same operations up to their order: a few ulps of the O(1) normalized
+    # states, amplified through two layers of O(1) weights.
+    chex.assert_trees_all_close(got, want, atol=1e-4, rtol=1e-4)
+  assert float(jnp.std(want - ours.embed.embedding[...][tokens])) > 0.5  # the layers moved it
+
+  got = bench_model.measure_plain("tiny", "dots", batch=2, seq=32, steps=1, scan=True,
+                                  stream="bfloat16")
+  assert got["ms"] > 0 and len(got["losses"]) == 6 and got["tokens_per_s"] > 0
+  assert got["losses"][-1] < got["losses"][0] < 10  # it trains
