@@ -47,26 +47,35 @@ class Shape:
     return self.width // self.heads
 
 
-def init(shape: Shape, key) -> dict:
-  """float32 parameters: the embedding, the layers' stacked along a leading axis, the head."""
+def init(shape: Shape, key, stacked: bool = True) -> dict:
+  """float32 parameters: the embedding, the layers', the head. The layers' stacked along a
+  leading axis (for ``jax.lax.scan``), or a list of one dict a layer (unrolled: slicing a
+  stacked array per layer makes XLA assemble the stacked gradient from the layers', copies
+  that a list does not need)."""
   s, depth = shape, shape.depth
   qkv_width = (s.heads + 2 * s.kv_heads) * s.head_dim
   keys = jax.random.split(key, 6)
   normal = lambda key, shape_, std: std * jax.random.normal(key, shape_, jnp.float32)
+  layers = {
+      "attn_norm": jnp.ones((depth, s.width), jnp.float32),
+      "wqkv": normal(keys[1], (depth, s.width, qkv_width), 0.02),
+      "wo": normal(keys[2], (depth, s.heads * s.head_dim, s.width), 0.02 / (2 * depth) ** 0.5),
+      "mlp_norm": jnp.ones((depth, s.width), jnp.float32),
+      "w_gate_up": normal(keys[3], (depth, s.width, 2 * s.mlp_width), 0.02),
+      "w_down": normal(keys[4], (depth, s.mlp_width, s.width), 0.02),
+  }
   return {
       "embed": normal(keys[0], (s.vocab, s.width), 0.02),
-      "layers": {
-          "attn_norm": jnp.ones((depth, s.width), jnp.float32),
-          "wqkv": normal(keys[1], (depth, s.width, qkv_width), 0.02),
-          "wo": normal(keys[2], (depth, s.heads * s.head_dim, s.width),
-                       0.02 / (2 * depth) ** 0.5),
-          "mlp_norm": jnp.ones((depth, s.width), jnp.float32),
-          "w_gate_up": normal(keys[3], (depth, s.width, 2 * s.mlp_width), 0.02),
-          "w_down": normal(keys[4], (depth, s.mlp_width, s.width), 0.02),
-      },
+      "layers": layers if stacked else unstack(layers),
       "final_norm": jnp.ones((s.width,), jnp.float32),
       "head": normal(keys[5], (s.width, s.vocab), 0.02),
   }
+
+
+def unstack(layers: dict) -> list[dict]:
+  """Stacked layer parameters as a list of one dict a layer."""
+  depth = len(next(iter(layers.values())))
+  return [jax.tree.map(lambda w: w[i], layers) for i in range(depth)]
 
 
 def rms_norm(x, scale, eps, dtype):
@@ -112,11 +121,12 @@ def hidden(params, inputs, *, shape: Shape, policy: str = "none", scan: bool = F
   layer = functools.partial(block, s, attention, dtype)
   if POLICIES[policy] is not None:
     layer = jax.checkpoint(layer, policy=POLICIES[policy])
+  layers = params["layers"]
   if scan:
-    x, _ = jax.lax.scan(lambda x, p: (layer(x, p, cos, sin), None), x, params["layers"])
+    x, _ = jax.lax.scan(lambda x, p: (layer(x, p, cos, sin), None), x, layers)
   else:
-    for i in range(s.depth):
-      x = layer(x, jax.tree.map(lambda w: w[i], params["layers"]), cos, sin)
+    for p in (layers if isinstance(layers, list) else unstack(layers)):
+      x = layer(x, p, cos, sin)
   return rms_norm(x, params["final_norm"], s.norm_eps, dtype)
 
 
@@ -164,7 +174,7 @@ def measure(shape: dict, batch: int, seq: int, steps: int, policy: str = "none",
   compile time (tracing and lowering apart), peak memory and losses, on the first device."""
   shape = Shape(**shape)
   tx = optimizer()
-  params = jax.jit(init, static_argnums=0)(shape, jax.random.key(0))
+  params = jax.jit(init, static_argnums=(0, 2))(shape, jax.random.key(0), scan)
   state = (params, jax.jit(tx.init)(params))
   tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, shape.vocab)
   step = step_fn(shape, tx, policy=policy, scan=scan, stream=stream)
