@@ -51,13 +51,13 @@ def kernel_breakdown(step, state, tokens, top: int = 60) -> list[tuple[str, floa
 
 def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
             profile: bool = False, scan_layers: bool = False, budget: int | None = None,
-            largest: bool = False) -> dict:
+            largest: bool = False, fp8: bool = False) -> dict:
   """One train step's time, memory and loss on this process's first device. ``policy``
   "auto" chooses under ``budget`` bytes; ``largest``: also the largest batch whose compiled
   step fits the device, from the compiled peaks at ``batch`` and twice it (linear in batch)."""
   from jaxkernels import remat
   from models import llama, train
-  cfg = llama.preset(preset, kernels=kernels, remat=policy, scan_layers=scan_layers)
+  cfg = llama.preset(preset, kernels=kernels, remat=policy, scan_layers=scan_layers, fp8=fp8)
   seq = min(seq, cfg.max_len)
   tc = train.TrainConfig(batch=batch, seq_len=seq, steps=10_000, warmup=10)
   chosen = None

@@ -6,7 +6,7 @@
 # Environment: SEEDS (default "0"): one run of each variant per seed; VARIANTS (default
 # "jaxkernels xla"): also "ref-OPS", the kernels with OPS ("+"-separated, of norm, matmul,
 # attention, mlp, loss) on XLA's path (--reference-ops), to find which kernel a gap comes from;
-# "xla-again": xla a second time, the control (two runs of one program part ways too: XLA's
+# "fp8": the kernels with --fp8; "xla-again": xla a second time, the control (two runs of one program part ways too: XLA's
 # scatter-add of the embedding gradient sums in a varying order on a GPU).
 set -uo pipefail
 dir=$1 preset=$2 steps=$3; shift 3
@@ -15,6 +15,7 @@ for seed in ${SEEDS:-0}; do
   for variant in ${VARIANTS:-jaxkernels xla}; do
     case $variant in
       ref-*) flags=(--kernels jaxkernels --reference-ops "${variant#ref-}") ;;
+      fp8) flags=(--kernels jaxkernels --fp8) ;;
       *-again) flags=(--kernels "${variant%-again}") ;;
       *) flags=(--kernels "$variant") ;;
     esac

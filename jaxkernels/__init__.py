@@ -16,6 +16,7 @@ from jaxkernels.ops.attention.api import (decode_attention as decode_attention,
                                           flash_attention as flash_attention)
 from jaxkernels.ops.matmul.api import matmul as matmul
 from jaxkernels.quantize import quantize as quantize
+from jaxkernels.fp8 import fp8_matmul as fp8_matmul
 from jaxkernels.ops.elementwise.api import bias_activation as bias_activation, glu as glu
 from jaxkernels.ops.norms.api import layer_norm as layer_norm, rms_norm as rms_norm
 from jaxkernels.ops.softmax.api import softmax as softmax

@@ -177,9 +177,12 @@ class GLUMLP(nnx.Module):
   def __init__(self, in_features: int, hidden_features: int, *, activation: str = "silu",
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                kernel_init=nnx.initializers.lecun_normal(), implementation: str | None = None,
-               axes: tuple[str | None, str | None] | None = None, rngs: nnx.Rngs):
+               axes: tuple[str | None, str | None] | None = None, fp8: bool = False,
+               rngs: nnx.Rngs):
     """``axes``: (the features' name, the hidden dimension's name) for the parameters' layout:
-    gate_up is (in, 2, hidden), down (hidden, in)."""
+    gate_up is (in, 2, hidden), down (hidden, in). ``fp8``: both products in fp8, forward and
+    backward (``jk.fp8_matmul``; sizes multiples of 128, weights not split over a mesh): the
+    first against gate_up side by side, (in, 2 hidden), then ``glu`` on its halves."""
     # Initialized as the (in, 2 hidden) side-by-side matrix (its fan-in, its values) and
     # stacked: [:, 0] the gate's columns, [:, 1] up's.
     stacked = lambda key, shape, dtype: kernel_init(key, (shape[0], 2 * shape[2]),
@@ -189,14 +192,20 @@ class GLUMLP(nnx.Module):
     self.down = _param(rngs, kernel_init, (hidden_features, in_features), param_dtype,
                        None if axes is None else axes[::-1])
     self.hidden, self.activation = hidden_features, activation
-    self.dtype, self.implementation = dtype, implementation
+    self.dtype, self.implementation, self.fp8 = dtype, implementation, fp8
 
   def __call__(self, x):
     dtype = self.dtype or x.dtype
-    matmul = functools.partial(jk.matmul, implementation=self.implementation)
+    matmul = functools.partial(jk.fp8_matmul if self.fp8 else jk.matmul,
+                               implementation=self.implementation)
     weight = lambda w: whole_weight(w, dtype, self.implementation)
-    hidden = matmul(x.astype(dtype), weight(self.gate_up[...]), activation=self.activation,
-                    glu=True)
+    if self.fp8:
+      gate_up = weight(self.gate_up[...])
+      hidden = jk.glu(matmul(x.astype(dtype), gate_up.reshape(gate_up.shape[0], -1)),
+                      activation=self.activation, implementation=self.implementation)
+    else:
+      hidden = matmul(x.astype(dtype), weight(self.gate_up[...]), activation=self.activation,
+                      glu=True)
     hidden = remat.tag(hidden, remat.MLP_HIDDEN)
     return matmul(hidden, weight(self.down[...]))
 

@@ -38,7 +38,7 @@ def quantize(x, *, dtype=jnp.float8_e4m3fn, block=None, power_of_two=False):
       largest element of a block then maps at most to the dtype's largest value.
 
   Each scale is its block's largest magnitude over the dtype's largest value (1 for an all-zero
-  block), float32; q is x / scale rounded to nearest (int8: rounded, then clipped to +-127).
+  block, float32's least normal at the smallest), float32; q is x / scale rounded to nearest (int8: rounded, then clipped to +-127).
   """
   x = _checks.array(OP, "x", x, min_rank=0 if block is None else 2)
   dtype = jnp.dtype(dtype)
@@ -66,7 +66,11 @@ def quantize(x, *, dtype=jnp.float8_e4m3fn, block=None, power_of_two=False):
 
 
 def _scale(amax, dtype, power_of_two):
-  scale = jnp.where(amax > 0, amax / largest(dtype), 1.0)
+  # A block of float32 subnormals has amax / largest below float32's least normal, which
+  # flushes to zero on a GPU and in XLA:CPU (then 0/0 = NaN): the least normal scale instead,
+  # under which those values still land on the fp8 grid (a backward's tiny gradient rows).
+  scale = jnp.where(amax > 0, jnp.maximum(amax / largest(dtype), jnp.finfo(jnp.float32).tiny),
+                    1.0)
   if power_of_two:  # the least power of two >= scale, exactly (exp2 of a float may not be)
     mantissa, exponent = jnp.frexp(scale)
     scale = jnp.ldexp(jnp.float32(1), exponent - (mantissa == 0.5))

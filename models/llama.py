@@ -71,6 +71,9 @@ class Config:
   # models.train.auto_remat (per layer, under a memory budget) before a model is built.
   remat: str | tuple[str, ...] = "none"
   scan_layers: bool = False  # one nnx.scan over the stacked layers, else the layers unrolled
+  # The blocks' products (q/k/v, out, gate/up, down) in fp8, forward and backward
+  # (``jk.fp8_matmul``: e4m3 with DeepSeek-V3's block scales); the output head stays 16-bit.
+  fp8: bool = False
 
   def __post_init__(self):
     if self.kernels not in KERNELS:
@@ -98,6 +101,13 @@ class Config:
                        f"heads into kv_heads {self.kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"Config: head dim {self.head_dim} must be even (rotary pairs)")
+    if self.fp8:
+      sizes = {"width": self.width, "mlp_width": self.mlp_width,
+               "q/k/v width": (self.heads + 2 * self.kv_heads) * self.head_dim}
+      bad = {name: size for name, size in sizes.items() if size % 128}
+      if bad:
+        raise ValueError(f"Config: fp8=True quantizes in blocks of 128, which must divide "
+                         f"every product's sizes; {bad} do not")
 
   def implementation(self, op: str) -> str | None:
     """``op``'s implementation (one of OPS): the reference for kernels="xla" or where
@@ -331,7 +341,7 @@ class Block(nnx.Module):
                                 rngs=rngs)
     self.mlp = jkf.GLUMLP(cfg.width, cfg.mlp_width, kernel_init=init,
                           implementation=cfg.implementation("mlp"),
-                          axes=("embed", "mlp"), rngs=rngs)
+                          axes=("embed", "mlp"), fp8=cfg.fp8, rngs=rngs)
 
   def __call__(self, delta, stream, cos, sin, layout="contiguous"):
     """(this block's MLP output, the residual stream up to it): ``delta`` is the previous
@@ -340,10 +350,11 @@ class Block(nnx.Module):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     impl = cfg.implementation("matmul")
+    product = functools.partial(jk.fp8_matmul if cfg.fp8 else jk.matmul, implementation=impl)
     normed, stream = self.attn_norm(delta.astype(dtype), residual=stream)
     b, t, _ = normed.shape
     w = jkf.whole_weight(self.qkv[...], dtype, impl)  # split over tensor where the heads are
-    qkv = jk.matmul(normed, w.reshape(cfg.width, -1), implementation=impl)
+    qkv = product(normed, w.reshape(cfg.width, -1))
     qkv = qkv.reshape(b, t, cfg.kv_heads, cfg.group + 2, cfg.head_dim)
     # Query head n = g * group + j attends with kv head g = n // group (flash_attention's).
     q = qkv[:, :, :, :cfg.group].reshape(b, t, cfg.heads, cfg.head_dim)
@@ -360,8 +371,7 @@ class Block(nnx.Module):
         attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     else:
       attended = jk.flash_attention(q, k, v, causal=True, sequence_layout=layout)
-    delta = jk.matmul(attended.reshape(b, t, -1), jkf.whole_weight(self.out[...], dtype, impl),
-                      implementation=impl)
+    delta = product(attended.reshape(b, t, -1), jkf.whole_weight(self.out[...], dtype, impl))
     normed, stream = self.mlp_norm(delta, residual=stream)
     return self.mlp(normed), stream
 

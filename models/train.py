@@ -410,7 +410,8 @@ def _identity(cfg: llama.Config, tc: TrainConfig, data: np.ndarray) -> dict:
   the state as it is; checkpoints from before it existed stay whole)."""
   train = {k: v for k, v in dataclasses.asdict(tc).items()
            if k not in ("steps", "warmup_defaulted")}
-  model = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "reference_ops"}
+  model = {k: v for k, v in dataclasses.asdict(cfg).items()
+           if k != "reference_ops" and not (k == "fp8" and not v)}  # older runs have no fp8
   return json.loads(json.dumps({"model": model, "train": train,
                                 "corpus": fingerprint(data)}))
 
@@ -594,6 +595,10 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   if tc.batch % rows:
     raise UsageError(f"--batch {tc.batch} must be a multiple of the {rows} devices of data x "
                      f"fsdp that split it ({on})")
+  if cfg.fp8 and where.size > 1:
+    raise UsageError(f"--fp8 runs on one device ({on}): its blocks' quantization is not yet "
+                     "laid out over a mesh; use --mesh data=1 with one device, or leave --fp8 "
+                     "out")
   if tc.seq_len % where.shape["sequence"]:
     raise UsageError(f"--seq-len {tc.seq_len} must be a multiple of the sequence axis' "
                      f"{where.shape['sequence']} devices that split it ({on})")
@@ -800,6 +805,8 @@ def parser() -> argparse.ArgumentParser:
                       "them, to find which kernel a difference comes from")
   parser.add_argument("--remat", default=None, help=f"one of {remat.POLICIES}, or auto "
                       "(default: the preset's, none)")
+  parser.add_argument("--fp8", action="store_true", help="the blocks' products in fp8, "
+                      "forward and backward (e4m3, DeepSeek-V3's block scales; one device)")
   parser.add_argument("--remat-budget", type=float, default=None, help="GiB a device for "
                       "--remat auto (default: 95%% of the device's memory)")
   for field in _train_flags():
@@ -852,6 +859,8 @@ def main(argv=None) -> int:
                "reference_ops": tuple(op for op in args.reference_ops.split(",") if op)}
     if args.remat is not None:
       changes["remat"] = args.remat
+    if args.fp8:
+      changes["fp8"] = True
     try:
       cfg = llama.preset(args.preset, **changes)
     except ValueError as e:  # the preset's name, --kernels, --reference-ops or --remat
