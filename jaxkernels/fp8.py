@@ -101,8 +101,11 @@ def _backward(implementation, saved, dy):
   qdy, sdy = _quantized(dy, (1, BLOCK))
   dx = matmul(qdy, qw.T, a_scale=sdy, b_scale=sw.T, out_dtype=x_like.dtype,
               implementation=implementation)
-  qdy_blocks, sdy_blocks = _quantized(dy, (BLOCK, BLOCK))
-  dw = matmul(qxt, qdy_blocks, a_scale=sxt, b_scale=sdy_blocks, out_dtype=w_like.dtype,
+  # dw's B is dy, which fp8 wgmma reads K-major (here: along M), so it is quantized straight
+  # into that layout, dyᵀ (N, M), and handed over as a transposed view (matmul's own transpose
+  # of an fp8 B then cancels against it: no second pass over dy).
+  qdyt, sdyt = _quantized(dy.T, (BLOCK, BLOCK))
+  dw = matmul(qxt, qdyt.T, a_scale=sxt, b_scale=sdyt.T, out_dtype=w_like.dtype,
               implementation=implementation)
   return dx, dw
 
