@@ -75,7 +75,11 @@ def fp8_matmul(x, w, *, implementation: str | None = None):
 
 
 def _quantized(x, block):
-  return quantize(x, dtype=E4M3, block=block)
+  """(q, scale) of ``x`` in blocks, computed in x's own layout and materialized there: where a
+  transpose follows (the copies for dw), XLA otherwise fuses it into the blocks' reductions and
+  reads x across its rows (350 GB/s on an H200, bench/NOTES.md fp8-train-1); transposing the
+  fp8 result and the small scale after costs a byte an element."""
+  return jax.lax.optimization_barrier(quantize(x, dtype=E4M3, block=block))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -87,7 +91,8 @@ def _forward(implementation, x, w):
   qx, sx = _quantized(x, (1, BLOCK))
   qw, sw = _quantized(w, (BLOCK, BLOCK))
   y = matmul(qx, qw, a_scale=sx, b_scale=sw, out_dtype=x.dtype, implementation=implementation)
-  qxt, sxt = _quantized(x.T, (1, BLOCK))  # for dw: xᵀ in blocks along M
+  qxc, sxc = _quantized(x, (BLOCK, 1))  # for dw: x in blocks along M, then transposed
+  qxt, sxt = qxc.T, sxc.T
   # Kept as their bits: under jax.checkpoint, JAX rounds every floating residual with
   # reduce_precision(exponent_bits=4, mantissa_bits=3) for e4m3fn, which XLA reads as the IEEE
   # format (largest 240, with infinities): entries in (240, 448] come back NaN (jax 0.10.2).
@@ -101,11 +106,8 @@ def _backward(implementation, saved, dy):
   qdy, sdy = _quantized(dy, (1, BLOCK))
   dx = matmul(qdy, qw.T, a_scale=sdy, b_scale=sw.T, out_dtype=x_like.dtype,
               implementation=implementation)
-  # dw's B is dy, which fp8 wgmma reads K-major (here: along M), so it is quantized straight
-  # into that layout, dyᵀ (N, M), and handed over as a transposed view (matmul's own transpose
-  # of an fp8 B then cancels against it: no second pass over dy).
-  qdyt, sdyt = _quantized(dy.T, (BLOCK, BLOCK))
-  dw = matmul(qxt, qdyt.T, a_scale=sxt, b_scale=sdyt.T, out_dtype=w_like.dtype,
+  qdy_blocks, sdy_blocks = _quantized(dy, (BLOCK, BLOCK))  # (matmul transposes an fp8 B)
+  dw = matmul(qxt, qdy_blocks, a_scale=sxt, b_scale=sdy_blocks, out_dtype=w_like.dtype,
               implementation=implementation)
   return dx, dw
 
