@@ -27,11 +27,13 @@ not (they add nothing to dw). The gradients come out in x's and w's dtypes.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jaxkernels import _checks
+from jaxkernels import _checks, partitioning
 from jaxkernels.ops.matmul.api import matmul
 from jaxkernels.quantize import quantize
 
@@ -62,6 +64,7 @@ def fp8_matmul(x, w, *, implementation: str | None = None):
     if size % BLOCK:
       raise ValueError(f"{OP}: {name}={size} must be a multiple of {BLOCK} (the scales' "
                        f"blocks); w has shape {tuple(w.shape)}")
+  x, w = _whole("x", x), _whole("w", w)
   lead = x.shape[:-1]
   m = 1
   for size in lead:
@@ -72,6 +75,23 @@ def fp8_matmul(x, w, *, implementation: str | None = None):
     x2 = jnp.pad(x2, ((0, pad), (0, 0)))
   y = _product(implementation, x2, w)
   return (y[:m] if pad else y).reshape(*lead, n)
+
+
+def _whole(name, a):
+  """``a`` unsplit where its type lays it out on a mesh of Explicit axes (the blocks'
+  reshapes cannot say how a split would carry over). Free on a mesh of size-1 axes (the train
+  CLI's on one device); where an axis of more than one device splits it, a gather, warned."""
+  placed = partitioning.layout(a)
+  if placed is None or all(e is None for e in placed[1]):
+    return a
+  mesh, spec = placed
+  sizes = dict(mesh.shape)
+  split = [axis for e in spec for axis in partitioning.axes(e) if sizes[axis] > 1]
+  if split:
+    warnings.warn(partitioning.ShardingWarning(
+        f"{OP}: {name} {tuple(a.shape)} is split over mesh axes {split}; fp8_matmul runs "
+        "unsplit, so it is gathered whole on every device"), stacklevel=3)
+  return jax.sharding.reshard(a, P())
 
 
 def _quantized(x, block):

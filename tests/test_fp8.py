@@ -151,3 +151,23 @@ def test_the_config_and_the_cli_say_what_fp8_needs(capsys):
     llama.preset("tiny", fp8=True)
   assert train.main(["--preset", "tiny", "--fp8", "--steps", "2"]) == 2
   assert "blocks of 128" in capsys.readouterr().err
+
+
+def test_on_the_one_device_mesh_the_cli_builds():
+  """The train CLI lays everything out on a mesh of Explicit axes, of size 1 on one device:
+  the batch is typed as split over (data, fsdp) though nothing is, and the blocks' reshapes
+  refused it. The operands are taken whole there (free), forward and backward."""
+  from models import train
+
+  mesh = train.mesh(1, jax.devices()[:1])
+  gen = numerics.rng("fp8 mesh")
+  x = numerics.normal(gen, (2, 128, 256), jnp.bfloat16)
+  w = numerics.normal(gen, (256, 128), jnp.bfloat16, 0.05)
+  loss = jax.value_and_grad(lambda x, w: jnp.sum(jk.fp8_matmul(x, w).astype(jnp.float32)),
+                            argnums=(0, 1))
+  want = jax.jit(loss)(x, w)  # compiled both: see spec
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        ("data", "fsdp"))))
+    got = jax.jit(loss)(xs, w)
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=0)
