@@ -499,6 +499,33 @@ def test_unbatched_inputs_and_vmap_over_the_only_batch_dim(impl):
   chex.assert_trees_all_close(decoded, want_decoded, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton", "mosaic_tpu"])
+def test_under_numpy_rank_promotion_raise(impl):
+  """With jax.numpy_rank_promotion("raise") (JAX's strict mode, which some codebases set
+  globally), every mask feature forward and backward, and decode: the reference's mask once
+  broadcast a (T, S) plane against (B, K, G, T, S) segments, decode's combine a (splits, ...)
+  stack against its maximum."""
+  gen = numerics.rng("rank promotion", impl)
+  q = numerics.normal(gen, (2, 16, 4, 16), jnp.float32)
+  k = numerics.normal(gen, (2, 16, 2, 16), jnp.float32)
+  segments = jnp.array([[0] * 8 + [1] * 8, [0] * 5 + [1] * 11], jnp.int32)
+  features = (dict(causal=True, segment_ids=segments),
+              dict(local_window_size=(4, 0), segment_ids=segments),
+              dict(bias=numerics.normal(gen, (16, 16), jnp.float32), causal=True),
+              dict(local_window_size=3, logits_soft_cap=5.0))
+  with numerics.kernel_mode():
+    want = [jax.value_and_grad(lambda q: jk.flash_attention(
+        q, k, k, implementation=impl, **kw).sum())(q) for kw in features]
+    want_decode = jk.decode_attention(q[:, :2], k, k, lengths=jnp.array([9, 16]),
+                                      implementation=impl)
+    with jax.numpy_rank_promotion("raise"):
+      got = [jax.value_and_grad(lambda q: jk.flash_attention(
+          q, k, k, implementation=impl, **kw).sum())(q) for kw in features]
+      got_decode = jk.decode_attention(q[:, :2], k, k, lengths=jnp.array([9, 16]),
+                                       implementation=impl)
+  chex.assert_trees_all_close((got, got_decode), (want, want_decode), atol=0, rtol=0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 40), row0=st.integers(0, 80), block=st.sampled_from([4, 16]),
        n_keys=st.integers(1, 90), left=st.sampled_from([None, 0, 3, 17]),
@@ -564,7 +591,7 @@ class TestAttentionErrors:
       (dict(k=jnp.ones((2, 10, 2, 32)), v=jnp.ones((2, 10, 2, 32))), ValueError, "same head dim"),
       (dict(k=jnp.ones((2, 10, 3, 16)), v=jnp.ones((2, 10, 3, 16))), ValueError,
        r"q's heads \(4\) must be a multiple of k's heads \(3\)"),
-      (dict(q=jnp.ones((8, 16))), ValueError, "q must have rank >= 4"),
+      (dict(q=jnp.ones((8, 16))), ValueError, "q must have rank >= 3"),
       (dict(q=jnp.ones((2, 8, 4, 300)), k=jnp.ones((2, 10, 2, 300)),
             v=jnp.ones((2, 10, 2, 300))), ValueError, "head dim 300 is not supported"),
       (dict(segment_ids=jnp.zeros((2, 9), jnp.int32)), ValueError,
@@ -723,10 +750,30 @@ class TestDecodeErrors:
        "local_window_size must be an int"),
       (dict(lengths=jnp.ones((2,), jnp.int32), logits_soft_cap=0), ValueError,
        "logits_soft_cap must be a finite float > 0"),
+      (dict(lengths=jnp.array([3, 11])), ValueError,
+       r"lengths must be in \[0, 10\] \(the caches' length S\), got 11"),
+      (dict(lengths=jnp.array([-1, 4])), ValueError, r"lengths must be in \[0, 10\].*got -1"),
+      (dict(lengths=jnp.ones((2,), jnp.int32), scale=float("inf")), ValueError,
+       "scale must be finite"),
+      (dict(v_cache=jnp.ones((2, 10, 2, 8)), lengths=jnp.ones((2,), jnp.int32)), ValueError,
+       r"k_cache and v_cache must have the same shape"),
+      (dict(k_cache=jnp.ones((2, 10, 3, 16)), v_cache=jnp.ones((2, 10, 3, 16)),
+            lengths=jnp.ones((2,), jnp.int32)), ValueError,
+       r"q's heads \(4\) must be a multiple of k_cache's heads \(3\)"),
   ])
   def test_bad_input(self, kwargs, error, match):
-    with pytest.raises(error, match=match):
-      jk.decode_attention(self.q, self.k, self.k, **kwargs)
+    """Each error names decode_attention and its own arguments (flash_attention's checks
+    named flash_attention, k and v)."""
+    caches = {name: kwargs.pop(name, self.k) for name in ("k_cache", "v_cache")}
+    with pytest.raises(error, match="^decode_attention: " + match):
+      jk.decode_attention(self.q, caches["k_cache"], caches["v_cache"], **kwargs)
+
+  def test_lengths_under_jit_are_not_read(self):
+    """Traced lengths cannot be checked where they are not yet known: no error, no host
+    read."""
+    out = jax.jit(lambda n: jk.decode_attention(self.q, self.k, self.k, lengths=n))(
+        jnp.array([3, 10]))
+    chex.assert_shape(out, self.q.shape)
 
 
 @pytest.mark.parametrize("q_shape,k_len", [((2, 0, 4, 16), 8), ((0, 8, 4, 16), 8),

@@ -8,6 +8,7 @@ import math
 import numbers
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -76,90 +77,95 @@ def _shape(a) -> tuple[int, ...]:
   return tuple(a.shape)
 
 
-def _window(value):
+def _window(value, op=OP):
   if value is None:
     return None
   if isinstance(value, numbers.Integral) and not isinstance(value, bool):
     value = (value, value)
   if (not isinstance(value, (tuple, list)) or len(value) != 2 or
       not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in value)):
-    raise TypeError(f"{OP}: local_window_size must be an int or a (left, right) tuple of ints, "
+    raise TypeError(f"{op}: local_window_size must be an int or a (left, right) tuple of ints, "
                     f"got {value!r}")
   left, right = (int(w) for w in value)
   if left < 0 or right < 0:
-    raise ValueError(f"{OP}: local_window_size must be >= 0 on each side, got {(left, right)}")
+    raise ValueError(f"{op}: local_window_size must be >= 0 on each side, got {(left, right)}")
   return left, right
 
 
-def _segments(name, value, want, against):
+def _segments(name, value, want, against, op=OP):
   if value is None:
     return None
   if not (hasattr(value, "shape") and hasattr(value, "dtype")):
     value = jnp.asarray(value)
   if not jnp.issubdtype(value.dtype, jnp.integer):
-    raise TypeError(f"{OP}: {name} must have an integer dtype, got {jnp.dtype(value.dtype)}")
+    raise TypeError(f"{op}: {name} must have an integer dtype, got {jnp.dtype(value.dtype)}")
   if _shape(value) != want:
-    raise ValueError(f"{OP}: {name} must have shape {want} ({against}), got {_shape(value)}")
+    raise ValueError(f"{op}: {name} must have shape {want} ({against}), got {_shape(value)}")
   return value
 
 
 def _validate(q, k, v, *, causal, scale, bias, segment_ids, kv_segment_ids, local_window_size,
-              logits_soft_cap, sequence_layout="contiguous", return_lse=False) -> dict:
+              logits_soft_cap, sequence_layout="contiguous", return_lse=False, op=OP,
+              names=("q", "k", "v")) -> dict:
+  """The arguments checked, each error naming ``op`` (flash_attention, or decode_attention,
+  which checks its q and caches here: ``names`` are the arguments as the caller calls them)."""
   del return_lse  # the public op's to act on
-  q = _checks.array(OP, "q", q, min_rank=4)
-  k = _checks.array(OP, "k", k, min_rank=4)
-  v = _checks.array(OP, "v", v, min_rank=4)
+  qn, kn, vn = names
+  # Rank 3 (T, N, H) is a batch of one, made rank 4 before this (_unbatched).
+  q = _checks.array(op, qn, q, min_rank=3)
+  k = _checks.array(op, kn, k, min_rank=3)
+  v = _checks.array(op, vn, v, min_rank=3)
   if not (q.ndim == k.ndim == v.ndim):
-    raise ValueError(f"{OP}: q, k and v must have the same rank ((..., T, N, H) and "
+    raise ValueError(f"{op}: {qn}, {kn} and {vn} must have the same rank ((..., T, N, H) and "
                      f"(..., S, K, H)), got shapes {_shape(q)}, {_shape(k)}, {_shape(v)}")
   if _shape(k) != _shape(v):
-    raise ValueError(f"{OP}: k and v must have the same shape, got {_shape(k)} and {_shape(v)}")
+    raise ValueError(f"{op}: {kn} and {vn} must have the same shape, got {_shape(k)} and {_shape(v)}")
   batch = _shape(q)[:-3]
   if _shape(k)[:-3] != batch:
-    raise ValueError(f"{OP}: q and k must have the same batch dimensions, got {_shape(q)} and "
+    raise ValueError(f"{op}: {qn} and {kn} must have the same batch dimensions, got {_shape(q)} and "
                      f"{_shape(k)}")
   t, n, h = _shape(q)[-3:]
   s, kv_heads, hk = _shape(k)[-3:]
   if hk != h:
-    raise ValueError(f"{OP}: q and k must have the same head dim, got {h} and {hk}")
+    raise ValueError(f"{op}: {qn} and {kn} must have the same head dim, got {h} and {hk}")
   if h > MAX_HEAD_DIM or h < 1:
-    raise ValueError(f"{OP}: head dim {h} is not supported: 1 to {MAX_HEAD_DIM}")
+    raise ValueError(f"{op}: head dim {h} is not supported: 1 to {MAX_HEAD_DIM}")
   if kv_heads < 1 or n % kv_heads:
-    raise ValueError(f"{OP}: q's heads ({n}) must be a multiple of k's heads ({kv_heads}) "
+    raise ValueError(f"{op}: {qn}'s heads ({n}) must be a multiple of {kn}'s heads ({kv_heads}) "
                      "(grouped-query attention)")
   dtypes = {jnp.dtype(a.dtype) for a in (q, k, v)}
   if len(dtypes) != 1:
-    raise TypeError(f"{OP}: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, "
+    raise TypeError(f"{op}: {qn}, {kn} and {vn} must have one dtype, got {q.dtype}, {k.dtype}, "
                     f"{v.dtype}")
   if not isinstance(causal, bool):
-    raise TypeError(f"{OP}: causal must be a bool, got {type(causal).__name__}")
-  scale = 1.0 / math.sqrt(h) if scale is None else _finite_float("scale", scale)
+    raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
+  scale = 1.0 / math.sqrt(h) if scale is None else _finite_float("scale", scale, op)
   soft_cap = None if logits_soft_cap is None else _checks.positive_float(
-      OP, "logits_soft_cap", logits_soft_cap)
-  window = Window.of(causal, _window(local_window_size))
+      op, "logits_soft_cap", logits_soft_cap)
+  window = Window.of(causal, _window(local_window_size, op))
   if kv_segment_ids is not None and segment_ids is None:
-    raise ValueError(f"{OP}: kv_segment_ids needs segment_ids (the queries' segments)")
-  segment_ids = _segments("segment_ids", segment_ids, (*batch, t), "q's batch and length")
+    raise ValueError(f"{op}: kv_segment_ids needs segment_ids (the queries' segments)")
+  segment_ids = _segments("segment_ids", segment_ids, (*batch, t), "q's batch and length", op)
   if segment_ids is not None and kv_segment_ids is None:
     if s != t:
-      raise ValueError(f"{OP}: segment_ids alone serve q and k of one length; T={t} and S={s} "
+      raise ValueError(f"{op}: segment_ids alone serve q and k of one length; T={t} and S={s} "
                        "differ: pass kv_segment_ids too")
     kv_segment_ids = segment_ids
   kv_segment_ids = _segments("kv_segment_ids", kv_segment_ids, (*batch, s),
-                             "k's batch and length")
+                             "k's batch and length", op)
   if bias is not None:
-    bias = _checks.array(OP, "bias", bias)
+    bias = _checks.array(op, "bias", bias)
     want = (*batch, n, t, s)
     if bias.ndim > len(want) or any(d not in (1, w) for d, w in
                                     zip(_shape(bias)[::-1], want[::-1])):
-      raise ValueError(f"{OP}: bias of shape {_shape(bias)} does not broadcast to "
+      raise ValueError(f"{op}: bias of shape {_shape(bias)} does not broadcast to "
                        f"(*batch, N, T, S) = {want}")
     bias = bias.reshape((1,) * (len(want) - bias.ndim) + _shape(bias))
     if _shape(bias)[-2:] != (t, s):  # the kernels read whole (T, S) planes
       bias = jnp.broadcast_to(bias, (*_shape(bias)[:-2], t, s))
-  layout = _checks.choice(OP, "sequence_layout", sequence_layout, ring.LAYOUTS)
+  layout = _checks.choice(op, "sequence_layout", sequence_layout, ring.LAYOUTS)
   if layout == "zigzag" and not _ringable(q, k, bias, segment_ids, window, soft_cap):
-    raise ValueError(f"{OP}: sequence_layout='zigzag' orders the positions for ring attention, "
+    raise ValueError(f"{op}: sequence_layout='zigzag' orders the positions for ring attention, "
                      "which takes plain or causal attention of q and k of one length (no bias, "
                      "segment ids, window or soft cap); got "
                      f"T={t}, S={s}, window={tuple(window)}, bias "
@@ -177,13 +183,13 @@ def _ringable(q, k, bias, segment_ids, window, soft_cap, **unused) -> bool:
           and window in (Window(None, None), Window(None, 0)) and _shape(q)[-3] == _shape(k)[-3])
 
 
-def _finite_float(name, value) -> float:
+def _finite_float(name, value, op=OP) -> float:
   if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{OP}: {name} must be a Python float, not a traced array")
+    raise TypeError(f"{op}: {name} must be a Python float, not a traced array")
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{OP}: {name} must be a float, got {type(value).__name__}")
+    raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__}")
   if not math.isfinite(float(value)):
-    raise ValueError(f"{OP}: {name} must be finite, got {value}")
+    raise ValueError(f"{op}: {name} must be finite, got {value}")
   return float(value)
 
 
@@ -476,7 +482,8 @@ class DecodeProblem:
 
 def _validate_decode(q, k_cache, v_cache, *, lengths, scale, logits_soft_cap,
                      local_window_size):
-  args = _validate(q, k_cache, v_cache, causal=False, scale=scale, bias=None, segment_ids=None,
+  args = _validate(q, k_cache, v_cache, op=DECODE_OP, names=("q", "k_cache", "v_cache"),
+                   causal=False, scale=scale, bias=None, segment_ids=None,
                    kv_segment_ids=None, local_window_size=None, logits_soft_cap=logits_soft_cap)
   batch = args["q"].shape[:-3]
   if lengths is None:
@@ -490,6 +497,13 @@ def _validate_decode(q, k_cache, v_cache, *, lengths, scale, logits_soft_cap,
   if _shape(lengths) != batch:
     raise ValueError(f"{DECODE_OP}: lengths must have shape {batch} (q's batch), got "
                      f"{_shape(lengths)}")
+  if not isinstance(lengths, jax.core.Tracer):  # known now (not under jit): checked
+    cache = args["k"].shape[-3]
+    known = np.asarray(lengths)
+    if known.size and (known.max() > cache or known.min() < 0):
+      bad = known.max() if known.max() > cache else known.min()
+      raise ValueError(f"{DECODE_OP}: lengths must be in [0, {cache}] (the caches' length S), "
+                       f"got {int(bad)}")
   window_left = None
   if local_window_size is not None:
     if isinstance(local_window_size, bool) or not isinstance(local_window_size, numbers.Integral):

@@ -146,7 +146,7 @@ def dot(a, b, call: Call, *, ta=False, tb=False):
 def combine(o_part, lse_part, dtype):
   """Decode's chunks (flash-decoding): (splits, ...) partial outputs as one, weighted by
   exp(lse - max lse); 0 where no chunk saw a key."""
-  peak = jnp.max(lse_part, axis=0)
+  peak = jnp.max(lse_part, axis=0, keepdims=True)  # keepdims: no implicit rank promotion
   safe = jnp.where(jnp.isneginf(peak), 0.0, peak)
   w = jnp.exp(lse_part - safe)  # 0 for chunks that saw nothing
   total = jnp.sum(w, axis=0)

@@ -42,8 +42,8 @@ def attention(q, k, v, *, bias=None, q_segments=None, kv_segments=None,
   if bias is not None:
     bias = jnp.broadcast_to(cast(bias).astype(logits_dtype), (b, n, t, s))
     logits = logits + bias.reshape(b, kv_heads, group, t, s)
-  rows = jnp.arange(t)[:, None]
-  cols = jnp.arange(s)[None, :]
+  rows = jnp.arange(t)[None, None, None, :, None]  # (B, K, G, T, S)'s rank: no implicit
+  cols = jnp.arange(s)[None, None, None, None, :]  # rank promotion (numpy_rank_promotion)
   qs = None if q_segments is None else q_segments[:, None, None, :, None]
   ks = None if kv_segments is None else kv_segments[:, None, None, None, :]
   mask = visible(rows, cols, window, qs, ks)
