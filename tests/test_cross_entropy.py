@@ -107,6 +107,40 @@ class CrossEntropyTest:
         if self.IMPL != "xla":  # the reference's autodiff adds its terms in its own order
           assert np.all(np.asarray(dz, np.float32) == 0.0)
 
+  @pytest.mark.parametrize("axis, where", [(1, None), (1, "tokens"), ((1, 2), "tokens"),
+                                           (0, "classes"), ((0, 2), "classes")])
+  def test_optax_axis_and_where(self, axis, where):
+    """optax's ``axis`` (an int, or a tuple whose classes a label indexes flat) and ``where``
+    (the tokens that count, or the classes each token takes in), as optax documents them:
+    the per-token losses and their gradient are optax's; the mean is over the tokens that
+    count."""
+    import optax
+
+    gen = numerics.rng("optax form", self.IMPL, axis, where)
+    shape = (5, 6, 7)
+    axes = (axis,) if isinstance(axis, int) else axis
+    tokens = tuple(d for d in range(3) if d not in axes)
+    classes = int(np.prod([shape[d] for d in axes]))
+    logits = numerics.normal(gen, shape, jnp.float32, 2.0)
+    labels = jnp.asarray(gen.integers(0, classes, [shape[d] for d in tokens]), jnp.int32)
+    mask = None
+    if where == "tokens":
+      mask = jnp.asarray(gen.random(labels.shape) < 0.6)
+    elif where == "classes":
+      mask = jnp.asarray(gen.random(shape) < 0.6)
+    ours = lambda z, reduction: jk.softmax_cross_entropy(
+        z, labels, axis=axis, where=mask, reduction=reduction, implementation=self.IMPL)
+    theirs = lambda z: optax.softmax_cross_entropy_with_integer_labels(z, labels, axis=axis,
+                                                                        where=mask)
+    with numerics.kernel_mode():
+      got = jax.value_and_grad(lambda z: jnp.sum(ours(z, "none") ** 2))(logits)
+      mean = ours(logits, "mean")
+    want = jax.value_and_grad(lambda z: jnp.sum(theirs(z) ** 2))(logits)
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+    counted = np.ones(labels.shape, bool) if mask is None else np.asarray(
+        mask if where == "tokens" else jnp.any(mask, axis=axes))
+    chex.assert_trees_all_close(mean, jnp.sum(theirs(logits)) / counted.sum(), rtol=1e-5)
+
   def test_out_of_range_label_is_nan(self):
     _, logits, labels = _inputs((4,), 30, jnp.float32, "range", ignored=0.0)
     labels = labels.at[2].set(30).at[3].set(-1)
@@ -340,6 +374,14 @@ class TestCrossEntropyErrors:
       (dict(ignore_index=1.5), ValueError, "ignore_index must be None or a Python int"),
       (dict(reduction="avg"), ValueError, r"reduction='avg' is not one of \('mean'"),
       (dict(logits=jnp.zeros((2, 0))), ValueError, "logits must have at least one class"),
+      (dict(axis=1.0), TypeError, r"axis must be an int or a tuple of ints, got 1.0"),
+      (dict(axis=2), ValueError, r"axis 2 is out of range for logits of rank 2"),
+      (dict(axis=(1, -1)), ValueError, r"axis \(1, -1\) repeats an axis"),
+      (dict(where=jnp.ones((2,))), TypeError, "where must be a boolean array, got float32"),
+      (dict(where=jnp.ones((5,), bool)), ValueError,
+       r"where must be shaped like labels \(2,\) or like logits \(2, 5\), got \(5,\)"),
+      (dict(where=jnp.ones((2, 5), bool), label_smoothing=0.1), ValueError,
+       "a where shaped like logits .* takes no label_smoothing"),
   ])
   def test_softmax_cross_entropy(self, kwargs, error, match):
     args = dict(logits=self.Z, labels=self.Y)

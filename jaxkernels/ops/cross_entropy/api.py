@@ -211,6 +211,7 @@ def _across(where, rule, local, *, logits, labels, options: _Options, reduction)
 
 def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
                           ignore_index: int | None = None, reduction: str = "mean",
+                          axis: int | tuple[int, ...] = -1, where=None,
                           implementation=None, config=None):
   """Softmax cross-entropy of integer labels, statistics in float32.
 
@@ -226,12 +227,95 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     ignore_index: None, or the label that marks padding (e.g. -100).
     reduction: "mean" (over the tokens not ignored; 0 if none is), "sum" or "none" (float32,
       shaped like ``labels``).
+    axis: the classes' axis, or axes (as optax's: a label is then a flat index into their
+      slice of ``logits``); moved last (a transpose where it is not already).
+    where: as optax's: None, a boolean mask shaped like ``labels`` (the tokens that count: one
+      that does not gives 0 and no gradient and is left out of the mean, as an ignored one),
+      or shaped like ``logits`` (the classes each token's softmax takes in; a token with none
+      gives 0 and is left out of the mean). The class-wise mask runs XLA's path (the
+      kernels read whole rows) and takes no ``label_smoothing``.
     implementation: None (best available), "xla", "triton" or "mosaic_tpu".
     config: the chosen kernel's Config; None picks one for the shape and device.
+
+  Where it differs from optax's ``softmax_cross_entropy_with_integer_labels`` on purpose: it
+  reduces to the mean by default (``reduction="none"`` gives optax's per-token losses), and a
+  label outside [0, V) gives NaN rather than a loss read off a clipped index.
   """
+  logits, labels, where, ignore_index = _optax_form(logits, labels, axis, where, ignore_index)
+  if where is not None:  # class-wise: XLA's path
+    return _class_masked(logits, labels, where, label_smoothing=label_smoothing,
+                         z_loss=z_loss, ignore_index=ignore_index, reduction=reduction)
   return backend.call(_OP, implementation, config, logits=logits, labels=labels,
                       label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
                       reduction=reduction)
+
+
+# Where a token-shaped ``where`` marks tokens out and no ignore_index is given, their labels
+# become this one (no class is negative), ignored.
+_MASKED = -(2 ** 31)
+
+
+def _optax_form(logits, labels, axis, where, ignore_index):
+  """(logits with the classes last (flattened where ``axis`` is a tuple), labels, a
+  class-wise ``where`` or None, ignore_index): optax's ``axis`` and ``where`` in the form the
+  kernels take; a token-wise ``where`` becomes ignored labels."""
+  logits = _checks.array(OP, "logits", logits)
+  if isinstance(axis, bool) or not isinstance(axis, (numbers.Integral, tuple)) or (
+      isinstance(axis, tuple) and not all(isinstance(a, numbers.Integral)
+                                          and not isinstance(a, bool) for a in axis)):
+    raise TypeError(f"{OP}: axis must be an int or a tuple of ints, got {axis!r}")
+  axes = (axis,) if isinstance(axis, numbers.Integral) else axis
+  rank = logits.ndim
+  if not axes or any(not -rank <= a < rank for a in axes):
+    raise ValueError(f"{OP}: axis {axis!r} is out of range for logits of rank {rank}")
+  axes = tuple(int(a) % rank for a in axes)
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"{OP}: axis {axis!r} repeats an axis")
+  shape = tuple(logits.shape)
+  tokens = tuple(d for d in range(rank) if d not in axes)
+  token_shape = tuple(shape[d] for d in tokens)
+  if where is not None:
+    if not (hasattr(where, "shape") and hasattr(where, "dtype")):
+      where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+      raise TypeError(f"{OP}: where must be a boolean array, got {where.dtype}")
+    if tuple(where.shape) not in (token_shape, shape):
+      raise ValueError(f"{OP}: where must be shaped like labels {token_shape} or like logits "
+                       f"{shape}, got {tuple(where.shape)}")
+  if axes != (rank - 1,):
+    logits = jnp.transpose(logits, tokens + axes).reshape(*token_shape, -1)
+    if where is not None and tuple(where.shape) == shape:
+      where = jnp.transpose(where, tokens + axes).reshape(*token_shape, -1)
+  if where is not None and tuple(where.shape) == token_shape:  # tokens that count
+    labels = _labels(OP, labels, token_shape, "logits without its class axes")
+    ignore_index = _MASKED if ignore_index is None else ignore_index
+    labels = jnp.where(where, labels, jnp.int32(ignore_index))
+    where = None
+  return logits, labels, where, ignore_index
+
+
+def _class_masked(logits, labels, where, *, label_smoothing, z_loss, ignore_index, reduction):
+  """optax's class-wise ``where``: each token's log-sum-exp over the classes it takes in, its
+  label's logit subtracted; 0 (and left out of the mean) for a token that takes in none."""
+  labels = _labels(OP, labels, logits.shape[:-1], "logits without its class axes")
+  options = _options(OP, label_smoothing, z_loss, ignore_index, reduction)
+  if options.label_smoothing:
+    raise ValueError(f"{OP}: a where shaped like logits (a mask of classes) takes no "
+                     f"label_smoothing (the smoothed target's classes would be ambiguous), got "
+                     f"{label_smoothing}")
+  z = logits.astype(jnp.float32)
+  vocab = z.shape[-1]
+  lse = jax.nn.logsumexp(z, axis=-1, where=where)
+  picked = jnp.take_along_axis(z, jnp.clip(labels, 0, vocab - 1)[..., None], axis=-1)[..., 0]
+  loss = lse - picked + options.z_loss * lse * lse
+  loss = jnp.where((labels >= 0) & (labels < vocab), loss, jnp.nan)
+  counted = jnp.any(where, axis=-1) & _kept(labels, options)
+  loss = jnp.where(counted, loss, 0.0)
+  if reduction == "none":
+    return loss
+  if reduction == "sum":
+    return jnp.sum(loss)
+  return jnp.sum(loss) / jnp.maximum(jnp.sum(counted, dtype=jnp.float32), 1.0)
 
 
 # --------------------------------------------------------------------------- #
