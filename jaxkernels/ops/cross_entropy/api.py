@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -212,7 +213,7 @@ def _across(where, rule, local, *, logits, labels, options: _Options, reduction)
 def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
                           ignore_index: int | None = None, reduction: str = "mean",
                           axis: int | tuple[int, ...] = -1, where=None,
-                          implementation=None, config=None):
+                          labels_checked: bool = False, implementation=None, config=None):
   """Softmax cross-entropy of integer labels, statistics in float32.
 
   Per token, with V classes: ``logsumexp(z) - z[label] + e (z[label] - sum(z) / V)`` (label
@@ -234,6 +235,10 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
       or shaped like ``logits`` (the classes each token's softmax takes in; a token with none
       gives 0 and is left out of the mean). The class-wise mask runs XLA's path (the
       kernels read whole rows) and takes no ``label_smoothing``.
+    labels_checked: raise a ValueError naming the first label outside [0, V) (other than
+      ``ignore_index``) instead of giving it NaN: at once for labels known now, and for traced
+      ones (under jit) when the computation runs (a host callback: its error reaches the
+      caller as the runtime's, at the next read of a result).
     implementation: None (best available), "xla", "triton" or "mosaic_tpu".
     config: the chosen kernel's Config; None picks one for the shape and device.
 
@@ -242,12 +247,39 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
   label outside [0, V) gives NaN rather than a loss read off a clipped index.
   """
   logits, labels, where, ignore_index = _optax_form(logits, labels, axis, where, ignore_index)
+  if labels_checked:
+    _check_range(OP, labels, logits.shape[-1], ignore_index)
   if where is not None:  # class-wise: XLA's path
     return _class_masked(logits, labels, where, label_smoothing=label_smoothing,
                          z_loss=z_loss, ignore_index=ignore_index, reduction=reduction)
   return backend.call(_OP, implementation, config, logits=logits, labels=labels,
                       label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
                       reduction=reduction)
+
+
+def _check_range(op, labels, vocab, ignore_index):
+  """labels_checked: a ValueError naming the first label outside [0, vocab) that is not
+  ``ignore_index``, now for concrete labels, when the computation runs for traced ones."""
+  if not (hasattr(labels, "shape") and hasattr(labels, "dtype")):
+    labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    return  # _labels names the dtype
+
+  def check(values):
+    values = np.asarray(values)
+    bad = (values < 0) | (values >= vocab)
+    if ignore_index is not None:
+      bad &= values != ignore_index
+    if bad.any():
+      where = tuple(int(i) for i in np.argwhere(bad)[0])
+      ignored = "" if ignore_index is None else f", or ignore_index {ignore_index}"
+      raise ValueError(f"{op}: labels must be in [0, {vocab}) (the classes{ignored}); "
+                       f"labels{list(where)} is {int(values[where])} ({int(bad.sum())} such)")
+
+  if isinstance(labels, jax.core.Tracer):
+    jax.debug.callback(check, labels)
+  else:
+    check(labels)
 
 
 # Where a token-shaped ``where`` marks tokens out and no ignore_index is given, their labels
@@ -549,7 +581,7 @@ def _chunk(tokens: int, vocab: int, chunk_size) -> int:
 def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
                                  z_loss: float = 0.0, ignore_index: int | None = None,
                                  reduction: str = "mean", chunk_size: int | None = None,
-                                 implementation=None, config=None):
+                                 labels_checked: bool = False, implementation=None, config=None):
   """``softmax_cross_entropy(x @ w, labels, ...)`` without the (tokens, V) logits in memory.
 
   The tokens go through in chunks of ``chunk_size`` (default: about 2**28 logits a chunk); a
@@ -561,7 +593,8 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
     x: (..., D) the final hidden states, bfloat16, float16 or float32.
     w: (D, V) the output projection (a tied embedding's transpose).
     labels: (...) integers, shaped like x without its last axis.
-    label_smoothing, z_loss, ignore_index, reduction: as for :func:`softmax_cross_entropy`.
+    label_smoothing, z_loss, ignore_index, reduction, labels_checked: as for
+      :func:`softmax_cross_entropy`.
     chunk_size: tokens a chunk, or None.
     implementation: None (best available), "xla", "triton" or "mosaic_tpu": the row kernels'.
     config: their Config (for a (chunk, V) problem of x's dtype); None picks one.
@@ -571,6 +604,8 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
   kernels running on its slice of the vocabulary, the slices' statistics combined by
   collectives of one number a token.
   """
+  if labels_checked and hasattr(w, "shape") and len(w.shape) == 2:
+    _check_range(LINEAR_OP, labels, w.shape[-1], ignore_index)
   return backend.call(_LINEAR_OP, implementation, config, x=x, w=w, labels=labels,
                       label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
                       reduction=reduction, chunk_size=chunk_size)
