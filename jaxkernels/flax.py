@@ -2,8 +2,9 @@
 models: an ``attention_fn`` for ``nnx.MultiHeadAttention``, RMSNorm and LayerNorm (with the
 pre-norm residual add fused in), the gated MLP, and the output head with the fused loss.
 
-Parameters are float32 by default (``param_dtype``) and cast to ``dtype`` (the activations',
-default: the input's) for the op, as Flax's own layers do. Every module takes
+Parameters are float32 by default (``param_dtype``) and cast to ``dtype`` for the op, as Flax's
+own layers do (the norms as Flax's: default, x and the parameters promoted together; the MLP
+and the head: default, the input's). Every module takes
 ``implementation`` (None: the best kernel for the device; "xla": the references) and passes it
 to its ops.
 
@@ -31,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn.dtypes import promote_dtype as _promote_dtype
 from jax.sharding import PartitionSpec as P
 
 import jaxkernels as jk
@@ -93,13 +95,14 @@ def _tag_norm(out, residual):
   return remat.tag(y, remat.NORM_OUT), remat.tag(h, remat.RESIDUAL)
 
 
-def _param(rngs: nnx.Rngs | None, init, shape, dtype, axes=None):
+def _param(rngs: nnx.Rngs | None, init, shape, dtype, axes=None, metadata=None):
   """A parameter from ``init``; a norm's constant init needs no ``rngs`` (key 0 then).
   ``axes``: logical names of its dimensions, recorded for the caller to lay it out by (the
-  parameter is created whole, wherever JAX puts it, never placed by Flax on creation)."""
+  parameter is created whole, wherever JAX puts it, never placed by Flax on creation).
+  ``metadata``: more of nnx.Param's metadata (Flax's ``scale_metadata``, ``bias_metadata``)."""
   key = rngs.params() if rngs is not None else jax.random.key(0)
   if axes is None:
-    return nnx.Param(init(key, shape, dtype))
+    return nnx.Param(init(key, shape, dtype), **dict(metadata or {}))
   if len(axes) != len(shape):
     raise ValueError(f"axes={axes!r} names {len(axes)} dimensions; the parameter has shape "
                      f"{shape}")
@@ -128,39 +131,100 @@ def whole_weight(value, dtype, implementation: str | None = None):
   return w
 
 
-class RMSNorm(nnx.Module):
+def _last_axis(name, owner, value, ndim):
+  """Whether ``value`` (Flax's reduction_axes or feature_axes) names only the last axis."""
+  axes = (value,) if isinstance(value, int) else tuple(value)
+  if len(axes) != 1 or axes[0] % ndim != ndim - 1:
+    raise ValueError(f"jaxkernels.flax.{owner}: {name}={value!r}: the kernels normalize over "
+                     f"the last axis alone (-1), for x of rank {ndim}; use flax.nnx.{owner} "
+                     "for other axes")
+
+
+class _Norm(nnx.Module):
+  """What RMSNorm and LayerNorm share: Flax's constructor arguments, and its dtype rule
+  (``promote_dtype`` over x and the parameters, ``dtype`` forcing one)."""
+
+  def _setup(self, owner, num_features, epsilon, dtype, param_dtype, use_scale, scale_init,
+             reduction_axes, feature_axes, axis_name, axis_index_groups, use_fast_variance,
+             promote_dtype, implementation, rngs, scale_metadata):
+    for name, value in (("axis_name", axis_name), ("axis_index_groups", axis_index_groups)):
+      if value is not None:
+        raise ValueError(f"jaxkernels.flax.{owner}: {name}={value!r}: statistics across "
+                         "devices (a batch norm's) do not apply to a norm over each row's own "
+                         "features; leave it None")
+    self.owner, self.num_features = owner, num_features
+    self.scale = (_param(rngs, scale_init, (num_features,), param_dtype,
+                         metadata=scale_metadata) if use_scale else None)
+    self.epsilon, self.dtype, self.param_dtype = epsilon, dtype, param_dtype
+    self.use_scale, self.reduction_axes, self.feature_axes = use_scale, reduction_axes, feature_axes
+    # The kernels' statistics are their own (float32, LayerNorm's variance around a pivot: as
+    # exact as the two-pass form): Flax's fast-variance switch is taken and changes nothing.
+    self.use_fast_variance = use_fast_variance
+    self.promote_dtype, self.implementation = promote_dtype, implementation
+
+  def _inputs(self, x, mask, *params):
+    if mask is not None:
+      raise ValueError(f"jaxkernels.flax.{self.owner}: mask is not supported: the kernels "
+                       "normalize whole rows; use flax.nnx." + self.owner + " for masked "
+                       "statistics")
+    for name in ("reduction_axes", "feature_axes"):
+      _last_axis(name, self.owner, getattr(self, name), jnp.ndim(x))
+    x, *params = self.promote_dtype((x, *params), dtype=self.dtype)
+    return x, params
+
+  def _scale(self, scale, x):
+    """The scale, or ones where ``use_scale`` made none (the kernels take one)."""
+    return jnp.ones((self.num_features,), x.dtype) if scale is None else scale
+
+
+class RMSNorm(_Norm):
   """RMSNorm over the last axis; ``norm(x, residual=r)`` returns ``(y, h)`` with h = x + r and
-  y = rms_norm(h) from one pass over memory (the pre-norm block's residual add)."""
+  y = rms_norm(h) from one pass over memory (the pre-norm block's residual add). Takes
+  ``flax.nnx.RMSNorm``'s arguments and its dtype rule (x and the scale promoted together,
+  ``dtype`` forcing one): what cannot apply to a row kernel (statistics across devices, a
+  mask, axes other than the last) is refused by name."""
 
   def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Dtype | None = None,
-               param_dtype: Dtype = jnp.float32, scale_init=nnx.initializers.ones,
-               implementation: str | None = None, rngs: nnx.Rngs | None = None):
-    self.scale = _param(rngs, scale_init, (num_features,), param_dtype)
-    self.epsilon, self.dtype, self.implementation = epsilon, dtype, implementation
+               param_dtype: Dtype = jnp.float32, use_scale: bool = True,
+               scale_init=nnx.initializers.ones, reduction_axes=-1, feature_axes=-1,
+               axis_name: str | None = None, axis_index_groups: Any = None,
+               use_fast_variance: bool = True, promote_dtype=_promote_dtype,
+               implementation: str | None = None, rngs: nnx.Rngs | None = None,
+               scale_metadata=None):
+    self._setup("RMSNorm", num_features, epsilon, dtype, param_dtype, use_scale, scale_init,
+                reduction_axes, feature_axes, axis_name, axis_index_groups, use_fast_variance,
+                promote_dtype, implementation, rngs, scale_metadata)
 
-  def __call__(self, x, residual=None):
-    dtype = self.dtype or x.dtype
-    out = jk.rms_norm(x.astype(dtype), self.scale[...].astype(dtype), eps=self.epsilon,
-                      residual=residual, implementation=self.implementation)
+  def __call__(self, x, residual=None, mask=None):
+    x, (scale,) = self._inputs(x, mask, None if self.scale is None else self.scale[...])
+    out = jk.rms_norm(x, self._scale(scale, x), eps=self.epsilon, residual=residual,
+                      implementation=self.implementation)
     return _tag_norm(out, residual)
 
 
-class LayerNorm(nnx.Module):
-  """LayerNorm over the last axis, with the same fused residual as :class:`RMSNorm`."""
+class LayerNorm(_Norm):
+  """LayerNorm over the last axis, with the same fused residual as :class:`RMSNorm`, taking
+  ``flax.nnx.LayerNorm``'s arguments as RMSNorm takes RMSNorm's."""
 
-  def __init__(self, num_features: int, *, epsilon: float = 1e-6, use_bias: bool = True,
-               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
-               scale_init=nnx.initializers.ones, bias_init=nnx.initializers.zeros,
-               implementation: str | None = None, rngs: nnx.Rngs | None = None):
-    self.scale = _param(rngs, scale_init, (num_features,), param_dtype)
-    self.bias = _param(rngs, bias_init, (num_features,), param_dtype) if use_bias else None
-    self.epsilon, self.dtype, self.implementation = epsilon, dtype, implementation
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Dtype | None = None,
+               param_dtype: Dtype = jnp.float32, use_bias: bool = True, use_scale: bool = True,
+               bias_init=nnx.initializers.zeros, scale_init=nnx.initializers.ones,
+               reduction_axes=-1, feature_axes=-1, axis_name: str | None = None,
+               axis_index_groups: Any = None, use_fast_variance: bool = True,
+               promote_dtype=_promote_dtype, implementation: str | None = None,
+               rngs: nnx.Rngs | None = None, bias_metadata=None, scale_metadata=None):
+    self._setup("LayerNorm", num_features, epsilon, dtype, param_dtype, use_scale, scale_init,
+                reduction_axes, feature_axes, axis_name, axis_index_groups, use_fast_variance,
+                promote_dtype, implementation, rngs, scale_metadata)
+    self.use_bias = use_bias
+    self.bias = (_param(rngs, bias_init, (num_features,), param_dtype, metadata=bias_metadata)
+                 if use_bias else None)
 
-  def __call__(self, x, residual=None):
-    dtype = self.dtype or x.dtype
-    bias = None if self.bias is None else self.bias[...].astype(dtype)
-    out = jk.layer_norm(x.astype(dtype), self.scale[...].astype(dtype), bias,
-                        eps=self.epsilon, residual=residual, implementation=self.implementation)
+  def __call__(self, x, residual=None, mask=None):
+    x, (scale, bias) = self._inputs(x, mask, None if self.scale is None else self.scale[...],
+                                    None if self.bias is None else self.bias[...])
+    out = jk.layer_norm(x, self._scale(scale, x), bias, eps=self.epsilon,
+                        residual=residual, implementation=self.implementation)
     return _tag_norm(out, residual)
 
 

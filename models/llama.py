@@ -326,8 +326,8 @@ class Block(nnx.Module):
     self.cfg = cfg
     norm = cfg.implementation("norm")
     init = nnx.initializers.normal(0.02)
-    self.attn_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=norm,
-                                 rngs=rngs)
+    self.attn_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, dtype=cfg.dtype,
+                                 implementation=norm, rngs=rngs)
     # q, k and v's weights grouped by kv head: (width, kv_heads, group + 2, head_dim), each
     # kv head's `group` query heads, then its k, then its v. Split over the kv heads (tensor
     # parallelism), each shard's slice is a whole set of groups: one column-parallel product,
@@ -337,8 +337,8 @@ class Block(nnx.Module):
     out_init = nnx.initializers.normal(0.02 / (2 * cfg.depth) ** 0.5)
     self.out = nnx.Param(_named(out_init, "heads", "embed")(
         rngs.params(), (cfg.heads * cfg.head_dim, cfg.width)))
-    self.mlp_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, implementation=norm,
-                                rngs=rngs)
+    self.mlp_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, dtype=cfg.dtype,
+                                implementation=norm, rngs=rngs)
     self.mlp = jkf.GLUMLP(cfg.width, cfg.mlp_width, kernel_init=init,
                           implementation=cfg.implementation("mlp"),
                           axes=("embed", "mlp"), fp8=cfg.fp8, rngs=rngs)
@@ -389,7 +389,7 @@ class Llama(nnx.Module):
       return Block(cfg, rngs=rngs)
 
     self.blocks = blocks(rngs)
-    self.final_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps,
+    self.final_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, dtype=cfg.dtype,
                                   implementation=cfg.implementation("norm"), rngs=rngs)
     self.head = jkf.LMHead(cfg.width, cfg.vocab, tied=self.embed if cfg.tied else None,
                            kernel_init=nnx.initializers.normal(0.02),

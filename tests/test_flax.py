@@ -64,6 +64,53 @@ def test_layer_norm_matches_flax(impl):
   chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), **TOL)
 
 
+FLAX_NORM_ARGS = [  # Flax's constructor arguments, as Flax documents them
+    dict(),
+    dict(dtype=jnp.float32, param_dtype=jnp.float32, use_fast_variance=False),
+    dict(use_scale=False, reduction_axes=-1, feature_axes=(-1,)),
+    dict(epsilon=1e-3, scale_init=nnx.initializers.constant(0.5),
+         scale_metadata={"tag": "norm scale"}),
+    dict(reduction_axes=2, feature_axes=-1, use_fast_variance=True),
+]
+
+
+@pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("args", FLAX_NORM_ARGS, ids=range(len(FLAX_NORM_ARGS)))
+def test_norms_take_flaxs_arguments(kind, args):
+  """Constructed with flax.nnx's arguments, called as Flax calls them: the same parameters
+  (and their metadata), the same output, dtype included (x promoted with the parameters:
+  bfloat16 x and float32 scale give float32, as Flax's), the same gradients."""
+  args = dict(args)
+  if kind == "LayerNorm" and "use_scale" in args:
+    args.update(use_bias=False, bias_metadata={"tag": "norm bias"})
+  ours = getattr(jkf, kind)(32, rngs=nnx.Rngs(0), **args)
+  theirs = getattr(nnx, kind)(32, rngs=nnx.Rngs(0), **args)
+  assert jax.tree.map(jnp.shape, nnx.state(ours, nnx.Param)) == jax.tree.map(
+      jnp.shape, nnx.state(theirs, nnx.Param))
+  if "scale_metadata" in args:
+    assert ours.scale.get_metadata()["tag"] == "norm scale"
+  for x in (_x(3, 5, 32), _x(3, 5, 32).astype(jnp.bfloat16)):
+    with numerics.kernel_mode():
+      y, g = _grads(ours, lambda m, x: m(x).astype(jnp.float32), x)
+    want, want_g = _grads(theirs, lambda m, x: m(x).astype(jnp.float32), x)
+    assert ours(x).dtype == theirs(x).dtype, (ours(x).dtype, theirs(x).dtype)
+    chex.assert_trees_all_close(y, want, **TOL)
+    chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), **TOL)
+
+
+@pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
+def test_norms_refuse_what_a_row_kernel_cannot_do(kind):
+  with pytest.raises(ValueError, match=f"jaxkernels.flax.{kind}: axis_name='batch': "
+                     "statistics across devices"):
+    getattr(jkf, kind)(8, axis_name="batch", rngs=nnx.Rngs(0))
+  norm = getattr(jkf, kind)(8, reduction_axes=(-2, -1), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"reduction_axes=\(-2, -1\): the kernels normalize "
+                     r"over the last axis alone"):
+    norm(jnp.ones((2, 3, 8)))
+  with pytest.raises(ValueError, match="mask is not supported"):
+    getattr(jkf, kind)(8, rngs=nnx.Rngs(0))(jnp.ones((2, 8)), mask=jnp.ones((2, 8), bool))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_glu_mlp_matches_jnp(impl):
   x = _x(2, 5, 32)
