@@ -175,8 +175,16 @@ def _rows_bwd(plan, options, saved, g):
 _rows.defvjp(_rows_fwd, _rows_bwd)
 
 
-def _validate(logits, labels, *, label_smoothing, z_loss, ignore_index, reduction):
-  logits = _checks.array(OP, "logits", logits)
+def _validate(logits, labels, *, label_smoothing, z_loss, ignore_index, reduction, axis=-1,
+              where=None, labels_checked=False):
+  """The arguments checked. The public op puts optax's ``axis`` and a token-wise ``where`` in
+  the kernels' form before it calls here (``_optax_form``); ``supports`` calls here with them
+  as given."""
+  del labels_checked  # the public op's to act on
+  logits, labels, where, ignore_index = _optax_form(logits, labels, axis, where, ignore_index)
+  if where is not None:
+    raise ValueError(f"{OP}: a where shaped like logits (a mask of classes) runs on XLA's path "
+                     "alone: the kernels read whole rows")
   if logits.shape[-1] == 0:
     raise ValueError(f"{OP}: logits must have at least one class (a last axis > 0), got shape "
                      f"{tuple(logits.shape)}")
@@ -612,7 +620,8 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
 
 
 def _validate_linear(x, w, labels, *, label_smoothing, z_loss, ignore_index, reduction,
-                     chunk_size):
+                     chunk_size, labels_checked=False):
+  del labels_checked  # the public op's to act on
   op = LINEAR_OP
   x = _checks.array(op, "x", x)
   w = _checks.array(op, "w", w, min_rank=2)
