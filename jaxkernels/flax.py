@@ -50,7 +50,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
   q (batch..., T, N, H), k and v (batch..., S, K, H) with N a multiple of K; the batch dims
   may be absent (q (T, N, H)), as Flax allows. ``is_causal``
   is the cheap mask (blocks above the diagonal skipped); a boolean ``mask`` (broadcastable
-  to (batch..., N, T, S)) becomes an additive bias of the same shape (0 or -inf), with the
+  to (batch..., N, T, S)) becomes an additive bias of the same shape (0, or a large finite
+  negative as jax.nn's: jax.debug_infs stays quiet), with the
   memory of a (T, S) array and, on Hopper, the Triton backward: pass ``is_causal`` (or call
   ``flash_attention`` with segment ids and windows) where the mask is one of those. A query
   that sees no key gives 0 (Flax gives the mean of v). ``functools.partial`` picks
@@ -73,9 +74,17 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
         "never forms them); call the module with sow_weights=False")
   if dtype is not None:
     query, key, value = (x.astype(dtype) for x in (query, key, value))
+  sees = None
   if mask is not None:
-    masked = jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32)
+    mask = jnp.asarray(mask)
+    mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)  # (..., N, T, S)
+    # jax.nn's finite stand-in for -inf: an -inf bias is flagged by jax.debug_infs op by op
+    # (and made so here, it was, on every masked call). A row that sees no key then gets a
+    # softmax of its own logits from the kernel; it is set to 0 after, as flash_attention
+    # gives such a row, its gradient with it.
+    masked = jnp.where(mask, 0.0, _HIDDEN).astype(jnp.float32)
     bias = masked if bias is None else bias + masked
+    sees = jnp.swapaxes(jnp.any(mask, axis=-1), -1, -2)[..., None]  # (..., T, N, 1)
   # Flax allows inputs without batch dims, q (T, N, H) (MultiHeadAttention on a (T, features)
   # input); flash_attention takes (batch..., T, N, H): one batch of one, and the mask or bias,
   # broadcastable to (N, T, S), broadcasts to (1, N, T, S) as it is.
@@ -84,7 +93,15 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
     query, key, value = (x[None] for x in (query, key, value))
   out = jk.flash_attention(query, key, value, causal=is_causal, bias=bias,
                            implementation=implementation)
+  if sees is not None:
+    sees = sees.reshape((1,) * (out.ndim - sees.ndim) + sees.shape)
+    out = jnp.where(sees, out, jnp.zeros((), out.dtype))
   return out[0] if unbatched else out
+
+
+# A masked key's bias in attention_fn: jax.nn's large finite negative, far below any logit and
+# far enough from float32's edge that adding a bias or a logit never overflows to -inf.
+_HIDDEN = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _tag_norm(out, residual):

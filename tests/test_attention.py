@@ -526,6 +526,44 @@ def test_under_numpy_rank_promotion_raise(impl):
   chex.assert_trees_all_close((got, got_decode), (want, want_decode), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_under_jax_debug_infs(impl):
+  """jax.debug_infs(True) checks every primitive's output op by op (and a jitted call's
+  outputs): masked attention once wrote -inf for the hidden logits on XLA's path, and
+  attention_fn built its mask's bias from -inf, so every causal call raised. Now an inf appears
+  only where the contract puts one (the log-sum-exp of a row that sees nothing). Values as
+  without the flag; attention_fn's fully masked row 0. The kernels' own insides are opaque
+  compiled, not when interpreted (an interpreter runs their body op by op): compiled only."""
+  if impl != "xla" and not numerics.COMPILED:
+    pytest.skip("interpreted kernels run their bodies op by op: debug_infs sees their -inf "
+                "initial maxima; the GPU check runs this compiled")
+  import jaxkernels.flax as jkf
+
+  gen = numerics.rng("debug infs", impl)
+  q = numerics.normal(gen, (2, 16, 4, 16), jnp.float32)
+  k = numerics.normal(gen, (2, 16, 2, 16), jnp.float32)
+  segments = jnp.array([[0] * 8 + [1] * 8, [0] * 5 + [1] * 11], jnp.int32)
+  mask = jnp.tril(jnp.ones((16, 16), bool)).at[3].set(False)  # row 3 sees nothing
+  calls = [
+      lambda q: jk.flash_attention(q, k, k, causal=True, implementation=impl),
+      lambda q: jk.flash_attention(q, k, k, local_window_size=(3, 0), segment_ids=segments,
+                                   implementation=impl),
+      lambda q: jk.flash_attention(q, k, k, causal=True, return_lse=True,
+                                   implementation=impl)[1],
+      lambda q: jkf.attention_fn(q, k, k, mask=mask[None, None], implementation=impl),
+  ]
+  with numerics.kernel_mode():
+    want = [jax.value_and_grad(lambda q: jnp.sum(call(q)))(q) for call in calls]
+    with jax.debug_infs(True):
+      got = [jax.value_and_grad(lambda q: jnp.sum(call(q)))(q) for call in calls]
+      decoded = jk.decode_attention(q[:, :2], k, k, lengths=jnp.array([9, 16]),
+                                    implementation=impl)
+      masked_out = calls[-1](q)
+  chex.assert_trees_all_close(got, want, atol=0, rtol=0)
+  chex.assert_tree_all_finite((got, decoded))
+  assert not np.any(np.asarray(masked_out[:, 3]))
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 40), row0=st.integers(0, 80), block=st.sampled_from([4, 16]),
        n_keys=st.integers(1, 90), left=st.sampled_from([None, 0, 3, 17]),

@@ -143,11 +143,17 @@ def dot(a, b, call: Call, *, ta=False, tb=False):
                          preferred_element_type=jnp.float32)
 
 
+def below_every_float(x):
+  """Where ``x`` is -inf: ``jnp.isneginf`` without its -inf constant, which
+  ``jax.debug_infs`` flags op by op (x < the dtype's least finite value is -inf alone)."""
+  return x < jnp.finfo(x.dtype).min
+
+
 def combine(o_part, lse_part, dtype):
   """Decode's chunks (flash-decoding): (splits, ...) partial outputs as one, weighted by
   exp(lse - max lse); 0 where no chunk saw a key."""
   peak = jnp.max(lse_part, axis=0, keepdims=True)  # keepdims: no implicit rank promotion
-  safe = jnp.where(jnp.isneginf(peak), 0.0, peak)
+  safe = jnp.where(below_every_float(peak), 0.0, peak)
   w = jnp.exp(lse_part - safe)  # 0 for chunks that saw nothing
   total = jnp.sum(w, axis=0)
   out = jnp.sum(w[..., None] * o_part, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]

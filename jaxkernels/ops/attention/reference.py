@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkernels.ops.attention.common import Window, visible
+from jaxkernels.ops.attention.common import Window, below_every_float, visible
 
 
 def attention(q, k, v, *, bias=None, q_segments=None, kv_segments=None,
@@ -50,10 +50,15 @@ def attention(q, k, v, *, bias=None, q_segments=None, kv_segments=None,
   softmax_dtype = compute_dtype or jnp.float32
   logits = logits.astype(softmax_dtype)
   if mask is not None:
-    logits = jnp.where(mask, logits, -jnp.inf)
+    # A finite stand-in for the hidden logits, never -inf: under jax.debug_infs every
+    # primitive's output is checked, and an -inf written here tripped it on every causal call.
+    # The hidden entries are zeroed after the exp, so the stand-in's value takes no part.
+    logits = jnp.where(mask, logits, jnp.finfo(softmax_dtype).min)
   peak = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  peak = jnp.where(jnp.isneginf(peak), 0, peak)
+  peak = jnp.where(below_every_float(peak), 0, peak)  # a row of -inf bias
   e = jnp.exp(logits - peak)
+  if mask is not None:
+    e = jnp.where(mask, e, 0)
   total = jnp.sum(e, axis=-1, keepdims=True)
   probs = e / jnp.where(total == 0, 1, total)
   out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(compute_dtype or v.dtype), cast(v),
@@ -63,7 +68,9 @@ def attention(q, k, v, *, bias=None, q_segments=None, kv_segments=None,
   if not return_lse:
     return out
   seen = total > 0
-  lse = jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1)), -jnp.inf)[..., 0]
+  # -inf where a row sees nothing, made there alone (log of 0), not broadcast everywhere.
+  lse = (jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1)), 0)
+         + jnp.log(seen.astype(jnp.float32)))[..., 0]
   lse = jnp.moveaxis(lse.reshape(b, n, t), 1, 2)  # (B, T, N): -inf where nothing is seen
   return out, lse.astype(compute_dtype or jnp.float32)
 
@@ -81,11 +88,12 @@ def block_grads(q, k, v, out, lse, dout, dlse, *, window: Window, scale: float):
   qg = f32(q).reshape(b, t, kv_heads, group, h)
   logits = jnp.einsum("btkgh,bskh->bkgts", qg, f32(k), precision=hi) * scale
   row = lambda x: jnp.moveaxis(x.reshape(b, t, kv_heads, group), 1, 3)[..., None]  # bkgt1
-  p = jnp.exp(logits - jnp.where(jnp.isneginf(row(lse)), 0.0, row(lse)))
-  mask = visible(jnp.arange(t)[:, None], jnp.arange(s)[None, :], window)
+  p = jnp.exp(logits - jnp.where(below_every_float(row(lse)), 0.0, row(lse)))
+  mask = visible(jnp.arange(t)[None, None, None, :, None],
+                 jnp.arange(s)[None, None, None, None, :], window)
   if mask is not None:
     p = jnp.where(mask, p, 0.0)
-  p = jnp.where(jnp.isneginf(row(lse)), 0.0, p)
+  p = jnp.where(below_every_float(row(lse)), 0.0, p)
   do = f32(dout).reshape(b, t, kv_heads, group, h)
   dv = jnp.einsum("bkgts,btkgh->bskh", p, do, precision=hi)
   dp = jnp.einsum("btkgh,bskh->bkgts", do, f32(v), precision=hi)
@@ -123,10 +131,11 @@ def decode(q, k_cache, v_cache, lengths, *, scale: float, soft_cap: float | None
   mask = cols <= pos
   if window_left is not None:
     mask = mask & (cols >= pos - window_left)
-  logits = jnp.where(mask, logits.astype(compute_dtype or jnp.float32), -jnp.inf)
+  softmax_dtype = compute_dtype or jnp.float32
+  logits = jnp.where(mask, logits.astype(softmax_dtype), jnp.finfo(softmax_dtype).min)
   peak = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  peak = jnp.where(jnp.isneginf(peak), 0, peak)
-  e = jnp.exp(logits - peak)
+  peak = jnp.where(below_every_float(peak), 0, peak)
+  e = jnp.where(mask, jnp.exp(logits - peak), 0)  # (finite stand-ins: as attention's)
   total = jnp.sum(e, axis=-1, keepdims=True)
   probs = e / jnp.where(total == 0, 1, total)
   out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(compute_dtype or v_cache.dtype),
