@@ -513,17 +513,15 @@ def test_under_numpy_rank_promotion_raise(impl):
               dict(local_window_size=(4, 0), segment_ids=segments),
               dict(bias=numerics.normal(gen, (16, 16), jnp.float32), causal=True),
               dict(local_window_size=3, logits_soft_cap=5.0))
-  with numerics.kernel_mode():
-    want = [jax.value_and_grad(lambda q: jk.flash_attention(
+  # The flag changes no value, only whether a broadcast may add dimensions: that it runs is
+  # the test (each call once, not against a run without the flag: half the time).
+  with numerics.kernel_mode(), jax.numpy_rank_promotion("raise"):
+    got = [jax.value_and_grad(lambda q: jk.flash_attention(
         q, k, k, implementation=impl, **kw).sum())(q) for kw in features]
-    want_decode = jk.decode_attention(q[:, :2], k, k, lengths=jnp.array([9, 16]),
-                                      implementation=impl)
-    with jax.numpy_rank_promotion("raise"):
-      got = [jax.value_and_grad(lambda q: jk.flash_attention(
-          q, k, k, implementation=impl, **kw).sum())(q) for kw in features]
-      got_decode = jk.decode_attention(q[:, :2], k, k, lengths=jnp.array([9, 16]),
-                                       implementation=impl)
-  chex.assert_trees_all_close((got, got_decode), (want, want_decode), atol=0, rtol=0)
+    got_decode = jk.decode_attention(q[:, :2], k, k, lengths=jnp.array([9, 16]),
+                                     implementation=impl)
+  chex.assert_tree_all_finite((got, got_decode))
+  chex.assert_shape([g for _, g in got] + [got_decode], [q.shape] * 4 + [(2, 2, 4, 16)])
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton"])
