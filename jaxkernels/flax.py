@@ -32,13 +32,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.nn.dtypes import promote_dtype as _promote_dtype
 from jax.sharding import PartitionSpec as P
 
 import jaxkernels as jk
 from jaxkernels import partitioning, remat
 
 Dtype = Any
+
+
+def _promote_dtype(args, /, *, dtype=None, inexact=True):
+  """Flax NNX's default ``promote_dtype`` (its rule, without importing a module Flax moves):
+  the arrays of ``args`` (None kept) cast to ``dtype``, or where it is None to their promoted
+  type (a floating one where ``inexact``)."""
+  if dtype is None:
+    dtype = jnp.result_type(*(a for a in args if a is not None))
+    if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+      dtype = jnp.promote_types(jnp.float32, dtype)
+  return tuple(None if a is None else jnp.asarray(a, dtype) for a in args)
 
 
 def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,

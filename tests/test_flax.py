@@ -64,8 +64,15 @@ def test_layer_norm_matches_flax(impl):
   chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), **TOL)
 
 
+def _all_float32(args, /, *, dtype=None, inexact=True):
+  """A promote_dtype of the user's own (Flax's calling convention): everything float32."""
+  del dtype, inexact
+  return tuple(None if a is None else jnp.asarray(a, jnp.float32) for a in args)
+
+
 FLAX_NORM_ARGS = [  # Flax's constructor arguments, as Flax documents them
     dict(),
+    dict(promote_dtype=_all_float32),
     dict(dtype=jnp.float32, param_dtype=jnp.float32, use_fast_variance=False),
     dict(use_scale=False, reduction_axes=-1, feature_axes=(-1,)),
     dict(epsilon=1e-3, scale_init=nnx.initializers.constant(0.5),
