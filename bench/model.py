@@ -72,63 +72,77 @@ def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
     fits = int(batch + (remat.device_budget(fraction=1.0) - peaks[0]) // per_sample)
   graphdef, state = train.init(cfg, tc)
   tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, cfg.vocab)
-  # Compile time in two parts: tracing and lowering (JAX's, the Pallas kernels' own lowering
-  # with it: Mosaic GPU builds its modules here) and XLA's compile (Triton's kernels compile
-  # here). A process of its own starts with no cache in memory; no persistent cache is set.
+  timed, state, compiled = _timed(train.step_fn(graphdef), state, tokens, steps,
+                                  lambda metrics: metrics["loss"])
+  stats = jax.devices()[0].memory_stats() or {}  # before the profile's second copy of state
+  breakdown = kernel_breakdown(train.step_fn(graphdef, donate=False), state, tokens) \
+      if profile else []
+  return {
+      **timed, **_rates(cfg, batch, seq, timed["ms"]),
+      "peak_bytes": stats.get("peak_bytes_in_use"),
+      "compiled_bytes": remat.compiled_peak_bytes(compiled),
+      "kernels": breakdown, "auto": chosen, "largest_batch": fits,
+  }
+
+
+def _timed(step, state, tokens, steps: int, loss_of) -> tuple[dict, object, object]:
+  """``step`` compiled at (state, tokens) and timed: ({ms, losses, compile_s, lower_s}, the
+  last state, the compiled step). Compile time in two parts: tracing and lowering (JAX's, the
+  Pallas kernels' own lowering with it: Mosaic GPU builds its modules here) and XLA's compile
+  (Triton's kernels compile here); a process of its own starts with no cache in memory, and no
+  persistent cache is set. The step's time: the median of three rounds of ``steps`` after
+  three warm-up steps. ``loss_of``: the loss from the step's second output."""
   start = time.perf_counter()
-  lowered = train.step_fn(graphdef).lower(state, tokens)
+  lowered = step.lower(state, tokens)
   lower_s = time.perf_counter() - start
   compiled = lowered.compile()
   compile_s = time.perf_counter() - start
   losses = []
   for _ in range(3):  # warm-up
-    state, metrics = compiled(state, tokens)
-    losses.append(float(metrics["loss"]))
+    state, out = compiled(state, tokens)
+    losses.append(float(loss_of(out)))
   times = []
   for _ in range(3):
     start = time.perf_counter()
     for _ in range(steps):
-      state, metrics = compiled(state, tokens)
-    losses.append(float(metrics["loss"]))
+      state, out = compiled(state, tokens)
+    losses.append(float(loss_of(out)))
     times.append((time.perf_counter() - start) / steps)
-  seconds = sorted(times)[1]
-  stats = jax.devices()[0].memory_stats() or {}  # before the profile's second copy of state
-  breakdown = kernel_breakdown(train.step_fn(graphdef, donate=False), state, tokens) \
-      if profile else []
-  rate = batch * seq / seconds
+  return ({"ms": sorted(times)[1] * 1e3, "losses": losses, "compile_s": compile_s,
+           "lower_s": lower_s}, state, compiled)
+
+
+def _rates(cfg, batch: int, seq: int, ms: float) -> dict:
+  """Tokens/s, TFLOP/s and MFU (PaLM's count; also with the causal half of attention) of a
+  step of ``ms`` on this process's first device."""
+  from models import llama, train
+  rate = batch * seq / (ms / 1e3)
   peak = train.peak_flops(jax.devices()[:1])
-  return {
-      "ms": seconds * 1e3, "tokens_per_s": rate, "losses": losses, "compile_s": compile_s,
-      "lower_s": lower_s,
-      "peak_bytes": stats.get("peak_bytes_in_use"),
-      "compiled_bytes": remat.compiled_peak_bytes(compiled),
-      "tflops": cfg.flops_per_token(seq) * rate / 1e12,
-      "mfu": llama.mfu(cfg, rate, seq, peak) if peak else None,
-      "mfu_causal_half": llama.mfu(cfg, rate, seq, peak, causal_half=True) if peak else None,
-      "kernels": breakdown, "auto": chosen, "largest_batch": fits,
-  }
-
-
-def measure_plain(preset: str, policy: str, batch: int, seq: int, steps: int,
-                  scan: bool = False, stream: str = "float32") -> dict:
-  """bench.plain_llama's step at ``preset``'s shape, with the rates :func:`measure` gives."""
-  from bench import plain_llama
-  from models import llama
-  cfg = llama.preset(preset)
-  seq = min(seq, cfg.max_len)
-  shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(plain_llama.Shape)}
-  got = plain_llama.measure(shape, batch, seq, steps, policy=policy, scan=scan, stream=stream)
-  rate = batch * seq / (got["ms"] / 1e3)
-  peak = train_peak_flops()
-  return {**got, "tokens_per_s": rate, "compiled_bytes": None, "kernels": [], "auto": None,
-          "largest_batch": None, "tflops": cfg.flops_per_token(seq) * rate / 1e12,
+  return {"tokens_per_s": rate, "tflops": cfg.flops_per_token(seq) * rate / 1e12,
           "mfu": llama.mfu(cfg, rate, seq, peak) if peak else None,
           "mfu_causal_half": llama.mfu(cfg, rate, seq, peak, causal_half=True) if peak else None}
 
 
-def train_peak_flops():
-  from models import train
-  return train.peak_flops(jax.devices()[:1])
+def measure_plain(preset: str, policy: str, batch: int, seq: int, steps: int,
+                  scan: bool = False, stream: str = "float32") -> dict:
+  """bench.plain_llama's step at ``preset``'s shape, timed and reported as :func:`measure`
+  reports ours."""
+  from bench import plain_llama
+  from models import llama
+  cfg = llama.preset(preset)
+  seq = min(seq, cfg.max_len)
+  shape = plain_llama.Shape(**{f.name: getattr(cfg, f.name)
+                               for f in dataclasses.fields(plain_llama.Shape)})
+  tx = plain_llama.optimizer()
+  params = jax.jit(plain_llama.init, static_argnums=(0, 2))(shape, jax.random.key(0), scan)
+  state = (params, jax.jit(tx.init)(params))
+  tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, shape.vocab)
+  step = plain_llama.step_fn(shape, tx, policy=policy, scan=scan, stream=stream)
+  timed, _, _ = _timed(step, state, tokens, steps, lambda loss: loss)
+  stats = jax.devices()[0].memory_stats() or {}
+  return {**timed, **_rates(cfg, batch, seq, timed["ms"]),
+          "peak_bytes": stats.get("peak_bytes_in_use"), "compiled_bytes": None, "kernels": [],
+          "auto": None, "largest_batch": None}
 
 
 def _child(args: dict, timeout: float = 540, function: str = "measure") -> dict:

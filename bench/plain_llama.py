@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -166,34 +165,3 @@ def step_fn(shape: Shape, tx, donate: bool = True, **options):
     return (optax.apply_updates(params, updates), opt_state), loss
 
   return jax.jit(step, donate_argnums=0 if donate else ())
-
-
-def measure(shape: dict, batch: int, seq: int, steps: int, policy: str = "none",
-            scan: bool = False, stream: str = "float32") -> dict:
-  """The step's time (median of three rounds of ``steps`` after three warm-up steps), its
-  compile time (tracing and lowering apart), peak memory and losses, on the first device."""
-  shape = Shape(**shape)
-  tx = optimizer()
-  params = jax.jit(init, static_argnums=(0, 2))(shape, jax.random.key(0), scan)
-  state = (params, jax.jit(tx.init)(params))
-  tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, shape.vocab)
-  step = step_fn(shape, tx, policy=policy, scan=scan, stream=stream)
-  start = time.perf_counter()
-  lowered = step.lower(state, tokens)
-  lower_s = time.perf_counter() - start
-  compiled = lowered.compile()
-  compile_s = time.perf_counter() - start
-  losses = []
-  for _ in range(3):
-    state, loss = compiled(state, tokens)
-    losses.append(float(loss))
-  times = []
-  for _ in range(3):
-    start = time.perf_counter()
-    for _ in range(steps):
-      state, loss = compiled(state, tokens)
-    losses.append(float(loss))
-    times.append((time.perf_counter() - start) / steps)
-  stats = jax.devices()[0].memory_stats() or {}
-  return {"ms": sorted(times)[1] * 1e3, "losses": losses, "compile_s": compile_s,
-          "lower_s": lower_s, "peak_bytes": stats.get("peak_bytes_in_use")}
