@@ -7,13 +7,13 @@ magnitude mapped to e4m3's largest (448), and every product accumulates in float
 (``matmul``'s block-scaled path: on Hopper the Mosaic GPU kernel promotes each 128-deep
 partial sum into float32 with its scales; elsewhere the reference):
 
-=========  ===========================  ===============================  =================
-product    A                            B                                scales (A, B)
-=========  ===========================  ===============================  =================
-y = x w    x, 1 x 128 along K           w, 128 x 128                      (M, K/128), (K/128, N/128)
-dx = dy wᵀ dy, 1 x 128 along N          wᵀ: w's blocks, transposed        (M, N/128), (N/128, K/128)
-dw = xᵀ dy xᵀ, 1 x 128 along M          dy, 128 x 128                     (K, M/128), (M/128, N/128)
-=========  ===========================  ===============================  =================
+==========  ====================  =====================  ==========================
+product     A                     B                      scales (A, B)
+==========  ====================  =====================  ==========================
+y = x w     x, 1 x 128 along K    w, 128 x 128           (M, K/128), (K/128, N/128)
+dx = dy wᵀ  dy, 1 x 128 along N   wᵀ: w's, transposed    (M, N/128), (N/128, K/128)
+dw = xᵀ dy  xᵀ, 1 x 128 along M   dy, 128 x 128          (K, M/128), (M/128, N/128)
+==========  ====================  =====================  ==========================
 
 Fine blocks keep an outlier from flushing its neighbours to zero (a per-tensor scale loses
 rows 1e5x smaller than the largest entirely: bench/NOTES.md fp8-blocks). The forward keeps
@@ -27,6 +27,7 @@ not (they add nothing to dw). The gradients come out in x's and w's dtypes.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -66,9 +67,7 @@ def fp8_matmul(x, w, *, implementation: str | None = None):
                        f"blocks); w has shape {tuple(w.shape)}")
   x, w = _whole("x", x), _whole("w", w)
   lead = x.shape[:-1]
-  m = 1
-  for size in lead:
-    m *= size
+  m = math.prod(lead)
   x2 = x.reshape(m, k)
   pad = -m % BLOCK
   if pad:

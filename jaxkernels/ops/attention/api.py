@@ -8,8 +8,8 @@ import math
 import numbers
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -119,11 +119,12 @@ def _validate(q, k, v, *, causal, scale, bias, segment_ids, kv_segment_ids, loca
     raise ValueError(f"{op}: {qn}, {kn} and {vn} must have the same rank ((..., T, N, H) and "
                      f"(..., S, K, H)), got shapes {_shape(q)}, {_shape(k)}, {_shape(v)}")
   if _shape(k) != _shape(v):
-    raise ValueError(f"{op}: {kn} and {vn} must have the same shape, got {_shape(k)} and {_shape(v)}")
+    raise ValueError(f"{op}: {kn} and {vn} must have the same shape, got {_shape(k)} and "
+                     f"{_shape(v)}")
   batch = _shape(q)[:-3]
   if _shape(k)[:-3] != batch:
-    raise ValueError(f"{op}: {qn} and {kn} must have the same batch dimensions, got {_shape(q)} and "
-                     f"{_shape(k)}")
+    raise ValueError(f"{op}: {qn} and {kn} must have the same batch dimensions, got "
+                     f"{_shape(q)} and {_shape(k)}")
   t, n, h = _shape(q)[-3:]
   s, kv_heads, hk = _shape(k)[-3:]
   if hk != h:

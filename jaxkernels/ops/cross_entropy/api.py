@@ -105,14 +105,14 @@ def _options(op, label_smoothing, z_loss, ignore_index, reduction) -> _Options:
                   None if ignore_index is None else int(ignore_index))
 
 
-def _reduce(loss, labels, options: _Options, reduction: str):
-  """The per-token ``loss`` reduced: a mean over the tokens not ignored (0 where there are
-  none), a sum, or as it is."""
+def _reduce(loss, labels, options: _Options, reduction: str, valid=None):
+  """The per-token ``loss`` reduced: a mean over the tokens not ignored (and ``valid`` where
+  given; 0 where there are none), a sum, or as it is."""
   if reduction == "none":
     return loss
   if reduction == "sum":
     return jnp.sum(loss)
-  return jnp.sum(loss) / jnp.maximum(_count(labels, options), 1.0)
+  return jnp.sum(loss) / jnp.maximum(_count(labels, options, valid), 1.0)
 
 
 def _kept(labels, options: _Options):
@@ -349,13 +349,9 @@ def _class_masked(logits, labels, where, *, label_smoothing, z_loss, ignore_inde
   picked = jnp.take_along_axis(z, jnp.clip(labels, 0, vocab - 1)[..., None], axis=-1)[..., 0]
   loss = lse - picked + options.z_loss * lse * lse
   loss = jnp.where((labels >= 0) & (labels < vocab), loss, jnp.nan)
-  counted = jnp.any(where, axis=-1) & _kept(labels, options)
-  loss = jnp.where(counted, loss, 0.0)
-  if reduction == "none":
-    return loss
-  if reduction == "sum":
-    return jnp.sum(loss)
-  return jnp.sum(loss) / jnp.maximum(jnp.sum(counted, dtype=jnp.float32), 1.0)
+  takes_in = jnp.any(where, axis=-1)
+  loss = jnp.where(takes_in & _kept(labels, options), loss, 0.0)
+  return _reduce(loss, labels, options, reduction, valid=takes_in)
 
 
 # --------------------------------------------------------------------------- #
