@@ -107,8 +107,14 @@ def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
       decay_steps=tc.steps, end_value=tc.learning_rate * tc.final_lr_ratio)
   return optax.chain(
       optax.clip_by_global_norm(tc.clip),
-      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay,
-                  mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=_decayed))
+
+
+def _decayed(params):
+  """AdamW's weight decay mask: the weight matrices, not the norms' scales (named ``scale``;
+  not told apart by rank: stacked over the layers a scale is 2-d, as a matrix is)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: not any(getattr(key, "key", None) == "scale" for key in path), params)
 
 
 # The corpus.
@@ -412,6 +418,10 @@ def _identity(cfg: llama.Config, tc: TrainConfig, data: np.ndarray) -> dict:
            if k not in ("steps", "warmup_defaulted")}
   model = {k: v for k, v in dataclasses.asdict(cfg).items()
            if k != "reference_ops" and not (k == "fp8" and not v)}  # older runs have no fp8
+  # Unrolled layers hold their own parameters since train-step-2; a checkpoint of the stacked
+  # ones (which has no "layers" here) is another run's, refused by name, not by orbax.
+  if not cfg.scan_layers:
+    model["layers"] = "one set of parameters a layer"
   return json.loads(json.dumps({"model": model, "train": train,
                                 "corpus": fingerprint(data)}))
 

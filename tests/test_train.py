@@ -104,8 +104,8 @@ def test_fully_sharded_step_matches_one_device():
     losses.append(got)
     if where is not None:
       model, opt = nnx.merge(graphdef, state)
-      assert model.blocks.qkv[...].sharding.spec == P(None, "fsdp", None, None, None)
-      assert model.blocks.mlp.down[...].sharding.spec == P(None, None, "fsdp")
+      assert model.blocks[0].qkv[...].sharding.spec == P("fsdp", None, None, None)
+      assert model.blocks[0].mlp.down[...].sharding.spec == P(None, "fsdp")
       assert model.embed.embedding[...].sharding.spec == P(None, "fsdp")
       moments = jax.tree.leaves(nnx.state(opt))
       assert sum("fsdp" in str(x.sharding.spec) for x in moments) == 2 * 6  # mu and nu of the 6 weight matrices
@@ -226,10 +226,11 @@ def test_tensor_parallel_step_matches_one_device():
   want, _, _ = _three_steps(cfg, None)
   got, text, model = _three_steps(cfg, train.mesh(data=2, fsdp=2, tensor=2))
   losses = {"one device": want, "tensor": got}
-  specs = {name: tuple(getattr(model.blocks, name)[...].sharding.spec) for name in ("qkv", "out")}
-  assert specs == {"qkv": (None, "fsdp", "tensor", None, None), "out": (None, "tensor", "fsdp")}
-  assert model.blocks.mlp.gate_up[...].sharding.spec == P(None, "fsdp", None, "tensor")
-  assert model.blocks.mlp.down[...].sharding.spec == P(None, "tensor", "fsdp")
+  block = model.blocks[0]
+  specs = {name: tuple(getattr(block, name)[...].sharding.spec) for name in ("qkv", "out")}
+  assert specs == {"qkv": ("fsdp", "tensor", None, None), "out": ("tensor", "fsdp")}
+  assert block.mlp.gate_up[...].sharding.spec == P("fsdp", None, "tensor")
+  assert block.mlp.down[...].sharding.spec == P("tensor", "fsdp")
   assert model.head.kernel[...].sharding.spec == P("fsdp", "tensor")
   # Float32 throughout; sums over the batch, the heads and the vocabulary in another order.
   np.testing.assert_allclose(losses["tensor"], losses["one device"], rtol=1e-5)
@@ -346,12 +347,12 @@ def test_a_checkpoint_restores_onto_another_mesh(tmp_path):
     reopened = train.Checkpoints(directory, {"test": saved_on})
     restored = reopened.restore(2, fresh)
     reopened.close()
-    qkv = nnx.merge(graphdef, restored)[0].blocks.qkv[...]
+    qkv = nnx.merge(graphdef, restored)[0].blocks[0].qkv[...]
     if where is None:
       assert len(qkv.sharding.device_set) == 1
     else:  # laid out as the new mesh lays it: over tensor too where it has one
       assert qkv.sharding.mesh.shape == where.shape and qkv.sharding.spec == P(
-          None, "fsdp", "tensor" if where.shape["tensor"] > 1 else None, None, None)
+          "fsdp", "tensor" if where.shape["tensor"] > 1 else None, None, None)
     _, got = run(restored_on, 2, restored)
     # The same float32 numbers; the sums over the batch and the gathers in another order.
     np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{saved_on} -> {restored_on}")
@@ -456,7 +457,7 @@ def test_a_mesh_that_does_not_divide_the_model_is_refused_before_anything_is_wri
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   six = jax.devices()[:6]
-  with pytest.raises(ValueError, match=r"dimension 2 \(embed, size 64\) is laid out over mesh "
+  with pytest.raises(ValueError, match=r"dimension 1 \(embed, size 64\) is laid out over mesh "
                      r"axes \('fsdp',\) of size 3, which does not divide it"):
     train.init(llama.preset("tiny", max_len=32), train.TrainConfig(batch=6, seq_len=32),
                train.mesh(1, devices=six[:3]))
