@@ -61,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
   parser.add_argument("--policies", default=None,
                       help="model: only these remat policies, comma-separated (with --remat, "
                            "auto runs when none and full are among them)")
+  parser.add_argument("--compile", action="store_true",
+                      help="model: what the train step spends before its first step, cold and "
+                           "in a second run (persistent cache), ours against plain JAX's")
   parser.add_argument("--unrolled", action="store_true",
                       help="model: the unrolled layers only (not the scanned rows)")
   parser.add_argument("--tpu", action="store_true",
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
       model.tpu_compiled(session, policies=policies)
     elif name == "lessons" and args.tpu:
       lessons.tpu_compiled(session)
+    elif name == "model" and args.compile:
+      model.run_compile(session, only=only)
     elif name == "model" and args.remat:
       model.run_remat(session, only=only, policies=policies)
     elif name == "model":

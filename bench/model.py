@@ -146,7 +146,8 @@ def measure_plain(preset: str, policy: str, batch: int, seq: int, steps: int,
 
 
 def _child(args: dict, timeout: float = 540, function: str = "measure") -> dict:
-  """``function(**args)`` (``measure`` or ``measure_plain``) in a process of its own."""
+  """``function(**args)`` (``measure``, ``measure_plain`` or ``measure_compile``) in a process
+  of its own."""
   return harness.child("model", function, args, timeout)
 
 
@@ -217,6 +218,80 @@ def run(session: harness.Session, sweep: bool = False, only=None, policies=None,
       if kernels == "xla" and "ms" in got:
         best_xla = min(best_xla or got["ms"], got["ms"])
       _row(session, preset, batch, kernels, policy, scan, got, best_xla)
+
+
+def measure_compile(preset: str, kernels: str, batch: int, seq: int, cache: str) -> dict:
+  """What a run of the train step spends before its first step, with JAX's persistent
+  compilation cache in ``cache``: {lower_s (tracing and lowering), compile_s (XLA's compile,
+  the cache's lookup), loaded}. Ours (``kernels`` "jaxkernels" or "xla", the twin) as the
+  CLI lowers it (``train.lower_step``: the program kept by an earlier run where there is
+  one); "plain" bench.plain_llama's fastest configuration (remat none, unrolled, a bfloat16
+  stream), jitted as a plain-JAX user's step is. Run twice on one ``cache``, in two processes:
+  a cold and a second run."""
+  jax.config.update("jax_compilation_cache_dir", cache)
+  from models import llama, train
+  cfg = llama.preset(preset, kernels="xla" if kernels == "plain" else kernels)
+  seq = min(seq, cfg.max_len)
+  tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, cfg.vocab)
+  loaded = False
+  if kernels == "plain":
+    from bench import plain_llama
+    shape = plain_llama.Shape(**{f.name: getattr(cfg, f.name)
+                                 for f in dataclasses.fields(plain_llama.Shape)})
+    tx = plain_llama.optimizer()
+    params = jax.jit(plain_llama.init, static_argnums=(0, 2))(shape, jax.random.key(0), False)
+    state = (params, jax.jit(tx.init)(params))
+    start = time.perf_counter()
+    lowered = plain_llama.step_fn(shape, tx, policy="none", scan=False,
+                                  stream="bfloat16").lower(state, tokens)
+  else:
+    tc = train.TrainConfig(batch=batch, seq_len=seq, steps=10_000, warmup=10)
+    graphdef, state = train.init(cfg, tc)
+    start = time.perf_counter()
+    lowered, _, loaded = train.lower_step(cfg, tc, graphdef, state, tokens)
+  lower_s = time.perf_counter() - start
+  lowered.compile()
+  return {"lower_s": lower_s, "compile_s": time.perf_counter() - start - lower_s,
+          "loaded": loaded}
+
+
+def run_compile(session: harness.Session, only=None) -> None:
+  """Per preset, plain JAX's step, the twin's and ours: a cold run (an empty persistent
+  compilation cache) and a second run (the same cache), each in a process of its own; ours
+  against plain JAX's, cold as a ratio and second as a difference (issue 57's bars: at most
+  1.3x cold, within 3 s second)."""
+  import tempfile
+  models = SMOKE if session.smoke else MODELS
+  if only:
+    models = {name: batch for name, batch in models.items() if name in only}
+  seq = min(SEQ, 128) if session.smoke else SEQ
+  for preset, batch in models.items():
+    got = {}
+    for kernels in ("plain", "xla", "jaxkernels"):
+      with tempfile.TemporaryDirectory() as cache:
+        for run in ("cold", "second"):
+          got[kernels, run] = _child({"preset": preset, "kernels": kernels, "batch": batch,
+                                      "seq": seq, "cache": cache}, function="measure_compile")
+    for (kernels, run), g in got.items():
+      name = "plain JAX" if kernels == "plain" else kernels
+      row = harness.Row("model", f"{preset} train step: compile, {run} run", name,
+                        f"batch {batch} x {seq}", "bfloat16")
+      if "error" in g:
+        row.note = f"FAILED: {g['error']}"
+        session.add(row)
+        continue
+      total = g["lower_s"] + g["compile_s"]
+      row.ms = total * 1e3
+      plain = got["plain", run]
+      versus = ""
+      if kernels != "plain" and "error" not in plain:
+        base = plain["lower_s"] + plain["compile_s"]
+        versus = (f"; {total / base:.2f}x plain JAX's {base:.1f} s" if run == "cold" else
+                  f"; {total - base:+.1f} s against plain JAX's {base:.1f} s")
+      row.note = (f"{total:.1f} s: trace and lower {g['lower_s']:.1f} s"
+                  + (" (the kept program)" if g["loaded"] else "")
+                  + f", XLA {g['compile_s']:.1f} s{versus}")
+      session.add(row)
 
 
 REMAT_PRESET = ("1b", 4)

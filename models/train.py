@@ -47,7 +47,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxkernels import hardware, partitioning, remat, tuning
-from models import llama
+from models import llama, programs
 
 CORPUS_BYTES = 8 << 20  # the standard library's first 8 MiB of module text, in path order
 
@@ -319,14 +319,20 @@ def step_fn(graphdef, donate: bool = True, platform: str | None = None):
   buffers donated to the new (unless ``donate`` is False), compiled with
   :func:`compiler_options` for ``platform`` (default: the default backend's)."""
 
+  return jax.jit(step_body(graphdef), donate_argnums=0 if donate else (),
+                 compiler_options=compiler_options(platform))
+
+
+def step_body(graphdef):
+  """The train step, unjitted: (state, tokens) -> (state, {"loss", "grad_norm"})."""
+
   def step(state, tokens):
     model, opt = nnx.merge(graphdef, state)
     loss, grads = nnx.value_and_grad(llama.loss_fn)(model, tokens)
     opt.update(model, grads)
     return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-  return jax.jit(step, donate_argnums=0 if donate else (),
-                 compiler_options=compiler_options(platform))
+  return step
 
 
 def auto_remat(cfg: llama.Config, tc: TrainConfig, budget: int | None = None,
@@ -652,7 +658,6 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   if start >= tc.steps:
     print(f"nothing to do: the checkpoint is at step {start} of {tc.steps} (a larger --steps "
           "trains on)", file=stream)
-  step = step_fn(graphdef)
   progress = Progress(tc.steps, log_every, stream)
   peak = peak_flops(list(where.devices.flat))
   report = functools.partial(_report, cfg=cfg, tc=tc, peak=peak, progress=progress)
@@ -664,10 +669,13 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
     stack.enter_context(jax.set_mesh(where))
     if start < tc.steps:  # compiled here, to say how long it took (the calls below reuse it)
       began = time.perf_counter()
-      lowered = step.lower(state, batch_on(data, start, tc, where))
+      lowered, run, loaded = lower_step(cfg, tc, graphdef, state,
+                                        batch_on(data, start, tc, where), where)
       lowered_at = time.perf_counter()
       compiled = lowered.compile()
-      print(f"train step: traced and lowered in {lowered_at - began:.1f} s, compiled in "
+      step = run(compiled)
+      how = " (the program kept by an earlier run)" if loaded else ""
+      print(f"train step: traced and lowered in {lowered_at - began:.1f} s{how}, compiled in "
             f"{time.perf_counter() - lowered_at:.1f} s", file=stream, flush=True)
       if (memory := compiled.memory_analysis()) is not None:
         print(f"  a device's step needs {memory.temp_size_in_bytes / 2**20:.1f} MiB beyond its "
@@ -798,6 +806,32 @@ _FLAG_HELP = {
 def _train_flags():
   """TrainConfig's fields that the CLI sets, one flag each."""
   return [f for f in dataclasses.fields(TrainConfig) if f.init]
+
+
+def lower_step(cfg: llama.Config, tc: TrainConfig, graphdef, state, tokens,
+               where: jax.sharding.Mesh | None = None):
+  """(lowered, run, loaded): the train step lowered for (state, tokens) as the CLI lowers it,
+  ``run(lowered.compile())`` the step to call, and whether the program was one an earlier run
+  kept (:func:`kept_programs`, where JAX's compilation cache is on; else traced here)."""
+  kept = kept_programs()
+  if kept is None:
+    return step_fn(graphdef).lower(state, tokens), lambda compiled: compiled, False
+  mesh = None if where is None else _described(where.shape)
+  program = programs.Program(
+      step_body(graphdef), state, tokens, directory=kept, compiler_options=compiler_options(),
+      described={"model": dataclasses.asdict(cfg), "train": dataclasses.asdict(tc),
+                 "mesh": mesh})
+  return program.lowered, lambda compiled: functools.partial(program.run, compiled), \
+      program.loaded
+
+
+def kept_programs() -> pathlib.Path | None:
+  """Where the train step's lowered program is kept across runs (:mod:`models.programs`):
+  beside JAX's persistent compilation cache, where that is on, in one process."""
+  cache = jax.config.values.get("jax_compilation_cache_dir")
+  if not cache or jax.process_count() > 1:
+    return None
+  return pathlib.Path(cache) / "jaxkernels-programs"
 
 
 def default_compilation_cache() -> str:

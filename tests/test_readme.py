@@ -69,6 +69,8 @@ def test_train_command_runs(command, tmp_path):
   assert re.fullmatch(r"final loss \d+\.\d{4} at step 3 \([\d.]+ perplexity per byte, "
                       r"[\d,]+ tokens/s\)\n", out), out
   assert "step 3/3 loss" in err and "Traceback" not in err
+  cache = argv[argv.index("--compilation-cache") + 1]
+  assert os.listdir(os.path.join(cache, "jaxkernels-programs")), "no kept train step"
   if "--remat" in argv and argv[argv.index("--remat") + 1] == "auto":
     assert re.search(r"^remat auto: .* against a budget of", err, re.M), err[-3000:]
   if "--checkpoint-dir" in argv:

@@ -661,3 +661,41 @@ def test_a_signal_that_lands_mid_step_is_saved_where_it_stops(tmp_path, capsys, 
   monkeypatch.undo()
   code, err = _main(capsys, *common)
   assert code == 0 and f"resumed at step {stopped}" in err, err
+
+
+def test_the_kept_program_is_the_step(tmp_path):
+  """models.programs: the first Program lowers the step and keeps it; the second loads it (no
+  tracing: the step function is not called) and computes the same state and metrics, bit for
+  bit, as the jitted step; other arguments or another description key another program; a
+  damaged file is lowered again, with a warning that names it."""
+  from models import programs
+
+  cfg = llama.preset("tiny", max_len=32, depth=1)
+  tc = train.TrainConfig(steps=4, warmup=1, batch=2, seq_len=16)
+  data, _ = train.corpus()
+  graphdef, state = train.init(cfg, tc)
+  tokens = train.batch_at(data, 0, tc)
+  want = train.step_fn(graphdef, donate=False)(state, tokens)
+  traced = []
+
+  def body(*args):
+    traced.append(True)
+    return train.step_body(graphdef)(*args)
+
+  make = lambda described="run", tokens=tokens: programs.Program(
+      body, state, tokens, directory=tmp_path, described=described, donate=False)
+  first = make()
+  assert not first.loaded and traced and first.path.exists()
+  traced.clear()
+  second = make()
+  assert second.loaded and not traced and second.path == first.path
+  for program in (first, second):
+    chex.assert_trees_all_equal(program.run(program.lowered.compile(), state, tokens), want)
+  assert make(described="another run").path != first.path
+  longer = train.batch_at(data, 0, dataclasses.replace(tc, seq_len=8))
+  assert make(tokens=longer).path != first.path
+  first.path.write_bytes(b"not a program")
+  with pytest.warns(UserWarning, match=f"the kept train step {first.path} did not load"):
+    again = make()
+  assert not again.loaded
+  assert make().loaded
