@@ -5,11 +5,10 @@ the norm after it (``jaxkernels.flax.RMSNorm(x, residual=...)``), rotary positio
 attention through ``flash_attention`` (causal), the SwiGLU MLP through ``matmul`` and ``glu``
 (``jaxkernels.flax.GLUMLP``), and the next-token loss fused with the output projection
 (``linear_softmax_cross_entropy``: the (tokens, vocab) logits are never held). The layers are
-each under ``nnx.remat`` with a policy by name (``jaxkernels.remat``), one for all or one per
-layer, walked unrolled, each layer with its own parameters (the default: a step 22% shorter on
-an H100 at 350m, bench/NOTES.md model-2), or by one ``nnx.scan`` over stacked parameters
-(``scan_layers``: one layer's program to compile). The residual stream is float32, the
-activations ``dtype``.
+stacked parameters, each under ``nnx.remat`` with a policy by name (``jaxkernels.remat``), one
+for all or one per layer, walked unrolled (the default: a step 22% shorter on an H100 at 350m,
+bench/NOTES.md model-2) or by one ``nnx.scan`` (``scan_layers``: one layer's program to
+compile). The residual stream is float32, the activations ``dtype``.
 
 ``kernels="xla"`` runs the same model as a user of plain JAX would: XLA's ops,
 ``jax.nn.dot_product_attention`` (cuDNN on a GPU) and optax's loss on the whole logits.
@@ -377,18 +376,6 @@ class Block(nnx.Module):
     return self.mlp(normed), stream
 
 
-def _unstacked(stacked: Block, cfg: Config) -> list[Block]:
-  """The layers of ``stacked`` (a Block whose parameters have a leading layer axis) as one
-  Block each, their parameters' logical names without the layer axis."""
-  values = nnx.to_pure_dict(nnx.state(stacked))
-  layers = []
-  for i in range(cfg.depth):
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x, i=i: x[i], values))
-    layers.append(nnx.merge(graphdef, state))
-  return layers
-
-
 class Llama(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     cfg.layer_policies()  # "auto" must have been resolved
@@ -401,12 +388,7 @@ class Llama(nnx.Module):
     def blocks(rngs):
       return Block(cfg, rngs=rngs)
 
-    stacked = blocks(rngs)
-    # Unrolled, each layer holds its own parameters: sliced from one stacked set, their
-    # gradients would be put back together by a concatenation of every weight gradient (at 1b
-    # ~4.8 ms of an 87 ms step on an H200, bench/NOTES.md train-step-2). Both layouts start
-    # from the same draws.
-    self.blocks = stacked if cfg.scan_layers else nnx.List(_unstacked(stacked, cfg))
+    self.blocks = blocks(rngs)
     self.final_norm = jkf.RMSNorm(cfg.width, epsilon=cfg.norm_eps, dtype=cfg.dtype,
                                   implementation=cfg.implementation("norm"), rngs=rngs)
     self.head = jkf.LMHead(cfg.width, cfg.vocab, tied=self.embed if cfg.tied else None,
@@ -444,10 +426,14 @@ class Llama(nnx.Module):
     if cfg.scan_layers:
       delta, stream = nnx.scan(layer[policies[0]], in_axes=(nnx.Carry, 0),
                                out_axes=nnx.Carry)((delta, stream), self.blocks)
-    else:  # one program per layer, each with its own parameters
+    else:  # one program per layer: no stacked residuals to slice in and out of
+      graphdef, stacked = nnx.split(self.blocks)
+      layers = jax.tree.map(lambda x: jnp.split(x, cfg.depth), stacked)
       carry = (delta, stream)
-      for block, policy in zip(self.blocks, policies, strict=True):
-        carry = layer[policy](carry, block)
+      for i in range(cfg.depth):
+        state = jax.tree.map(lambda parts: parts[i][0], layers,
+                             is_leaf=lambda x: isinstance(x, list))
+        carry = layer[policies[i]](carry, nnx.merge(graphdef, state))
       delta, stream = carry
     normed, _ = self.final_norm(delta, residual=stream)
     return normed

@@ -424,10 +424,6 @@ def _identity(cfg: llama.Config, tc: TrainConfig, data: np.ndarray) -> dict:
            if k not in ("steps", "warmup_defaulted")}
   model = {k: v for k, v in dataclasses.asdict(cfg).items()
            if k != "reference_ops" and not (k == "fp8" and not v)}  # older runs have no fp8
-  # Unrolled layers hold their own parameters since train-step-2; a checkpoint of the stacked
-  # ones (which has no "layers" here) is another run's, refused by name, not by orbax.
-  if not cfg.scan_layers:
-    model["layers"] = "one set of parameters a layer"
   return json.loads(json.dumps({"model": model, "train": train,
                                 "corpus": fingerprint(data)}))
 

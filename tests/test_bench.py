@@ -337,8 +337,7 @@ def test_the_plain_jax_anchor_is_our_model_written_without_us():
   from bench import model as bench_model, plain_llama
   from models import llama
 
-  # Stacked layers: the anchor's scanned form takes them as they are.
-  cfg = llama.preset("tiny", kernels="xla", dtype="float32", scan_layers=True)
+  cfg = llama.preset("tiny", kernels="xla", dtype="float32")
   ours = llama.Llama(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(ours)
 

@@ -104,8 +104,8 @@ def test_fully_sharded_step_matches_one_device():
     losses.append(got)
     if where is not None:
       model, opt = nnx.merge(graphdef, state)
-      assert model.blocks[0].qkv[...].sharding.spec == P("fsdp", None, None, None)
-      assert model.blocks[0].mlp.down[...].sharding.spec == P(None, "fsdp")
+      assert model.blocks.qkv[...].sharding.spec == P(None, "fsdp", None, None, None)
+      assert model.blocks.mlp.down[...].sharding.spec == P(None, None, "fsdp")
       assert model.embed.embedding[...].sharding.spec == P(None, "fsdp")
       moments = jax.tree.leaves(nnx.state(opt))
       assert sum("fsdp" in str(x.sharding.spec) for x in moments) == 2 * 6  # mu and nu of the 6 weight matrices
@@ -226,11 +226,10 @@ def test_tensor_parallel_step_matches_one_device():
   want, _, _ = _three_steps(cfg, None)
   got, text, model = _three_steps(cfg, train.mesh(data=2, fsdp=2, tensor=2))
   losses = {"one device": want, "tensor": got}
-  block = model.blocks[0]
-  specs = {name: tuple(getattr(block, name)[...].sharding.spec) for name in ("qkv", "out")}
-  assert specs == {"qkv": ("fsdp", "tensor", None, None), "out": ("tensor", "fsdp")}
-  assert block.mlp.gate_up[...].sharding.spec == P("fsdp", None, "tensor")
-  assert block.mlp.down[...].sharding.spec == P("tensor", "fsdp")
+  specs = {name: tuple(getattr(model.blocks, name)[...].sharding.spec) for name in ("qkv", "out")}
+  assert specs == {"qkv": (None, "fsdp", "tensor", None, None), "out": (None, "tensor", "fsdp")}
+  assert model.blocks.mlp.gate_up[...].sharding.spec == P(None, "fsdp", None, "tensor")
+  assert model.blocks.mlp.down[...].sharding.spec == P(None, "tensor", "fsdp")
   assert model.head.kernel[...].sharding.spec == P("fsdp", "tensor")
   # Float32 throughout; sums over the batch, the heads and the vocabulary in another order.
   np.testing.assert_allclose(losses["tensor"], losses["one device"], rtol=1e-5)
@@ -347,12 +346,12 @@ def test_a_checkpoint_restores_onto_another_mesh(tmp_path):
     reopened = train.Checkpoints(directory, {"test": saved_on})
     restored = reopened.restore(2, fresh)
     reopened.close()
-    qkv = nnx.merge(graphdef, restored)[0].blocks[0].qkv[...]
+    qkv = nnx.merge(graphdef, restored)[0].blocks.qkv[...]
     if where is None:
       assert len(qkv.sharding.device_set) == 1
     else:  # laid out as the new mesh lays it: over tensor too where it has one
       assert qkv.sharding.mesh.shape == where.shape and qkv.sharding.spec == P(
-          "fsdp", "tensor" if where.shape["tensor"] > 1 else None, None, None)
+          None, "fsdp", "tensor" if where.shape["tensor"] > 1 else None, None, None)
     _, got = run(restored_on, 2, restored)
     # The same float32 numbers; the sums over the batch and the gathers in another order.
     np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{saved_on} -> {restored_on}")
@@ -457,7 +456,7 @@ def test_a_mesh_that_does_not_divide_the_model_is_refused_before_anything_is_wri
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   six = jax.devices()[:6]
-  with pytest.raises(ValueError, match=r"dimension 1 \(embed, size 64\) is laid out over mesh "
+  with pytest.raises(ValueError, match=r"dimension 2 \(embed, size 64\) is laid out over mesh "
                      r"axes \('fsdp',\) of size 3, which does not divide it"):
     train.init(llama.preset("tiny", max_len=32), train.TrainConfig(batch=6, seq_len=32),
                train.mesh(1, devices=six[:3]))
@@ -661,6 +660,24 @@ def test_a_signal_that_lands_mid_step_is_saved_where_it_stops(tmp_path, capsys, 
   monkeypatch.undo()
   code, err = _main(capsys, *common)
   assert code == 0 and f"resumed at step {stopped}" in err, err
+
+
+def test_weight_decay_takes_the_matrices_not_the_norms_scales():
+  """AdamW's mask: every weight matrix and the embedding decayed, no norm's scale (the layers'
+  parameters are stacked: their scales are (layers, width), 2-d as a matrix is, and a mask by
+  rank decayed them)."""
+  cfg = llama.preset("tiny", max_len=32)
+  tc = train.TrainConfig(steps=2, warmup=0, batch=2, seq_len=16)
+  _, state = train.init(cfg, tc)
+  params = state[0]  # the model's
+  mask = train._decayed(params)
+  named = {jax.tree_util.keystr(path): (leaf, x.ndim) for (path, leaf), x in zip(
+      jax.tree_util.tree_leaves_with_path(mask), jax.tree.leaves(params))}
+  scales = {k: v for k, v in named.items() if "scale" in k}
+  assert len(scales) == 3 and not any(leaf for leaf, _ in scales.values()), scales
+  assert sorted(ndim for _, ndim in scales.values()) == [1, 2, 2]  # the final norm's is 1-d
+  others = {k: v for k, v in named.items() if "scale" not in k}
+  assert len(others) == 6 and all(leaf for leaf, _ in others.values()), others
 
 
 def test_the_kept_program_is_the_step(tmp_path):
