@@ -329,7 +329,10 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
       for row in rows.values():
         if xla is not None and row.ms and xla.ms:
           row.vs_xla = xla.ms / row.ms
+      torch_row = rows.get("torch_sdpa")
       for kernel in _kernels(session):
         ours = rows[kernel]
         if cudnn is not None and ours.ms and cudnn.ms:
           ours.note = (ours.note + f" {cudnn.ms / ours.ms:.2f}x cudnn").strip()
+        if torch_row is not None and ours.ms and torch_row.ms:
+          ours.note += f" {torch_row.ms / ours.ms:.2f}x torch_sdpa"

@@ -103,6 +103,8 @@ def attention(smoke: bool) -> list[Attention]:
                       soft_cap=30.0)]
   return [Attention("plain", 2, 4096, 16, 16, 128),
           Attention("causal", 2, 4096, 16, 16, 128, causal=True),
+          Attention("gqa", 2, 4096, 32, 8, 128),
+          Attention("gqa causal", 2, 4096, 32, 8, 128, causal=True),
           Attention("gqa h64", 2, 4096, 32, 8, 64),
           Attention("gqa h64 causal", 2, 4096, 32, 8, 64, causal=True),
           Attention("gqa h256", 2, 4096, 32, 8, 256),
