@@ -37,15 +37,23 @@ TARGET_TILE = 8192
 # registers, three programs an SM) 134-136 us against 139 at 32; layer_norm at 16 holds 42-43
 # registers, two programs an SM, 160 us against 147 at 32.
 FWD_ELEMENTS_PER_THREAD = {False: 16, True: 32}  # by layer
-# The backward holds ~6 float32 values per element live: 1 row x 8 warps was best (bwd 0.155 ms);
-# 4 rows x 4 warps spilled (2-3 ms).
-TARGET_BWD_TILE = 4096
+# Backward elements a program, by layer. The backward holds ~6 float32 values per element live:
+# at 4096 columns 1 row x 8 warps was best (bwd 0.155 ms), 4 rows x 4 warps spilled (2-3 ms).
+# rms_norm with the model's float32 residual (train-step-2, H200: x bfloat16, residual, h and
+# dresidual float32, 16 bytes an element moved): at (16384, 1024) one row x 16 warps, four
+# programs an SM, 70.5 us against 102.0 for 4 rows (the 4096-element tile), and at (8192,
+# 2048) 71-76 us against 101.8: one row a program, many programs, hide the latency better.
+TARGET_BWD_TILE = {False: 1024, True: 4096}
 # Backward elements a thread (run 43, 4096 columns, after the FMAs): rms_norm at 8 (1 row x 16
 # warps, 64 registers, two programs an SM) 143.6 us against 147.8 at 16; layer_norm at 8 holds
 # 75 registers, one program of 16 warps an SM (199.7 us), so it keeps 16 (127 registers).
-BWD_ELEMENTS_PER_THREAD = {False: 8, True: 16}  # by layer
-# Persistent backward programs per SM: 2 x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms).
-BWD_PROGRAMS_PER_SM = 2
+# rms_norm at 2 gives 16 warps to rows of 1024-4096 (at 4096 what 8 gave; at 1024 and 2048
+# 16 warps beat 8 and 4: 70.5 / 71.5 / 78.4 us at 1024, train-step-2).
+BWD_ELEMENTS_PER_THREAD = {False: 2, True: 16}  # by layer
+# Persistent backward programs per SM, as registers allow (BWD_ELEMENTS_PER_SM): layer_norm 2
+# x 8 warps beat 4 (run 3: 0.310 vs 0.313 ms); rms_norm's narrow rows 4 (train-step-2: 528
+# programs 70.5 us, 264 91.6, at (16384, 1024); at 4096 columns registers allow 2, as before).
+BWD_PROGRAMS_PER_SM = {False: 4, True: 2}
 # ... as long as they fit: the backward holds ~8 registers an element of its row block (64-127
 # a thread at 8-16 elements), so an SM's 64K registers hold 8192 elements, two 4096-wide row
 # blocks but one 8192-wide. At 4096x8192 a second program an SM ran as a second wave: 264
@@ -80,10 +88,11 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   block_rows = max(1, min(TARGET_TILE // block_cols, next_pow2(n_rows)))
   per_thread = 32 * FWD_ELEMENTS_PER_THREAD[layer]
   num_warps = max(4, min(16, block_rows * block_cols // per_thread))
-  bwd_block_rows = max(1, min(TARGET_BWD_TILE // block_cols, next_pow2(n_rows)))
+  bwd_block_rows = max(1, min(TARGET_BWD_TILE[layer] // block_cols, next_pow2(n_rows)))
   bwd_per_thread = 32 * BWD_ELEMENTS_PER_THREAD[layer]
   bwd_num_warps = max(4, min(16, bwd_block_rows * block_cols // bwd_per_thread))
-  per_sm = max(1, min(BWD_PROGRAMS_PER_SM, BWD_ELEMENTS_PER_SM // (bwd_block_rows * block_cols)))
+  per_sm = max(1, min(BWD_PROGRAMS_PER_SM[layer],
+                      BWD_ELEMENTS_PER_SM // (bwd_block_rows * block_cols)))
   bwd_programs = max(1, min(cdiv(n_rows, bwd_block_rows), per_sm * chip.cores))
   return Config(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
                 bwd_block_rows=bwd_block_rows, bwd_num_warps=bwd_num_warps,
