@@ -109,9 +109,11 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
   return out[0] if unbatched else out
 
 
-# A masked key's bias in attention_fn: jax.nn's large finite negative, far below any logit and
-# far enough from float32's edge that adding a bias or a logit never overflows to -inf.
-_HIDDEN = -0.7 * float(jnp.finfo(jnp.float32).max)
+# A masked key's bias in attention_fn: a large finite negative, far below any logit and far
+# enough from float32's edge that neither adding a logit nor the kernels' base-2 softmax
+# (logits x log2 e = 1.44) overflows it to -inf: at -0.7 x max (jax.nn's) the Triton kernel's
+# row maximum of a row that sees nothing became -inf, and jax.debug_infs stopped the call.
+_HIDDEN = -0.5 * float(jnp.finfo(jnp.float32).max)
 
 
 def _tag_norm(out, residual):
