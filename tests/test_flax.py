@@ -98,10 +98,15 @@ def test_norms_take_flaxs_arguments(kind, args):
     assert ours.scale.get_metadata()["tag"] == "norm scale"
   for x in (_x(3, 5, 32), _x(3, 5, 32).astype(jnp.bfloat16)):
     with numerics.kernel_mode():
-      y, g = _grads(ours, lambda m, x: m(x).astype(jnp.float32), x)
-    want, want_g = _grads(theirs, lambda m, x: m(x).astype(jnp.float32), x)
-    assert ours(x).dtype == theirs(x).dtype, (ours(x).dtype, theirs(x).dtype)
-    chex.assert_trees_all_close(y, want, **TOL)
+      y, g = _grads(ours, lambda m, x: m(x), x)
+    want, want_g = _grads(theirs, lambda m, x: m(x), x)
+    assert y.dtype == want.dtype, (y.dtype, want.dtype)
+    # Each output in its own dtype (cast inside the program, XLA may skip a bfloat16 rounding
+    # under its excess precision: on the GPU Flax's bfloat16 output came back float32-exact).
+    # A bfloat16 output (x bfloat16, no float32 parameter to promote it) may round to either
+    # neighbour of the exact value: one bfloat16 ulp, 2^-7 relative.
+    tol = TOL if y.dtype == jnp.float32 else dict(rtol=2.0**-7, atol=0)
+    chex.assert_trees_all_close(y, want, **tol)
     chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), **TOL)
 
 
