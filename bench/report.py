@@ -28,7 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parent
 # Our implementations, as result rows name them; every other name below is an anchor.
 OURS = ("mosaic_gpu", "triton", "mosaic_tpu", "jaxkernels")
 ANCHORS = ("xla", "cublas(torch)", "cudnn", "torch", "torch_sdpa", "optax", "jax_pallas_tpu",
-           "jax_pallas_triton", "jax_pallas_mgpu", "jax_pallas_mgpu_example")
+           "jax_pallas_triton", "jax_pallas_mgpu", "jax_pallas_mgpu_example",
+           "plain JAX")  # plain JAX: bench/plain_llama.py, the model step's own anchor
 FAMILIES = (("norms, elementwise, softmax", ("norms", "elementwise", "softmax")),
             ("cross-entropy", ("cross_entropy",)), ("matmul", ("matmul",)),
             ("attention", ("attention",)), ("model step", ("model",)))
@@ -105,7 +106,8 @@ def lines(runs: list[Run]) -> dict[str, list[Line]]:
   for run in runs:  # oldest first: a newer run replaces an older one's line
     timed = collections.defaultdict(list)
     for row in run.rows:
-      if row["ms"] is not None and _within_tolerance(row):  # timed, and not wrong
+      # Timed, and not wrong; a compile time (bench model --compile) is no step's time.
+      if row["ms"] is not None and _within_tolerance(row) and ": compile" not in row["name"]:
         timed[_key(row)].append(row)
     for key, rows in timed.items():
       ours = [r for r in rows if _impl(r) in OURS]
