@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import jax
+from jax._src import core  # the trace stack (forward_mode)
+from jax._src.interpreters import ad
 
 from jaxkernels import (_checks, _mosaic_gpu, _mosaic_tpu, _triton, hardware, partitioning,
                         tuning)
@@ -325,6 +327,9 @@ class Op:
     compose: ``(implementation, config, **args) -> result or None``: where the call is served
       by a composition of ops (matmul's glu outside its fused kernel), its result; else None.
     xla_too: the reference splits with the kernels too (see ``partitioning.split``).
+    forward: ``(**args) -> result``: what runs under forward-mode differentiation, where the
+      reference is itself a custom_vjp (a loss computed chunk by chunk); default: the
+      reference.
   """
 
   name: str
@@ -340,6 +345,7 @@ class Op:
   across: Callable[..., Any] | None = None
   compose: Callable[..., Any] | None = None
   xla_too: bool = False
+  forward: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,9 +395,27 @@ def call(op: Op, implementation: str | None, config: Any, /, **arguments: Any) -
 
 
 def _local(op: Op, implementation: str | None, config: Any, args: dict[str, Any]) -> Any:
-  """The validated call on one device, or one shard."""
+  """The validated call on one device, or one shard. Under forward-mode differentiation
+  (:func:`forward_mode`) the reference runs, planned or not: the kernels' backward is a
+  ``jax.custom_vjp``, which JAX cannot differentiate forward."""
   chosen = _plan(op, implementation, config, args)
+  if forward_mode():
+    return (op.forward or op.reference)(**args)
   return op.reference(**args) if chosen is None else op.kernel(chosen, **args)
+
+
+def forward_mode() -> bool:
+  """Whether the call is traced under forward-mode differentiation: ``jax.jvp``,
+  ``jax.jacfwd``, ``jax.hessian`` and Hessian-vector products (forward over reverse) put
+  JAX's JVP trace on the trace stack; reverse mode (``jax.grad``, ``jax.vjp``) linearizes
+  with its own trace and keeps the kernels and their backward. (``jax.linearize`` linearizes
+  as reverse mode does, so it is told from a gradient by nothing a call can see.)"""
+  trace = core.trace_ctx.trace
+  while trace is not None:
+    if isinstance(trace, ad.JVPTrace):
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
 
 
 def _plan(op: Op, implementation: str | None, config: Any, args: dict[str, Any]) -> Plan | None:

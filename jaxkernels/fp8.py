@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxkernels import _checks, partitioning
+from jaxkernels import _checks, backend, partitioning
 from jaxkernels.ops.matmul.api import matmul
 from jaxkernels.quantize import quantize
 
@@ -65,6 +65,12 @@ def fp8_matmul(x, w, *, implementation: str | None = None):
     if size % BLOCK:
       raise ValueError(f"{OP}: {name}={size} must be a multiple of {BLOCK} (the scales' "
                        f"blocks); w has shape {tuple(w.shape)}")
+  if backend.forward_mode():
+    raise ValueError(
+        f"{OP}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) is not defined: "
+        "its gradient is a training rule on quantized operands (a custom_vjp, on every "
+        "backend), not the derivative of its forward; differentiate it with jax.grad, or use "
+        "jk.matmul where forward mode is needed")
   x, w = _whole("x", x), _whole("w", w)
   lead = x.shape[:-1]
   m = math.prod(lead)

@@ -245,6 +245,12 @@ def _across(where, rule, local, *, q, k, v, bias, segment_ids, kv_segment_ids, w
   if not axes:
     return where.run(local, arrays, rule, out)
   n = where.size("sequence")
+  if backend.forward_mode():
+    raise ValueError(
+        f"{OP}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) of ring "
+        f"attention (the sequence split over mesh axes {axes}): its passes around the ring are "
+        "a custom_vjp; differentiate it in reverse mode (jax.grad), or keep the sequence "
+        "whole (split the batch or the heads instead)")
   if layout == "zigzag" and (q.shape[-3] // n) % 2:
     raise ValueError(f"{OP}: sequence_layout='zigzag' needs each of the {n} sequence shards to "
                      f"hold two equal chunks: T={q.shape[-3]} is not a multiple of {2 * n}")

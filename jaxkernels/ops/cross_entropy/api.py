@@ -666,6 +666,25 @@ def _linear(plan, x, w, labels, options: _Options, reduction, chunk_size, w_comp
   return _linear_total(spec, flat_x, w, flat_labels, weights)
 
 
+def _linear_whole(x, w, labels, options: _Options, reduction, chunk_size, w_compute,
+                  vocab_split=None):
+  """The fused loss as plain jnp on the whole logits, x @ w in float32 (the reference's
+  math): what forward-mode differentiation runs, since the chunked loss (kernels or not) is
+  a custom_vjp. It holds the (tokens, V) logits that the chunks never do."""
+  del chunk_size, w_compute
+  if vocab_split is not None:
+    raise NotImplementedError(
+        f"{LINEAR_OP}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) of the "
+        "loss with w's vocabulary split over devices; gather w (or use a mesh that does not "
+        "split the vocabulary), or differentiate in reverse mode (jax.grad)")
+  loss, _ = reference.linear_softmax_cross_entropy(x, w, labels, **options.kwargs())
+  if reduction == "none":
+    return loss
+  if reduction == "mean":
+    return jnp.sum(loss) / jnp.maximum(_count(labels, options), 1.0)
+  return jnp.sum(loss)
+
+
 def _linear_rule(x, **unused):
   """The fused loss's split rule: x's tokens (its leading dimensions; the labels' with them)
   split freely, and so does w's vocabulary (vocabulary parallel: each slice's statistics are
@@ -747,5 +766,5 @@ _LINEAR_OP = backend.register(backend.Op(
     reference=functools.partial(_linear, None), kernel=_linear,
     options=lambda options, **unused: options.kwargs(),
     empty=lambda x, **unused: math.prod(x.shape[:-1]) == 0,
-    rule=_linear_rule, across=_linear_across, xla_too=True,
+    rule=_linear_rule, across=_linear_across, xla_too=True, forward=_linear_whole,
 ), linear_softmax_cross_entropy)
