@@ -39,6 +39,8 @@ def _case(name):
           a, w, labels, implementation=impl), x),
       "matmul": (lambda a, impl: jk.matmul(a, w, activation="gelu", implementation=impl), x),
       "glu": (lambda a, impl: jk.glu(a[:, :16], a[:, 16:], implementation=impl), x),
+      "matmul glu": (lambda a, impl: jk.matmul(a, w.reshape(32, 2, 12), glu=True,
+                                               activation="silu", implementation=impl), x),
       "bias_activation": (lambda a, impl: jk.bias_activation(a, scale, activation="gelu",
                                                              implementation=impl), x),
       "flash_attention": (lambda a, impl: jk.flash_attention(a, kv, kv, causal=True,
@@ -50,7 +52,8 @@ def _case(name):
 
 
 OPS = ("rms_norm", "rms_norm+residual", "layer_norm", "softmax", "softmax_cross_entropy",
-       "linear_softmax_cross_entropy", "matmul", "glu", "bias_activation", "flash_attention",
+       "linear_softmax_cross_entropy", "matmul", "matmul glu", "glu", "bias_activation",
+       "flash_attention",
        "decode_attention")
 
 

@@ -348,9 +348,10 @@ def _class_masked(logits, labels, where, *, label_smoothing, z_loss, ignore_inde
   lse = jax.nn.logsumexp(z, axis=-1, where=where)
   picked = jnp.take_along_axis(z, jnp.clip(labels, 0, vocab - 1)[..., None], axis=-1)[..., 0]
   loss = lse - picked + options.z_loss * lse * lse
-  loss = jnp.where((labels >= 0) & (labels < vocab), loss, jnp.nan)
   takes_in = jnp.any(where, axis=-1)
-  loss = jnp.where(takes_in & _kept(labels, options), loss, 0.0)
+  kept = takes_in & _kept(labels, options)
+  loss = reference.nan_where(kept & ((labels < 0) | (labels >= vocab)), loss)
+  loss = jnp.where(kept, loss, 0.0)
   return _reduce(loss, labels, options, reduction, valid=takes_in)
 
 
@@ -508,7 +509,7 @@ def _vocab_forward(spec: _Linear, split: _VocabSplit, x, w, labels):
     loss = loss + options.label_smoothing * (picked - total / split.vocab)
   if options.z_loss:
     loss = loss + options.z_loss * lse * lse
-  loss = jnp.where((labels >= 0) & (labels < split.vocab), loss, jnp.nan)
+  loss = reference.nan_where(kept & ((labels < 0) | (labels >= split.vocab)), loss)
   return jnp.where(kept, loss, 0.0), lse
 
 
