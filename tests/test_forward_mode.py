@@ -7,6 +7,8 @@ Reverse mode keeps the kernels and their backward. What cannot have both says so
 
 from __future__ import annotations
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -57,9 +59,16 @@ OPS = ("rms_norm", "rms_norm+residual", "layer_norm", "softmax", "softmax_cross_
        "decode_attention")
 
 
+def _context(impl):
+  """Where ``impl`` runs: interpreted on the CPU; None (the device's best) compiled."""
+  return contextlib.nullcontext() if impl is None else jk.interpret_mode(impl)
+
+
 def _served(op, impl, a):
   """Whether ``impl`` serves the call (else it would fall back, and there is nothing to show)."""
-  with jk.interpret_mode(impl):
+  if impl is None:
+    return True
+  with _context(impl):
     try:
       jax.eval_shape(lambda a: op(a, impl), a)
     except ValueError as e:
@@ -69,13 +78,16 @@ def _served(op, impl, a):
   return True
 
 
-@pytest.mark.cpu_only
-@pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])
+@pytest.mark.parametrize("impl", ["triton", "mosaic_tpu", "compiled"])
 @pytest.mark.parametrize("name", OPS)
 def test_forward_mode_agrees_with_the_xla_path(name, impl):
   """jax.jvp, jax.jacfwd and a Hessian-vector product (forward over reverse) on the kernel
-  path, interpreted, against the same on implementation="xla"; the gradient still runs the
-  kernel (a pallas_call in its program) and forward mode does not."""
+  path (interpreted on the CPU; the device's own kernels compiled in the GPU check) against
+  the same on implementation="xla"; the gradient still runs the kernel (a pallas_call in its
+  program) and forward mode does not."""
+  if (impl == "compiled") != numerics.COMPILED:
+    pytest.skip("interpreted on the CPU, compiled on the GPU")
+  impl = None if impl == "compiled" else impl
   op, a = _case(name)
   if not _served(op, impl, a):
     pytest.skip(f"{impl} does not serve {name} at this shape")
@@ -83,7 +95,7 @@ def test_forward_mode_agrees_with_the_xla_path(name, impl):
   ours = lambda a: op(a, impl)
   xla = lambda a: op(a, "xla")
   square = lambda f: lambda a: jnp.sum(f(a).astype(jnp.float32) ** 2)
-  with jk.interpret_mode(impl):
+  with _context(impl):
     got = (jax.jvp(ours, (a,), (t,)), jax.jacfwd(ours)(a),
            jax.jvp(jax.grad(square(ours)), (a,), (t,)))
     forward = str(jax.make_jaxpr(lambda a, t: jax.jvp(ours, (a,), (t,)))(a, t))
@@ -91,7 +103,8 @@ def test_forward_mode_agrees_with_the_xla_path(name, impl):
   want = (jax.jvp(xla, (a,), (t,)), jax.jacfwd(xla)(a),
           jax.jvp(jax.grad(square(xla)), (a,), (t,)))
   chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
-  assert "pallas_call" in reverse, "the gradient left the kernels"
+  # Compiled, the device's best may be XLA for a call (a fallback): then no kernel to keep.
+  assert "pallas_call" in reverse or impl is None, "the gradient left the kernels"
   assert "pallas_call" not in forward
 
 
