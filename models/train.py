@@ -812,13 +812,22 @@ def lower_step(cfg: llama.Config, tc: TrainConfig, graphdef, state, tokens,
   kept = kept_programs()
   if kept is None:
     return step_fn(graphdef).lower(state, tokens), lambda compiled: compiled, False
-  mesh = None if where is None else _described(where.shape)
   program = programs.Program(
       step_body(graphdef), state, tokens, directory=kept, compiler_options=compiler_options(),
-      described={"model": dataclasses.asdict(cfg), "train": dataclasses.asdict(tc),
-                 "mesh": mesh})
+      described=program_description(cfg, tc, where))
   return program.lowered, lambda compiled: functools.partial(program.run, compiled), \
       program.loaded
+
+
+def program_description(cfg: llama.Config, tc: TrainConfig,
+                        where: jax.sharding.Mesh | None = None) -> dict:
+  """What of a run decides its train step's program (part of a kept program's key): the
+  model's and training's configs (the schedule's constants are in the program), the mesh; not
+  how a field got its value (``warmup_defaulted``: a resumed run keeps its checkpoint's warmup
+  through another path, and must find the program its first run kept)."""
+  train = {f.name: getattr(tc, f.name) for f in dataclasses.fields(tc) if f.compare}
+  return {"model": dataclasses.asdict(cfg), "train": train,
+          "mesh": None if where is None else _described(where.shape)}
 
 
 def kept_programs() -> pathlib.Path | None:

@@ -680,6 +680,21 @@ def test_weight_decay_takes_the_matrices_not_the_norms_scales():
   assert len(others) == 6 and all(leaf for leaf, _ in others.values()), others
 
 
+def test_a_resumed_run_describes_the_program_its_first_run_kept():
+  """The kept program's description (part of its key) is the same for a run and its resumption
+  (which takes its checkpoint's warmup by another path: the GPU check's resumed 125m run once
+  lowered again for that alone), and differs where the program does."""
+  cfg = llama.preset("tiny")
+  tc = train.TrainConfig(steps=60)
+  resumed = train._resumed_warmup(tc, {"train": {"warmup": tc.warmup}})
+  assert tc.warmup_defaulted != resumed.warmup_defaulted
+  assert train.program_description(cfg, resumed) == train.program_description(cfg, tc)
+  for other in (dataclasses.replace(tc, steps=61), dataclasses.replace(tc, batch=8)):
+    assert train.program_description(cfg, other) != train.program_description(cfg, tc)
+  assert train.program_description(dataclasses.replace(cfg, remat="full"), tc) != (
+      train.program_description(cfg, tc))
+
+
 def test_the_kept_program_is_the_step(tmp_path):
   """models.programs: the first Program lowers the step and keeps it; the second loads it (no
   tracing: the step function is not called) and computes the same state and metrics, bit for
