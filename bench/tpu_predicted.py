@@ -116,6 +116,35 @@ def _jax_pallas_tpu(case: Case):
   return dataclasses.replace(case, arrays=(((b, n, t, h), dtype),) * 3, op=op)
 
 
+# Splash attention's blocks as MaxText's base.yml sets them (sa_block_q, sa_block_kv and their
+# _compute, _dkv and _dq companions all 512; the dq kernel unfused): what the attention TPU
+# users run in production is configured so, not with the kernel's own 128 defaults.
+SPLASH_BLOCK = 512
+
+
+def _splash(case: Case):
+  """JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention), the production
+  TPU attention: its block-sparse mask (full, or causal: the blocks above the diagonal never
+  visited), MaxText's blocks (SPLASH_BLOCK), its native (B, N, T, H) layout (no transposes
+  charged to it), the batch vmapped and q scaled before the kernel, as MaxText calls it."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_kernel as splash, splash_attention_mask as masks)
+  causal = case.name.startswith("causal")
+  (b, t, n, h), dtype = case.arrays[0]
+  block = SPLASH_BLOCK
+  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                            block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                            block_q_dq=block, block_kv_dq=block)
+  mask = masks.MultiHeadMask([masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))]
+                             * n)
+  kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes)
+
+  def op(impl, q, k, v):
+    del impl
+    return jax.vmap(kernel)(q * (q.shape[-1] ** -0.5), k, v)
+  return dataclasses.replace(case, arrays=(((b, n, t, h), dtype),) * 3, op=op)
+
+
 def _program(case: Case, impl: str):
   """The forward, or the forward and backward as the GPU suites time them (bench/harness.py):
   the output written, and the float arguments' gradients for a cotangent given."""
@@ -166,19 +195,23 @@ def predict(case: Case, impl: str, mesh, chip: hardware.Chip) -> dict:
     # state it to the compiler, whose count adds our wrapper's layout transposes; the
     # example states its arrays once, so its bytes are the model's with its 128 x 128 blocks.
     (b, t, n, h), causal = case.arrays[0][0], case.name.startswith("causal")
-    if impl == "jax_pallas_tpu":
+    if impl in ("jax_pallas_tpu", "jax_splash_tpu"):
       b, n, t, h = case.arrays[0][0]
     flops = roofline.attention_flops(b, t, t, n, h, causal=causal, backward=case.grad)
     counted = ("our own FLOP count (roofline.attention_flops) and the compiler's bytes (our "
                "kernels state roofline.attention_traffic)")
-    if impl == "jax_pallas_tpu":
-      block = 128  # BlockSizes.get_default(), forward and backward
+    if impl in ("jax_pallas_tpu", "jax_splash_tpu"):
+      # The example's BlockSizes.get_default(), forward and backward; splash's MaxText blocks.
+      # Neither states its traffic to the compiler (splash's cost analysis counts its arrays
+      # once and no FLOPs): both by the one model, at their blocks, causal blocks skipped.
+      block = 128 if impl == "jax_pallas_tpu" else SPLASH_BLOCK
       visits = roofline.attention_block_visits(t, t, block, block, causal=causal)
       moved_by = roofline.attention_traffic(b, t, t, n, n, h, visits=visits, block_q=block,
                                             block_k=block)
       moved = moved_by["fwd"] + (moved_by["dkdv"] + moved_by["dq"] if case.grad else 0.0)
+      whose = "the example's" if impl == "jax_pallas_tpu" else "splash's (MaxText's)"
       counted = ("our own FLOP count (roofline.attention_flops) and block-traffic model "
-                 "(roofline.attention_traffic) at the example's 128 x 128 blocks")
+                 f"(roofline.attention_traffic) at {whose} {block} x {block} blocks")
   compute_s, memory_s = flops / chip.flops("bfloat16"), moved / chip.hbm_bandwidth
   seconds = max(compute_s, memory_s)
   memory = compiled.memory_analysis()
@@ -220,12 +253,12 @@ def main(argv=None) -> int:
     mesh = jax.sharding.Mesh(np.array([device]), ("chip",), axis_types=(AxisType.Explicit,))
     rows = []
     for case in cases:
-      anchors = (("xla", case), ("jax_pallas_tpu", None))
+      anchors = (("xla", case), ("jax_pallas_tpu", None), ("jax_splash_tpu", None))
       for impl, anchor_case in (("mosaic_tpu", case), *anchors):
-        if impl == "jax_pallas_tpu":
+        if impl in ("jax_pallas_tpu", "jax_splash_tpu"):
           if case.suite != "attention":
             continue
-          anchor_case = _jax_pallas_tpu(case)
+          anchor_case = (_jax_pallas_tpu if impl == "jax_pallas_tpu" else _splash)(case)
         row = predict(anchor_case, impl, mesh, chip)
         rows.append(row)
         shown = "" if row["ms"] is None else f"{row['ms']:.3f} ms"
