@@ -51,16 +51,25 @@ class Config:
     check_fields(self, ("vmem_limit_bytes",), lambda v: v >= 1, ">= 1")
 
 
+# Query rows a forward block (and both backward blocks) takes, as splash attention's
+# production blocks do (MaxText's 512): k and v are re-read once per query block, so the
+# forward's traffic at T=4096 falls from ~2.2 GB (128 rows) to ~0.6 GB, under the MXU's time
+# on every chip (bench/NOTES.md tpu-splash-1). Head dims over 128 keep 128.
+BLOCK = 512
+
+
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """Blocks of the MXU's edge (128 on v5e, 256 on v6e): a 256-wide MXU gets 256 x 256 score
-  tiles where the sequences are that long."""
+  """Query blocks of BLOCK rows, key blocks of the MXU's edge (128 on v5e, 256 on v6e) forward;
+  backward, BLOCK x BLOCK (the dq kernel re-reads k and v per query block, dk/dv q and dout per
+  key block). Head dims over 128 take 128 x 128 blocks, to keep q, k, v, o and the float32
+  accumulators well inside VMEM."""
   edge = chip.mxu or 128
-  block_q = min(edge, round_up(problem.q_len, 16))
-  block_k = min(edge, round_up(problem.kv_len, 128))
-  if problem.head_dim > 128:  # keep q, k, v, o and the f32 accumulators well inside VMEM
-    block_q, block_k = min(block_q, 128), min(block_k, 128)
-  return Config(block_q=block_q, block_k=block_k, bwd_block_q=min(block_q, 128),
-                bwd_block_k=min(block_k, 128), vmem_limit_bytes=_mosaic_tpu.vmem_limit(chip))
+  rows = BLOCK if problem.head_dim <= 128 else 128
+  block_q = min(rows, round_up(problem.q_len, 16))
+  block_k = min(edge if rows > 128 else 128, round_up(problem.kv_len, 128))
+  return Config(block_q=block_q, block_k=block_k, bwd_block_q=block_q,
+                bwd_block_k=min(rows, round_up(problem.kv_len, 128)),
+                vmem_limit_bytes=_mosaic_tpu.vmem_limit(chip))
 
 
 def unsupported(problem, chip) -> str | None:
