@@ -46,10 +46,12 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
 
 
 def nan_where(bad, x):
-  """x, NaN where ``bad``: made only there (sqrt(-1)), so that a program with no bad label
-  holds no NaN anywhere, and ``jax.debug_nans`` stays quiet; jnp.where(bad, x, jnp.nan)
-  materializes a NaN however few labels are bad."""
-  return x * jnp.sqrt(jnp.where(bad, -1.0, 1.0)).astype(x.dtype)
+  """x, NaN where ``bad``, with no gradient there (as jnp.where(bad, jnp.nan, x) gives). The
+  NaN is made only where ``bad`` (sqrt(-1)), so that a program with no bad label holds no NaN
+  anywhere and ``jax.debug_nans`` stays quiet; jnp.where with a NaN constant materializes one
+  however few labels are bad."""
+  there = jnp.sqrt(jnp.where(bad, -1.0, 1.0)).astype(x.dtype)
+  return jnp.where(bad, lax.stop_gradient(x) * there, x)
 
 
 def linear_softmax_cross_entropy(x, w, labels, *, compute_dtype=jnp.float32, **options):
