@@ -127,22 +127,34 @@ def measure_plain(preset: str, policy: str, batch: int, seq: int, steps: int,
                   scan: bool = False, stream: str = "float32") -> dict:
   """bench.plain_llama's step at ``preset``'s shape, timed and reported as :func:`measure`
   reports ours."""
-  from bench import plain_llama
   from models import llama
   cfg = llama.preset(preset)
   seq = min(seq, cfg.max_len)
-  shape = plain_llama.Shape(**{f.name: getattr(cfg, f.name)
-                               for f in dataclasses.fields(plain_llama.Shape)})
-  tx = plain_llama.optimizer()
-  params = jax.jit(plain_llama.init, static_argnums=(0, 2))(shape, jax.random.key(0), scan)
-  state = (params, jax.jit(tx.init)(params))
-  tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, shape.vocab)
-  step = plain_llama.step_fn(shape, tx, policy=policy, scan=scan, stream=stream)
+  state, step = _plain(cfg, policy, scan, stream)
+  tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, cfg.vocab)
   timed, _, _ = _timed(step, state, tokens, steps, lambda loss: loss)
   stats = jax.devices()[0].memory_stats() or {}
   return {**timed, **_rates(cfg, batch, seq, timed["ms"]),
           "peak_bytes": stats.get("peak_bytes_in_use"), "compiled_bytes": None, "kernels": [],
           "auto": None, "largest_batch": None}
+
+
+def _plain(cfg, policy: str, scan: bool, stream: str):
+  """(state, jitted step) of bench.plain_llama at ``cfg``'s shape: its parameters and AdamW's
+  state made on the device, the step in the configuration asked for."""
+  from bench import plain_llama
+  shape = plain_llama.Shape(**{f.name: getattr(cfg, f.name)
+                               for f in dataclasses.fields(plain_llama.Shape)})
+  tx = plain_llama.optimizer()
+  params = jax.jit(plain_llama.init, static_argnums=(0, 2))(shape, jax.random.key(0), scan)
+  state = (params, jax.jit(tx.init)(params))
+  return state, plain_llama.step_fn(shape, tx, policy=policy, scan=scan, stream=stream)
+
+
+def _models(session: harness.Session, only=None) -> dict[str, int]:
+  """The presets a run measures (preset: batch), ``only`` those named."""
+  models = SMOKE if session.smoke else MODELS
+  return {name: batch for name, batch in models.items() if not only or name in only}
 
 
 def _child(args: dict, timeout: float = 540, function: str = "measure") -> dict:
@@ -189,9 +201,7 @@ def run(session: harness.Session, sweep: bool = False, only=None, policies=None,
   each scanned under its fastest policy (dots; none for ours) where that policy is run. Ours
   is compared with the fastest anchor, plain or twin."""
   del sweep
-  models = SMOKE if session.smoke else MODELS
-  if only:
-    models = {name: batch for name, batch in models.items() if name in only}
+  models = _models(session, only)
   unknown = set(policies or ()) - set(POLICIES)
   if unknown:
     raise ValueError(f"--policies: {sorted(unknown)}: the model suite runs {', '.join(POLICIES)}"
@@ -235,15 +245,9 @@ def measure_compile(preset: str, kernels: str, batch: int, seq: int, cache: str)
   tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, cfg.vocab)
   loaded = False
   if kernels == "plain":
-    from bench import plain_llama
-    shape = plain_llama.Shape(**{f.name: getattr(cfg, f.name)
-                                 for f in dataclasses.fields(plain_llama.Shape)})
-    tx = plain_llama.optimizer()
-    params = jax.jit(plain_llama.init, static_argnums=(0, 2))(shape, jax.random.key(0), False)
-    state = (params, jax.jit(tx.init)(params))
+    state, step = _plain(cfg, "none", False, "bfloat16")
     start = time.perf_counter()
-    lowered = plain_llama.step_fn(shape, tx, policy="none", scan=False,
-                                  stream="bfloat16").lower(state, tokens)
+    lowered = step.lower(state, tokens)
   else:
     tc = train.TrainConfig(batch=batch, seq_len=seq, steps=10_000, warmup=10)
     graphdef, state = train.init(cfg, tc)
@@ -261,11 +265,8 @@ def run_compile(session: harness.Session, only=None) -> None:
   against plain JAX's, cold as a ratio and second as a difference (issue 57's bars: at most
   1.3x cold, within 3 s second)."""
   import tempfile
-  models = SMOKE if session.smoke else MODELS
-  if only:
-    models = {name: batch for name, batch in models.items() if name in only}
   seq = min(SEQ, 128) if session.smoke else SEQ
-  for preset, batch in models.items():
+  for preset, batch in _models(session, only).items():
     got = {}
     for kernels in ("plain", "xla", "jaxkernels"):
       with tempfile.TemporaryDirectory() as cache:
