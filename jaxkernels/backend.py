@@ -126,17 +126,20 @@ def _host_threads() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def check_interpreter_threads(op: str, implementation: str) -> None:
+def check_interpreter_threads(op: str, implementation: str, devices: int | None = None) -> None:
   """Refuses, before it can hang, an interpreted Mosaic kernel that XLA:CPU's pool has too few
   threads to run. Each device's kernel is a host callback that waits for the others' (the TPU
   interpreter's rendezvous), and each CTA of the GPU interpreter runs its warpgroups as threads
   that wait on each other: with fewer threads than waiters the process hangs (the TPU
   interpreter on 8 host devices with NPROC=8; the GPU interpreter on 2 cores), or aborts at
-  XLA's 60 s rendezvous timeout."""
+  XLA's 60 s rendezvous timeout. ``devices``: the program's (default: the mesh in context's;
+  a program that spans devices no traced value names is counted when it is lowered,
+  :func:`lowering_check`)."""
   if implementation not in ("mosaic_tpu", "mosaic_gpu"):
     return
-  mesh = jax.sharding.get_abstract_mesh()
-  devices = 1 if getattr(mesh, "empty", True) else mesh.size
+  if devices is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = 1 if getattr(mesh, "empty", True) else mesh.size
   if implementation == "mosaic_tpu" and devices == 1:
     return  # nothing to wait for
   # The TPU interpreter: one waiting callback a device, and one more thread to make progress.
@@ -150,6 +153,49 @@ def check_interpreter_threads(op: str, implementation: str) -> None:
         f"{os.environ.get('NPROC', 'unset')}): set NPROC={need} (or more) in the environment "
         "before jax starts, or interpret with JAXKERNELS_INTERPRET=triton (Pallas' generic "
         "interpreter, no callbacks)")
+
+
+def lowering_check(x, *, op: str, implementation: str, picked: bool, interpreted: bool):
+  """``x``, checked when its program is lowered (a kernel's first operand, where the call was
+  traced with no mesh in sight: :func:`partitioning.unseen`). Where that program spans several
+  devices, :func:`partitioning.unseen_split` warns or refuses, and an interpreted Mosaic kernel
+  is refused if XLA:CPU lacks the threads to run it on every device (it would hang). Lowers to
+  ``x`` itself: nothing at run time."""
+  return _lowering_check_p.bind(x, op=op, implementation=implementation, picked=picked,
+                                interpreted=interpreted)
+
+
+def _program_devices(ctx) -> int:
+  """The devices the program being lowered spans, outside any shard_map (whose body runs per
+  device); 1 where unknown."""
+  context = ctx.module_context.axis_context
+  if type(context).__name__ != "ShardingContext":
+    return 1  # a shard_map's body (SPMDAxisContext), pmap's replicas
+  return getattr(context, "num_devices", 1) or 1
+
+
+def _lower_check(ctx, x, *, op, implementation, picked, interpreted):
+  devices = _program_devices(ctx)
+  if devices > 1:
+    partitioning.unseen_split(op, implementation, picked, devices)
+    if interpreted:
+      check_interpreter_threads(op, implementation, devices)
+  return [x]
+
+
+def _lowering_check_primitive():
+  from jax.extend.core import Primitive
+  from jax.interpreters import ad, batching, mlir
+  p = Primitive("jk_lowering_check")
+  p.def_impl(lambda x, **_: x)
+  p.def_abstract_eval(lambda x, **_: x)
+  mlir.register_lowering(p, _lower_check)
+  batching.primitive_batchers[p] = lambda args, dims, **kw: (p.bind(*args, **kw), dims[0])
+  ad.deflinear2(p, lambda ct, x, **kw: [ct])
+  return p
+
+
+_lowering_check_p = _lowering_check_primitive()
 
 
 def interpret_params(implementation: str, on: bool | None = None) -> Any:
@@ -182,6 +228,9 @@ class Target:
   # The mesh of Auto axes the operands live on with no mesh in context
   # (partitioning.unsplit_mesh): no kernel can know their split there.
   unsplit: Any = None
+  # Traced with no mesh in sight in a process of several devices (partitioning.unseen): the
+  # program's lowering tells whether it spans them.
+  unseen: bool = False
 
   @property
   def chip(self) -> hardware.Chip | None:
@@ -215,10 +264,11 @@ def target_of(*args: Any) -> Target:
   device, else the default device.
   """
   unsplit = partitioning.unsplit_mesh(*args)
+  unseen = partitioning.unseen(*args)
   for leaf in jax.tree_util.tree_leaves(args):
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
       device = next(iter(leaf.devices()))
-      return Target(_platform(device.platform), device.device_kind, True, unsplit)
+      return Target(_platform(device.platform), device.device_kind, True, unsplit, unseen)
   for mesh in (unsplit, jax.sharding.get_abstract_mesh()):
     abstract_device = getattr(mesh, "abstract_device", None)
     if abstract_device is not None:
@@ -226,11 +276,11 @@ def target_of(*args: Any) -> Target:
       platform = getattr(abstract_device, "platform", None)
       if platform is None:
         platform = "tpu" if kind.startswith("TPU") else "gpu"
-      return Target(_platform(platform), kind, False, unsplit)
+      return Target(_platform(platform), kind, False, unsplit, unseen)
   device = jax.config.jax_default_device or jax.devices()[0]
   if isinstance(device, str):
     device = jax.devices(device)[0]
-  return Target(_platform(device.platform), device.device_kind, False, unsplit)
+  return Target(_platform(device.platform), device.device_kind, False, unsplit, unseen)
 
 
 # --------------------------------------------------------------------------- #
@@ -603,6 +653,9 @@ class Plan:
   interpret: bool
   options: tuple[tuple[str, Any], ...] = ()
   explicit: bool = False  # the caller gave the config
+  # (op, dispatch picked the kernel) where the call was traced with no mesh in sight
+  # (Target.unseen): each kernel call is checked when its program is lowered.
+  unseen: tuple[str, bool] | None = None
 
   @property
   def implementation(self) -> str:
@@ -628,6 +681,14 @@ class Plan:
     # A pallas_call's outputs carry no varying-axes type: traced unchecked, also where a
     # shard_map that checks them holds the call (partitioning.run, over the mesh axes that
     # split none of its operands, on each of which every value is the same).
+    if self.unseen is not None:
+      args = list(args)
+      first = next((i for i, a in enumerate(args) if isinstance(a, jax.Array)), None)
+      if first is not None:
+        op, picked = self.unseen
+        args[first] = lowering_check(
+            args[first], op=op, implementation=self.implementation, picked=picked,
+            interpreted=self.interpret and interpreter_has_effects())
     with partitioning.check_vma(False):
       return jitted(*args, **static)
 
@@ -679,7 +740,8 @@ def plan(op: str, implementation: str | None, target: Target, problem: Any,
   elif (error := k.config_error(problem, config, chip)) is not None:
     raise ValueError(f"{op}: config={config} cannot run {problem} on "
                      f"implementation={chosen!r}: {error}")
-  return Plan(k, config, chip, interpreting(), tuple(sorted(options.items())), explicit)
+  return Plan(k, config, chip, interpreting(), tuple(sorted(options.items())), explicit,
+              (op, implementation is None) if target.unseen else None)
 
 
 def supports(op: str, implementation: str, *args: Any, **kwargs: Any) -> Support:

@@ -18,7 +18,9 @@ where a mesh is in context (below). With no mesh in context (``jit(in_shardings=
 alone) an operand's type names its mesh but not its split, and no rule applies
 (:func:`unsplit_mesh`): dispatch serves the call with XLA's ops, which the compiler splits,
 and warns with the fix (put the mesh in context); a kernel named by the caller is refused
-(:func:`refuse_or_fall_back`).
+(:func:`refuse_or_fall_back`). Host arrays handed to ``jit(in_shardings=...)`` give the traced
+operands no mesh at all; only the lowering sees the program's devices, and warns or refuses
+there (``backend.lowering_check``).
 
 On a mesh of ``Auto`` axes in context (``jax.set_mesh(mesh)``, arrays placed by
 ``jit(in_shardings=...)`` or ``device_put``; ``with mesh:`` sets no mesh that traced code can
@@ -633,6 +635,49 @@ def refuse_or_fall_back(op: str, implementation: str, mesh, picked: bool) -> Non
   if message not in _WARNED:
     _WARNED.add(message)
     warnings.warn(message, ShardingWarning, stacklevel=5)
+
+
+def unseen(*arrays: Any) -> bool:
+  """Whether a traced call sees no mesh at all: none in context, and no operand on a mesh of
+  several devices, in a process with several devices. Its program may still span them
+  (``jax.jit(f, in_shardings=...)`` called on host arrays gives the traced operands no mesh),
+  which only the lowering can tell: ``backend.lowering_check``."""
+  if jax.device_count() == 1 or not getattr(jax.sharding.get_abstract_mesh(), "empty", True):
+    return False
+  leaves = [x for x in jax.tree_util.tree_leaves(arrays) if isinstance(x, jax.Array)]
+  if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return False  # run eagerly: the arrays answered for themselves (target_of)
+  for x in leaves:
+    sharding = (getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.core.Tracer)
+                else x.sharding)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not getattr(mesh, "empty", True) and mesh.size > 1:
+      return False
+  return True
+
+
+def unseen_split(op: str, implementation: str, picked: bool, devices: int) -> None:
+  """Where a call traced with no mesh in sight (:func:`unseen`) is lowered in a program over
+  ``devices`` devices (``backend.lowering_check``): the compiler would gather the kernel's
+  split operands and run it whole on every device (Mosaic TPU cannot be compiled so). Warns (a
+  kernel dispatch picked) or refuses (a kernel named, or Mosaic TPU), naming the fix."""
+  fix = ("put the mesh in context around the jit call with jax.set_mesh(mesh) and the op runs "
+         "per shard, split by the logical axis rules (jk.sharding_rules); or give the mesh "
+         "Explicit axes; or call the op inside your own jax.shard_map")
+  where = (f"its program spans {devices} devices, but no mesh was in sight when the op was "
+           f"traced (jax.jit's in_shardings on arrays that were not placed on the mesh, and no "
+           f"mesh in context), so the op cannot tell how its operands are split")
+  if implementation == "mosaic_tpu" or not picked:
+    chosen = (f"the {implementation} kernel that dispatch picked" if picked
+              else f"implementation={implementation!r}")
+    raise ValueError(f"{op}: {chosen} cannot run here: {where}; the compiler would gather "
+                     f"split operands and run the kernel whole on every device (Mosaic TPU "
+                     f"cannot be compiled so); {fix}")
+  message = (f"jaxkernels.{op}: {where}: where they are split, the compiler gathers them and "
+             f"the {implementation} kernel runs whole on every device; {fix}")
+  if message not in _WARNED:
+    _WARNED.add(message)
+    warnings.warn(message, ShardingWarning, stacklevel=2)
 
 
 def check_mesh_in_context(op: str, implementation: str, picked: bool = False) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import re
+import time
 import warnings
 
 import chex
@@ -784,6 +785,63 @@ def test_no_mesh_in_context_serves_on_xla_or_refuses(mesh, name):
   # The same float32 ops in two programs (split and whole), fused differently: a few ulps.
   assert max(numerics.errors(got, np.asarray(want, np.float64))) < 16 * numerics.F32_EPS
   assert got.sharding.mesh.shape == auto.shape
+
+
+@pytest.mark.parametrize("name", sorted(NO_MESH_IN_CONTEXT_OPS))
+def test_host_arrays_through_in_shardings_warn_or_refuse(mesh, name):
+  """jax.jit(f, in_shardings=...) called on host (NumPy) arrays, no mesh in context: the traced
+  operands carry no mesh at all, so only the program's lowering can tell that it spans 8
+  devices. With implementation=None the kernel's lowering warns, naming the fix (the kernel
+  runs whole on every device, its operands gathered: the same numbers as XLA's); a kernel
+  named by the caller is refused when the program is lowered, before anything runs. Placed on
+  the mesh first (device_put), the call falls back to XLA's ops as above."""
+  op, x_shape, w_shape = NO_MESH_IN_CONTEXT_OPS[name]
+  auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  split = NamedSharding(auto, P("data", *[None] * (len(x_shape) - 1)))
+  gen = numerics.rng("host-arrays-in-shardings", name)
+  x = np.asarray(numerics.normal(gen, x_shape, jnp.float32))
+  w = np.asarray(numerics.normal(gen, w_shape, jnp.float32))
+  with jk.interpret_mode("triton"):
+    with pytest.warns(jk.ShardingWarning, match=rf"jaxkernels.{name}: its program spans 8 "
+                      r"devices, but no mesh was in sight.*runs whole on every device.*"
+                      r"jax.set_mesh\(mesh\)"):
+      got = jax.jit(lambda x, w: op(x, w), in_shardings=(split, None))(x, w)
+    named = jax.jit(lambda x, w: op(x, w, implementation="triton"), in_shardings=(split, None))
+    with pytest.raises(ValueError, match=rf"{name}: implementation='triton' cannot run here: "
+                       r"its program spans 8 devices.*jax.set_mesh\(mesh\)"):
+      named.lower(x, w)
+    # One device: no question, no warning.
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", jk.ShardingWarning)
+      jax.jit(lambda x, w: op(x, w, implementation="triton"))(x, w)
+  want = jax.jit(lambda x, w: op(x, w, implementation="xla"))(x, w)
+  assert max(numerics.errors(got, np.asarray(want, np.float64))) < 16 * numerics.F32_EPS
+
+
+@pytest.mark.parametrize("interpret", ["mosaic_tpu", "mosaic_gpu"])
+def test_host_arrays_through_in_shardings_never_hang_interpreted(request, mesh, interpret):
+  """The Mosaic interpreters' kernels wait on each other across devices and threads: with the
+  program's 8 devices unseen when traced, flash_attention hung there (NPROC unset) and aborted
+  at XLA's rendezvous timeout. Now refused when the program is lowered: Mosaic TPU cannot run
+  a kernel whole on 8 devices of a split program; the GPU interpreter on 8 devices needs more
+  host threads than NPROC gives this process (16; a process of its own), and says so."""
+  if interpret == "mosaic_gpu" and not _in_own_process(request):
+    return
+  op, x_shape, _ = NO_MESH_IN_CONTEXT_OPS["flash_attention"]
+  auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  split = NamedSharding(auto, P("data", None, None, None))
+  # The GPU kernel takes 16-bit operands and head dims that are multiples of 64.
+  shape, dtype = ((8, 128, 2, 64), jnp.bfloat16) if interpret == "mosaic_gpu" else (x_shape,
+                                                                                     jnp.float32)
+  q = np.asarray(numerics.normal(numerics.rng("never-hang", interpret), shape, dtype))
+  message = {"mosaic_tpu": r"the mosaic_tpu kernel that dispatch picked cannot run here: its "
+                           r"program spans 8 devices",
+             "mosaic_gpu": r"the mosaic_gpu interpreter on 8 device\(s\) needs at least 64 host "
+                           r"threads.*NPROC"}[interpret]
+  start = time.perf_counter()
+  with jk.interpret_mode(interpret), pytest.raises(ValueError, match=message):
+    jax.jit(lambda q: op(q, None), in_shardings=split).lower(q)
+  assert time.perf_counter() - start < 60
 
 
 def test_with_mesh_is_no_mesh_in_context(mesh):
