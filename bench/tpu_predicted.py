@@ -21,7 +21,9 @@ import dataclasses
 import datetime
 import json
 import pathlib
+import re
 import sys
+import types
 from collections.abc import Callable
 
 import jax
@@ -145,6 +147,18 @@ def _splash(case: Case):
   return dataclasses.replace(case, arrays=(((b, n, t, h), dtype),) * 3, op=op)
 
 
+def _splash_maxtext(case: Case):
+  """Splash attention as MaxText calls it on (B, T, N, H) activations (its attention_op's
+  tpu_flash_attention): q, k and v transposed to (B, N, T, H), splash, the output transposed
+  back. The layout ours takes, so the transposes are what a (B, T, N, H) user pays either way."""
+  native = _splash(case)
+
+  def op(impl, q, k, v):
+    heads_major = lambda a: jnp.swapaxes(a, 1, 2)
+    return heads_major(native.op(impl, heads_major(q), heads_major(k), heads_major(v)))
+  return dataclasses.replace(case, op=op)
+
+
 def _program(case: Case, impl: str):
   """The forward, or the forward and backward as the GPU suites time them (bench/harness.py):
   the output written, and the float arguments' gradients for a cotangent given."""
@@ -164,54 +178,115 @@ def _program(case: Case, impl: str):
   return fwd_bwd
 
 
-def predict(case: Case, impl: str, mesh, chip: hardware.Chip) -> dict:
-  """One compiled program's standard result row, its time predicted."""
+def _compiled(case: Case, impl: str, mesh):
+  """``case``'s program (:func:`_program`) compiled for ``mesh``'s chip."""
   args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
           for shape, dtype in case.arrays]
   if case.grad:  # the cotangent: shaped and typed as the output
     out = jax.eval_shape(lambda *a: case.op("xla", *a), *args)
     args.insert(0, jax.ShapeDtypeStruct(out.shape, out.dtype,
                                         sharding=NamedSharding(mesh, P())))
+  with jax.set_mesh(mesh):
+    return jax.jit(_program(case, impl)).lower(*args).compile()
+
+
+def _cost(compiled) -> tuple[float, float]:
+  """(FLOPs, bytes accessed) of a compiled program, by its cost analysis."""
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, list) else cost) or {}
+  return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+SPLASH = ("jax_splash_tpu", "jax_splash_maxtext")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)")
+
+
+def _type_bytes(text: str) -> int:
+  """Bytes of an HLO type (an array or a tuple of them)."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(text):
+    total += _DTYPE_BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d]))
+  return total
+
+
+def _passes_around_kernels(compiled) -> float:
+  """HBM bytes of the XLA passes in a compiled program's entry computation (its fusions,
+  copies and transposes: each reads its operands and writes its output once), the kernels'
+  custom calls left out: what a program moves around its kernels (layout transposes, q's
+  scale, the backward's delta). The kernels' own traffic is the block model's."""
+  text = compiled.as_text()
+  entry = text[text.index("ENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  sizes, moved = {}, 0
+  for line in entry.splitlines()[1:]:
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, result, opcode, operands = m.groups()
+    sizes[name] = _type_bytes(result)
+    if opcode in ("fusion", "copy", "transpose"):
+      moved += sizes[name] + sum(sizes.get(o, 0) for o in re.findall(r"%([\w.\-]+)", operands))
+  return float(moved)
+
+
+def _our_blocks(t: int, h: int, chip: hardware.Chip) -> tuple[int, int, int, int]:
+  """(forward query, forward key, backward query, backward key) block sizes of our Mosaic TPU
+  attention at length ``t``, head dim ``h`` on ``chip``: its heuristic's (no TPU has tuned
+  a table)."""
+  from jaxkernels.ops.attention import mosaic_tpu
+  problem = types.SimpleNamespace(head_dim=h, q_len=t, kv_len=t)
+  c = mosaic_tpu.heuristic(problem, chip)
+  return c.block_q, c.block_k, c.bwd_block_q, c.bwd_block_k
+
+
+def predict(case: Case, impl: str, mesh, chip: hardware.Chip) -> dict:
+  """One compiled program's standard result row, its time predicted."""
   row = dict(suite=case.suite, name=case.name, impl=impl, shape=case.shape, dtype="bfloat16",
              ms=None, gbps=None, tflops=None, pct_roofline=None, error=None, tolerance=None,
              config=None, note="")
   try:
-    with jax.set_mesh(mesh):
-      compiled = jax.jit(_program(case, impl)).lower(*args).compile()
+    compiled = _compiled(case, impl, mesh)
+    flops, moved = _cost(compiled)
   except Exception as e:  # noqa: BLE001 - a row says what failed; the others go on
     row["note"] = f"FAILED to compile: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return row
-  cost = compiled.cost_analysis()
-  cost = (cost[0] if isinstance(cost, list) else cost) or {}
-  flops, moved = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
   counted = "the compiled program's cost analysis"
   if case.suite == "attention" and impl != "xla":
-    # The attention kernels' FLOPs, ours and JAX's example alike, are one count of their
-    # products (roofline.attention_flops), the mask's skipped blocks left out: JAX's example
-    # states the unmasked count for a causal call whose masked blocks it skips, and ours
-    # (mosaic_tpu.py's CostEstimate) count the backward's recomputed scores, which the
-    # example's backward also recomputes. Their bytes are one block-traffic model
-    # (roofline.attention_traffic: k and v re-read for every query block they meet): ours
-    # state it to the compiler, whose count adds our wrapper's layout transposes; the
-    # example states its arrays once, so its bytes are the model's with its 128 x 128 blocks.
+    # Every attention kernel, ours and the anchors alike, by one model. FLOPs: one count of
+    # its products (roofline.attention_flops), the mask's skipped blocks left out (JAX's
+    # example states the unmasked count for a causal call whose masked blocks it skips; splash
+    # states none). Bytes: the kernels' block traffic (roofline.attention_traffic at each
+    # kernel's blocks: k and v re-read for every query block they meet, causal blocks
+    # skipped), which the compiler cannot see inside a custom call, plus every XLA pass around
+    # the kernels in the compiled program (layout transposes, q's scale, the backward's
+    # delta), each one read of its operands and one write of its output
+    # (:func:`_passes_around_kernels`). The compiler's own totals count those passes
+    # inconsistently from one program to another (ours' transposes at twice MaxText's same
+    # transposes), so neither total is used.
     (b, t, n, h), causal = case.arrays[0][0], case.name.startswith("causal")
     if impl in ("jax_pallas_tpu", "jax_splash_tpu"):
       b, n, t, h = case.arrays[0][0]
     flops = roofline.attention_flops(b, t, t, n, h, causal=causal, backward=case.grad)
-    counted = ("our own FLOP count (roofline.attention_flops) and the compiler's bytes (our "
-               "kernels state roofline.attention_traffic)")
-    if impl in ("jax_pallas_tpu", "jax_splash_tpu"):
-      # The example's BlockSizes.get_default(), forward and backward; splash's MaxText blocks.
-      # Neither states its traffic to the compiler (splash's cost analysis counts its arrays
-      # once and no FLOPs): both by the one model, at their blocks, causal blocks skipped.
-      block = 128 if impl == "jax_pallas_tpu" else SPLASH_BLOCK
-      visits = roofline.attention_block_visits(t, t, block, block, causal=causal)
-      moved_by = roofline.attention_traffic(b, t, t, n, n, h, visits=visits, block_q=block,
-                                            block_k=block)
-      moved = moved_by["fwd"] + (moved_by["dkdv"] + moved_by["dq"] if case.grad else 0.0)
-      whose = "the example's" if impl == "jax_pallas_tpu" else "splash's (MaxText's)"
-      counted = ("our own FLOP count (roofline.attention_flops) and block-traffic model "
-                 f"(roofline.attention_traffic) at {whose} {block} x {block} blocks")
+    blocks = {"jax_pallas_tpu": (128, 128, 128, 128)}.get(
+        impl, (SPLASH_BLOCK,) * 4 if impl in SPLASH else _our_blocks(t, h, chip))
+    fwd_q, fwd_k, bwd_q, bwd_k = blocks
+    visits = roofline.attention_block_visits(t, t, fwd_q, fwd_k, causal=causal)
+    moved = roofline.attention_traffic(b, t, t, n, n, h, visits=visits, block_q=fwd_q,
+                                       block_k=fwd_k)["fwd"]
+    if case.grad:
+      visits = roofline.attention_block_visits(t, t, bwd_q, bwd_k, causal=causal)
+      by = roofline.attention_traffic(b, t, t, n, n, h, visits=visits, block_q=bwd_q,
+                                      block_k=bwd_k)
+      moved += by["dkdv"] + by["dq"]
+    around = _passes_around_kernels(compiled)
+    moved += around
+    whose = {"jax_pallas_tpu": "the example's", "mosaic_tpu": "our"}.get(impl, "MaxText's")
+    counted = (f"our FLOP count (roofline.attention_flops), the block-traffic model at {whose} "
+               f"blocks ({fwd_q} x {fwd_k} forward, {bwd_q} x {bwd_k} backward) and "
+               f"{around / 1e6:.0f} MB of XLA passes around the kernels")
   compute_s, memory_s = flops / chip.flops("bfloat16"), moved / chip.hbm_bandwidth
   seconds = max(compute_s, memory_s)
   memory = compiled.memory_analysis()
@@ -253,12 +328,14 @@ def main(argv=None) -> int:
     mesh = jax.sharding.Mesh(np.array([device]), ("chip",), axis_types=(AxisType.Explicit,))
     rows = []
     for case in cases:
-      anchors = (("xla", case), ("jax_pallas_tpu", None), ("jax_splash_tpu", None))
+      anchors = (("xla", case), ("jax_pallas_tpu", None), ("jax_splash_tpu", None),
+                 ("jax_splash_maxtext", None))
       for impl, anchor_case in (("mosaic_tpu", case), *anchors):
-        if impl in ("jax_pallas_tpu", "jax_splash_tpu"):
+        if impl in ("jax_pallas_tpu", *SPLASH):
           if case.suite != "attention":
             continue
-          anchor_case = (_jax_pallas_tpu if impl == "jax_pallas_tpu" else _splash)(case)
+          anchor_case = {"jax_pallas_tpu": _jax_pallas_tpu, "jax_splash_tpu": _splash,
+                         "jax_splash_maxtext": _splash_maxtext}[impl](case)
         row = predict(anchor_case, impl, mesh, chip)
         rows.append(row)
         shown = "" if row["ms"] is None else f"{row['ms']:.3f} ms"
