@@ -29,7 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parent
 OURS = ("mosaic_gpu", "triton", "mosaic_tpu", "jaxkernels")
 ANCHORS = ("xla", "cublas(torch)", "cudnn", "torch", "torch_sdpa", "optax", "jax_pallas_tpu",
            "jax_pallas_triton", "jax_pallas_mgpu", "jax_pallas_mgpu_example",
-           "jax_splash_tpu", "plain JAX")  # plain JAX: bench/plain_llama.py, the model step's
+           "jax_splash_tpu", "jax_splash_maxtext",  # splash bare, and as MaxText calls it
+           "plain JAX")  # plain JAX: bench/plain_llama.py, the model step's
 FAMILIES = (("norms, elementwise, softmax", ("norms", "elementwise", "softmax")),
             ("cross-entropy", ("cross_entropy",)), ("matmul", ("matmul",)),
             ("attention", ("attention",)), ("model step", ("model",)))
