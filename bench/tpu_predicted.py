@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import datetime
 import json
 import pathlib
@@ -62,8 +63,9 @@ def _cases() -> list[Case]:
   r, w = shapes.HEADLINE_ROWS
   rows, vector, name_rows = ((r, w), BF16), ((w,), BF16), f"{r}x{w}"
   logits = shapes.CROSS_ENTROPY_ROWS
-  plain, causal = shapes.attention(smoke=False)[:2]
-  qkv = (((plain.batch, plain.length, plain.heads, plain.head_dim), BF16),) * 3
+  # The GPU suite's attention shapes with anchors: plain and causal, GQA 32/8 at head dims
+  # 64, 128 and 256 (the mask features and the long row are the GPU suite's own).
+  attention = [a for a in shapes.attention(smoke=False) if a.anchors and a.check]
   cases = []
   for passes, grad in (("fwd", False), ("fwd+bwd", True)):
     for layer in (False, True):
@@ -83,12 +85,11 @@ def _cases() -> list[Case]:
              ((logits, BF16), ((logits[0],), jnp.int32)),
              lambda impl, z, y: jk.softmax_cross_entropy(z, y, reduction="sum",
                                                          implementation=impl), grad),
-        Case("attention", f"{plain.name} {passes}", str(plain), qkv,
-             lambda impl, q, k, v: jk.flash_attention(q, k, v, implementation=impl), grad),
-        Case("attention", f"{causal.name} {passes}", str(causal), qkv,
-             lambda impl, q, k, v: jk.flash_attention(q, k, v, causal=True,
-                                                       implementation=impl), grad),
     ]
+    cases += [Case("attention", f"{a.name} {passes}", str(a),
+                   (((a.batch, a.length, a.heads, a.head_dim), BF16),
+                    *[((a.batch, a.length, a.kv_heads, a.head_dim), BF16)] * 2),
+                   functools.partial(_attention, causal=a.causal), grad) for a in attention]
   big, mid = shapes.MATMUL_SQUARE[:2]  # 8192 and 4096
   square = lambda s: (((s, s), BF16),) * 2
   cases += [
@@ -103,19 +104,31 @@ def _cases() -> list[Case]:
   return cases
 
 
+def _attention(impl, q, k, v, *, causal: bool):
+  return jk.flash_attention(q, k, v, causal=causal, implementation=impl)
+
+
+def _causal(case: Case) -> bool:
+  return "causal" in case.name.split()
+
+
+def _heads_major(case: Case) -> tuple:
+  """``case``'s (B, T, N, H) arrays' shapes as (B, N, T, H): the Pallas TPU anchors' layout."""
+  return tuple(((b, n, t, h), dtype) for (b, t, n, h), dtype in case.arrays)
+
+
 def _jax_pallas_tpu(case: Case):
   """JAX's own Pallas TPU flash attention (jax.experimental.pallas.ops.tpu), the anchor among
   TPU kernels, in its native (B, N, T, H) layout (no transposes charged to it), default
   blocks."""
   from jax.experimental.pallas.ops.tpu import flash_attention as example
-  causal = case.name.startswith("causal")
+  causal = _causal(case)
 
   def op(impl, q, k, v):
     del impl
     scale = q.shape[-1] ** -0.5
     return example.flash_attention(q, k, v, causal=causal, sm_scale=scale)
-  (b, t, n, h), dtype = case.arrays[0]
-  return dataclasses.replace(case, arrays=(((b, n, t, h), dtype),) * 3, op=op)
+  return dataclasses.replace(case, arrays=_heads_major(case), op=op)
 
 
 # Splash attention's blocks as MaxText's base.yml sets them (sa_block_q, sa_block_kv and their
@@ -131,8 +144,8 @@ def _splash(case: Case):
   charged to it), the batch vmapped and q scaled before the kernel, as MaxText calls it."""
   from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as splash, splash_attention_mask as masks)
-  causal = case.name.startswith("causal")
-  (b, t, n, h), dtype = case.arrays[0]
+  causal = _causal(case)
+  (b, t, n, h), _ = case.arrays[0]
   block = SPLASH_BLOCK
   sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                             block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
@@ -144,7 +157,7 @@ def _splash(case: Case):
   def op(impl, q, k, v):
     del impl
     return jax.vmap(kernel)(q * (q.shape[-1] ** -0.5), k, v)
-  return dataclasses.replace(case, arrays=(((b, n, t, h), dtype),) * 3, op=op)
+  return dataclasses.replace(case, arrays=_heads_major(case), op=op)
 
 
 def _splash_maxtext(case: Case):
@@ -266,19 +279,20 @@ def predict(case: Case, impl: str, mesh, chip: hardware.Chip) -> dict:
     # (:func:`_passes_around_kernels`). The compiler's own totals count those passes
     # inconsistently from one program to another (ours' transposes at twice MaxText's same
     # transposes), so neither total is used.
-    (b, t, n, h), causal = case.arrays[0][0], case.name.startswith("causal")
+    (b, t, n, h), (_, _, kv_heads, _) = case.arrays[0][0], case.arrays[1][0]
     if impl in ("jax_pallas_tpu", "jax_splash_tpu"):
-      b, n, t, h = case.arrays[0][0]
+      (b, n, t, h), (_, kv_heads, _, _) = case.arrays[0][0], case.arrays[1][0]
+    causal = _causal(case)
     flops = roofline.attention_flops(b, t, t, n, h, causal=causal, backward=case.grad)
     blocks = {"jax_pallas_tpu": (128, 128, 128, 128)}.get(
         impl, (SPLASH_BLOCK,) * 4 if impl in SPLASH else _our_blocks(t, h, chip))
     fwd_q, fwd_k, bwd_q, bwd_k = blocks
     visits = roofline.attention_block_visits(t, t, fwd_q, fwd_k, causal=causal)
-    moved = roofline.attention_traffic(b, t, t, n, n, h, visits=visits, block_q=fwd_q,
+    moved = roofline.attention_traffic(b, t, t, n, kv_heads, h, visits=visits, block_q=fwd_q,
                                        block_k=fwd_k)["fwd"]
     if case.grad:
       visits = roofline.attention_block_visits(t, t, bwd_q, bwd_k, causal=causal)
-      by = roofline.attention_traffic(b, t, t, n, n, h, visits=visits, block_q=bwd_q,
+      by = roofline.attention_traffic(b, t, t, n, kv_heads, h, visits=visits, block_q=bwd_q,
                                       block_k=bwd_k)
       moved += by["dkdv"] + by["dq"]
     around = _passes_around_kernels(compiled)
@@ -334,6 +348,8 @@ def main(argv=None) -> int:
         if impl in ("jax_pallas_tpu", *SPLASH):
           if case.suite != "attention":
             continue
+          if impl == "jax_pallas_tpu" and case.arrays[0][0][2] != case.arrays[1][0][2]:
+            continue  # the example takes as many kv heads as query heads
           anchor_case = {"jax_pallas_tpu": _jax_pallas_tpu, "jax_splash_tpu": _splash,
                          "jax_splash_maxtext": _splash_maxtext}[impl](case)
         row = predict(anchor_case, impl, mesh, chip)
