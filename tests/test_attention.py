@@ -5,6 +5,7 @@ mask features drawn by hypothesis, fully masked rows, re-runs, lowering, and bad
 from __future__ import annotations
 
 import functools
+import types
 
 import chex
 import jax
@@ -15,7 +16,7 @@ from absl.testing import parameterized
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import jaxkernels as jk
-from jaxkernels import roofline, testing
+from jaxkernels import hardware, roofline, testing
 from jaxkernels.ops.attention import reference
 from jaxkernels.ops.attention import mosaic_gpu as attention_mosaic_gpu
 from jaxkernels.ops.attention import mosaic_tpu as attention_mosaic_tpu
@@ -403,6 +404,28 @@ class TestAttentionMosaicTpu(AttentionTest):
                  "jk_attention_dbias"):
       assert name in text, name
 
+
+  def test_production_blocks_at_head_dim_256(self):
+    """The heuristic's production blocks (512 query rows; backward 512 x 512) at head dim 256,
+    GQA, plain and causal, forward and every gradient against the reference: they were 128-row
+    blocks there, memory-bound (bench/NOTES.md tpu-splash-2)."""
+    numerics.slow_when_interpreted(20)
+    problem = types.SimpleNamespace(head_dim=256, q_len=1024, kv_len=1024)
+    config = attention_mosaic_tpu.heuristic(problem, hardware.SMALLEST_VMEM_TPU)
+    assert (config.block_q, config.bwd_block_q, config.bwd_block_k) == (512, 512, 512)
+    for causal in (False, True):
+      self.check(Case(batch=1, q_len=1024, kv_len=1024, kv_heads=1, group=2, head_dim=256,
+                      dtype=jnp.float32, causal=causal))
+
+  def test_production_blocks_fit_vmem_at_head_dim_256(self, tpu_mesh):
+    """Those blocks, every mask feature, forward and backward, compile for each chip (the
+    VMEM the heuristic's 512 x 512 backward needs at head dim 256 fits)."""
+    q = jax.ShapeDtypeStruct((1, 1024, 4, 256), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1024, 1, 256), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+    fn = lambda q, k, v, seg, do: _every_feature_vjp("mosaic_tpu")(q, k, v, None, seg, seg, do)
+    text = aot_compile(tpu_mesh, fn, q, k, k, seg, q)
+    assert "jk_attention_dkdv" in text and "jk_attention_dq" in text
 
   def test_block_traffic_model(self):
     """roofline.attention_traffic, the one model of every flash kernel's bytes: with one block

@@ -54,21 +54,22 @@ class Config:
 # Query rows a forward block (and both backward blocks) takes, as splash attention's
 # production blocks do (MaxText's 512): k and v are re-read once per query block, so the
 # forward's traffic at T=4096 falls from ~2.2 GB (128 rows) to ~0.6 GB, under the MXU's time
-# on every chip (bench/NOTES.md tpu-splash-1). Head dims over 128 keep 128.
+# on every chip (bench/NOTES.md tpu-splash-1), at every head dim (tpu-splash-2).
 BLOCK = 512
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
   """Query blocks of BLOCK rows, key blocks of the MXU's edge (128 on v5e, 256 on v6e) forward;
   backward, BLOCK x BLOCK (the dq kernel re-reads k and v per query block, dk/dv q and dout per
-  key block). Head dims over 128 take 128 x 128 blocks, to keep q, k, v, o and the float32
-  accumulators well inside VMEM."""
+  key block), at every head dim up to 256, as splash attention's production blocks: at 256,
+  128-row blocks re-read k and v four times as often and left the kernel memory-bound (0.27-
+  0.82x splash predicted, bench/NOTES.md tpu-splash-2), and 512 x 512 fits VMEM on v5e, v5p
+  and v6e (forward and backward compiled at T=4096)."""
   edge = chip.mxu or 128
-  rows = BLOCK if problem.head_dim <= 128 else 128
-  block_q = min(rows, round_up(problem.q_len, 16))
-  block_k = min(edge if rows > 128 else 128, round_up(problem.kv_len, 128))
+  block_q = min(BLOCK, round_up(problem.q_len, 16))
+  block_k = min(edge, round_up(problem.kv_len, 128))
   return Config(block_q=block_q, block_k=block_k, bwd_block_q=block_q,
-                bwd_block_k=min(rows, round_up(problem.kv_len, 128)),
+                bwd_block_k=min(BLOCK, round_up(problem.kv_len, 128)),
                 vmem_limit_bytes=_mosaic_tpu.vmem_limit(chip))
 
 
