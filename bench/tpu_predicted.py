@@ -232,7 +232,10 @@ def _passes_around_kernels(compiled) -> float:
   scale, the backward's delta). The kernels' own traffic is the block model's."""
   text = compiled.as_text()
   entry = text[text.index("ENTRY"):]
-  entry = entry[:entry.index("\n}")]
+  # The computation ends after its ROOT line; a kernel's backend config may hold newlines and
+  # braces of its own, so the first "}" line is not the end.
+  root = entry.index("\n  ROOT ")
+  entry = entry[:entry.index("\n}", entry.index("\n", root + 1) - 1)]
   sizes, moved = {}, 0
   for line in entry.splitlines()[1:]:
     m = _INSTRUCTION.match(line)
