@@ -202,6 +202,14 @@ def logical_spec(names: Sequence[str | None], mesh, rules=None) -> list:
   return spec
 
 
+def _warn_once(message: str, stacklevel: int) -> None:
+  """A ShardingWarning, once a process for each message; ``stacklevel`` as the caller would
+  give it to ``warnings.warn``."""
+  if message not in _WARNED:
+    _WARNED.add(message)
+    warnings.warn(message, ShardingWarning, stacklevel=stacklevel + 1)
+
+
 def zigzag(length: int, shards: int) -> np.ndarray:
   """The zig-zag order of positions 0..length-1 over ``shards``: the positions in 2 x shards
   equal chunks, shard i's slice holding chunk i then chunk 2 x shards - 1 - i. ``x[:, order]``
@@ -258,9 +266,7 @@ def gathered(op: str, implementation: str | None, name: str, a, dim: int, names,
                      "gather it")
   message = (f"jaxkernels.{op}: {reason}: gathered, {moved / 2**20:.1f} MiB into each device, "
              f"which then holds that dimension whole")
-  if message not in _WARNED:
-    _WARNED.add(message)
-    warnings.warn(message, ShardingWarning, stacklevel=3)
+  _warn_once(message, stacklevel=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,9 +470,7 @@ def _dividing(op: str, name: str, a, spec, mesh) -> list:
       message = (f"jaxkernels.{op}: {name}'s dimension {dim} (size {length}) stays whole: the "
                  f"sharding rules split it over mesh axes {names} (size {k}), which do not "
                  f"divide it; make it a multiple of {k}, or change jk.sharding_rules")
-      if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, ShardingWarning, stacklevel=4)
+      _warn_once(message, stacklevel=4)
       spec[dim] = None
   return spec
 
@@ -632,9 +636,7 @@ def refuse_or_fall_back(op: str, implementation: str, mesh, picked: bool) -> Non
     raise ValueError(f"{op}: implementation={implementation!r} cannot run here: {where}; a "
                      f"kernel would run whole on every device or fail to compile; {fix}")
   message = f"jaxkernels.{op}: {where}: XLA's ops serve the call instead of a kernel; {fix}"
-  if message not in _WARNED:
-    _WARNED.add(message)
-    warnings.warn(message, ShardingWarning, stacklevel=5)
+  _warn_once(message, stacklevel=5)
 
 
 def unseen(*arrays: Any) -> bool:
@@ -675,9 +677,7 @@ def unseen_split(op: str, implementation: str, picked: bool, devices: int) -> No
                      f"cannot be compiled so); {fix}")
   message = (f"jaxkernels.{op}: {where}: where they are split, the compiler gathers them and "
              f"the {implementation} kernel runs whole on every device; {fix}")
-  if message not in _WARNED:
-    _WARNED.add(message)
-    warnings.warn(message, ShardingWarning, stacklevel=2)
+  _warn_once(message, stacklevel=2)
 
 
 def check_mesh_in_context(op: str, implementation: str, picked: bool = False) -> None:
@@ -701,7 +701,5 @@ def check_mesh_in_context(op: str, implementation: str, picked: bool = False) ->
                      f"Mosaic kernel; {advice}")
   message = (f"jaxkernels.{op}: {where}; the compiler cannot split a {implementation} kernel, "
              f"so its operands are gathered and it runs whole; {advice}")
-  if message not in _WARNED:
-    _WARNED.add(message)
-    warnings.warn(message, ShardingWarning, stacklevel=4)
+  _warn_once(message, stacklevel=4)
 
