@@ -24,7 +24,6 @@ import json
 import pathlib
 import re
 import sys
-import types
 from collections.abc import Callable
 
 import jax
@@ -248,14 +247,16 @@ def _passes_around_kernels(compiled) -> float:
   return float(moved)
 
 
-def _our_blocks(t: int, h: int, chip: hardware.Chip) -> tuple[int, int, int, int]:
-  """(forward query, forward key, backward query, backward key) block sizes of our Mosaic TPU
-  attention at length ``t``, head dim ``h`` on ``chip``: its heuristic's (no TPU has tuned
-  a table)."""
-  from jaxkernels.ops.attention import mosaic_tpu
-  problem = types.SimpleNamespace(head_dim=h, q_len=t, kv_len=t)
-  c = mosaic_tpu.heuristic(problem, chip)
-  return c.block_q, c.block_k, c.bwd_block_q, c.bwd_block_k
+def _our_config(case: Case, chip: hardware.Chip):
+  """Our Mosaic TPU attention's config for the case on ``chip``: its heuristic's (no TPU has
+  tuned a table)."""
+  from jaxkernels.ops.attention import api, mosaic_tpu
+  from jaxkernels.ops.attention.common import Window
+  (b, t, n, h), (_, s, kv_heads, _) = case.arrays[0][0], case.arrays[1][0]
+  problem = api.Problem(batch=b, q_len=t, kv_len=s, heads=n, kv_heads=kv_heads, head_dim=h,
+                        dtype=jnp.dtype(jnp.bfloat16), window=Window.of(_causal(case), None),
+                        soft_cap=False, bias=None, segments=False)
+  return mosaic_tpu.heuristic(problem, chip)
 
 
 def predict(case: Case, impl: str, mesh, chip: hardware.Chip) -> dict:
@@ -287,16 +288,23 @@ def predict(case: Case, impl: str, mesh, chip: hardware.Chip) -> dict:
       (b, n, t, h), (_, kv_heads, _, _) = case.arrays[0][0], case.arrays[1][0]
     causal = _causal(case)
     flops = roofline.attention_flops(b, t, t, n, h, causal=causal, backward=case.grad)
-    blocks = {"jax_pallas_tpu": (128, 128, 128, 128)}.get(
-        impl, (SPLASH_BLOCK,) * 4 if impl in SPLASH else _our_blocks(t, h, chip))
+    shared_kv = False
+    if impl == "jax_pallas_tpu":
+      blocks = (128,) * 4
+    elif impl in SPLASH:
+      blocks = (SPLASH_BLOCK,) * 4
+    else:
+      config = _our_config(case, chip)
+      blocks = config.block_q, config.block_k, config.bwd_block_q, config.bwd_block_k
+      shared_kv = config.in_place  # a step takes every head: k and v read once a GQA group
     fwd_q, fwd_k, bwd_q, bwd_k = blocks
     visits = roofline.attention_block_visits(t, t, fwd_q, fwd_k, causal=causal)
     moved = roofline.attention_traffic(b, t, t, n, kv_heads, h, visits=visits, block_q=fwd_q,
-                                       block_k=fwd_k)["fwd"]
+                                       block_k=fwd_k, shared_kv=shared_kv)["fwd"]
     if case.grad:
       visits = roofline.attention_block_visits(t, t, bwd_q, bwd_k, causal=causal)
       by = roofline.attention_traffic(b, t, t, n, kv_heads, h, visits=visits, block_q=bwd_q,
-                                      block_k=bwd_k)
+                                      block_k=bwd_k, shared_kv=shared_kv)
       moved += by["dkdv"] + by["dq"]
     around = _passes_around_kernels(compiled)
     moved += around

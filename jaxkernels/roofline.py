@@ -174,18 +174,21 @@ def attention_block_visits(q_len: int, kv_len: int, block_q: int, block_k: int, 
 
 def attention_traffic(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
                       head_dim: int, *, visits: int, block_q: int, block_k: int,
-                      itemsize: int = 2) -> dict[str, float]:
+                      itemsize: int = 2, shared_kv: bool = False) -> dict[str, float]:
   """Bytes each flash-attention kernel moves with (block_q, block_k) blocks, ``visits`` the
   (query block, key block) pairs visited for one (batch, head): the forward reads q, writes o
   and the float32 log-sum-exp once, and reads a key block's k and v at every visit; dk/dv
   reads q, dout and the two float32 statistics at every visit, k and v in and dk, dv out
   once; dq reads k and v at every visit, q and dout in and dq out once. One model for every
   flash kernel: ours states it to Mosaic's compiler (pl.CostEstimate), and the bench predicts
-  JAX's example's TPU time by it too, with the example's blocks."""
+  JAX's example's TPU time by it too, with the example's blocks. ``shared_kv``: a step takes
+  every head, so a key block is read once for its GQA group, not once per query head (our
+  in-place Mosaic TPU kernels)."""
   pairs = batch * heads * visits
   rows = batch * heads * q_len
   kv = batch * kv_heads * kv_len * head_dim * itemsize
-  kv_block_reads = pairs * block_k * head_dim * itemsize * 2
+  kv_pairs = batch * kv_heads * visits if shared_kv else pairs
+  kv_block_reads = kv_pairs * block_k * head_dim * itemsize * 2
   q_block_reads = pairs * block_q * (2 * head_dim * itemsize + 8)
   return dict(fwd=2 * rows * head_dim * itemsize + kv_block_reads + 4 * rows,
               dkdv=q_block_reads + 2 * kv * 2,

@@ -4,8 +4,9 @@ mask features drawn by hypothesis, fully masked rows, re-runs, lowering, and bad
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import types
+import re
 
 import chex
 import jax
@@ -101,6 +102,15 @@ def _every_feature_vjp(implementation: str):
       return jax.vjp(op, q, k, v)[1](do)
     return jax.vjp(lambda q, k, v, b: op(q, k, v, bias=b), q, k, v, bias)[1](do)
   return fn
+
+
+def _problem(*, q_len=512, heads=4, kv_heads=2, head_dim=128, bias=None,
+             dtype=jnp.bfloat16):
+  """An attention Problem, as dispatch builds it, for the heuristics' tests."""
+  from jaxkernels.ops.attention import api
+  return api.Problem(batch=1, q_len=q_len, kv_len=q_len, heads=heads, kv_heads=kv_heads,
+                     head_dim=head_dim, dtype=jnp.dtype(dtype), window=Window(None, None),
+                     soft_cap=False, bias=bias, segments=False)
 
 
 def _delta_rtol(case: Case, reference_, primals, ct) -> float:
@@ -406,16 +416,98 @@ class TestAttentionMosaicTpu(AttentionTest):
 
 
   def test_production_blocks_at_head_dim_256(self):
-    """The heuristic's production blocks (512 query rows; backward 512 x 512) at head dim 256,
-    GQA, plain and causal, forward and every gradient against the reference: they were 128-row
-    blocks there, memory-bound (bench/NOTES.md tpu-splash-2)."""
+    """The heuristic's heads-major production blocks (512 query rows; backward 512 x 512) at
+    head dim 256, GQA, plain and causal, forward and every gradient against the reference:
+    they were 128-row blocks there, memory-bound (bench/NOTES.md tpu-splash-2)."""
     numerics.slow_when_interpreted(20)
-    problem = types.SimpleNamespace(head_dim=256, q_len=1024, kv_len=1024)
-    config = attention_mosaic_tpu.heuristic(problem, hardware.SMALLEST_VMEM_TPU)
+    config = attention_mosaic_tpu.heuristic(_problem(q_len=1024, heads=2, kv_heads=1,
+                                                     head_dim=256, bias=(1, 1)),
+                                            hardware.chip("TPU v5e"))
+    assert not config.in_place
     assert (config.block_q, config.bwd_block_q, config.bwd_block_k) == (512, 512, 512)
     for causal in (False, True):
       self.check(Case(batch=1, q_len=1024, kv_len=1024, kv_heads=1, group=2, head_dim=256,
-                      dtype=jnp.float32, causal=causal))
+                      dtype=jnp.float32, causal=causal), config)
+
+  IN_PLACE = attention_mosaic_tpu.Config(block_q=128, block_k=128, bwd_block_q=128,
+                                         bwd_block_k=128, vmem_limit_bytes=32 << 20,
+                                         in_place=True)
+
+  @settings(max_examples=numerics.draws(4), deadline=None,
+            phases=(Phase.explicit, Phase.generate),
+            suppress_health_check=[HealthCheck.differing_executors])
+  @given(data=st.data())
+  def test_in_place_drawn(self, data):
+    """(B, T, N, H) read in place, every head a step: odd T and S over several 128-row
+    blocks, GQA groups of 1-3, both dtypes (bfloat16 with even head counts: two heads to a
+    32-bit word), head dims of one and two 128-lane pieces, every mask feature."""
+    dtype = data.draw(st.sampled_from(self.DTYPES))
+    kv_heads = data.draw(st.sampled_from([2] if dtype == jnp.bfloat16 else [1, 2]))
+    case = Case(batch=data.draw(st.integers(1, 2)), q_len=data.draw(st.integers(1, 300)),
+                kv_len=data.draw(st.integers(1, 300)), kv_heads=kv_heads,
+                group=data.draw(st.sampled_from([1, 2, 3])),
+                head_dim=data.draw(st.sampled_from([128, 256])), dtype=dtype,
+                causal=data.draw(st.booleans()),
+                window=data.draw(st.sampled_from([None, (70, 0), (0, 130)])),
+                soft_cap=data.draw(st.sampled_from([None, 2.5])),
+                segments=data.draw(st.sampled_from([0, 3])))
+    self.check(case, self.IN_PLACE)
+
+  def test_in_place_every_feature(self):
+    """Several blocks each way, partial at the ends, a window cutting blocks, GQA 3 over 2
+    key heads, segments with fully masked rows, the soft cap, bfloat16."""
+    self.check(Case(batch=2, q_len=300, kv_len=400, kv_heads=2, group=3, head_dim=128,
+                    dtype=jnp.bfloat16, window=(150, 20), segments=3, soft_cap=3.0),
+               self.IN_PLACE)
+
+  def test_in_place_where_the_heuristic_takes_it(self):
+    """In place at the production shapes on every chip we compile for; heads-major where the
+    call needs it (a bias, odd 16-bit head counts, head dims under 128 lanes); a config that
+    asks in place for a call it cannot take says why."""
+    for chip in ("TPU v5e", "TPU v5p", "TPU v6e"):
+      for heads, kv_heads, head_dim in ((16, 16, 128), (32, 8, 128), (32, 8, 256)):
+        problem = _problem(q_len=4096, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+        assert attention_mosaic_tpu.heuristic(problem, hardware.chip(chip)).in_place, (
+            chip, heads, kv_heads, head_dim)
+    v5e = hardware.chip("TPU v5e")
+    for why, problem in (("bias", _problem(bias=(1, 1))), ("even", _problem(heads=3)),
+                         ("128 lanes", _problem(head_dim=64))):
+      assert not attention_mosaic_tpu.heuristic(problem, v5e).in_place
+      error = attention_mosaic_tpu.config_error(problem, self.IN_PLACE, v5e)
+      assert why in error and "in_place=False" in error
+    odd_block = dataclasses.replace(self.IN_PLACE, block_q=144)
+    assert "block_q" in attention_mosaic_tpu.config_error(_problem(), odd_block, v5e)
+    q = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
+    with numerics.kernel_mode(), pytest.raises(ValueError, match="in_place=True, but a bias"):
+      jk.flash_attention(q, q, q, bias=jnp.zeros((1, 2, 8, 8)), config=self.IN_PLACE,
+                         implementation="mosaic_tpu")
+
+  def test_in_place_reads_heads_in_place(self, tpu_mesh):
+    """Compiled for each chip, forward and backward with every mask feature: around the
+    kernels nothing writes an array the size of q, k, v, the output or a gradient (no
+    transpose, no copy; the (B, T, N) statistics alone are turned), and the in-place kernels
+    are the ones that run."""
+    from bench import tpu_predicted
+    b, t, n, kv, h = 2, 1024, 8, 2, 128
+    q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, t, kv, h), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    fn = lambda q, k, v, seg, do: _every_feature_vjp("mosaic_tpu")(q, k, v, None, seg, seg, do)
+    text = aot_compile(tpu_mesh, fn, q, k, k, seg, q)
+    for name in ("jk_attention_fwd_in_place", "jk_attention_dkdv_in_place",
+                 "jk_attention_dq_in_place"):
+      assert name in text, name
+    smallest = b * t * kv * h * 2  # k's bytes
+    entry = text[text.index("ENTRY"):]
+    entry = entry[:entry.index("ROOT")]
+    for line in entry.splitlines():
+      op = re.search(r"=\s*(\(.*?\)|\S+)\s+([a-z][\w-]*)\(", line)
+      # Asynchronous copies and slices (-start, -done) move an array between memory spaces
+      # (a prefetch into VMEM) in its own layout: not a pass over it.
+      if op is None or op.group(2).endswith(("-start", "-done")) or op.group(2) in (
+          "custom-call", "parameter", "bitcast", "get-tuple-element", "tuple", "constant"):
+        continue
+      assert tpu_predicted._type_bytes(op.group(1)) < smallest // 4, line[:200]
 
   def test_production_blocks_fit_vmem_at_head_dim_256(self, tpu_mesh):
     """Those blocks, every mask feature, forward and backward, compile for each chip (the

@@ -42,6 +42,9 @@ class Config:
   bwd_block_q: int
   bwd_block_k: int
   vmem_limit_bytes: int
+  # (B, T, N, H) read in place, every head in a step (mosaic_tpu_in_place.py), where the call
+  # allows it; else the heads-major kernels here, with the transposes around them.
+  in_place: bool = False
 
   def __post_init__(self):
     check_fields(self, ("block_q", "bwd_block_q"), lambda v: v >= 16 and v % 16 == 0,
@@ -59,18 +62,47 @@ BLOCK = 512
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """Query blocks of BLOCK rows, key blocks of the MXU's edge (128 on v5e, 256 on v6e) forward;
-  backward, BLOCK x BLOCK (the dq kernel re-reads k and v per query block, dk/dv q and dout per
-  key block), at every head dim up to 256, as splash attention's production blocks: at 256,
-  128-row blocks re-read k and v four times as often and left the kernel memory-bound (0.27-
-  0.82x splash predicted, bench/NOTES.md tpu-splash-2), and 512 x 512 fits VMEM on v5e, v5p
-  and v6e (forward and backward compiled at T=4096)."""
+  """In place (``mosaic_tpu_in_place``) where the call allows it: the largest query blocks up
+  to BLOCK rows (and key blocks up to BLOCK backward) whose every-head blocks fit the chip's
+  VMEM. Else heads-major: query blocks of BLOCK rows, key blocks of the MXU's edge (128 on
+  v5e, 256 on v6e) forward; backward, BLOCK x BLOCK (the dq kernel re-reads k and v per query
+  block, dk/dv q and dout per key block), at every head dim up to 256, as splash attention's
+  production blocks: at 256, 128-row blocks re-read k and v four times as often and left the
+  kernel memory-bound (0.27-0.82x splash predicted, bench/NOTES.md tpu-splash-2), and 512 x
+  512 fits VMEM on v5e, v5p and v6e (forward and backward compiled at T=4096)."""
   edge = chip.mxu or 128
-  block_q = min(BLOCK, round_up(problem.q_len, 16))
+  limit = _mosaic_tpu.vmem_limit(chip)
+  cap = lambda length, block: min(block, round_up(length, 16))
   block_k = min(edge, round_up(problem.kv_len, 128))
+  if in_place.reason(problem) is None:
+    fits = lambda kernels, bq, bk: all(
+        in_place.vmem_bytes(problem, bq, bk)[name] <= limit for name in kernels)
+    fwd = next((cap(problem.q_len, bq) for bq in (BLOCK, 256, 128)
+                if fits(("fwd",), cap(problem.q_len, bq), block_k)), None)
+    bwd = next(((cap(problem.q_len, bq), min(bk, round_up(problem.kv_len, 128)))
+                for bq, bk in ((BLOCK, BLOCK), (BLOCK, 256), (256, 256), (256, 128), (128, 128))
+                if fits(("dkdv", "dq"), cap(problem.q_len, bq),
+                        min(bk, round_up(problem.kv_len, 128)))), None)
+    if fwd is not None and bwd is not None:
+      return Config(block_q=fwd, block_k=block_k, bwd_block_q=bwd[0], bwd_block_k=bwd[1],
+                    vmem_limit_bytes=limit, in_place=True)
+  block_q = cap(problem.q_len, BLOCK)
   return Config(block_q=block_q, block_k=block_k, bwd_block_q=block_q,
-                bwd_block_k=min(BLOCK, round_up(problem.kv_len, 128)),
-                vmem_limit_bytes=_mosaic_tpu.vmem_limit(chip))
+                bwd_block_k=min(BLOCK, round_up(problem.kv_len, 128)), vmem_limit_bytes=limit)
+
+
+def config_error(problem, config: Config, chip) -> str | None:
+  del chip
+  if not config.in_place:
+    return None
+  if (why := in_place.reason(problem)) is not None:
+    return f"in_place=True, but {why} (in_place=False runs it)"
+  for name in ("block_q", "bwd_block_q"):
+    block = getattr(config, name)
+    if block % 128 and block < problem.q_len:
+      return (f"in_place=True takes {name} as whole 128 lanes (the statistics are rows) or "
+              f"covering all {problem.q_len} queries; got {block}")
+  return None
 
 
 def unsupported(problem, chip) -> str | None:
@@ -248,6 +280,9 @@ def _bias_map(call: Call, bq: int, bk: int):
 
 def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
             soft_cap: float | None, config: Config, interpret=False):
+  if config.in_place:
+    return in_place.forward(q, k, v, q_seg, kv_seg, window=window, scale=scale,
+                            soft_cap=soft_cap, config=config, interpret=interpret)
   call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
   b, t, n, h = q.shape
   bq, bk = config.block_q, config.block_k
@@ -388,6 +423,10 @@ def _dbias_kernel(*refs, call: Call, bq: int, bk: int):
 
 def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window,
              scale: float, soft_cap: float | None, config: Config, interpret=False):
+  if config.in_place:
+    return in_place.backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, window=window,
+                             scale=scale, soft_cap=soft_cap, config=config,
+                             interpret=interpret)
   call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
   b, t, n, h = q.shape
   s, kv_heads, g = call.kv_len, call.kv_heads, call.group
@@ -487,3 +526,7 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
 
   back = lambda a, length: jnp.swapaxes(a[:, :, :length], 1, 2)
   return back(dq, t), back(dk, s), back(dv, s), dbias
+
+
+# Last: the in-place kernels build on this module's masks, visits and costs.
+from jaxkernels.ops.attention import mosaic_tpu_in_place as in_place  # noqa: E402

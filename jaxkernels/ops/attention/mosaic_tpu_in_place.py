@@ -1,0 +1,521 @@
+"""Pallas Mosaic TPU flash attention on (B, T, N, H) in place: every head of a block in one step.
+
+On TPU the minor two dimensions of an array are tiled, (8, 128) of 32-bit words, bfloat16 packed
+in pairs of rows, so (B, T, N, H) viewed as (B, T * N, H) is the same bytes wherever N fills
+whole tiles, and XLA compiles the reshape to a bitcast. The kernels here read q, k, v and dout
+and write out, dq, dk and dv through that view: no transpose around them, where the
+heads-major kernels of ``mosaic_tpu.py`` transpose each array in HBM, (B, T, N, H) <-> (B, N,
+T, H), about 500 MB at B2 T4096 N16 H128 (bench/NOTES.md tpu-splash-2).
+
+A block is bq positions of every head, interleaved: position t of head n at row t * N + n. A
+head's rows are one strided load. Mosaic loads strided rows of 32-bit words only, so a 16-bit
+block is copied once a step into a uint32 scratch, where word row t * N / 2 + m holds heads
+2m (low half) and 2m + 1 (high half), and a head is split out by a shift; outputs go back
+the same way, two heads to a word. The grid is (batch, query block, key block) forward and for
+dq, (batch, key block, query block) for dk and dv; a step loops over the heads, so a key block
+is read once for every head of its GQA group, not once a head.
+
+The orientation is transposed: a block's scores are (keys, queries), so the softmax's
+statistics are rows, (1, bq), 8 sublanes of VMEM a head where a column takes 128 lanes, and the
+log-sum-exp is kept as (B, N, 1, T). The outputs accumulate transposed, (H, bq), and turn once,
+at the last key block. Masks, windows, segments, the soft cap and skipped blocks are those of
+the heads-major kernels; a bias takes those (its blocks are per head).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxkernels import _mosaic_tpu, roofline
+from jaxkernels._online_softmax import finite
+from jaxkernels._tiling import round_up
+from jaxkernels.ops.attention import mosaic_tpu as heads_major
+from jaxkernels.ops.attention.common import (Call, Window, dot, key_blocks, query_blocks,
+                                             visible)
+
+_HIGH = 0xFFFF0000  # the high half of a word: the odd head of a pair
+
+
+def reason(problem) -> str | None:
+  """Why a problem cannot run in place (the heads-major kernels take it), or None."""
+  if problem.bias is not None:
+    return "a bias is read in (bq, bk) blocks per head"
+  itemsize = jnp.dtype(problem.dtype).itemsize
+  if itemsize == 2 and (problem.heads % 2 or problem.kv_heads % 2):
+    return (f"{problem.heads} query and {problem.kv_heads} key heads: 16-bit heads go two to "
+            "a 32-bit word, so both counts must be even")
+  if problem.head_dim % 128:
+    return f"head dim {problem.head_dim} is not a whole number of 128 lanes"
+  return None
+
+
+def vmem_bytes(problem, bq: int, bk: int) -> dict[str, int]:
+  """VMEM each kernel takes with (bq, bk) blocks: the pipeline's two buffers of every block,
+  a 32-bit copy of each 16-bit block, the float32 scratch, and the float32 (bk, bq)
+  temporaries of one head's step."""
+  n, kv, h = problem.heads, problem.kv_heads, problem.head_dim
+  item = jnp.dtype(problem.dtype).itemsize
+  copies = 3 if item == 2 else 2
+  q_block, kv_block = bq * n * h * item, bk * kv * h * item
+  rows = 8 * bq * 4  # a (1, bq) float32 row takes 8 sublanes
+  temps = 6 * bk * bq * 4 + 4 * (bk + bq) * h * 4
+  return dict(
+      fwd=copies * (2 * q_block + 2 * kv_block) + 2 * n * rows * 3 + n * h * bq * 4 + temps,
+      dkdv=copies * (2 * q_block + 4 * kv_block) + 4 * n * rows + 2 * kv * bk * h * 4 + temps,
+      dq=copies * (3 * q_block + 2 * kv_block) + 4 * n * rows + n * h * bq * 4 + temps)
+
+
+# --------------------------------------------------------------------------- #
+# One head out of an interleaved block
+# --------------------------------------------------------------------------- #
+
+
+LANES = 128  # Mosaic loads strided rows of a 128-lane memref: wider heads go in pieces
+
+
+def _packed(dtype) -> bool:
+  return jnp.dtype(dtype).itemsize == 2
+
+
+def _words(ref, scratch):
+  """``ref``'s block as 128-lane pieces of 32-bit words, each a (rows / packing, 128) ref:
+  ``scratch`` (pieces, rows / packing, 128) filled with them, or the block itself where it is
+  one piece of 32-bit words already."""
+  if scratch is None:
+    return [ref]
+  for c in range(scratch.shape[0]):
+    piece = ref[:, c * LANES:(c + 1) * LANES]
+    scratch[c] = pltpu.bitcast(piece, jnp.uint32) if _packed(ref.dtype) else piece
+  return [scratch.at[c] for c in range(scratch.shape[0])]
+
+
+def _words_once(ref, scratch, first):
+  """``ref``'s block as words, the scratch filled at the step ``first`` only (the block stays
+  the same over the steps after it)."""
+  if scratch is None:
+    return [ref]
+
+  @pl.when(first)
+  def _():
+    _words(ref, scratch)
+  return [scratch.at[c] for c in range(scratch.shape[0])]
+
+
+def _first_key_block(i, bq: int, bk: int, call: Call):
+  """The first key block that query block i visits."""
+  return key_blocks(i * bq, jnp.minimum(bq, call.q_len - i * bq), bk, call.kv_len,
+                    call.window)[0]
+
+
+def _first_query_block(j, bq: int, bk: int, call: Call):
+  return query_blocks(j * bk, jnp.minimum(bk, call.kv_len - j * bk), bq, call.q_len,
+                      call.window)[0]
+
+
+def _head(pieces, n, heads: int, rows: int, dtype):
+  """Head n's (rows, H) block, in ``dtype``, from an interleaved block's pieces of words."""
+  parts = []
+  for words in pieces:
+    if not _packed(dtype):
+      parts.append(words[pl.ds(n, rows, stride=heads), :])
+      continue
+    w = words[pl.ds(n // 2, rows, stride=heads // 2), :]
+    up = (16 * (1 - n % 2)).astype(jnp.uint32)  # the even head's low half up, the odd's stays
+    bits = lax.shift_left(w, jnp.broadcast_to(up, w.shape)) & jnp.uint32(_HIGH)
+    parts.append(pltpu.bitcast(bits, jnp.float32).astype(dtype))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _store_heads(out_ref, words, heads: int, rows: int, value):
+  """Writes every head's (rows, H) float32 block, ``value(n)``, into an interleaved output
+  block: through ``words``, a (pieces, rows / packing, 128) scratch, where the output is
+  16-bit or wider than one piece."""
+  if words is None:
+    def one(n, carry):
+      out_ref[pl.ds(n, rows, stride=heads), :] = value(n).astype(out_ref.dtype)
+      return carry
+    lax.fori_loop(0, heads, one, 0)
+    return
+  pieces = range(words.shape[0])
+  cut = lambda x, c: x[:, c * LANES:(c + 1) * LANES]
+
+  def bits(x):
+    return pltpu.bitcast(x.astype(out_ref.dtype).astype(jnp.float32), jnp.uint32)
+
+  def pair(m, carry):
+    low, high = bits(value(2 * m)), bits(value(2 * m + 1))
+    for c in pieces:
+      words.at[c][pl.ds(m, rows, stride=heads // 2), :] = (
+          lax.shift_right_logical(cut(low, c), jnp.uint32(16)) | (cut(high, c) &
+                                                                  jnp.uint32(_HIGH)))
+    return carry
+
+  def one(n, carry):
+    x = value(n)
+    for c in pieces:
+      words.at[c][pl.ds(n, rows, stride=heads), :] = cut(x, c)
+    return carry
+
+  if _packed(out_ref.dtype):
+    lax.fori_loop(0, heads // 2, pair, 0)
+  else:
+    lax.fori_loop(0, heads, one, 0)
+  for c in pieces:
+    piece = words[c]
+    out_ref[:, c * LANES:(c + 1) * LANES] = (
+        pltpu.bitcast(piece, out_ref.dtype) if _packed(out_ref.dtype) else piece)
+
+
+def _mask(i, j, bq: int, bk: int, call: Call, q_seg, kv_seg):
+  """The (bk, bq) block's mask, keys down and queries across, or None."""
+  queries = i * bq + lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
+  keys = j * bk + lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
+  mask = visible(queries, keys, call.window, q_seg, kv_seg)
+  if call.kv_len % bk:
+    edge = keys < call.kv_len
+    mask = edge if mask is None else mask & edge
+  return mask
+
+
+def _scores_t(k, q, call: Call, mask):
+  """(bk, bq) logits k q^T, scaled, capped, masked; and tanh for the cap's slope."""
+  s, th = heads_major._scores(dot(k, q, call, tb=True), None, call)
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf)
+  return s, th
+
+
+def _read(ref):
+  return None if ref is None else ref[...]
+
+
+# --------------------------------------------------------------------------- #
+# Forward
+# --------------------------------------------------------------------------- #
+
+
+def _forward_kernel(*refs, call: Call, bq: int, bk: int):
+  refs = list(refs)
+  q_ref, k_ref, v_ref = refs[:3]
+  rest = refs[3:]
+  qs_ref, ks_ref = (rest.pop(0), rest.pop(0)) if call.segments else (None, None)
+  o_ref, lse_ref, m_sc, l_sc, acc_sc, *words = rest
+  q_w, k_w, v_w, o_w = words if words else (None,) * 4
+  i, j = pl.program_id(1), pl.program_id(2)
+  heads, kv_heads, dtype = call.heads, call.kv_heads, call.dtype
+
+  @pl.when(j == 0)
+  def _():
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  run, _ = heads_major._visit(i, j, bq, bk, call)
+  qs = _words_once(q_ref, q_w, j == _first_key_block(i, bq, bk, call))
+
+  @pl.when(run)
+  def _():
+    ks, vs = _words(k_ref, k_w), _words(v_ref, v_w)
+    mask = _mask(i, j, bq, bk, call, _read(qs_ref), _read(ks_ref))
+
+    def head(n, carry):
+      c = n // call.group
+      q = _head(qs, n, heads, bq, dtype)
+      k, v = _head(ks, c, kv_heads, bk, dtype), _head(vs, c, kv_heads, bk, dtype)
+      s, _ = _scores_t(k, q, call, mask)
+      m_prev = m_sc[n]
+      m_new = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
+      safe = finite(m_new)
+      alpha = jnp.exp(m_prev - safe)
+      p = jnp.exp(s - safe)
+      l_sc[n] = l_sc[n] * alpha + jnp.sum(p, axis=0, keepdims=True)
+      acc_sc[n] = acc_sc[n] * alpha + dot(v, p.astype(dtype), call, ta=True)
+      m_sc[n] = m_new
+      return carry
+
+    lax.fori_loop(0, heads, head, 0)
+
+  @pl.when(j == pl.num_programs(2) - 1)
+  def _():
+    def out(n):
+      total = l_sc[n]
+      seen = total > 0
+      lse_ref[n] = jnp.where(seen, finite(m_sc[n]) + jnp.log(jnp.where(seen, total, 1.0)),
+                             -jnp.inf)
+      return (acc_sc[n] / jnp.where(seen, total, 1.0)).T
+
+    _store_heads(o_ref, o_w, heads, bq, out)
+
+
+def _interleaved(a, length: int):
+  """(B, L, N, H) as the kernels' (B, length * N, H): padded to ``length`` positions (a copy,
+  only where L is not whole blocks), then merged with the heads (a bitcast on TPU)."""
+  b, l, n, h = a.shape
+  if length != l:
+    a = jnp.pad(a, ((0, 0), (0, length - l), (0, 0), (0, 0)))
+  return a.reshape(b, length * n, h)
+
+
+def _positions(a, b: int, length: int, n: int, h: int, keep: int):
+  """The kernels' (B, length * N, H) output as (B, keep, N, H)."""
+  a = a.reshape(b, length, n, h)
+  return a[:, :keep] if keep != length else a
+
+
+def _rows(stat, length: int):
+  """A (B, T, N) statistic as the kernels' (B, N, 1, length) rows (a small transpose)."""
+  stat = jnp.swapaxes(stat.astype(jnp.float32), 1, 2)[:, :, None, :]
+  pad = length - stat.shape[-1]
+  return jnp.pad(stat, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad else stat
+
+
+def _segment_specs(q_seg, kv_seg, t_pad: int, s_pad: int, q_at, k_at):
+  """Segment ids as a (1, bq) row and a (bk, 1) column, with their BlockSpecs."""
+  arrays = [heads_major._segments(q_seg, t_pad, -1)[:, None, :],
+            heads_major._segments(kv_seg, s_pad, -2)[:, :, None]]
+  return arrays, [q_at, k_at]
+
+
+def _scratch(shape, dtype=jnp.float32):
+  return pltpu.VMEM(shape, dtype)
+
+
+def _word_scratch(dtype, *rows_of: int, h: int):
+  """The 32-bit copies (pieces, rows / packing, 128) of blocks of ``rows_of`` rows each: none
+  where a block is one piece of 32-bit words already."""
+  if not _packed(dtype) and h == LANES:
+    return []
+  packing = 2 if _packed(dtype) else 1
+  words = jnp.uint32 if _packed(dtype) else dtype
+  return [_scratch((h // LANES, rows // packing, LANES), words) for rows in rows_of]
+
+
+def forward(q, k, v, q_seg, kv_seg, *, window: Window, scale: float, soft_cap: float | None,
+            config, interpret=False):
+  call = Call.of(q, k, None, q_seg, window=window, scale=scale, soft_cap=soft_cap)
+  b, t, n, h = q.shape
+  kv_heads = call.kv_heads
+  bq, bk = config.block_q, config.block_k
+  t_pad, s_pad = round_up(t, bq), round_up(call.kv_len, bk)
+  n_q, n_k = t_pad // bq, s_pad // bk
+
+  def kv_map(b_, i, j):
+    return b_, heads_major._visit(i, j, bq, bk, call)[1], 0
+
+  inputs = [_interleaved(q, t_pad), _interleaved(k, s_pad), _interleaved(v, s_pad)]
+  specs = [pl.BlockSpec((None, bq * n, h), lambda b_, i, j: (b_, i, 0)),
+           pl.BlockSpec((None, bk * kv_heads, h), kv_map),
+           pl.BlockSpec((None, bk * kv_heads, h), kv_map)]
+  if q_seg is not None:
+    arrays, seg_specs = _segment_specs(
+        q_seg, kv_seg, t_pad, s_pad,
+        pl.BlockSpec((None, 1, bq), lambda b_, i, j: (b_, 0, i)),
+        pl.BlockSpec((None, bk, 1), lambda b_, i, j: (b_, kv_map(b_, i, j)[1], 0)))
+    inputs += arrays
+    specs += seg_specs
+  out, lse = pl.pallas_call(
+      functools.partial(_forward_kernel, call=call, bq=bq, bk=bk),
+      grid=(b, n_q, n_k),
+      in_specs=specs,
+      out_specs=[pl.BlockSpec((None, bq * n, h), lambda b_, i, j: (b_, i, 0)),
+                 pl.BlockSpec((None, n, 1, bq), lambda b_, i, j: (b_, 0, 0, i))],
+      out_shape=[jax.ShapeDtypeStruct((b, t_pad * n, h), q.dtype),
+                 jax.ShapeDtypeStruct((b, n, 1, t_pad), jnp.float32)],
+      scratch_shapes=[_scratch((n, 1, bq)), _scratch((n, 1, bq)), _scratch((n, h, bq)),
+                      *_word_scratch(q.dtype, bq * n, bk * kv_heads, bk * kv_heads, bq * n,
+                                     h=h)],
+      compiler_params=_mosaic_tpu.params(("parallel", "parallel", "arbitrary"),
+                                         config.vmem_limit_bytes, interpret),
+      cost_estimate=_costs(call, bq, bk)["fwd"],
+      interpret=interpret,
+      name="jk_attention_fwd_in_place",
+  )(*inputs)
+  return (_positions(out, b, t_pad, n, h, t),
+          jnp.swapaxes(lse[:, :, 0, :t], 1, 2))
+
+
+def _costs(call: Call, bq: int, bk: int):
+  """The heads-major kernels' costs (``mosaic_tpu._costs``), the bytes counted with a key block
+  read once for its GQA group (a step takes every head), not once per query head."""
+  costs = heads_major._costs(call, bq, bk)
+  moved = roofline.attention_traffic(
+      call.batch, call.q_len, call.kv_len, call.heads, call.kv_heads, call.head_dim,
+      visits=heads_major._block_visits(call, bq, bk), block_q=bq, block_k=bk,
+      itemsize=call.dtype.itemsize, shared_kv=True)
+  return {kernel: pl.CostEstimate(flops=c.flops, transcendentals=c.transcendentals,
+                                  bytes_accessed=int(moved[kernel]))
+          for kernel, c in costs.items()}
+
+
+# --------------------------------------------------------------------------- #
+# Backward
+# --------------------------------------------------------------------------- #
+
+
+def _grads_t(q, k, v, do, lse, delta, mask, call: Call):
+  """(p^T, ds^T), (bk, bq), of one head's block from the saved log-sum-exp and delta rows."""
+  s, th = _scores_t(k, q, call, mask)
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a query that sees nothing: p = 0
+  p = jnp.exp(s - lse)
+  ds = p * (dot(v, do, call, tb=True) - delta)
+  if th is not None:
+    ds = ds * (1.0 - th * th)
+  return p, ds
+
+
+def _unpack(refs, call: Call, n_out: int):
+  refs = list(refs)
+  named = dict(zip(("q", "k", "v"), refs[:3]))
+  rest = refs[3:]
+  named["qs"], named["ks"] = (rest.pop(0), rest.pop(0)) if call.segments else (None, None)
+  named["do"], named["lse"], named["delta"] = rest[:3]
+  return named, rest[3:3 + n_out], rest[3 + n_out:]
+
+
+def _loop_heads(r, words, i, j, bq: int, bk: int, call: Call, step):
+  """Calls ``step(n, c, q, k, do, p^T, ds^T)`` for every query head n (c its key head), the
+  blocks read from ``words`` (q, k, v, dout: their 32-bit views)."""
+  qs, ks, vs, dos = words
+  mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
+  dtype = call.dtype
+
+  def head(n, carry):
+    c = n // call.group
+    q, do = _head(qs, n, call.heads, bq, dtype), _head(dos, n, call.heads, bq, dtype)
+    k, v = _head(ks, c, call.kv_heads, bk, dtype), _head(vs, c, call.kv_heads, bk, dtype)
+    p, ds = _grads_t(q, k, v, do, r["lse"][n], r["delta"][n], mask, call)
+    step(n, c, q, k, do, p, ds)
+    return carry
+
+  lax.fori_loop(0, call.heads, head, 0)
+
+
+def _dkdv_kernel(*refs, call: Call, bq: int, bk: int):
+  r, (dk_ref, dv_ref), scratch = _unpack(refs, call, 2)
+  dk_sc, dv_sc, *words = scratch
+  words = words or [None] * 6
+  j, i = pl.program_id(1), pl.program_id(2)
+
+  @pl.when(i == 0)
+  def _():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  first = i == _first_query_block(j, bq, bk, call)
+  ks, vs = _words_once(r["k"], words[1], first), _words_once(r["v"], words[2], first)
+
+  @pl.when(heads_major._visit_queries(j, i, bq, bk, call)[0])
+  def _():
+    qs, dos = _words(r["q"], words[0]), _words(r["do"], words[3])
+
+    def step(n, c, q, k, do, p, ds):
+      del n, k
+      dv_sc[c] += dot(p.astype(do.dtype), do, call)
+      dk_sc[c] += dot(ds.astype(q.dtype), q, call)
+    _loop_heads(r, (qs, ks, vs, dos), i, j, bq, bk, call, step)
+
+  @pl.when(i == pl.num_programs(2) - 1)
+  def _():
+    _store_heads(dk_ref, words[4], call.kv_heads, bk, lambda c: dk_sc[c] * call.scale)
+    _store_heads(dv_ref, words[5], call.kv_heads, bk, lambda c: dv_sc[c])
+
+
+def _dq_kernel(*refs, call: Call, bq: int, bk: int):
+  r, (dq_ref,), scratch = _unpack(refs, call, 1)
+  dq_sc, *words = scratch
+  words = words or [None] * 5
+  i, j = pl.program_id(1), pl.program_id(2)
+
+  @pl.when(j == 0)
+  def _():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  first = j == _first_key_block(i, bq, bk, call)
+  qs, dos = _words_once(r["q"], words[0], first), _words_once(r["do"], words[3], first)
+
+  @pl.when(heads_major._visit(i, j, bq, bk, call)[0])
+  def _():
+    ks, vs = _words(r["k"], words[1]), _words(r["v"], words[2])
+
+    def step(n, c, q, k, do, p, ds):
+      del c, q, do, p
+      dq_sc[n] += dot(k, ds.astype(k.dtype), call, ta=True)
+    _loop_heads(r, (qs, ks, vs, dos), i, j, bq, bk, call, step)
+
+  @pl.when(j == pl.num_programs(2) - 1)
+  def _():
+    _store_heads(dq_ref, words[4], call.heads, bq, lambda n: (dq_sc[n] * call.scale).T)
+
+
+def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window, scale: float,
+             soft_cap: float | None, config, interpret=False):
+  call = Call.of(q, k, None, q_seg, window=window, scale=scale, soft_cap=soft_cap)
+  b, t, n, h = q.shape
+  s, kv_heads = call.kv_len, call.kv_heads
+  bq, bk = config.bwd_block_q, config.bwd_block_k
+  t_pad, s_pad = round_up(t, bq), round_up(s, bk)
+  n_q, n_k = t_pad // bq, s_pad // bk
+  delta = jnp.einsum("btnh,btnh->btn", dout.astype(jnp.float32), out.astype(jnp.float32))
+  if dlse is not None:
+    delta = delta - dlse.astype(jnp.float32)
+  inputs = [_interleaved(q, t_pad), _interleaved(k, s_pad), _interleaved(v, s_pad)]
+  seg_arrays = []
+  if q_seg is not None:
+    seg_arrays = [heads_major._segments(q_seg, t_pad, -1)[:, None, :],
+                  heads_major._segments(kv_seg, s_pad, -2)[:, :, None]]
+  inputs += seg_arrays + [_interleaved(dout, t_pad), _rows(lse, t_pad), _rows(delta, t_pad)]
+
+  def specs(where):
+    """BlockSpecs of the inputs for a grid whose index maps give (b, i, j) by ``where``."""
+    at = lambda f: (lambda *ids: f(*where(*ids)))
+    queries = pl.BlockSpec((None, bq * n, h), at(lambda b_, i, j: (b_, i, 0)))
+    keys = pl.BlockSpec((None, bk * kv_heads, h), at(lambda b_, i, j: (b_, j, 0)))
+    rows = pl.BlockSpec((None, n, 1, bq), at(lambda b_, i, j: (b_, 0, 0, i)))
+    segs = [pl.BlockSpec((None, 1, bq), at(lambda b_, i, j: (b_, 0, i))),
+            pl.BlockSpec((None, bk, 1), at(lambda b_, i, j: (b_, j, 0)))] if seg_arrays else []
+    return [queries, keys, keys, *segs, queries, rows, rows]
+
+  params = _mosaic_tpu.params(("parallel", "parallel", "arbitrary"), config.vmem_limit_bytes,
+                              interpret)
+  costs = _costs(call, bq, bk)
+
+  def dkdv_where(b_, j, i):
+    return b_, heads_major._visit_queries(j, i, bq, bk, call)[1], j
+
+  kv_out = pl.BlockSpec((None, bk * kv_heads, h), lambda b_, j, i: (b_, j, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, call=call, bq=bq, bk=bk),
+      grid=(b, n_k, n_q),
+      in_specs=specs(dkdv_where),
+      out_specs=[kv_out, kv_out],
+      out_shape=[jax.ShapeDtypeStruct((b, s_pad * kv_heads, h), k.dtype)] * 2,
+      scratch_shapes=[_scratch((kv_heads, bk, h)), _scratch((kv_heads, bk, h)),
+                      *_word_scratch(q.dtype, bq * n, bk * kv_heads, bk * kv_heads, bq * n,
+                                     bk * kv_heads, bk * kv_heads, h=h)],
+      compiler_params=params, cost_estimate=costs["dkdv"],
+      interpret=interpret, name="jk_attention_dkdv_in_place",
+  )(*inputs)
+
+  def dq_where(b_, i, j):
+    return b_, i, heads_major._visit(i, j, bq, bk, call)[1]
+
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, call=call, bq=bq, bk=bk),
+      grid=(b, n_q, n_k),
+      in_specs=specs(dq_where),
+      out_specs=pl.BlockSpec((None, bq * n, h), lambda b_, i, j: (b_, i, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, t_pad * n, h), q.dtype),
+      scratch_shapes=[_scratch((n, h, bq)),
+                      *_word_scratch(q.dtype, bq * n, bk * kv_heads, bk * kv_heads, bq * n,
+                                     bq * n, h=h)],
+      compiler_params=params, cost_estimate=costs["dq"],
+      interpret=interpret, name="jk_attention_dq_in_place",
+  )(*inputs)
+  return (_positions(dq, b, t_pad, n, h, t), _positions(dk, b, s_pad, kv_heads, h, s),
+          _positions(dv, b, s_pad, kv_heads, h, s), None)
