@@ -172,8 +172,13 @@ def _splash_maxtext(case: Case):
 
 
 def _program(case: Case, impl: str):
-  """The forward, or the forward and backward as the GPU suites time them (bench/harness.py):
-  the output written, and the float arguments' gradients for a cotangent given."""
+  """The forward, or the forward and backward as the GPU suites time them (bench/harness.py
+  ``Timed``): the output written, and the float arguments' gradients for a cotangent given,
+  with an optimization barrier between the halves. The forward's outputs and residuals reach
+  HBM before the backward starts, as in a training step, where the rest of the network runs in
+  between; without the barrier XLA fuses the forward into the backward and reads the inputs
+  once for both (a glu or bias+gelu then 0.75-0.8x "XLA" on v5e, bench/NOTES.md tpu-fused-1),
+  which no step allows."""
   if not case.grad:
     return lambda *args: case.op(impl, *args)
   floats = [i for i, (_, dtype) in enumerate(case.arrays)
@@ -186,6 +191,7 @@ def _program(case: Case, impl: str):
         full[i] = a
       return case.op(impl, *full)
     out, vjp = jax.vjp(f, *(args[i] for i in floats))
+    out, vjp = jax.lax.optimization_barrier((out, vjp))
     return out, vjp(ct)
   return fwd_bwd
 

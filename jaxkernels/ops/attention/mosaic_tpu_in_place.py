@@ -172,6 +172,19 @@ def _store_heads(out_ref, words, heads: int, rows: int, value):
         pltpu.bitcast(piece, out_ref.dtype) if _packed(out_ref.dtype) else piece)
 
 
+def _each_head(call: Call, key_head, body):
+  """``body(n, k, v)`` for every query head n, with ``(k, v) = key_head(c)`` of its key head
+  c, split out once for the c's GQA group, not once per query head."""
+  def group(c, carry):
+    k, v = key_head(c)
+
+    def head(r, carry):
+      body(c * call.group + r, k, v)
+      return carry
+    return lax.fori_loop(0, call.group, head, carry)
+  lax.fori_loop(0, call.kv_heads, group, 0)
+
+
 def _mask(i, j, bq: int, bk: int, call: Call, q_seg, kv_seg):
   """The (bk, bq) block's mask, keys down and queries across, or None."""
   queries = i * bq + lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
@@ -224,10 +237,8 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
     ks, vs = _words(k_ref, k_w), _words(v_ref, v_w)
     mask = _mask(i, j, bq, bk, call, _read(qs_ref), _read(ks_ref))
 
-    def head(n, carry):
-      c = n // call.group
+    def head(n, k, v):
       q = _head(qs, n, heads, bq, dtype)
-      k, v = _head(ks, c, kv_heads, bk, dtype), _head(vs, c, kv_heads, bk, dtype)
       s, _ = _scores_t(k, q, call, mask)
       m_prev = m_sc[n]
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
@@ -237,9 +248,9 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
       l_sc[n] = l_sc[n] * alpha + jnp.sum(p, axis=0, keepdims=True)
       acc_sc[n] = acc_sc[n] * alpha + dot(v, p.astype(dtype), call, ta=True)
       m_sc[n] = m_new
-      return carry
 
-    lax.fori_loop(0, heads, head, 0)
+    _each_head(call, lambda c: (_head(ks, c, kv_heads, bk, dtype),
+                                _head(vs, c, kv_heads, bk, dtype)), head)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
@@ -385,15 +396,14 @@ def _loop_heads(r, words, i, j, bq: int, bk: int, call: Call, step):
   mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
   dtype = call.dtype
 
-  def head(n, carry):
-    c = n // call.group
+  def head(n, c, k, v):
     q, do = _head(qs, n, call.heads, bq, dtype), _head(dos, n, call.heads, bq, dtype)
-    k, v = _head(ks, c, call.kv_heads, bk, dtype), _head(vs, c, call.kv_heads, bk, dtype)
     p, ds = _grads_t(q, k, v, do, r["lse"][n], r["delta"][n], mask, call)
     step(n, c, q, k, do, p, ds)
-    return carry
 
-  lax.fori_loop(0, call.heads, head, 0)
+  _each_head(call, lambda c: (_head(ks, c, call.kv_heads, bk, dtype),
+                              _head(vs, c, call.kv_heads, bk, dtype)),
+             lambda n, k, v: head(n, n // call.group, k, v))
 
 
 def _dkdv_kernel(*refs, call: Call, bq: int, bk: int):
