@@ -74,6 +74,10 @@ def parser() -> argparse.ArgumentParser:
                       help="model --tpu: the sharded train steps (1b under fsdp and fsdp x "
                            "tensor on 4 chips of v5p and v6e, the 8b on 8 of v5p): per-chip "
                            "memory, collectives and predicted step time")
+  parser.add_argument("--published", action="store_true",
+                      help="model --tpu: the predictor against published TPU runs (MaxText's "
+                           "Llama 3.1 8B on v6e): the same step predicted beside the published "
+                           "rate")
   parser.add_argument("--out", default=None, help="directory for the JSON (default "
                       "bench/results/<device>; --smoke: ~/.cache/jaxkernels/bench-smoke/<device>)")
   return parser
@@ -112,6 +116,8 @@ def main(argv=None) -> int:
       attention.run(session, sweep=args.sweep, only=only)
     elif name == "scaling":
       scaling.run(session, only=only)
+    elif name == "model" and args.tpu and args.published:
+      model.tpu_published(session)
     elif name == "model" and args.tpu and args.layouts:
       model.tpu_layouts(session)
     elif name == "model" and args.tpu:

@@ -200,12 +200,14 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
          "**(predicted)** is a TPU no one has run these on: its times are predicted from the "
          "program the TPU compiler built (AOT from a CPU host, `python -m bench.tpu_predicted`): "
          "max(FLOPs / peak, bytes / HBM bandwidth), a lower bound that sees no pipeline "
-         "bubble, and for ours and the anchors alike. The anchors there: XLA, and for attention "
-         "JAX's Pallas TPU flash attention fed its native (B, N, T, H) layout (tokamax is "
-         "not an anchor yet). Both attention kernels' bytes come from one block-traffic model "
-         "(roofline.attention_traffic: k and v re-read for every query block): ours as the "
-         "compiler counts our program (the model, which our kernels state, plus our (B, T, N, H) "
-         "layout's transposes), the example's at its 128 x 128 blocks.",
+         "bubble, nor the VPU work inside a kernel, for ours and the anchors alike; forward+"
+         "backward with an optimization barrier between the halves, as the GPU suites time it. "
+         "The anchors there: XLA, and for attention JAX's splash attention (bare, in its own "
+         "(B, N, T, H) layout, and as MaxText calls it on (B, T, N, H)) and its older Pallas "
+         "TPU flash example (tokamax is not an anchor yet). Every attention kernel is "
+         "predicted by one model: its products' FLOPs, and its block traffic at its own blocks "
+         "(roofline.attention_traffic: k and v re-read for every query block they meet) plus "
+         "every XLA pass around it in the compiled program.",
          "",
          "| device | family | shapes | ours faster | geomean speedup | range "
          "| median roofline, ours |",

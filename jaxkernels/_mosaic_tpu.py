@@ -19,7 +19,7 @@ MAX_BLOCK_ROWS = 1024
 
 
 # What the kernels call of Pallas Mosaic TPU's API (tests/test_structure.py keeps it complete).
-API = ("CompilerParams", "InterpretParams", "PrefetchScalarGridSpec", "VMEM")
+API = ("CompilerParams", "InterpretParams", "PrefetchScalarGridSpec", "VMEM", "bitcast")
 
 
 def interpret_params() -> Any:

@@ -30,10 +30,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkernels import _mosaic_tpu, hardware, roofline
+from jaxkernels import _mosaic_tpu, hardware
 from jaxkernels._tiling import check_fields, round_up
-from jaxkernels.ops.attention.common import (Call, Window, dot, key_blocks, query_blocks,
-                                             visible)
+from jaxkernels.ops.attention import mosaic_tpu_blocks as blocks
+from jaxkernels.ops.attention import mosaic_tpu_in_place as in_place
+from jaxkernels.ops.attention.common import Call, Window, dot, visible
 
 MAX_HEAD_DIM = 256
 
@@ -117,18 +118,6 @@ def unsupported(problem, chip) -> str | None:
   return None
 
 
-def _scores(qk, bias, call: Call):
-  """Natural-log logits from q k^T (scaled, capped, biased) and tanh for the cap's slope."""
-  s = qk * call.scale
-  th = None
-  if call.soft_cap is not None:
-    th = jnp.tanh(s * (1.0 / call.soft_cap))
-    s = call.soft_cap * th
-  if bias is not None:
-    s = s + bias.astype(jnp.float32)
-  return s, th
-
-
 def _mask(i, j, bq, bk, call: Call, q_seg, kv_seg):
   """The (bq, bk) block's mask, or None: the window, the keys' end, segments."""
   rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
@@ -140,59 +129,6 @@ def _mask(i, j, bq, bk, call: Call, q_seg, kv_seg):
   return mask
 
 
-def _visit(i, j, bq, bk, call: Call):
-  """Whether key block j holds a key that query block i sees, and the last block that does
-  (what a skipped step's index map repeats)."""
-  first, _, _, end = key_blocks(i * bq, jnp.minimum(bq, call.q_len - i * bq), bk, call.kv_len,
-                                call.window)
-  return (j >= first) & (j < end), _repeat(j, first, end, -(-call.kv_len // bk))
-
-
-def _visit_queries(j, i, bq, bk, call: Call):
-  first, _, _, end = query_blocks(j * bk, jnp.minimum(bk, call.kv_len - j * bk), bq,
-                                  call.q_len, call.window)
-  return (i >= first) & (i < end), _repeat(i, first, end, -(-call.q_len // bq))
-
-
-def _block_visits(call: Call, bq: int, bk: int) -> int:
-  """(query block, key block) pairs the kernels visit for one (batch, head): the window's
-  hidden blocks are skipped (``_visit``; ``key_blocks``' bounds, in Python integers: under a
-  trace its jnp arithmetic would be staged)."""
-  left, right = call.window.span
-  visits = 0
-  for i in range(-(-call.q_len // bq)):
-    row0, last = i * bq, min((i + 1) * bq, call.q_len) - 1
-    lo, hi = max(row0 - left, 0), min(last + right + 1, call.kv_len)
-    if hi > lo:
-      visits += -(-hi // bk) - lo // bk
-  return visits
-
-
-def _costs(call: Call, bq: int, bk: int) -> dict[str, pl.CostEstimate]:
-  """What each kernel computes and moves with (bq, bk) blocks, for the compiler (its cost
-  analysis cannot look inside a Mosaic kernel, and counted 0 FLOPs without this;
-  bench/NOTES.md, TPU columns). Per visited block pair: the forward's two products (4 bq bk h
-  FLOPs) and bq bk exponentials, reading that key block's k and v; dk/dv's four products
-  (8 bq bk h: scores, dp, dv, dk), reading q, dout and the statistics; dq's three (6 bq bk h:
-  scores, dp, dq), reading k and v (roofline.attention_traffic: the bytes). Each kernel's
-  exponentials once a pair."""
-  visits = _block_visits(call, bq, bk)
-  pairs = call.batch * call.heads * visits * bq * bk
-  h = call.head_dim
-  moved = roofline.attention_traffic(call.batch, call.q_len, call.kv_len, call.heads,
-                                     call.kv_heads, h, visits=visits, block_q=bq, block_k=bk,
-                                     itemsize=call.dtype.itemsize)
-  flops = dict(fwd=4 * pairs * h, dkdv=8 * pairs * h, dq=6 * pairs * h)
-  return {kernel: pl.CostEstimate(flops=flops[kernel], transcendentals=pairs,
-                                  bytes_accessed=int(moved[kernel])) for kernel in flops}
-
-
-def _repeat(step, first, end, count: int):
-  """The block a step fetches: its own where visible, else the nearest visible one (the
-  pipeline then fetches nothing new), inside the array even where no block is visible."""
-  return jnp.clip(jnp.clip(step, first, jnp.maximum(end - 1, first)), 0, count - 1)
-
-
 # --------------------------------------------------------------------------- #
 # Layout: (B, T, N, H) <-> the kernels' padded (B, N, T, H)
 # --------------------------------------------------------------------------- #
@@ -202,12 +138,6 @@ def _heads_major(a, length: int):
   a = jnp.swapaxes(a, 1, 2)
   pad = length - a.shape[2]
   return jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else a
-
-
-def _segments(seg, length: int, fill: int):
-  pad = length - seg.shape[1]
-  seg = seg.astype(jnp.int32)
-  return jnp.pad(seg, ((0, 0), (0, pad)), constant_values=fill) if pad else seg
 
 
 def _bias(bias, t_pad: int, s_pad: int):
@@ -235,12 +165,12 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  run, _ = _visit(i, j, bq, bk, call)
+  run, _ = blocks.visit(i, j, bq, bk, call)
 
   @pl.when(run)
   def _():
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    s, _ = _scores(dot(q, k, call, tb=True), None if bias_ref is None else bias_ref[...], call)
+    s, _ = blocks.scores(dot(q, k, call, tb=True), None if bias_ref is None else bias_ref[...], call)
     mask = _mask(i, j, bq, bk, call, None if qs_ref is None else qs_ref[...],
                  None if ks_ref is None else ks_ref[...])
     if mask is not None:
@@ -267,7 +197,7 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
 def _kv_map(call: Call, bq: int, bk: int):
   """(b, n, i, j) -> k's block: head n's kv head, the key block clamped to the visible ones."""
   def index(b, n, i, j):
-    _, jj = _visit(i, j, bq, bk, call)
+    _, jj = blocks.visit(i, j, bq, bk, call)
     return b, n // call.group, jj, 0
   return index
 
@@ -276,7 +206,7 @@ def _bias_map(call: Call, bq: int, bk: int):
   bb, nb = call.bias_shape[:2]
 
   def index(b, n, i, j):
-    _, jj = _visit(i, j, bq, bk, call)
+    _, jj = blocks.visit(i, j, bq, bk, call)
     return (b if bb > 1 else 0), (n if nb > 1 else 0), i, jj
   return index
 
@@ -298,7 +228,7 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
     inputs.append(_bias(bias, t_pad, s_pad))
     specs.append(pl.BlockSpec((None, None, bq, bk), _bias_map(call, bq, bk)))
   if q_seg is not None:
-    inputs += [_segments(q_seg, t_pad, -1)[:, :, None], _segments(kv_seg, s_pad, -2)[:, None, :]]
+    inputs += [blocks.segments(q_seg, t_pad, -1)[:, :, None], blocks.segments(kv_seg, s_pad, -2)[:, None, :]]
     specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)),
               pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, kv_map(b, n, i, j)[2]))]
   out, lse = pl.pallas_call(
@@ -312,7 +242,7 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
       scratch_shapes=[_vmem((bq, 1)), _vmem((bq, 1)), _vmem((bq, h))],
       compiler_params=_mosaic_tpu.params(("parallel", "parallel", "parallel", "arbitrary"),
                                          config.vmem_limit_bytes, interpret),
-      cost_estimate=_costs(call, bq, bk)["fwd"],
+      cost_estimate=blocks.costs(call, bq, bk)["fwd"],
       interpret=interpret,
       name="jk_attention_fwd",
   )(*inputs)
@@ -331,7 +261,7 @@ def _vmem(shape):
 
 def _grad_block(q, k, v, do, lse, delta, bias, mask, call: Call, *, wrt_bias=False):
   """(p, ds) of one block from the saved log-sum-exp (as attention.triton._grad_scores)."""
-  s, th = _scores(dot(q, k, call, tb=True), bias, call)
+  s, th = blocks.scores(dot(q, k, call, tb=True), bias, call)
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a query that sees nothing: p = 0
@@ -375,7 +305,7 @@ def _dkdv_kernel(*refs, call: Call, bq: int, bk: int, n_q: int):
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-  @pl.when(_visit_queries(j, i, bq, bk, call)[0])
+  @pl.when(blocks.visit_queries(j, i, bq, bk, call)[0])
   def _():
     p, ds = _block_grads(r, i, j, bq, bk, call)
     q, do = r["q"][...], r["do"][...]
@@ -396,7 +326,7 @@ def _dq_kernel(*refs, call: Call, bq: int, bk: int):
   def _():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-  @pl.when(_visit(i, j, bq, bk, call)[0])
+  @pl.when(blocks.visit(i, j, bq, bk, call)[0])
   def _():
     _, ds = _block_grads(r, i, j, bq, bk, call)
     k = r["k"][...]
@@ -415,7 +345,7 @@ def _dbias_kernel(*refs, call: Call, bq: int, bk: int):
   def _():
     db_sc[...] = jnp.zeros(db_sc.shape, jnp.float32)
 
-  @pl.when(_visit(i, j, bq, bk, call)[0])
+  @pl.when(blocks.visit(i, j, bq, bk, call)[0])
   def _():
     db_sc[...] += _block_grads(r, i, j, bq, bk, call, wrt_bias=True)[1]
 
@@ -445,8 +375,8 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
   if bias is not None:
     arrays["bias"] = _bias(bias, t_pad, s_pad)
   if q_seg is not None:
-    arrays["qs"] = _segments(q_seg, t_pad, -1)[:, :, None]
-    arrays["ks"] = _segments(kv_seg, s_pad, -2)[:, None, :]
+    arrays["qs"] = blocks.segments(q_seg, t_pad, -1)[:, :, None]
+    arrays["ks"] = blocks.segments(kv_seg, s_pad, -2)[:, None, :]
   order = ["q", "k", "v"] + (["bias"] if bias is not None else []) + (
       ["qs", "ks"] if q_seg is not None else []) + ["do", "lse", "delta"]
 
@@ -470,12 +400,12 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
 
   inputs = [arrays[name] for name in order]
   params = lambda sem: _mosaic_tpu.params(sem, config.vmem_limit_bytes, interpret)
-  backward_cost = _costs(call, bq, bk)
+  backward_cost = blocks.costs(call, bq, bk)
 
   # dk, dv: grid (B, K, key block, (head of the group, query block)); a skipped step repeats
   # the last visible query block's index, so nothing is fetched for it.
   def dkdv_where(b_, kh, j, step):
-    _, i = _visit_queries(j, step % n_q, bq, bk, call)
+    _, i = blocks.visit_queries(j, step % n_q, bq, bk, call)
     return b_, kh * g + step // n_q, i, j
 
   dk, dv = pl.pallas_call(
@@ -491,7 +421,7 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
   )(*inputs)
 
   def dq_where(b_, n_, i, j):
-    _, jj = _visit(i, j, bq, bk, call)
+    _, jj = blocks.visit(i, j, bq, bk, call)
     return b_, n_, i, jj
 
   dq = pl.pallas_call(
@@ -529,7 +459,3 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
 
   back = lambda a, length: jnp.swapaxes(a[:, :, :length], 1, 2)
   return back(dq, t), back(dk, s), back(dv, s), dbias
-
-
-# Last: the in-place kernels build on this module's masks, visits and costs.
-from jaxkernels.ops.attention import mosaic_tpu_in_place as in_place  # noqa: E402

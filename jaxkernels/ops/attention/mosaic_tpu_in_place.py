@@ -32,10 +32,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkernels import _mosaic_tpu, roofline
+from jaxkernels import _mosaic_tpu
 from jaxkernels._online_softmax import finite
 from jaxkernels._tiling import round_up
-from jaxkernels.ops.attention import mosaic_tpu as heads_major
+from jaxkernels.ops.attention import mosaic_tpu_blocks as blocks
 from jaxkernels.ops.attention.common import (Call, Window, dot, key_blocks, query_blocks,
                                              visible)
 
@@ -198,7 +198,7 @@ def _mask(i, j, bq: int, bk: int, call: Call, q_seg, kv_seg):
 
 def _scores_t(k, q, call: Call, mask):
   """(bk, bq) logits k q^T, scaled, capped, masked; and tanh for the cap's slope."""
-  s, th = heads_major._scores(dot(k, q, call, tb=True), None, call)
+  s, th = blocks.scores(dot(k, q, call, tb=True), None, call)
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   return s, th
@@ -229,7 +229,7 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  run, _ = heads_major._visit(i, j, bq, bk, call)
+  run, _ = blocks.visit(i, j, bq, bk, call)
   qs = _words_once(q_ref, q_w, j == _first_key_block(i, bq, bk, call))
 
   @pl.when(run)
@@ -288,8 +288,8 @@ def _rows(stat, length: int):
 
 def _segment_specs(q_seg, kv_seg, t_pad: int, s_pad: int, q_at, k_at):
   """Segment ids as a (1, bq) row and a (bk, 1) column, with their BlockSpecs."""
-  arrays = [heads_major._segments(q_seg, t_pad, -1)[:, None, :],
-            heads_major._segments(kv_seg, s_pad, -2)[:, :, None]]
+  arrays = [blocks.segments(q_seg, t_pad, -1)[:, None, :],
+            blocks.segments(kv_seg, s_pad, -2)[:, :, None]]
   return arrays, [q_at, k_at]
 
 
@@ -317,7 +317,7 @@ def forward(q, k, v, q_seg, kv_seg, *, window: Window, scale: float, soft_cap: f
   n_q, n_k = t_pad // bq, s_pad // bk
 
   def kv_map(b_, i, j):
-    return b_, heads_major._visit(i, j, bq, bk, call)[1], 0
+    return b_, blocks.visit(i, j, bq, bk, call)[1], 0
 
   inputs = [_interleaved(q, t_pad), _interleaved(k, s_pad), _interleaved(v, s_pad)]
   specs = [pl.BlockSpec((None, bq * n, h), lambda b_, i, j: (b_, i, 0)),
@@ -343,25 +343,12 @@ def forward(q, k, v, q_seg, kv_seg, *, window: Window, scale: float, soft_cap: f
                                      h=h)],
       compiler_params=_mosaic_tpu.params(("parallel", "parallel", "arbitrary"),
                                          config.vmem_limit_bytes, interpret),
-      cost_estimate=_costs(call, bq, bk)["fwd"],
+      cost_estimate=blocks.costs(call, bq, bk, shared_kv=True)["fwd"],
       interpret=interpret,
       name="jk_attention_fwd_in_place",
   )(*inputs)
   return (_positions(out, b, t_pad, n, h, t),
           jnp.swapaxes(lse[:, :, 0, :t], 1, 2))
-
-
-def _costs(call: Call, bq: int, bk: int):
-  """The heads-major kernels' costs (``mosaic_tpu._costs``), the bytes counted with a key block
-  read once for its GQA group (a step takes every head), not once per query head."""
-  costs = heads_major._costs(call, bq, bk)
-  moved = roofline.attention_traffic(
-      call.batch, call.q_len, call.kv_len, call.heads, call.kv_heads, call.head_dim,
-      visits=heads_major._block_visits(call, bq, bk), block_q=bq, block_k=bk,
-      itemsize=call.dtype.itemsize, shared_kv=True)
-  return {kernel: pl.CostEstimate(flops=c.flops, transcendentals=c.transcendentals,
-                                  bytes_accessed=int(moved[kernel]))
-          for kernel, c in costs.items()}
 
 
 # --------------------------------------------------------------------------- #
@@ -420,7 +407,7 @@ def _dkdv_kernel(*refs, call: Call, bq: int, bk: int):
   first = i == _first_query_block(j, bq, bk, call)
   ks, vs = _words_once(r["k"], words[1], first), _words_once(r["v"], words[2], first)
 
-  @pl.when(heads_major._visit_queries(j, i, bq, bk, call)[0])
+  @pl.when(blocks.visit_queries(j, i, bq, bk, call)[0])
   def _():
     qs, dos = _words(r["q"], words[0]), _words(r["do"], words[3])
 
@@ -449,7 +436,7 @@ def _dq_kernel(*refs, call: Call, bq: int, bk: int):
   first = j == _first_key_block(i, bq, bk, call)
   qs, dos = _words_once(r["q"], words[0], first), _words_once(r["do"], words[3], first)
 
-  @pl.when(heads_major._visit(i, j, bq, bk, call)[0])
+  @pl.when(blocks.visit(i, j, bq, bk, call)[0])
   def _():
     ks, vs = _words(r["k"], words[1]), _words(r["v"], words[2])
 
@@ -477,8 +464,8 @@ def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window, sc
   inputs = [_interleaved(q, t_pad), _interleaved(k, s_pad), _interleaved(v, s_pad)]
   seg_arrays = []
   if q_seg is not None:
-    seg_arrays = [heads_major._segments(q_seg, t_pad, -1)[:, None, :],
-                  heads_major._segments(kv_seg, s_pad, -2)[:, :, None]]
+    seg_arrays = [blocks.segments(q_seg, t_pad, -1)[:, None, :],
+                  blocks.segments(kv_seg, s_pad, -2)[:, :, None]]
   inputs += seg_arrays + [_interleaved(dout, t_pad), _rows(lse, t_pad), _rows(delta, t_pad)]
 
   def specs(where):
@@ -493,10 +480,10 @@ def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window, sc
 
   params = _mosaic_tpu.params(("parallel", "parallel", "arbitrary"), config.vmem_limit_bytes,
                               interpret)
-  costs = _costs(call, bq, bk)
+  costs = blocks.costs(call, bq, bk, shared_kv=True)
 
   def dkdv_where(b_, j, i):
-    return b_, heads_major._visit_queries(j, i, bq, bk, call)[1], j
+    return b_, blocks.visit_queries(j, i, bq, bk, call)[1], j
 
   kv_out = pl.BlockSpec((None, bk * kv_heads, h), lambda b_, j, i: (b_, j, 0))
   dk, dv = pl.pallas_call(
@@ -513,7 +500,7 @@ def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window, sc
   )(*inputs)
 
   def dq_where(b_, i, j):
-    return b_, i, heads_major._visit(i, j, bq, bk, call)[1]
+    return b_, i, blocks.visit(i, j, bq, bk, call)[1]
 
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, call=call, bq=bq, bk=bk),
