@@ -370,6 +370,31 @@ def _model_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
   return out + [""]
 
 
+def _published_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
+  """The predictor against published TPU runs (``python -m bench model --tpu --published``):
+  each run's step predicted by the method of every TPU column, beside the published rate."""
+  published = lambda r: "predicted against published" in r["name"]
+  run = _newest_with(runs, results, "model", keep=published).get("tpu_compiled")
+  rows = [r for r in (run.rows if run else ()) if published(r)]
+  if not rows:
+    return []
+  out = ["## The TPU predictions against published runs", "",
+         "Published TPU training runs, their model and batch a chip compiled for a 4-chip slice "
+         "of their TPU under FSDP on our kernels and predicted as every TPU column here is "
+         "(max(FLOPs / bf16 peak, bytes / HBM bandwidth) of the compiled program; two depths, "
+         "extended linearly to the run's). Published / predicted is the error bar of a "
+         "predicted TPU time: how much slower a real step ran than the roofline says "
+         f"({_link(run, results)}).", "",
+         "| run | ours as compiled | predicted s | predicted MFU | note |",
+         "| --- | --- | ---: | ---: | --- |"]
+  for r in rows:
+    seconds = "" if r.get("ms") is None else f"{r['ms'] / 1e3:.3f}"
+    mfu = "" if r.get("pct_roofline") is None else f"{r['pct_roofline']:.1f}%"
+    out.append(f"| {r['name'].split(':')[0]}, {r['shape']} | {r['impl']} | {seconds} | {mfu} | "
+               f"{(r.get('note') or '').replace('|', '/')} |")
+  return out + [""]
+
+
 def _layouts_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
   """The sharded train step compiled for TPU slices (``python -m bench model --tpu
   --layouts``): per chip its memory against the chip's, its collectives, and the predicted
@@ -500,6 +525,7 @@ def main(argv=None) -> int:
   if rooflines:
     text += ["## Rooflines", ""] + [f"![{name}]({path})" for name, path in rooflines] + [""]
   text += _model_on_tpus(runs, results)
+  text += _published_on_tpus(runs, results)
   text += _layouts_on_tpus(runs, results)
   text += _scaling(runs, results)
   text += _lessons(runs, results, drawn)
