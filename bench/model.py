@@ -15,6 +15,7 @@ with the causal half of attention, the work the kernels do.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 
@@ -499,14 +500,42 @@ def tpu_published(session: harness.Session, runs=PUBLISHED, depths=(2, 4)) -> No
     session.add(row)
 
 
+def _plain_policies() -> tuple[str, ...]:
+  from bench import plain_llama
+  return tuple(plain_llama.POLICIES)
+
+
+def _plain_compiled(cfg, policy: str, batch: int, seq: int, mesh):
+  """bench.plain_llama's step at ``cfg``'s shape compiled for ``mesh``'s one chip (abstract
+  state: nothing made), with splash attention and a bfloat16 residual stream."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from bench import plain_llama
+  shape = plain_llama.Shape(**{f.name: getattr(cfg, f.name)
+                               for f in dataclasses.fields(plain_llama.Shape)})
+  tx = plain_llama.optimizer()
+  params = jax.eval_shape(lambda: plain_llama.init(shape, jax.random.key(0), False))
+  state = (params, jax.eval_shape(tx.init, params))
+  on = NamedSharding(mesh, PartitionSpec())
+  state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), state)
+  tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=on)
+  step = plain_llama.step_fn(shape, tx, policy=policy, scan=False, stream="bfloat16",
+                             attention="splash")
+  with jax.set_mesh(mesh):
+    return step.lower(state, tokens).compile()
+
+
 def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLOGIES),
-                 preset=None) -> None:
+                 preset=None, plain: bool = True) -> None:
   """The train step on our kernels AOT-compiled for each TPU generation (one chip of a
   topology; libtpu's compiler, no TPU needed): each policy's peak memory by the compiled
   program's memory analysis, and its time predicted from the compiled program's cost analysis
   (our kernels state theirs: roofline.py) as max(FLOPs / dense bf16 peak, bytes / HBM
   bandwidth), with the MFU that time would give (PaLM's count, llama.mfu). Compiled, not
-  measured: a lower bound that sees no pipeline bubble or exposed latency."""
+  measured: a lower bound that sees no pipeline bubble or exposed latency. With ``plain``,
+  beside them bench.plain_llama's step compiled for the same chip at JAX's own policies among
+  ``policies`` (:func:`_plain_compiled`), predicted alike: the anchor, as on the GPUs."""
   import numpy as np
   from jax.experimental import topologies
   from jax.sharding import AxisType, Mesh
@@ -517,30 +546,49 @@ def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLO
   policies = policies or remat.POLICIES
   tc = train.TrainConfig(batch=batch, seq_len=min(SEQ, llama.PRESETS[name].max_len),
                          steps=10_000, warmup=10)
-  for chip in chips:
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=TPU_TOPOLOGIES[chip])
+  for chip_name in chips:
+    topology = topologies.get_topology_desc(platform="tpu",
+                                            topology_name=TPU_TOPOLOGIES[chip_name])
+    chip = hardware.chip_for(topology.devices[0].device_kind)
     mesh = Mesh(np.array(topology.devices[:1]).reshape(1, 1), llama.BATCH,
                 axis_types=(AxisType.Explicit,) * 2)
+    row = lambda impl: harness.Row("model", f"{name} train step, compiled for {chip_name}",
+                                   impl, f"batch {batch} x {tc.seq_len}", "bfloat16")
     for policy in policies:
-      row = harness.Row("model", f"{name} train step, compiled for {chip}",
-                        f"jaxkernels, remat {policy}", f"batch {batch} x {tc.seq_len}",
-                        "bfloat16")
-      start = time.perf_counter()
-      try:
-        cfg = llama.preset(name, remat=policy)
-        compiled = train.compiled_step(cfg, tc, mesh)
-        peak = remat.compiled_peak_bytes(compiled)
-        chip = hardware.chip_for(topology.devices[0].device_kind)
-        seconds, row.pct_roofline, flops, note = _predicted(compiled, cfg, batch * tc.seq_len,
-                                                            tc.seq_len, chip)
-        row.ms, row.tflops = seconds * 1e3, flops / seconds / 1e12
-        row.note = (f"predicted, not measured: {note}; MFU (PaLM's count) at that time; "
-                    f"compiled peak {peak / 2**30:.2f} GiB; compile "
-                    f"{time.perf_counter() - start:.0f} s")
-      except Exception as e:  # noqa: BLE001 - one that does not compile is a row
-        message = str(e)
-        if "RESOURCE_EXHAUSTED" in message:  # the compiler's own sum: what it would need
-          row.note = "does not fit: " + message[message.index("RESOURCE_EXHAUSTED"):][:200]
-        else:
-          row.note = f"FAILED: {type(e).__name__}: {message[:300]}"
-      session.add(row)
+      cfg = llama.preset(name, remat=policy)
+      _compiled_row(session, row(f"jaxkernels, remat {policy}"),
+                    functools.partial(train.compiled_step, cfg, tc, mesh), cfg, batch,
+                    tc.seq_len, chip, "MFU (PaLM's count) at that time")
+    if not plain:
+      continue
+    # The anchor: bench.plain_llama's step (no jaxkernels; JAX's splash attention as MaxText
+    # calls it, a bfloat16 residual stream, the GPU's fastest plain configuration) compiled
+    # for the same chip at JAX's own policies, predicted alike.
+    for policy in [p for p in policies if p in _plain_policies()]:
+      cfg = llama.preset(name)
+      _compiled_row(session, row(f"plain JAX, remat {policy}"),
+                    functools.partial(_plain_compiled, cfg, policy, batch, tc.seq_len, mesh),
+                    cfg, batch, tc.seq_len, chip, "splash attention, MaxText's call and blocks")
+
+
+def _compiled_row(session: harness.Session, row: harness.Row, compile_step, cfg, batch: int,
+                  seq_len: int, chip, what: str) -> None:
+  """``row`` with the step ``compile_step()`` compiles predicted (:func:`_predicted`), its
+  compiled peak, or why it did not compile."""
+  from jaxkernels import remat
+  start = time.perf_counter()
+  try:
+    compiled = compile_step()
+    peak = remat.compiled_peak_bytes(compiled)
+    seconds, row.pct_roofline, flops, note = _predicted(compiled, cfg, batch * seq_len, seq_len,
+                                                        chip)
+    row.ms, row.tflops = seconds * 1e3, flops / seconds / 1e12
+    row.note = (f"predicted, not measured: {note}; {what}; compiled peak "
+                f"{peak / 2**30:.2f} GiB; compile {time.perf_counter() - start:.0f} s")
+  except Exception as e:  # noqa: BLE001 - one that does not compile is a row
+    message = str(e)
+    if "RESOURCE_EXHAUSTED" in message:  # the compiler's own sum: what it would need
+      row.note = "does not fit: " + message[message.index("RESOURCE_EXHAUSTED"):][:200]
+    else:
+      row.note = f"FAILED: {type(e).__name__}: {message[:300]}"
+  session.add(row)

@@ -2,7 +2,8 @@
 
 No jaxkernels or models code: parameters in a dict of float32 arrays (the layers stacked),
 bfloat16 activations, RMSNorm and RoPE in jnp, attention through
-``jax.nn.dot_product_attention`` (cuDNN on a GPU), the SwiGLU MLP, the loss by optax on the
+``jax.nn.dot_product_attention`` (cuDNN on a GPU; on a TPU JAX's splash attention, as MaxText
+calls it), the SwiGLU MLP, the loss by optax on the
 whole logits, AdamW with clipping by optax, ``jax.checkpoint`` with JAX's own policies, the
 layers unrolled or under ``jax.lax.scan``. It takes the tricks a performance-minded JAX user
 takes (MaxText's fused q/k/v and gate/up projections, donated state) and none of ours.
@@ -101,11 +102,35 @@ def block(shape: Shape, attention: str | None, dtype, x, p, cos, sin):
   q = rope(q.reshape(b, t, s.heads, s.head_dim), cos, sin)
   k = rope(k.reshape(b, t, s.kv_heads, s.head_dim), cos, sin)
   v = v.reshape(b, t, s.kv_heads, s.head_dim)
-  a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
+  if attention == "splash":
+    a = splash_attention(q, k, v)
+  else:
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
   x = x + (a.reshape(b, t, -1) @ cast(p["wo"])).astype(x.dtype)
   h = rms_norm(x, p["mlp_norm"], s.norm_eps, dtype)
   gate, up = jnp.split(h @ cast(p["w_gate_up"]), 2, axis=-1)
   return x + ((jax.nn.silu(gate) * up) @ cast(p["w_down"])).astype(x.dtype)
+
+
+SPLASH_BLOCK = 512  # MaxText's base.yml: sa_block_q, sa_block_kv and their companions
+
+
+def splash_attention(q, k, v):
+  """Causal attention of (B, T, N, H) q and (B, T, K, H) k, v by JAX's splash attention, as
+  MaxText calls it on a TPU (its attention_op's tpu_flash_attention): q, k and v transposed to
+  (B, N, T, H), q scaled, the causal mask block-sparse (the blocks above the diagonal never
+  visited), MaxText's 512 blocks, the batch vmapped, the output transposed back."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_kernel as splash, splash_attention_mask as masks)
+  _, t, n, h = q.shape
+  block = min(SPLASH_BLOCK, t)
+  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                            block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                            block_q_dq=block, block_kv_dq=block)
+  mask = masks.MultiHeadMask([masks.CausalMask((t, t))] * n)
+  kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes)
+  heads = lambda a: jnp.swapaxes(a, 1, 2)
+  return heads(jax.vmap(kernel)(heads(q) * h ** -0.5, heads(k), heads(v)))
 
 
 def hidden(params, inputs, *, shape: Shape, policy: str = "none", scan: bool = False,

@@ -354,19 +354,32 @@ def _model_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
   if not rows:
     return []
   out = ["## Model step on TPUs (predicted)", "",
-         f"The train step on our kernels, compiled for one chip of each generation; time "
+         f"The train step on our kernels, and bench.plain_llama's (plain JAX with JAX's splash "
+         f"attention as MaxText calls it) beside it, compiled for one chip of each generation; "
+         f"time "
          f"predicted from the compiled program (max(FLOPs / bf16 peak, bytes / HBM bandwidth): "
          f"a lower bound), MFU by PaLM's count at that time ({_link(run, results)}). The GPUs' "
          "measured steps are in the model step lines above.", "",
-         "| step | remat | predicted ms | TFLOP/s | MFU | note |",
-         "| --- | --- | ---: | ---: | ---: | --- |"]
+         "| step | on | remat | predicted ms | TFLOP/s | MFU | note |",
+         "| --- | --- | --- | ---: | ---: | ---: | --- |"]
   for r in rows:
     ms = "" if r.get("ms") is None else f"{r['ms']:.1f}"
     tflops = "" if r.get("tflops") is None else f"{r['tflops']:.0f}"
     mfu = "" if r.get("pct_roofline") is None else f"{r['pct_roofline']:.0f}%"
-    policy = r["impl"].split("remat ")[-1]
-    out.append(f"| {r['name']}, {r['shape']} | {policy} | {ms} | {tflops} | {mfu} | "
+    who, policy = r["impl"].split(", remat ")
+    out.append(f"| {r['name']}, {r['shape']} | {who} | {policy} | {ms} | {tflops} | {mfu} | "
                f"{(r.get('note') or '').replace('|', '/')} |")
+  out.append("")
+  for step in dict.fromkeys(r["name"] for r in rows):
+    best = {}
+    for r in rows:
+      if r["name"] == step and r.get("ms") is not None:
+        who = r["impl"].split(",")[0]
+        best[who] = min(best.get(who, float("inf")), r["ms"])
+    if len(best) == 2:
+      ours, plain = best["jaxkernels"], best["plain JAX"]
+      out.append(f"- {step}: ours {ours:.1f} ms against plain JAX's {plain:.1f} ms, each at "
+                 f"its best policy: **{plain / ours:.2f}x** (predicted).")
   return out + [""]
 
 
