@@ -40,6 +40,7 @@ from jaxkernels.ops.attention.common import (Call, Window, dot, key_blocks, quer
                                              visible)
 
 _HIGH = 0xFFFF0000  # the high half of a word: the odd head of a pair
+LANES = 128  # Mosaic loads strided rows of a 128-lane memref: wider heads go in pieces
 
 
 def reason(problem) -> str | None:
@@ -50,18 +51,18 @@ def reason(problem) -> str | None:
   if itemsize == 2 and (problem.heads % 2 or problem.kv_heads % 2):
     return (f"{problem.heads} query and {problem.kv_heads} key heads: 16-bit heads go two to "
             "a 32-bit word, so both counts must be even")
-  if problem.head_dim % 128:
-    return f"head dim {problem.head_dim} is not a whole number of 128 lanes"
+  if problem.head_dim % LANES:
+    return f"head dim {problem.head_dim} is not a whole number of {LANES} lanes"
   return None
 
 
 def vmem_bytes(problem, bq: int, bk: int) -> dict[str, int]:
   """VMEM each kernel takes with (bq, bk) blocks: the pipeline's two buffers of every block,
-  a 32-bit copy of each 16-bit block, the float32 scratch, and the float32 (bk, bq)
-  temporaries of one head's step."""
+  a 32-bit copy of each block that is 16-bit or wider than 128 lanes, the float32 scratch,
+  and the float32 (bk, bq) temporaries of one head's step."""
   n, kv, h = problem.heads, problem.kv_heads, problem.head_dim
   item = jnp.dtype(problem.dtype).itemsize
-  copies = 3 if item == 2 else 2
+  copies = 3 if item == 2 or h != LANES else 2
   q_block, kv_block = bq * n * h * item, bk * kv * h * item
   rows = 8 * bq * 4  # a (1, bq) float32 row takes 8 sublanes
   temps = 6 * bk * bq * 4 + 4 * (bk + bq) * h * 4
@@ -75,8 +76,6 @@ def vmem_bytes(problem, bq: int, bk: int) -> dict[str, int]:
 # One head out of an interleaved block
 # --------------------------------------------------------------------------- #
 
-
-LANES = 128  # Mosaic loads strided rows of a 128-lane memref: wider heads go in pieces
 
 
 def _packed(dtype) -> bool:
@@ -286,13 +285,6 @@ def _rows(stat, length: int):
   return jnp.pad(stat, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad else stat
 
 
-def _segment_specs(q_seg, kv_seg, t_pad: int, s_pad: int, q_at, k_at):
-  """Segment ids as a (1, bq) row and a (bk, 1) column, with their BlockSpecs."""
-  arrays = [blocks.segments(q_seg, t_pad, -1)[:, None, :],
-            blocks.segments(kv_seg, s_pad, -2)[:, :, None]]
-  return arrays, [q_at, k_at]
-
-
 def _scratch(shape, dtype=jnp.float32):
   return pltpu.VMEM(shape, dtype)
 
@@ -323,13 +315,11 @@ def forward(q, k, v, q_seg, kv_seg, *, window: Window, scale: float, soft_cap: f
   specs = [pl.BlockSpec((None, bq * n, h), lambda b_, i, j: (b_, i, 0)),
            pl.BlockSpec((None, bk * kv_heads, h), kv_map),
            pl.BlockSpec((None, bk * kv_heads, h), kv_map)]
-  if q_seg is not None:
-    arrays, seg_specs = _segment_specs(
-        q_seg, kv_seg, t_pad, s_pad,
-        pl.BlockSpec((None, 1, bq), lambda b_, i, j: (b_, 0, i)),
-        pl.BlockSpec((None, bk, 1), lambda b_, i, j: (b_, kv_map(b_, i, j)[1], 0)))
-    inputs += arrays
-    specs += seg_specs
+  if q_seg is not None:  # a (1, bq) row of query ids, a (bk, 1) column of key ids
+    inputs += [blocks.segments(q_seg, t_pad, -1)[:, None, :],
+               blocks.segments(kv_seg, s_pad, -2)[:, :, None]]
+    specs += [pl.BlockSpec((None, 1, bq), lambda b_, i, j: (b_, 0, i)),
+              pl.BlockSpec((None, bk, 1), lambda b_, i, j: (b_, kv_map(b_, i, j)[1], 0))]
   out, lse = pl.pallas_call(
       functools.partial(_forward_kernel, call=call, bq=bq, bk=bk),
       grid=(b, n_q, n_k),
