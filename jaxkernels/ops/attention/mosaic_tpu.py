@@ -27,14 +27,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import _mosaic_tpu, hardware
 from jaxkernels._tiling import check_fields, round_up
 from jaxkernels.ops.attention import mosaic_tpu_blocks as blocks
 from jaxkernels.ops.attention import mosaic_tpu_in_place as in_place
-from jaxkernels.ops.attention.common import Call, Window, dot, visible
+from jaxkernels.ops.attention.common import Call, Window, dot
 
 MAX_HEAD_DIM = 256
 
@@ -118,16 +117,6 @@ def unsupported(problem, chip) -> str | None:
   return None
 
 
-def _mask(i, j, bq, bk, call: Call, q_seg, kv_seg):
-  """The (bq, bk) block's mask, or None: the window, the keys' end, segments."""
-  rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-  mask = visible(rows, cols, call.window, q_seg, kv_seg)
-  if call.kv_len % bk:
-    edge = cols < call.kv_len
-    mask = edge if mask is None else mask & edge
-  return mask
-
 
 # --------------------------------------------------------------------------- #
 # Layout: (B, T, N, H) <-> the kernels' padded (B, N, T, H)
@@ -170,9 +159,8 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
   @pl.when(run)
   def _():
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    s, _ = blocks.scores(dot(q, k, call, tb=True), None if bias_ref is None else bias_ref[...], call)
-    mask = _mask(i, j, bq, bk, call, None if qs_ref is None else qs_ref[...],
-                 None if ks_ref is None else ks_ref[...])
+    s, _ = blocks.scores(dot(q, k, call, tb=True), _read(bias_ref), call)
+    mask = blocks.mask(i, j, bq, bk, call, _read(qs_ref), _read(ks_ref))
     if mask is not None:
       s = jnp.where(mask, s, -jnp.inf)
     m_prev = m_sc[...]
@@ -228,7 +216,8 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
     inputs.append(_bias(bias, t_pad, s_pad))
     specs.append(pl.BlockSpec((None, None, bq, bk), _bias_map(call, bq, bk)))
   if q_seg is not None:
-    inputs += [blocks.segments(q_seg, t_pad, -1)[:, :, None], blocks.segments(kv_seg, s_pad, -2)[:, None, :]]
+    inputs += [blocks.segments(q_seg, t_pad, -1)[:, :, None],
+               blocks.segments(kv_seg, s_pad, -2)[:, None, :]]
     specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)),
               pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, kv_map(b, n, i, j)[2]))]
   out, lse = pl.pallas_call(
@@ -290,7 +279,7 @@ def _read(ref):
 
 def _block_grads(r, i, j, bq: int, bk: int, call: Call, *, wrt_bias: bool = False):
   """(p, ds) of query block i against key block j, from the refs every backward kernel reads."""
-  mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
+  mask = blocks.mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
   return _grad_block(r["q"][...], r["k"][...], r["v"][...], r["do"][...], r["lse"][...],
                      r["delta"][...], _read(r["bias"]), mask, call, wrt_bias=wrt_bias)
 

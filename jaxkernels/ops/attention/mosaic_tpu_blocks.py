@@ -8,7 +8,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxkernels import roofline
-from jaxkernels.ops.attention.common import Call, key_blocks, query_blocks
+from jax import lax
+
+from jaxkernels.ops.attention.common import Call, key_blocks, query_blocks, visible
 
 
 def scores(qk, bias, call: Call):
@@ -21,6 +23,20 @@ def scores(qk, bias, call: Call):
   if bias is not None:
     s = s + bias.astype(jnp.float32)
   return s, th
+
+
+def mask(i, j, bq: int, bk: int, call: Call, q_seg, kv_seg, *, keys_down: bool = False):
+  """Query block i against key block j: the window, the keys' end and segments as a (bq, bk)
+  mask, or (bk, bq) with ``keys_down`` (the in-place kernels' transposed scores; ``q_seg`` then
+  a (1, bq) row, ``kv_seg`` a (bk, 1) column); None where every pair is visible."""
+  shape, query_axis = ((bk, bq), 1) if keys_down else ((bq, bk), 0)
+  queries = i * bq + lax.broadcasted_iota(jnp.int32, shape, query_axis)
+  keys = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1 - query_axis)
+  out = visible(queries, keys, call.window, q_seg, kv_seg)
+  if call.kv_len % bk:
+    edge = keys < call.kv_len
+    out = edge if out is None else out & edge
+  return out
 
 
 def visit(i, j, bq, bk, call: Call):

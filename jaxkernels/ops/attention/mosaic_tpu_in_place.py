@@ -36,8 +36,7 @@ from jaxkernels import _mosaic_tpu
 from jaxkernels._online_softmax import finite
 from jaxkernels._tiling import round_up
 from jaxkernels.ops.attention import mosaic_tpu_blocks as blocks
-from jaxkernels.ops.attention.common import (Call, Window, dot, key_blocks, query_blocks,
-                                             visible)
+from jaxkernels.ops.attention.common import Call, Window, dot, key_blocks, query_blocks
 
 _HIGH = 0xFFFF0000  # the high half of a word: the odd head of a pair
 LANES = 128  # Mosaic loads strided rows of a 128-lane memref: wider heads go in pieces
@@ -184,16 +183,6 @@ def _each_head(call: Call, key_head, body):
   lax.fori_loop(0, call.kv_heads, group, 0)
 
 
-def _mask(i, j, bq: int, bk: int, call: Call, q_seg, kv_seg):
-  """The (bk, bq) block's mask, keys down and queries across, or None."""
-  queries = i * bq + lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
-  keys = j * bk + lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
-  mask = visible(queries, keys, call.window, q_seg, kv_seg)
-  if call.kv_len % bk:
-    edge = keys < call.kv_len
-    mask = edge if mask is None else mask & edge
-  return mask
-
 
 def _scores_t(k, q, call: Call, mask):
   """(bk, bq) logits k q^T, scaled, capped, masked; and tanh for the cap's slope."""
@@ -234,7 +223,7 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
   @pl.when(run)
   def _():
     ks, vs = _words(k_ref, k_w), _words(v_ref, v_w)
-    mask = _mask(i, j, bq, bk, call, _read(qs_ref), _read(ks_ref))
+    mask = blocks.mask(i, j, bq, bk, call, _read(qs_ref), _read(ks_ref), keys_down=True)
 
     def head(n, k, v):
       q = _head(qs, n, heads, bq, dtype)
@@ -370,7 +359,7 @@ def _loop_heads(r, words, i, j, bq: int, bk: int, call: Call, step):
   """Calls ``step(n, c, q, k, do, p^T, ds^T)`` for every query head n (c its key head), the
   blocks read from ``words`` (q, k, v, dout: their 32-bit views)."""
   qs, ks, vs, dos = words
-  mask = _mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]))
+  mask = blocks.mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]), keys_down=True)
   dtype = call.dtype
 
   def head(n, c, k, v):
