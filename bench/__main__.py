@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     elif name == "model" and args.tpu and args.layouts:
       model.tpu_layouts(session)
     elif name == "model" and args.tpu:
-      model.tpu_compiled(session, policies=policies)
+      model.tpu_compiled(session, policies=policies, presets=only)
     elif name == "lessons" and args.tpu:
       lessons.tpu_compiled(session)
     elif name == "model" and args.compile:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import sys
 import time
 
@@ -327,7 +328,7 @@ def run_remat(session: harness.Session, only=None, policies=None) -> None:
 
 
 TPU_TOPOLOGIES = harness.hardware.TPU_TOPOLOGIES
-TPU_PRESET = ("350m", 8)
+TPU_PRESETS = {"350m": 8, "1b": 4}  # preset -> batch (x 2048), as on the GPUs
 # The sharded train steps compiled for TPU slices: (preset, topology, mesh sizes, batch,
 # scan_layers). The 1b under fsdp and fsdp x tensor on four chips of v5p and of v6e; the
 # 8b-shaped model (width 4096, 32 / 8 heads, MLP 14336) under fsdp x tensor on eight of v5p,
@@ -527,7 +528,7 @@ def _plain_compiled(cfg, policy: str, batch: int, seq: int, mesh):
 
 
 def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLOGIES),
-                 preset=None, plain: bool = True) -> None:
+                 presets=None, plain: bool = True) -> None:
   """The train step on our kernels AOT-compiled for each TPU generation (one chip of a
   topology; libtpu's compiler, no TPU needed): each policy's peak memory by the compiled
   program's memory analysis, and its time predicted from the compiled program's cost analysis
@@ -542,11 +543,14 @@ def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLO
 
   from jaxkernels import remat
   from models import llama, train
-  name, batch = preset or TPU_PRESET
+  unknown = set(presets or ()) - set(TPU_PRESETS)
+  if unknown:
+    raise ValueError(f"--only: {sorted(unknown)}: the TPU step runs {', '.join(TPU_PRESETS)}")
   policies = policies or remat.POLICIES
-  tc = train.TrainConfig(batch=batch, seq_len=min(SEQ, llama.PRESETS[name].max_len),
-                         steps=10_000, warmup=10)
-  for chip_name in chips:
+  for name, chip_name in itertools.product(presets or TPU_PRESETS, chips):
+    batch = TPU_PRESETS[name]
+    tc = train.TrainConfig(batch=batch, seq_len=min(SEQ, llama.PRESETS[name].max_len),
+                           steps=10_000, warmup=10)
     topology = topologies.get_topology_desc(platform="tpu",
                                             topology_name=TPU_TOPOLOGIES[chip_name])
     chip = hardware.chip_for(topology.devices[0].device_kind)
@@ -555,8 +559,11 @@ def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLO
     row = lambda impl: harness.Row("model", f"{name} train step, compiled for {chip_name}",
                                    impl, f"batch {batch} x {tc.seq_len}", "bfloat16")
     for policy in policies:
-      cfg = llama.preset(name, remat=policy)
-      _compiled_row(session, row(f"jaxkernels, remat {policy}"),
+      # The model's TPU default: norms, products and the MLP on XLA, which fuses them into
+      # its dots (llama.TPU_REFERENCE_OPS); attention and the loss ours.
+      cfg = llama.preset(name, remat=policy).for_platform("tpu")
+      on_xla = f" ({'/'.join(cfg.reference_ops)} on XLA)" if cfg.reference_ops else ""
+      _compiled_row(session, row(f"jaxkernels{on_xla}, remat {policy}"),
                     functools.partial(train.compiled_step, cfg, tc, mesh), cfg, batch,
                     tc.seq_len, chip, "MFU (PaLM's count) at that time")
     if not plain:

@@ -374,7 +374,7 @@ def _model_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
     best = {}
     for r in rows:
       if r["name"] == step and r.get("ms") is not None:
-        who = r["impl"].split(",")[0]
+        who = r["impl"].split(",")[0].split(" (")[0]  # "jaxkernels (norm/... on XLA)"
         best[who] = min(best.get(who, float("inf")), r["ms"])
     if len(best) == 2:
       ours, plain = best["jaxkernels"], best["plain JAX"]

@@ -349,15 +349,17 @@ def auto_remat(cfg: llama.Config, tc: TrainConfig, budget: int | None = None,
 
 
 def compiled_step(cfg: llama.Config, tc: TrainConfig, where: jax.sharding.Mesh | None = None):
-  """The train step's compiled program (for the first device, or ``where``; never run)."""
+  """The train step's compiled program (for the first device, or ``where``; never run), with
+  the model's op groups resolved for that device's platform (``llama.Config.for_platform``)."""
   tokens = jax.ShapeDtypeStruct((tc.batch, tc.seq_len + 1), jnp.int32,
                                 sharding=batch_sharding(where))
+  # For the mesh's devices, which may be another platform's (a TPU topology's, from a CPU).
+  platform = None if where is None else where.devices.flat[0].platform
+  cfg = cfg.for_platform(platform or jax.default_backend())
   graphdef, state = nnx.split(nnx.eval_shape(lambda: _model_and_optimizer(cfg, tc)))
   if where is not None:
     state = _abstract_on(state, where)
   with jax.set_mesh(where) if where is not None else contextlib.nullcontext():
-    # For the mesh's devices, which may be another platform's (a TPU topology's, from a CPU).
-    platform = None if where is None else where.devices.flat[0].platform
     return step_fn(graphdef, platform=platform).lower(state, tokens).compile()
 
 
@@ -602,6 +604,7 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   data, described = corpus(corpus_path)
   batch_at(data, 0, tc)  # a corpus shorter than one batch fails here, before anything is written
   where = mesh(**(mesh_sizes or {}))
+  cfg = cfg.for_platform(where.devices.flat[0].platform)
   on = f"--mesh {_described(where.shape)} ({where.size} devices)"
   rows = math.prod(where.shape[a] for a in llama.BATCH)
   if tc.batch % rows:
@@ -849,9 +852,11 @@ def parser() -> argparse.ArgumentParser:
                                    formatter_class=_Formatter)
   parser.add_argument("--preset", default="tiny", help=f"one of {', '.join(llama.PRESETS)}")
   parser.add_argument("--kernels", default="jaxkernels", help=f"one of {llama.KERNELS}")
-  parser.add_argument("--reference-ops", default="", help="with the kernels: these op groups "
-                      f"(comma-separated, of {', '.join(llama.OPS)}) run as --kernels xla runs "
-                      "them, to find which kernel a difference comes from")
+  parser.add_argument("--reference-ops", default=None, help="with the kernels: these op "
+                      f"groups (comma-separated, of {', '.join(llama.OPS)}) run as --kernels xla "
+                      "runs them, to find which kernel a difference comes from (default: none "
+                      f"on a GPU; on a TPU {','.join(llama.TPU_REFERENCE_OPS)}, which XLA:TPU "
+                      "fuses into its dots)")
   parser.add_argument("--remat", default=None, help=f"one of {remat.POLICIES}, or auto "
                       "(default: the preset's, none)")
   parser.add_argument("--fp8", action="store_true", help="the blocks' products in fp8, "
@@ -905,7 +910,8 @@ def main(argv=None) -> int:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   try:
     changes = {"kernels": args.kernels,
-               "reference_ops": tuple(op for op in args.reference_ops.split(",") if op)}
+               "reference_ops": (None if args.reference_ops is None else
+                                 tuple(op for op in args.reference_ops.split(",") if op))}
     if args.remat is not None:
       changes["remat"] = args.remat
     if args.fp8:

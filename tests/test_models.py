@@ -99,6 +99,20 @@ def test_reference_ops_put_each_op_group_on_the_xla_path():
   assert sum(alone.values(), collections.Counter()) == every, (every, alone)
 
 
+def test_a_tpu_leaves_norms_products_and_mlp_to_xla_unless_told():
+  """Left to the platform (reference_ops=None), a TPU's model runs the norms, the products
+  and the MLP on XLA (which fuses them into its dots) and keeps attention's and the loss's
+  kernels, every call of theirs; a GPU's runs every group on kernels; a tuple given, even
+  empty, is taken as it is."""
+  assert TINY.reference_ops is None
+  assert TINY.for_platform("gpu").reference_ops == ()
+  assert TINY.for_platform("tpu").reference_ops == llama.TPU_REFERENCE_OPS
+  assert dataclasses.replace(TINY, reference_ops=()).for_platform("tpu").reference_ops == ()
+  tokens = _tokens(TINY, seed_label="tpu default")
+  kept = _kernels_in(TINY.for_platform("tpu"), tokens)
+  assert kept and all("attention" in name or "entropy" in name for name in kept), kept
+
+
 @pytest.mark.parametrize("policy,kernels,scan", [
     ("full", "xla", False), ("minimal", "xla", True), ("dots", "xla", False),
     (("full", "dots"), "xla", False), ("dots", "jaxkernels", False)])
