@@ -440,13 +440,16 @@ class TestAttentionMosaicTpu(AttentionTest):
   def test_in_place_drawn(self, data):
     """(B, T, N, H) read in place, every head a step: odd T and S over several 128-row
     blocks, GQA groups of 1-3, both dtypes (bfloat16 with even head counts: two heads to a
-    32-bit word), head dims of one and two 128-lane pieces, every mask feature."""
+    32-bit word), head dims of one and two 128-lane pieces and of 64 and 32 (two and four
+    heads side by side in 128 lanes), every mask feature."""
     dtype = data.draw(st.sampled_from(self.DTYPES))
-    kv_heads = data.draw(st.sampled_from([2] if dtype == jnp.bfloat16 else [1, 2]))
+    head_dim = data.draw(st.sampled_from([32, 64, 128, 256]))
+    kv_heads = data.draw(st.sampled_from(
+        [4] if head_dim == 32 else [2] if dtype == jnp.bfloat16 or head_dim == 64 else [1, 2]))
     case = Case(batch=data.draw(st.integers(1, 2)), q_len=data.draw(st.integers(1, 300)),
                 kv_len=data.draw(st.integers(1, 300)), kv_heads=kv_heads,
                 group=data.draw(st.sampled_from([1, 2, 3])),
-                head_dim=data.draw(st.sampled_from([128, 256])), dtype=dtype,
+                head_dim=head_dim, dtype=dtype,
                 causal=data.draw(st.booleans()),
                 window=data.draw(st.sampled_from([None, (70, 0), (0, 130)])),
                 soft_cap=data.draw(st.sampled_from([None, 2.5])),
@@ -460,18 +463,27 @@ class TestAttentionMosaicTpu(AttentionTest):
                     dtype=jnp.bfloat16, window=(150, 20), segments=3, soft_cap=3.0),
                self.IN_PLACE)
 
+  def test_in_place_heads_side_by_side(self):
+    """Head dim 64, two heads to a 128-lane group: GQA 4 over 4 key heads (key heads shared
+    across groups of lanes), partial blocks, a window, segments, the soft cap, bfloat16."""
+    self.check(Case(batch=1, q_len=200, kv_len=260, kv_heads=4, group=4, head_dim=64,
+                    dtype=jnp.bfloat16, window=(150, 20), segments=3, soft_cap=3.0),
+               self.IN_PLACE)
+
   def test_in_place_where_the_heuristic_takes_it(self):
     """In place at the production shapes on every chip we compile for; heads-major where the
-    call needs it (a bias, odd 16-bit head counts, head dims under 128 lanes); a config that
-    asks in place for a call it cannot take says why."""
+    call needs it (a bias, odd 16-bit head counts, head counts a 128-lane group of heads does
+    not divide, head dims neither whole 128 lanes nor a divisor of 128); a config that asks
+    in place for a call it cannot take says why."""
     for chip in ("TPU v5e", "TPU v5p", "TPU v6e"):
-      for heads, kv_heads, head_dim in ((16, 16, 128), (32, 8, 128), (32, 8, 256)):
+      for heads, kv_heads, head_dim in ((16, 16, 128), (32, 8, 128), (32, 8, 256), (16, 4, 64)):
         problem = _problem(q_len=4096, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
         assert attention_mosaic_tpu.heuristic(problem, hardware.chip(chip)).in_place, (
             chip, heads, kv_heads, head_dim)
     v5e = hardware.chip("TPU v5e")
     for why, problem in (("bias", _problem(bias=(1, 1))), ("even", _problem(heads=3)),
-                         ("128 lanes", _problem(head_dim=64))):
+                         ("multiple of 2", _problem(heads=3, head_dim=64)),
+                         ("divisor of 128", _problem(head_dim=96))):
       assert not attention_mosaic_tpu.heuristic(problem, v5e).in_place
       error = attention_mosaic_tpu.config_error(problem, self.IN_PLACE, v5e)
       assert why in error and "in_place=False" in error

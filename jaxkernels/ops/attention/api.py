@@ -295,10 +295,13 @@ def _attention(plan, q, k, v, bias, q_seg, kv_seg):
 
 def _attention_fwd(plan, q, k, v, bias, q_seg, kv_seg):
   out, lse = plan.run(plan.kernels.forward, q, k, v, bias, q_seg, kv_seg)
-  # The barrier keeps XLA's GPU dynamic-slice fusion from taking the kernel into the fusion
-  # that writes the saved output into a scan's stacked residuals: it cloned the kernel there,
-  # so that each layer ran its attention forward twice (bench/NOTES.md model-2).
-  out, lse = lax.optimization_barrier((out, lse))
+  if plan.implementation != "mosaic_tpu":
+    # The barrier keeps XLA's GPU dynamic-slice fusion from taking the kernel into the fusion
+    # that writes the saved output into a scan's stacked residuals: it cloned the kernel
+    # there, so that each layer ran its attention forward twice (bench/NOTES.md model-2). On
+    # a TPU it would pin the saved output to a layout of XLA's choosing: (B, T, N, 64) laid
+    # out T-minor, a copy of the output each way around the in-place kernels (tpu-step-1).
+    out, lse = lax.optimization_barrier((out, lse))
   saved_out, saved_lse = checkpoint_name(out, OUTPUT_NAME), checkpoint_name(lse, LSE_NAME)
   return (out, lse), (q, k, v, bias, q_seg, kv_seg, saved_out, saved_lse)
 

@@ -15,6 +15,14 @@ the same way, two heads to a word. The grid is (batch, query block, key block) f
 dq, (batch, key block, query block) for dk and dv; a step loops over the heads, so a key block
 is read once for every head of its GQA group, not once a head.
 
+Head dims that divide 128 (64, 32) are read another way: (B, T, N, H) viewed as (B, T, N * H),
+a block bq positions of every head side by side in lanes, 128 / H heads to a 128-lane group.
+A head is a group's aligned 128-lane load and a static slice of it; outputs go back a group at
+a time, its heads side by side. The rows view would pad each 64-lane head to 128 lanes in HBM
+and VMEM, and XLA lays a (B, T, N, 64) array out with T minor, so either view costs a caller's
+array one relayout; an array a product made (the model's q, k and v) is written in this view
+directly (bench/NOTES.md tpu-step-1).
+
 The orientation is transposed: a block's scores are (keys, queries), so the softmax's
 statistics are rows, (1, bq), 8 sublanes of VMEM a head where a column takes 128 lanes, and the
 log-sum-exp is kept as (B, N, 1, T). The outputs accumulate transposed, (H, bq), and turn once,
@@ -46,13 +54,26 @@ def reason(problem) -> str | None:
   """Why a problem cannot run in place (the heads-major kernels take it), or None."""
   if problem.bias is not None:
     return "a bias is read in (bq, bk) blocks per head"
+  h, heads, kv_heads = problem.head_dim, problem.heads, problem.kv_heads
+  if _lanes(h):
+    per = LANES // h
+    if heads % per or kv_heads % per:
+      return (f"head dim {h} puts {per} heads in a 128-lane group, so the {heads} query and "
+              f"{kv_heads} key heads must each be a multiple of {per}")
+    return None
+  if h % LANES:
+    return f"head dim {h} is neither whole {LANES}-lane pieces nor a divisor of {LANES}"
   itemsize = jnp.dtype(problem.dtype).itemsize
-  if itemsize == 2 and (problem.heads % 2 or problem.kv_heads % 2):
-    return (f"{problem.heads} query and {problem.kv_heads} key heads: 16-bit heads go two to "
-            "a 32-bit word, so both counts must be even")
-  if problem.head_dim % LANES:
-    return f"head dim {problem.head_dim} is not a whole number of {LANES} lanes"
+  if itemsize == 2 and (heads % 2 or kv_heads % 2):
+    return (f"{heads} query and {kv_heads} key heads: 16-bit heads go two to a 32-bit word, "
+            "so both counts must be even")
   return None
+
+
+def _lanes(h: int) -> bool:
+  """Whether heads of dim ``h`` lie side by side in lanes, (B, T, N * H), rather than in
+  interleaved rows, (B, T * N, H)."""
+  return h < LANES and LANES % h == 0
 
 
 def vmem_bytes(problem, bq: int, bk: int) -> dict[str, int]:
@@ -61,7 +82,7 @@ def vmem_bytes(problem, bq: int, bk: int) -> dict[str, int]:
   and the float32 (bk, bq) temporaries of one head's step."""
   n, kv, h = problem.heads, problem.kv_heads, problem.head_dim
   item = jnp.dtype(problem.dtype).itemsize
-  copies = 3 if item == 2 or h != LANES else 2
+  copies = 2 if _lanes(h) or (item == 4 and h == LANES) else 3
   q_block, kv_block = bq * n * h * item, bk * kv * h * item
   rows = 8 * bq * 4  # a (1, bq) float32 row takes 8 sublanes
   temps = 6 * bk * bq * 4 + 4 * (bk + bq) * h * 4
@@ -116,8 +137,17 @@ def _first_query_block(j, bq: int, bk: int, call: Call):
                       call.window)[0]
 
 
-def _head(pieces, n, heads: int, rows: int, dtype):
-  """Head n's (rows, H) block, in ``dtype``, from an interleaved block's pieces of words."""
+def _head(pieces, n, heads: int, rows: int, dtype, h: int = LANES):
+  """Head n's (rows, H) block, in ``dtype``, from an interleaved block's pieces of words, or
+  from a block of heads side by side in lanes where H divides 128 (its group's aligned load,
+  then the head's static slice of it)."""
+  if _lanes(h):
+    per = LANES // h
+    group = pieces[0][:, pl.ds(pl.multiple_of(n // per * LANES, LANES), LANES)]
+    head = group[:, :h]
+    for slot in range(1, per):
+      head = jnp.where(n % per == slot, group[:, slot * h:(slot + 1) * h], head)
+    return head.astype(dtype)
   parts = []
   for words in pieces:
     if not _packed(dtype):
@@ -130,10 +160,21 @@ def _head(pieces, n, heads: int, rows: int, dtype):
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def _store_heads(out_ref, words, heads: int, rows: int, value):
+def _store_heads(out_ref, words, heads: int, rows: int, value, h: int = LANES):
   """Writes every head's (rows, H) float32 block, ``value(n)``, into an interleaved output
   block: through ``words``, a (pieces, rows / packing, 128) scratch, where the output is
-  16-bit or wider than one piece."""
+  16-bit or wider than one piece; or, where H divides 128, into a block of heads side by
+  side in lanes, a 128-lane group of them at a time."""
+  if _lanes(h):
+    per = LANES // h
+
+    def group(m, carry):
+      side_by_side = jnp.concatenate([value(m * per + slot) for slot in range(per)], axis=1)
+      out_ref[:, pl.ds(pl.multiple_of(m * LANES, LANES), LANES)] = (
+          side_by_side.astype(out_ref.dtype))
+      return carry
+    lax.fori_loop(0, heads // per, group, 0)
+    return
   if words is None:
     def one(n, carry):
       out_ref[pl.ds(n, rows, stride=heads), :] = value(n).astype(out_ref.dtype)
@@ -209,7 +250,7 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
   o_ref, lse_ref, m_sc, l_sc, acc_sc, *words = rest
   q_w, k_w, v_w, o_w = words if words else (None,) * 4
   i, j = pl.program_id(1), pl.program_id(2)
-  heads, kv_heads, dtype = call.heads, call.kv_heads, call.dtype
+  heads, kv_heads, dtype, h = call.heads, call.kv_heads, call.dtype, call.head_dim
 
   @pl.when(j == 0)
   def _():
@@ -226,7 +267,7 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
     mask = blocks.mask(i, j, bq, bk, call, _read(qs_ref), _read(ks_ref), keys_down=True)
 
     def head(n, k, v):
-      q = _head(qs, n, heads, bq, dtype)
+      q = _head(qs, n, heads, bq, dtype, h)
       s, _ = _scores_t(k, q, call, mask)
       m_prev = m_sc[n]
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
@@ -237,8 +278,8 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
       acc_sc[n] = acc_sc[n] * alpha + dot(v, p.astype(dtype), call, ta=True)
       m_sc[n] = m_new
 
-    _each_head(call, lambda c: (_head(ks, c, kv_heads, bk, dtype),
-                                _head(vs, c, kv_heads, bk, dtype)), head)
+    _each_head(call, lambda c: (_head(ks, c, kv_heads, bk, dtype, h),
+                                _head(vs, c, kv_heads, bk, dtype, h)), head)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
@@ -249,16 +290,28 @@ def _forward_kernel(*refs, call: Call, bq: int, bk: int):
                              -jnp.inf)
       return (acc_sc[n] / jnp.where(seen, total, 1.0)).T
 
-    _store_heads(o_ref, o_w, heads, bq, out)
+    _store_heads(o_ref, o_w, heads, bq, out, h)
 
 
 def _interleaved(a, length: int):
-  """(B, L, N, H) as the kernels' (B, length * N, H): padded to ``length`` positions (a copy,
-  only where L is not whole blocks), then merged with the heads (a bitcast on TPU)."""
+  """(B, L, N, H) as the kernels' view: padded to ``length`` positions (a copy, only where L
+  is not whole blocks), then (B, length * N, H), merged with the heads (a bitcast on TPU), or
+  where H divides 128 (B, length, N * H), the heads side by side."""
   b, l, n, h = a.shape
   if length != l:
     a = jnp.pad(a, ((0, 0), (0, length - l), (0, 0), (0, 0)))
-  return a.reshape(b, length * n, h)
+  return a.reshape(_viewed(b, length, n, h))
+
+
+def _viewed(b: int, length: int, n: int, h: int) -> tuple[int, int, int]:
+  """The kernels' view of a (b, length, n, h) array (:func:`_interleaved`)."""
+  return (b, length, n * h) if _lanes(h) else (b, length * n, h)
+
+
+def _block(rows: int, n: int, h: int, index_map) -> pl.BlockSpec:
+  """``rows`` positions of every one of ``n`` heads, in the kernels' view."""
+  shape = (None, rows, n * h) if _lanes(h) else (None, rows * n, h)
+  return pl.BlockSpec(shape, index_map)
 
 
 def _positions(a, b: int, length: int, n: int, h: int, keep: int):
@@ -281,7 +334,7 @@ def _scratch(shape, dtype=jnp.float32):
 def _word_scratch(dtype, *rows_of: int, h: int):
   """The 32-bit copies (pieces, rows / packing, 128) of blocks of ``rows_of`` rows each: none
   where a block is one piece of 32-bit words already."""
-  if not _packed(dtype) and h == LANES:
+  if _lanes(h) or (not _packed(dtype) and h == LANES):
     return []
   packing = 2 if _packed(dtype) else 1
   words = jnp.uint32 if _packed(dtype) else dtype
@@ -301,9 +354,8 @@ def forward(q, k, v, q_seg, kv_seg, *, window: Window, scale: float, soft_cap: f
     return b_, blocks.visit(i, j, bq, bk, call)[1], 0
 
   inputs = [_interleaved(q, t_pad), _interleaved(k, s_pad), _interleaved(v, s_pad)]
-  specs = [pl.BlockSpec((None, bq * n, h), lambda b_, i, j: (b_, i, 0)),
-           pl.BlockSpec((None, bk * kv_heads, h), kv_map),
-           pl.BlockSpec((None, bk * kv_heads, h), kv_map)]
+  specs = [_block(bq, n, h, lambda b_, i, j: (b_, i, 0)), _block(bk, kv_heads, h, kv_map),
+           _block(bk, kv_heads, h, kv_map)]
   if q_seg is not None:  # a (1, bq) row of query ids, a (bk, 1) column of key ids
     inputs += [blocks.segments(q_seg, t_pad, -1)[:, None, :],
                blocks.segments(kv_seg, s_pad, -2)[:, :, None]]
@@ -313,9 +365,9 @@ def forward(q, k, v, q_seg, kv_seg, *, window: Window, scale: float, soft_cap: f
       functools.partial(_forward_kernel, call=call, bq=bq, bk=bk),
       grid=(b, n_q, n_k),
       in_specs=specs,
-      out_specs=[pl.BlockSpec((None, bq * n, h), lambda b_, i, j: (b_, i, 0)),
+      out_specs=[_block(bq, n, h, lambda b_, i, j: (b_, i, 0)),
                  pl.BlockSpec((None, n, 1, bq), lambda b_, i, j: (b_, 0, 0, i))],
-      out_shape=[jax.ShapeDtypeStruct((b, t_pad * n, h), q.dtype),
+      out_shape=[jax.ShapeDtypeStruct(_viewed(b, t_pad, n, h), q.dtype),
                  jax.ShapeDtypeStruct((b, n, 1, t_pad), jnp.float32)],
       scratch_shapes=[_scratch((n, 1, bq)), _scratch((n, 1, bq)), _scratch((n, h, bq)),
                       *_word_scratch(q.dtype, bq * n, bk * kv_heads, bk * kv_heads, bq * n,
@@ -360,15 +412,15 @@ def _loop_heads(r, words, i, j, bq: int, bk: int, call: Call, step):
   blocks read from ``words`` (q, k, v, dout: their 32-bit views)."""
   qs, ks, vs, dos = words
   mask = blocks.mask(i, j, bq, bk, call, _read(r["qs"]), _read(r["ks"]), keys_down=True)
-  dtype = call.dtype
+  dtype, h = call.dtype, call.head_dim
 
   def head(n, c, k, v):
-    q, do = _head(qs, n, call.heads, bq, dtype), _head(dos, n, call.heads, bq, dtype)
+    q, do = _head(qs, n, call.heads, bq, dtype, h), _head(dos, n, call.heads, bq, dtype, h)
     p, ds = _grads_t(q, k, v, do, r["lse"][n], r["delta"][n], mask, call)
     step(n, c, q, k, do, p, ds)
 
-  _each_head(call, lambda c: (_head(ks, c, call.kv_heads, bk, dtype),
-                              _head(vs, c, call.kv_heads, bk, dtype)),
+  _each_head(call, lambda c: (_head(ks, c, call.kv_heads, bk, dtype, h),
+                              _head(vs, c, call.kv_heads, bk, dtype, h)),
              lambda n, k, v: head(n, n // call.group, k, v))
 
 
@@ -398,8 +450,9 @@ def _dkdv_kernel(*refs, call: Call, bq: int, bk: int):
 
   @pl.when(i == pl.num_programs(2) - 1)
   def _():
-    _store_heads(dk_ref, words[4], call.kv_heads, bk, lambda c: dk_sc[c] * call.scale)
-    _store_heads(dv_ref, words[5], call.kv_heads, bk, lambda c: dv_sc[c])
+    h = call.head_dim
+    _store_heads(dk_ref, words[4], call.kv_heads, bk, lambda c: dk_sc[c] * call.scale, h)
+    _store_heads(dv_ref, words[5], call.kv_heads, bk, lambda c: dv_sc[c], h)
 
 
 def _dq_kernel(*refs, call: Call, bq: int, bk: int):
@@ -426,7 +479,8 @@ def _dq_kernel(*refs, call: Call, bq: int, bk: int):
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
-    _store_heads(dq_ref, words[4], call.heads, bq, lambda n: (dq_sc[n] * call.scale).T)
+    _store_heads(dq_ref, words[4], call.heads, bq, lambda n: (dq_sc[n] * call.scale).T,
+                 call.head_dim)
 
 
 def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window, scale: float,
@@ -450,8 +504,8 @@ def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window, sc
   def specs(where):
     """BlockSpecs of the inputs for a grid whose index maps give (b, i, j) by ``where``."""
     at = lambda f: (lambda *ids: f(*where(*ids)))
-    queries = pl.BlockSpec((None, bq * n, h), at(lambda b_, i, j: (b_, i, 0)))
-    keys = pl.BlockSpec((None, bk * kv_heads, h), at(lambda b_, i, j: (b_, j, 0)))
+    queries = _block(bq, n, h, at(lambda b_, i, j: (b_, i, 0)))
+    keys = _block(bk, kv_heads, h, at(lambda b_, i, j: (b_, j, 0)))
     rows = pl.BlockSpec((None, n, 1, bq), at(lambda b_, i, j: (b_, 0, 0, i)))
     segs = [pl.BlockSpec((None, 1, bq), at(lambda b_, i, j: (b_, 0, i))),
             pl.BlockSpec((None, bk, 1), at(lambda b_, i, j: (b_, j, 0)))] if seg_arrays else []
@@ -464,13 +518,13 @@ def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window, sc
   def dkdv_where(b_, j, i):
     return b_, blocks.visit_queries(j, i, bq, bk, call)[1], j
 
-  kv_out = pl.BlockSpec((None, bk * kv_heads, h), lambda b_, j, i: (b_, j, 0))
+  kv_out = _block(bk, kv_heads, h, lambda b_, j, i: (b_, j, 0))
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, call=call, bq=bq, bk=bk),
       grid=(b, n_k, n_q),
       in_specs=specs(dkdv_where),
       out_specs=[kv_out, kv_out],
-      out_shape=[jax.ShapeDtypeStruct((b, s_pad * kv_heads, h), k.dtype)] * 2,
+      out_shape=[jax.ShapeDtypeStruct(_viewed(b, s_pad, kv_heads, h), k.dtype)] * 2,
       scratch_shapes=[_scratch((kv_heads, bk, h)), _scratch((kv_heads, bk, h)),
                       *_word_scratch(q.dtype, bq * n, bk * kv_heads, bk * kv_heads, bq * n,
                                      bk * kv_heads, bk * kv_heads, h=h)],
@@ -485,8 +539,8 @@ def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window, sc
       functools.partial(_dq_kernel, call=call, bq=bq, bk=bk),
       grid=(b, n_q, n_k),
       in_specs=specs(dq_where),
-      out_specs=pl.BlockSpec((None, bq * n, h), lambda b_, i, j: (b_, i, 0)),
-      out_shape=jax.ShapeDtypeStruct((b, t_pad * n, h), q.dtype),
+      out_specs=_block(bq, n, h, lambda b_, i, j: (b_, i, 0)),
+      out_shape=jax.ShapeDtypeStruct(_viewed(b, t_pad, n, h), q.dtype),
       scratch_shapes=[_scratch((n, h, bq)),
                       *_word_scratch(q.dtype, bq * n, bk * kv_heads, bk * kv_heads, bq * n,
                                      bq * n, h=h)],
