@@ -521,6 +521,36 @@ class TestAttentionMosaicTpu(AttentionTest):
         continue
       assert tpu_predicted._type_bytes(op.group(1)) < smallest // 4, line[:200]
 
+  def test_in_place_heads_side_by_side_need_no_copy(self, tpu_mesh):
+    """Head dim 64, q, k and v made by products as a model makes them (a (B, T, N, 64)
+    argument is laid out T-minor, a relayout for any view): forward and backward compiled
+    for each chip, causal GQA, the out projection after; nothing but the products' fusions
+    and the kernels writes an array the size of k or larger (no transpose, no copy of the
+    saved output, no float32 copy for the backward's delta)."""
+    from bench import tpu_predicted
+    b, t, n, kv, h, d = 2, 1024, 8, 2, 64, 128  # every weight smaller than k
+
+    def loss(x, wq, wk, wv, wo):
+      q = (x @ wq).reshape(b, t, n, h)
+      k, v = ((x @ w).reshape(b, t, kv, h) for w in (wk, wv))
+      out = jk.flash_attention(q, k, v, causal=True, implementation="mosaic_tpu")
+      return jnp.sum((out.reshape(b * t, n * h) @ wo).astype(jnp.float32))
+
+    arrays = [(b * t, d), (d, n * h), (d, kv * h), (d, kv * h), (n * h, d)]
+    text = aot_compile(tpu_mesh, jax.grad(loss, argnums=range(5)),
+                       *(jax.ShapeDtypeStruct(a, jnp.bfloat16) for a in arrays))
+    for name in ("fwd", "dkdv", "dq", "delta"):
+      assert f"jk_attention_{name}_in_place" in text, name
+    entry = text[text.index("ENTRY"):]
+    for line in entry[:entry.index("ROOT")].splitlines():
+      op = re.search(r"=\s*(\(.*?\)|\S+)\s+([a-z][\w-]*)\(", line)
+      if op is None or op.group(2).endswith(("-start", "-done")) or op.group(2) in (
+          "custom-call", "parameter", "bitcast", "get-tuple-element", "tuple", "constant"):
+        continue
+      if "dot_general" in line and "kind=kOutput" in line:  # a product's own fusion
+        continue
+      assert tpu_predicted._type_bytes(op.group(1)) < b * t * kv * h * 2, line[:200]
+
   def test_production_blocks_fit_vmem_at_head_dim_256(self, tpu_mesh):
     """Those blocks, every mask feature, forward and backward, compile for each chip (the
     VMEM the heuristic's 512 x 512 backward needs at head dim 256 fits)."""

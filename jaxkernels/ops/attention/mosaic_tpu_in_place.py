@@ -398,6 +398,44 @@ def _grads_t(q, k, v, do, lse, delta, mask, call: Call):
   return p, ds
 
 
+def _delta_kernel(o_ref, do_ref, delta_ref, *words, call: Call, bq: int):
+  """Each head's delta = rowsum(dout * out) over H, as (1, bq) rows: summed on the MXU
+  (ones (8, H) against the product, transposed), so no (bq, 1) column is turned into a row."""
+  o_w, do_w = words if words else (None, None)
+  outs, douts = _words(o_ref, o_w), _words(do_ref, do_w)
+  h = call.head_dim
+  ones = jnp.ones((8, h), jnp.float32)
+
+  def head(n, carry):
+    f32 = lambda pieces: _head(pieces, n, call.heads, bq, call.dtype, h).astype(jnp.float32)
+    rows = lax.dot_general(ones, f32(outs) * f32(douts), (((1,), (1,)), ((), ())),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    delta_ref[n] = rows[:1]
+    return carry
+  lax.fori_loop(0, call.heads, head, 0)
+
+
+def _delta(out, dout, call: Call, bq: int, vmem_limit_bytes: int, interpret):
+  """delta (B, N, 1, T) rows from the kernels' views of out and dout (B, T, N, H in place):
+  one read of each. XLA's einsum over a (B, T, N, 64) pair turned a float32 copy of it to
+  lay H out for the reduction (bench/NOTES.md tpu-step-1)."""
+  b, length = out.shape[0], out.shape[1] // (1 if _lanes(call.head_dim) else call.heads)
+  n, h = call.heads, call.head_dim
+  item = call.dtype.itemsize
+  return pl.pallas_call(
+      functools.partial(_delta_kernel, call=call, bq=bq),
+      grid=(b, length // bq),
+      in_specs=[_block(bq, n, h, lambda b_, i: (b_, i, 0))] * 2,
+      out_specs=pl.BlockSpec((None, n, 1, bq), lambda b_, i: (b_, 0, 0, i)),
+      out_shape=jax.ShapeDtypeStruct((b, n, 1, length), jnp.float32),
+      scratch_shapes=_word_scratch(call.dtype, bq * n, bq * n, h=h),
+      compiler_params=_mosaic_tpu.params(("parallel", "parallel"), vmem_limit_bytes, interpret),
+      cost_estimate=pl.CostEstimate(flops=2 * b * length * n * h, transcendentals=0,
+                                    bytes_accessed=b * length * n * (2 * h * item + 4)),
+      interpret=interpret, name="jk_attention_delta_in_place",
+  )(out, dout)
+
+
 def _unpack(refs, call: Call, n_out: int):
   refs = list(refs)
   named = dict(zip(("q", "k", "v"), refs[:3]))
@@ -491,15 +529,17 @@ def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window, sc
   bq, bk = config.bwd_block_q, config.bwd_block_k
   t_pad, s_pad = round_up(t, bq), round_up(s, bk)
   n_q, n_k = t_pad // bq, s_pad // bk
-  delta = jnp.einsum("btnh,btnh->btn", dout.astype(jnp.float32), out.astype(jnp.float32))
+  dout_viewed = _interleaved(dout, t_pad)
+  delta = _delta(_interleaved(out, t_pad), dout_viewed, call, bq, config.vmem_limit_bytes,
+                 interpret)
   if dlse is not None:
-    delta = delta - dlse.astype(jnp.float32)
+    delta = delta - _rows(dlse, t_pad)
   inputs = [_interleaved(q, t_pad), _interleaved(k, s_pad), _interleaved(v, s_pad)]
   seg_arrays = []
   if q_seg is not None:
     seg_arrays = [blocks.segments(q_seg, t_pad, -1)[:, None, :],
                   blocks.segments(kv_seg, s_pad, -2)[:, :, None]]
-  inputs += seg_arrays + [_interleaved(dout, t_pad), _rows(lse, t_pad), _rows(delta, t_pad)]
+  inputs += seg_arrays + [dout_viewed, _rows(lse, t_pad), delta]
 
   def specs(where):
     """BlockSpecs of the inputs for a grid whose index maps give (b, i, j) by ``where``."""
