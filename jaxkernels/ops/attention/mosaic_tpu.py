@@ -16,8 +16,9 @@ over.
 These kernels read (B, N, T, H) arrays, T and S padded to whole blocks: the wrapper transposes
 and pads (XLA copies; the padded keys are masked, the padded queries' rows dropped). They serve
 the calls the in-place kernels (``mosaic_tpu_in_place.py``, which read (B, T, N, H) with no
-transpose, every head in a step) cannot take: a bias, odd 16-bit head counts, head dims under
-128 lanes, or blocks too large for VMEM at every head; ``Config.in_place`` picks.
+transpose, every head in a step) cannot take: a bias, head counts the in-place packing does
+not divide, head dims neither whole 128 lanes nor a divisor of 128, or blocks too large for
+VMEM at every head; ``Config.in_place`` picks.
 """
 
 from __future__ import annotations

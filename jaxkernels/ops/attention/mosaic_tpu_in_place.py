@@ -137,7 +137,7 @@ def _first_query_block(j, bq: int, bk: int, call: Call):
                       call.window)[0]
 
 
-def _head(pieces, n, heads: int, rows: int, dtype, h: int = LANES):
+def _head(pieces, n, heads: int, rows: int, dtype, h: int):
   """Head n's (rows, H) block, in ``dtype``, from an interleaved block's pieces of words, or
   from a block of heads side by side in lanes where H divides 128 (its group's aligned load,
   then the head's static slice of it)."""
@@ -160,7 +160,7 @@ def _head(pieces, n, heads: int, rows: int, dtype, h: int = LANES):
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def _store_heads(out_ref, words, heads: int, rows: int, value, h: int = LANES):
+def _store_heads(out_ref, words, heads: int, rows: int, value, h: int):
   """Writes every head's (rows, H) float32 block, ``value(n)``, into an interleaved output
   block: through ``words``, a (pieces, rows / packing, 128) scratch, where the output is
   16-bit or wider than one piece; or, where H divides 128, into a block of heads side by
