@@ -527,6 +527,25 @@ def _plain_compiled(cfg, policy: str, batch: int, seq: int, mesh):
     return step.lower(state, tokens).compile()
 
 
+def splash_flops(preset: str, batch: int, seq: int, policy: str) -> float:
+  """The FLOPs of a plain-JAX step's splash attention calls (:func:`_plain_compiled`), which
+  they do not state to the compiler (a custom call without a cost estimate counts none, so
+  the compiled program's FLOPs leave them out; its bytes count their operands and outputs).
+  Per layer one forward kernel (two where remat recomputes it: every policy but none, as the
+  compiled programs show: 24, 48 and 48 forwards at 350m under none, dots and full), one dk/dv
+  and one dq kernel, each counted as our kernels count theirs
+  (``mosaic_tpu_blocks.costs``: 4, 8 and 6 x H FLOPs per visited query-key pair), causal
+  blocks skipped, at MaxText's 512-row blocks."""
+  from jaxkernels import roofline
+  from models import llama
+  cfg = llama.PRESETS[preset]
+  block = 512
+  pairs = (batch * cfg.heads * block * block
+           * roofline.attention_block_visits(seq, seq, block, block, causal=True))
+  forwards = 1 if policy == "none" else 2
+  return cfg.depth * pairs * cfg.head_dim * (4 * forwards + 8 + 6)
+
+
 def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLOGIES),
                  presets=None, plain: bool = True) -> None:
   """The train step on our kernels AOT-compiled for each TPU generation (one chip of a
