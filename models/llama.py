@@ -10,7 +10,9 @@ for all or one per layer, walked unrolled (the default: a step 22% shorter on an
 bench/NOTES.md model-2) or by one ``nnx.scan`` (``scan_layers``: one layer's program to
 compile). The residual stream is float32, the activations ``dtype``.
 
-``kernels="xla"`` runs the same model as a user of plain JAX would: XLA's ops,
+On a TPU the norms, products and MLP run on XLA unless ``reference_ops`` says otherwise
+(:data:`TPU_REFERENCE_OPS`: XLA:TPU fuses them into its dots); attention and the loss stay
+kernels. ``kernels="xla"`` runs the same model as a user of plain JAX would: XLA's ops,
 ``jax.nn.dot_product_attention`` (cuDNN on a GPU) and optax's loss on the whole logits.
 
 Every weight matrix records logical names for its dimensions (``nnx.get_partition_spec``);
