@@ -113,6 +113,27 @@ def _problem(*, q_len=512, heads=4, kv_heads=2, head_dim=128, bias=None,
                      soft_cap=False, bias=bias, segments=False)
 
 
+def _passes_around_kernels(text: str, at_least: int, products: bool = False) -> list[str]:
+  """The compiled entry computation's instructions (before its root) that write an array of
+  ``at_least`` bytes or more: passes over memory around the kernels. Custom calls, views and
+  asynchronous copies and slices (-start, -done: an array moved between memory spaces, a
+  prefetch into VMEM, in its own layout) are not passes; with ``products``, nor is a
+  product's own output fusion."""
+  from bench import tpu_predicted
+  entry = text[text.index("ENTRY"):]
+  found = []
+  for line in entry[:entry.index("ROOT")].splitlines():
+    op = re.search(r"=\s*(\(.*?\)|\S+)\s+([a-z][\w-]*)\(", line)
+    if op is None or op.group(2).endswith(("-start", "-done")) or op.group(2) in (
+        "custom-call", "parameter", "bitcast", "get-tuple-element", "tuple", "constant"):
+      continue
+    if products and "dot_general" in line and "kind=kOutput" in line:
+      continue
+    if tpu_predicted._type_bytes(op.group(1)) >= at_least:
+      found.append(line[:200])
+  return found
+
+
 def _delta_rtol(case: Case, reference_, primals, ct) -> float:
   """The flash backward's float32 rounding where every query sees one key, which autodiff's
   baseline does not share.
@@ -499,7 +520,6 @@ class TestAttentionMosaicTpu(AttentionTest):
     kernels nothing writes an array the size of q, k, v, the output or a gradient (no
     transpose, no copy; the (B, T, N) statistics alone are turned), and the in-place kernels
     are the ones that run."""
-    from bench import tpu_predicted
     b, t, n, kv, h = 2, 1024, 8, 2, 128
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((b, t, kv, h), jnp.bfloat16)
@@ -510,16 +530,7 @@ class TestAttentionMosaicTpu(AttentionTest):
                  "jk_attention_dq_in_place"):
       assert name in text, name
     smallest = b * t * kv * h * 2  # k's bytes
-    entry = text[text.index("ENTRY"):]
-    entry = entry[:entry.index("ROOT")]
-    for line in entry.splitlines():
-      op = re.search(r"=\s*(\(.*?\)|\S+)\s+([a-z][\w-]*)\(", line)
-      # Asynchronous copies and slices (-start, -done) move an array between memory spaces
-      # (a prefetch into VMEM) in its own layout: not a pass over it.
-      if op is None or op.group(2).endswith(("-start", "-done")) or op.group(2) in (
-          "custom-call", "parameter", "bitcast", "get-tuple-element", "tuple", "constant"):
-        continue
-      assert tpu_predicted._type_bytes(op.group(1)) < smallest // 4, line[:200]
+    assert not _passes_around_kernels(text, smallest // 4)
 
   def test_in_place_heads_side_by_side_need_no_copy(self, tpu_mesh):
     """Head dim 64, q, k and v made by products as a model makes them (a (B, T, N, 64)
@@ -527,7 +538,6 @@ class TestAttentionMosaicTpu(AttentionTest):
     for each chip, causal GQA, the out projection after; nothing but the products' fusions
     and the kernels writes an array the size of k or larger (no transpose, no copy of the
     saved output, no float32 copy for the backward's delta)."""
-    from bench import tpu_predicted
     b, t, n, kv, h, d = 2, 1024, 8, 2, 64, 128  # every weight smaller than k
 
     def loss(x, wq, wk, wv, wo):
@@ -541,15 +551,7 @@ class TestAttentionMosaicTpu(AttentionTest):
                        *(jax.ShapeDtypeStruct(a, jnp.bfloat16) for a in arrays))
     for name in ("fwd", "dkdv", "dq", "delta"):
       assert f"jk_attention_{name}_in_place" in text, name
-    entry = text[text.index("ENTRY"):]
-    for line in entry[:entry.index("ROOT")].splitlines():
-      op = re.search(r"=\s*(\(.*?\)|\S+)\s+([a-z][\w-]*)\(", line)
-      if op is None or op.group(2).endswith(("-start", "-done")) or op.group(2) in (
-          "custom-call", "parameter", "bitcast", "get-tuple-element", "tuple", "constant"):
-        continue
-      if "dot_general" in line and "kind=kOutput" in line:  # a product's own fusion
-        continue
-      assert tpu_predicted._type_bytes(op.group(1)) < b * t * kv * h * 2, line[:200]
+    assert not _passes_around_kernels(text, b * t * kv * h * 2, products=True)
 
   def test_production_blocks_fit_vmem_at_head_dim_256(self, tpu_mesh):
     """Those blocks, every mask feature, forward and backward, compile for each chip (the

@@ -310,8 +310,7 @@ def _viewed(b: int, length: int, n: int, h: int) -> tuple[int, int, int]:
 
 def _block(rows: int, n: int, h: int, index_map) -> pl.BlockSpec:
   """``rows`` positions of every one of ``n`` heads, in the kernels' view."""
-  shape = (None, rows, n * h) if _lanes(h) else (None, rows * n, h)
-  return pl.BlockSpec(shape, index_map)
+  return pl.BlockSpec((None, *_viewed(1, rows, n, h)[1:]), index_map)
 
 
 def _positions(a, b: int, length: int, n: int, h: int, keep: int):
@@ -415,12 +414,11 @@ def _delta_kernel(o_ref, do_ref, delta_ref, *words, call: Call, bq: int):
   lax.fori_loop(0, call.heads, head, 0)
 
 
-def _delta(out, dout, call: Call, bq: int, vmem_limit_bytes: int, interpret):
-  """delta (B, N, 1, T) rows from the kernels' views of out and dout (B, T, N, H in place):
-  one read of each. XLA's einsum over a (B, T, N, 64) pair turned a float32 copy of it to
-  lay H out for the reduction (bench/NOTES.md tpu-step-1)."""
-  b, length = out.shape[0], out.shape[1] // (1 if _lanes(call.head_dim) else call.heads)
-  n, h = call.heads, call.head_dim
+def _delta(out, dout, call: Call, length: int, bq: int, vmem_limit_bytes: int, interpret):
+  """delta (B, N, 1, length) rows from the kernels' views of out and dout (``length``
+  positions each): one read of each. XLA's einsum over a (B, T, N, 64) pair turned a float32
+  copy of it to lay H out for the reduction (bench/NOTES.md tpu-step-1)."""
+  b, n, h = call.batch, call.heads, call.head_dim
   item = call.dtype.itemsize
   return pl.pallas_call(
       functools.partial(_delta_kernel, call=call, bq=bq),
@@ -530,8 +528,8 @@ def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window, sc
   t_pad, s_pad = round_up(t, bq), round_up(s, bk)
   n_q, n_k = t_pad // bq, s_pad // bk
   dout_viewed = _interleaved(dout, t_pad)
-  delta = _delta(_interleaved(out, t_pad), dout_viewed, call, bq, config.vmem_limit_bytes,
-                 interpret)
+  delta = _delta(_interleaved(out, t_pad), dout_viewed, call, t_pad, bq,
+                 config.vmem_limit_bytes, interpret)
   if dlse is not None:
     delta = delta - _rows(dlse, t_pad)
   inputs = [_interleaved(q, t_pad), _interleaved(k, s_pad), _interleaved(v, s_pad)]
