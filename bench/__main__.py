@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                       help="model: the train step AOT-compiled for v5e, v5p and v6e, each remat "
                            "policy's compiled peak memory; lessons: fusion's bytes and tiling's "
                            "VMEM compiled for them (any host; needs libtpu)")
+  parser.add_argument("--streams", default=None,
+                      help="model --tpu: our step's residual-stream dtypes, comma-separated "
+                           "(default float32,bfloat16; plain JAX's is bfloat16)")
   parser.add_argument("--layouts", action="store_true",
                       help="model --tpu: the sharded train steps (1b under fsdp and fsdp x "
                            "tensor on 4 chips of v5p and v6e, the 8b on 8 of v5p): per-chip "
@@ -121,7 +124,8 @@ def main(argv=None) -> int:
     elif name == "model" and args.tpu and args.layouts:
       model.tpu_layouts(session)
     elif name == "model" and args.tpu:
-      model.tpu_compiled(session, policies=policies, presets=only)
+      model.tpu_compiled(session, policies=policies, presets=only,
+                         streams=args.streams.split(",") if args.streams else None)
     elif name == "lessons" and args.tpu:
       lessons.tpu_compiled(session)
     elif name == "model" and args.compile:

@@ -547,7 +547,7 @@ def splash_flops(preset: str, batch: int, seq: int, policy: str) -> float:
 
 
 def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLOGIES),
-                 presets=None, plain: bool = True) -> None:
+                 presets=None, plain: bool = True, streams=None) -> None:
   """The train step on our kernels AOT-compiled for each TPU generation (one chip of a
   topology; libtpu's compiler, no TPU needed): each policy's peak memory by the compiled
   program's memory analysis, and its time predicted from the compiled program's cost analysis
@@ -555,7 +555,8 @@ def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLO
   bandwidth), with the MFU that time would give (PaLM's count, llama.mfu). Compiled, not
   measured: a lower bound that sees no pipeline bubble or exposed latency. With ``plain``,
   beside them bench.plain_llama's step compiled for the same chip at JAX's own policies among
-  ``policies`` (:func:`_plain_compiled`), predicted alike: the anchor, as on the GPUs."""
+  ``policies`` (:func:`_plain_compiled`), predicted alike: the anchor, as on the GPUs. Ours
+  with each residual stream of ``streams`` (float32 and bfloat16; plain JAX's is bfloat16)."""
   import numpy as np
   from jax.experimental import topologies
   from jax.sharding import AxisType, Mesh
@@ -566,6 +567,9 @@ def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLO
   if unknown:
     raise ValueError(f"--only: {sorted(unknown)}: the TPU step runs {', '.join(TPU_PRESETS)}")
   policies = policies or remat.POLICIES
+  streams = streams or ("float32", "bfloat16")
+  if set(streams) - set(llama.STREAMS):
+    raise ValueError(f"--streams: {streams}: each must be one of {llama.STREAMS}")
   for name, chip_name in itertools.product(presets or TPU_PRESETS, chips):
     batch = TPU_PRESETS[name]
     tc = train.TrainConfig(batch=batch, seq_len=min(SEQ, llama.PRESETS[name].max_len),
@@ -577,12 +581,14 @@ def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLO
                 axis_types=(AxisType.Explicit,) * 2)
     row = lambda impl: harness.Row("model", f"{name} train step, compiled for {chip_name}",
                                    impl, f"batch {batch} x {tc.seq_len}", "bfloat16")
-    for policy in policies:
+    for policy, stream in itertools.product(policies, streams):
       # The model's TPU default: norms, products and the MLP on XLA, which fuses them into
       # its dots (llama.TPU_REFERENCE_OPS); attention and the loss ours.
-      cfg = llama.preset(name, remat=policy).for_platform("tpu")
+      cfg = llama.preset(name, remat=policy, stream=stream).for_platform("tpu")
       on_xla = f" ({'/'.join(cfg.reference_ops)} on XLA)" if cfg.reference_ops else ""
-      _compiled_row(session, row(f"jaxkernels{on_xla}, remat {policy}"),
+      label = f"jaxkernels{on_xla}, remat {policy}" + (
+          f", stream {stream}" if stream != "float32" else "")
+      _compiled_row(session, row(label),
                     functools.partial(train.compiled_step, cfg, tc, mesh), cfg, batch,
                     tc.seq_len, chip, "MFU (PaLM's count) at that time")
     if not plain:

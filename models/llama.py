@@ -8,7 +8,7 @@ attention through ``flash_attention`` (causal), the SwiGLU MLP through ``matmul`
 stacked parameters, each under ``nnx.remat`` with a policy by name (``jaxkernels.remat``), one
 for all or one per layer, walked unrolled (the default: a step 22% shorter on an H100 at 350m,
 bench/NOTES.md model-2) or by one ``nnx.scan`` (``scan_layers``: one layer's program to
-compile). The residual stream is float32, the activations ``dtype``.
+compile). The residual stream is float32 (or ``stream``'s 16 bits), the activations ``dtype``.
 
 On a TPU the norms, products and MLP run on XLA unless ``reference_ops`` says otherwise
 (:data:`TPU_REFERENCE_OPS`: XLA:TPU fuses them into its dots); attention and the loss stay
@@ -42,6 +42,7 @@ KERNELS = ("jaxkernels", "xla")
 # The op groups that ``Config.reference_ops`` can put back on XLA's path one by one (to find
 # which kernel a difference from kernels="xla" comes from).
 OPS = ("norm", "matmul", "attention", "mlp", "loss")
+STREAMS = ("float32", "bfloat16", "float16")  # the residual stream's dtypes
 # On a TPU, the groups the model leaves to XLA unless ``Config.reference_ops`` names its own:
 # XLA:TPU folds an RMSNorm into the next dot's fusion and SwiGLU into the down projection's,
 # which a Pallas call between them stops (each of our norm and GLU kernels is a pass of its
@@ -77,6 +78,9 @@ class Config:
   norm_eps: float = 1e-5
   z_loss: float = 0.0
   dtype: str = "bfloat16"  # activations; parameters stay float32
+  # The residual stream's dtype (STREAMS): float32 keeps every layer's sum exact to f32; a
+  # 16-bit stream, as MaxText and most plain-JAX Llamas keep it, halves its traffic.
+  stream: str = "float32"
   kernels: str = "jaxkernels"
   # With kernels="jaxkernels": these of OPS run as kernels="xla" runs them; None: the
   # platform's default (default_reference_ops: none on a GPU, TPU_REFERENCE_OPS on a TPU).
@@ -92,6 +96,8 @@ class Config:
   def __post_init__(self):
     if self.kernels not in KERNELS:
       raise ValueError(f"Config: kernels={self.kernels!r} is not one of {KERNELS}")
+    if self.stream not in STREAMS:
+      raise ValueError(f"Config: stream={self.stream!r} is not one of {STREAMS}")
     if self.reference_ops is not None:
       object.__setattr__(self, "reference_ops", tuple(self.reference_ops))
     unknown = [op for op in self.reference_ops or () if op not in OPS]
@@ -434,8 +440,8 @@ class Llama(nnx.Module):
     if sequence:  # split along T as the stream is
       cos, sin = (jax.sharding.reshard(x, P(partitioning.entry(sequence), None))
                   for x in (cos, sin))
-    # The residual stream stays float32.
-    stream = _lookup(_replicated(self.embed.embedding[...]), tokens, sequence)
+    # The residual stream, in cfg.stream whatever the activations' dtype.
+    stream = _lookup(_replicated(self.embed.embedding[...]), tokens, sequence).astype(cfg.stream)
     delta = jnp.zeros_like(stream, jnp.dtype(cfg.dtype))  # split as the stream is
 
     policies = cfg.layer_policies()

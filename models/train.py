@@ -424,8 +424,10 @@ def _identity(cfg: llama.Config, tc: TrainConfig, data: np.ndarray) -> dict:
   the state as it is; checkpoints from before it existed stay whole)."""
   train = {k: v for k, v in dataclasses.asdict(tc).items()
            if k not in ("steps", "warmup_defaulted")}
+  # Older runs have no fp8 and no stream: a field at its old behaviour is left out.
   model = {k: v for k, v in dataclasses.asdict(cfg).items()
-           if k != "reference_ops" and not (k == "fp8" and not v)}  # older runs have no fp8
+           if k != "reference_ops" and not (k == "fp8" and not v)
+           and not (k == "stream" and v == "float32")}
   return json.loads(json.dumps({"model": model, "train": train,
                                 "corpus": fingerprint(data)}))
 
@@ -859,6 +861,9 @@ def parser() -> argparse.ArgumentParser:
                       "fuses into its dots)")
   parser.add_argument("--remat", default=None, help=f"one of {remat.POLICIES}, or auto "
                       "(default: the preset's, none)")
+  parser.add_argument("--stream", default="float32", help=f"the residual stream's dtype, one "
+                      f"of {', '.join(llama.STREAMS)} (a 16-bit one, as plain-JAX Llamas keep "
+                      "it, halves its traffic; float32 keeps every layer's sum exact to f32)")
   parser.add_argument("--fp8", action="store_true", help="the blocks' products in fp8, "
                       "forward and backward (e4m3, DeepSeek-V3's block scales; one device)")
   parser.add_argument("--remat-budget", type=float, default=None, help="GiB a device for "
@@ -909,7 +914,7 @@ def main(argv=None) -> int:
   if not args.no_compilation_cache:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   try:
-    changes = {"kernels": args.kernels,
+    changes = {"kernels": args.kernels, "stream": args.stream,
                "reference_ops": (None if args.reference_ops is None else
                                  tuple(op for op in args.reference_ops.split(",") if op))}
     if args.remat is not None:
@@ -918,7 +923,7 @@ def main(argv=None) -> int:
       changes["fp8"] = True
     try:
       cfg = llama.preset(args.preset, **changes)
-    except ValueError as e:  # the preset's name, --kernels, --reference-ops or --remat
+    except ValueError as e:  # the preset's name, --kernels, --stream, --reference-ops, --remat
       raise UsageError(str(e)) from e
     tc = TrainConfig(**{f.name: getattr(args, f.name) for f in _train_flags()})
     if tc.seq_len > cfg.max_len:
