@@ -422,11 +422,22 @@ class Published:
   depth: int
   chip_batch: int  # sequences a chip takes a step
   seq_len: int
-  tokens_per_chip_s: float  # published
+  tokens_per_chip_s: float | None  # published; None: from tflops_per_chip
   mfu: float  # published, %
   remat: str  # ours nearest theirs
   source: str
   changes: tuple = ()  # (field, value) pairs over the preset's Config
+  # Where a run published TFLOP/s a chip, not tokens: MaxText's count (6 x the matmul
+  # parameters plus attention's 12·L·T·width a token, unhalved by the mask) is PaLM's,
+  # llama.Config.flops_per_token, which turns it into tokens.
+  tflops_per_chip: float | None = None
+  depths: tuple = (2, 4)  # compiled at these, extended linearly (small enough to fit a slice)
+
+  def tokens_per_s(self, cfg) -> float:
+    """The published tokens a chip a second; ``cfg``: the run's model at its full depth."""
+    if self.tokens_per_chip_s is not None:
+      return self.tokens_per_chip_s
+    return self.tflops_per_chip * 1e12 / cfg.flops_per_token(self.seq_len)
 
 
 # Published runs the TPU predictions are checked against (issue 56): their error bar.
@@ -446,16 +457,37 @@ PUBLISHED = (
               "(transpose) over every chip, remat 'full', splash attention with 1024/2048 blocks",
               (("vocab", 32000), ("width", 8192), ("heads", 64), ("kv_heads", 8),
                ("mlp_width", 28672), ("rope_theta", 10000.0))),
+    # MaxText's "global_parameter_scale=32" model on its base config (Llama 2 blocks, float32
+    # weights, SwiGLU, untied 32,000-token head): width 8192, 64 heads of 128 (no GQA), MLP
+    # 28,672, 32 layers. (Its v5e 16B, scale 16, has 64 heads of 128 over width 4096, which
+    # our model, heads x head dim = width, cannot build.)
+    Published("MaxText 32B (scale 32) on v5e-256", "8b", "v5e", 32, 4, 2048, None, 66.86,
+              "full",
+              "MaxText/configs/v5e/README.md (1x v5e-256: 132 TFLOP/s a chip, 66.86% MFU); its "
+              "script (MaxText/configs/v5e/32b.sh): per-device batch 4, FSDP over every chip, "
+              "remat 'full', attention 'flash'. Depths 1 and 2: depth 4 would not fit a "
+              "4-chip v5e slice's 16 GiB a chip",
+              (("vocab", 32000), ("width", 8192), ("heads", 64), ("kv_heads", 64),
+               ("mlp_width", 28672), ("rope_theta", 10000.0)), tflops_per_chip=132.0,
+              depths=(1, 2)),
+    Published("MaxText 32B (scale 32) on v5p-128", "8b", "v5p", 32, 7, 2048, None, 71.47,
+              "dots",
+              "MaxText/configs/v5p/README.md (1x v5p-128: 328 TFLOP/s a chip, 71.47% MFU); its "
+              "script (MaxText/configs/v5p/32b.sh): per-device batch 7, FSDP x tensor 4, remat "
+              "'minimal' (dots without batch dimensions saved: our 'dots'), attention 'flash'. "
+              "Ours compiled under FSDP alone",
+              (("vocab", 32000), ("width", 8192), ("heads", 64), ("kv_heads", 64),
+               ("mlp_width", 28672), ("rope_theta", 10000.0)), tflops_per_chip=328.0),
 )
 
 
-def tpu_published(session: harness.Session, runs=PUBLISHED, depths=(2, 4)) -> None:
+def tpu_published(session: harness.Session, runs=PUBLISHED) -> None:
   """The predictor against published TPU runs (:data:`PUBLISHED`): each run's model and batch a
   chip compiled for a 4-chip slice of its TPU under FSDP (our kernels, our remat policy nearest
   theirs), the step predicted as :func:`tpu_layouts` predicts every TPU step, at two depths
-  and extended linearly to the run's (the layers are identical; the compiler's cost analysis
-  counts a scanned body once, so the layers are unrolled, and the full depth would not fit one
-  slice's compile), beside the published rate. Published / predicted is how far a "predicted"
+  (``Published.depths``) and extended linearly to the run's (the layers are identical; the
+  compiler's cost analysis counts a scanned body once, so the layers are unrolled, and the
+  full depth would not fit one slice's compile), beside the published rate. Published / predicted is how far a "predicted"
   TPU time is from a measured one."""
   import numpy as np
   from jax.experimental import topologies
@@ -477,17 +509,17 @@ def tpu_published(session: harness.Session, runs=PUBLISHED, depths=(2, 4)) -> No
     start = time.perf_counter()
     try:
       seconds = {}
-      for depth in depths:
+      for depth in run.depths:
         cfg = llama.preset(run.preset, depth=depth, remat=run.remat, **dict(run.changes))
         tc = train.TrainConfig(batch=run.chip_batch * devices.size, seq_len=run.seq_len,
                                steps=10_000, warmup=10)
         seconds[depth] = _predicted(train.compiled_step(cfg, tc, mesh), cfg, tokens,
                                     run.seq_len, chip, causal_half=True)[0]
-      low, high = depths
+      low, high = run.depths
       layer = (seconds[high] - seconds[low]) / (high - low)
       predicted = seconds[low] + (run.depth - low) * layer
-      published = tokens / run.tokens_per_chip_s
       cfg = llama.preset(run.preset, depth=run.depth, **dict(run.changes))
+      published = tokens / run.tokens_per_s(cfg)
       mfu = llama.mfu(cfg, tokens / predicted, run.seq_len, chip.flops("bfloat16"),
                       causal_half=True)
       row.ms, row.pct_roofline = predicted * 1e3, mfu
