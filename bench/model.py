@@ -53,13 +53,15 @@ def kernel_breakdown(step, state, tokens, top: int = 60) -> list[tuple[str, floa
 
 def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
             profile: bool = False, scan_layers: bool = False, budget: int | None = None,
-            largest: bool = False, fp8: bool = False) -> dict:
+            largest: bool = False, fp8: bool = False, stream: str = "float32") -> dict:
   """One train step's time, memory and loss on this process's first device. ``policy``
   "auto" chooses under ``budget`` bytes; ``largest``: also the largest batch whose compiled
-  step fits the device, from the compiled peaks at ``batch`` and twice it (linear in batch)."""
+  step fits the device, from the compiled peaks at ``batch`` and twice it (linear in batch);
+  ``stream``: the residual stream's dtype (llama.Config.stream)."""
   from jaxkernels import remat
   from models import llama, train
-  cfg = llama.preset(preset, kernels=kernels, remat=policy, scan_layers=scan_layers, fp8=fp8)
+  cfg = llama.preset(preset, kernels=kernels, remat=policy, scan_layers=scan_layers, fp8=fp8,
+                     stream=stream)
   seq = min(seq, cfg.max_len)
   tc = train.TrainConfig(batch=batch, seq_len=seq, steps=10_000, warmup=10)
   chosen = None
@@ -199,9 +201,10 @@ PLAIN = (("none", False, "float32"), ("none", False, "bfloat16"), ("dots", False
 def run(session: harness.Session, sweep: bool = False, only=None, policies=None,
         unrolled: bool = False) -> None:
   """Per preset: the independent plain-JAX Llama (:data:`PLAIN`), the model's twin and ours,
-  unrolled, under none, dots and full (or ``policies`` of them); and, unless ``unrolled``,
-  each scanned under its fastest policy (dots; none for ours) where that policy is run. Ours
-  is compared with the fastest anchor, plain or twin."""
+  unrolled, under none, dots and full (or ``policies`` of them); ours also with a bfloat16
+  residual stream (plain JAX's fastest) under none; and, unless ``unrolled``, each scanned
+  under its fastest policy (dots; none for ours) where that policy is run. Ours is compared
+  with the fastest anchor, plain or twin."""
   del sweep
   models = _models(session, only)
   unknown = set(policies or ()) - set(POLICIES)
@@ -219,17 +222,18 @@ def run(session: harness.Session, sweep: bool = False, only=None, policies=None,
       if "ms" in got:
         best_xla = min(best_xla or got["ms"], got["ms"])
       _row(session, preset, batch, "plain", policy, scan, got, None, stream)
-    cases = [(k, p, False) for k in ("xla", "jaxkernels") for p in POLICIES]
-    cases[3:3] = [("xla", "dots", True)]
-    cases.append(("jaxkernels", "none", True))
+    cases = [(k, p, False, None) for k in ("xla", "jaxkernels") for p in POLICIES]
+    cases[3:3] = [("xla", "dots", True, None)]
+    cases += [("jaxkernels", "none", False, "bfloat16"), ("jaxkernels", "none", True, None)]
     cases = [case for case in cases if (not policies or case[1] in policies)
              and not (unrolled and case[2])]
-    for kernels, policy, scan in cases:
+    for kernels, policy, scan, stream in cases:
       got = _child({"preset": preset, "kernels": kernels, "policy": policy, "batch": batch,
-                    "seq": SEQ, "steps": steps, "scan_layers": scan})
+                    "seq": SEQ, "steps": steps, "scan_layers": scan,
+                    "stream": stream or "float32"})
       if kernels == "xla" and "ms" in got:
         best_xla = min(best_xla or got["ms"], got["ms"])
-      _row(session, preset, batch, kernels, policy, scan, got, best_xla)
+      _row(session, preset, batch, kernels, policy, scan, got, best_xla, stream)
 
 
 def measure_compile(preset: str, kernels: str, batch: int, seq: int, cache: str) -> dict:
@@ -487,8 +491,8 @@ def tpu_published(session: harness.Session, runs=PUBLISHED) -> None:
   theirs), the step predicted as :func:`tpu_layouts` predicts every TPU step, at two depths
   (``Published.depths``) and extended linearly to the run's (the layers are identical; the
   compiler's cost analysis counts a scanned body once, so the layers are unrolled, and the
-  full depth would not fit one slice's compile), beside the published rate. Published / predicted is how far a "predicted"
-  TPU time is from a measured one."""
+  full depth would not fit one slice's compile), beside the published rate. Published /
+  predicted is how far a "predicted" TPU time is from a measured one."""
   import numpy as np
   from jax.experimental import topologies
   from jax.sharding import AxisType, Mesh
