@@ -128,7 +128,7 @@ def _scan_outputs(cfg, tokens) -> list:
 def test_the_stream_crosses_each_layer_in_its_dtype_and_trains(stream):
   """Config.stream: the residual stream (and the block's output added to it) is carried from
   layer to layer in ``stream``, a bfloat16 one never widened to float32 between layers (the
-  traffic it saves); on the kernels and on the references alike, a real curve trains on it."""
+  traffic it saves); a real curve trains on it."""
   cfg = dataclasses.replace(TINY, dtype="bfloat16", stream=stream, scan_layers=True)
   tokens = _tokens(cfg, seed_label="stream")
   b, t, width = tokens.shape[0], tokens.shape[1] - 1, cfg.width  # inputs: all but the last
@@ -136,7 +136,9 @@ def test_the_stream_crosses_each_layer_in_its_dtype_and_trains(stream):
   carried = sorted(str(dtype) for shape, dtype in _scan_outputs(cfg, tokens)
                    if shape == (b, t, width))
   assert carried == sorted(["bfloat16", stream]), carried  # the block's output, the stream
-  model, optimizer = llama.make(dataclasses.replace(cfg, kernels="xla", depth=2), seed=1)
+  # Trained on the references in float32 activations (a GPU's bfloat16 ones would go to cuDNN,
+  # which takes no length of 31): only the stream is narrow.
+  model, optimizer = llama.make(dataclasses.replace(cfg, kernels="xla", dtype="float32"), seed=1)
   losses = np.array([float(llama.train_step(model, optimizer, tokens)) for _ in range(8)])
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
 
