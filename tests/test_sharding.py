@@ -1084,8 +1084,10 @@ def _check_rows_split(tpu4, case, whole_on=None):
 
 
 ATTENTION_TPU_CASES = {
-    # q (8, 1024, 8, 128) against k/v (8, 1024, 2, 128), causal GQA, forward and every gradient.
+    # q (8, 1024, 8, H) against k/v (8, 1024, 2, H), causal GQA, forward and every gradient: H
+    # 128 (heads in interleaved rows) and 64 (two heads side by side in a 128-lane group).
     "flash_attention": lambda q, k, v, n: jk.flash_attention(q, k, v, causal=True),
+    "flash_attention h64": lambda q, k, v, n: jk.flash_attention(q, k, v, causal=True),
     # one query against a 4K cache, lengths split with the batch (no gradient: inference's op).
     "decode_attention": lambda q, k, v, n: jk.decode_attention(q[:, :1], k, v, lengths=n),
 }
@@ -1127,7 +1129,9 @@ def test_tpu_compile_keeps_attention_batch_split(tpu4, case):
   nothing is gathered, and a chip holds about a quarter of the unsharded call's arguments,
   outputs and temporaries."""
   op = ATTENTION_TPU_CASES[case]
-  b, t, s = 8, 1024 if case == "flash_attention" else 1, 1024 if case == "flash_attention" else 4096
+  flash = case.startswith("flash_attention")
+  b, t, s = 8, 1024 if flash else 1, 1024 if flash else 4096
+  h = 64 if case.endswith("h64") else 128
 
   def step(q, k, v, n):
     if case == "decode_attention":
@@ -1137,8 +1141,8 @@ def test_tpu_compile_keeps_attention_batch_split(tpu4, case):
 
   def compiled(spec):
     shard = NamedSharding(tpu4, spec)
-    q = jax.ShapeDtypeStruct((b, t, 8, 128), jnp.bfloat16, sharding=shard)
-    kv = jax.ShapeDtypeStruct((b, s, 2, 128), jnp.bfloat16, sharding=shard)
+    q = jax.ShapeDtypeStruct((b, t, 8, h), jnp.bfloat16, sharding=shard)
+    kv = jax.ShapeDtypeStruct((b, s, 2, h), jnp.bfloat16, sharding=shard)
     n = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=NamedSharding(tpu4, P(spec[0])))
     return _tpu_compile(tpu4, step, q, kv, kv, n)
 
@@ -1146,7 +1150,8 @@ def test_tpu_compile_keeps_attention_batch_split(tpu4, case):
   whole = compiled(P(None, None, None, None))
   text = split.as_text()
   assert "all-gather" not in text and "all-to-all" not in text
-  assert ("jk_attention_fwd" if case == "flash_attention" else "jk_decode_attention") in text
+  # Flash attention's kernels are the in-place ones, at both head dims.
+  assert ("jk_attention_fwd_in_place" if flash else "jk_decode_attention") in text
   per_chip = lambda c: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes +
                         m.temp_size_in_bytes)(c.memory_analysis())
   assert per_chip(split) <= 0.3 * per_chip(whole), (per_chip(split), per_chip(whole))
