@@ -467,7 +467,7 @@ PUBLISHED = (
     # our model, heads x head dim = width, cannot build.)
     Published("MaxText 32B (scale 32) on v5e-256", "8b", "v5e", 32, 4, 2048, None, 66.86,
               "full",
-              "MaxText/configs/v5e/README.md (1x v5e-256: 132 TFLOP/s a chip, 66.86% MFU); its "
+              "the README of MaxText/configs/v5e (1x v5e-256: 132 TFLOP/s a chip, 66.86% MFU); its "
               "script (MaxText/configs/v5e/32b.sh): per-device batch 4, FSDP over every chip, "
               "remat 'full', attention 'flash'. Depths 1 and 2: depth 4 would not fit a "
               "4-chip v5e slice's 16 GiB a chip",
@@ -476,7 +476,7 @@ PUBLISHED = (
               depths=(1, 2)),
     Published("MaxText 32B (scale 32) on v5p-128", "8b", "v5p", 32, 7, 2048, None, 71.47,
               "dots",
-              "MaxText/configs/v5p/README.md (1x v5p-128: 328 TFLOP/s a chip, 71.47% MFU); its "
+              "the README of MaxText/configs/v5p (1x v5p-128: 328 TFLOP/s a chip, 71.47% MFU); its "
               "script (MaxText/configs/v5p/32b.sh): per-device batch 7, FSDP x tensor 4, remat "
               "'minimal' (dots without batch dimensions saved: our 'dots'), attention 'flash'. "
               "Ours compiled under FSDP alone",

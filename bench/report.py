@@ -260,17 +260,42 @@ def _newest_with(runs: list[Run], results: pathlib.Path, suite: str, prefix: str
   where given that ``keep(row)`` takes); the TPU's compiled runs count though made on a CPU
   host."""
   newest: dict[str, Run] = {}
-  candidates = list(runs)
-  for path in sorted((results / also_smoke_under).glob(f"*{suite}*.json")):
-    record = json.loads(path.read_text())
-    candidates.append(Run(path, path.parent.name, record.get("date", ""),
-                          record.get("commit", "?"), record.get("jax", "?"),
-                          tuple(record.get("rows", ()))))
+  candidates = list(runs) + _folder_runs(results, also_smoke_under, suite)
   for run in sorted(candidates, key=lambda run: run.date):
     if any(r["suite"] == suite and r["name"].startswith(prefix) and (keep is None or keep(r))
            for r in run.rows):
       newest[run.path.parent.name] = run
   return newest
+
+
+def _folder_runs(results: pathlib.Path, folder: str, suite: str) -> list[Run]:
+  """Every run in ``results / folder`` with ``suite`` in its file name, smoke or not (the
+  TPU's compiled runs are made on a CPU host), oldest first."""
+  runs = []
+  for path in sorted((results / folder).glob(f"*{suite}*.json")):
+    record = json.loads(path.read_text())
+    runs.append(Run(path, path.parent.name, record.get("date", ""), record.get("commit", "?"),
+                    record.get("jax", "?"), tuple(record.get("rows", ()))))
+  return sorted(runs, key=lambda run: run.date)
+
+
+def _newest_rows(results: pathlib.Path, suite: str, keep, since, folder: str = "tpu_compiled"
+                 ) -> tuple[list[dict], list[Run]]:
+  """The rows of ``suite`` that ``keep(row)`` takes from the runs in ``folder`` since the
+  first that has a row ``since(row)`` takes (older ones ran other code), one per (name, impl,
+  shape): the newest run's where several compiled it (a run of some variants does not hide
+  the others'); and the runs they come from, oldest first."""
+  newest: dict[tuple, tuple[dict, Run]] = {}
+  runs = _folder_runs(results, folder, suite)
+  first = next((n for n, run in enumerate(runs) if any(since(r) for r in run.rows)), len(runs))
+  for run in runs[first:]:
+    for r in run.rows:
+      if r["suite"] == suite and keep(r):
+        newest[(r["name"], r["impl"], r.get("shape"))] = (r, run)
+  rows = [r for r, _ in newest.values()]
+  used = list({run.path: run for _, run in sorted(newest.values(),
+                                                  key=lambda pair: pair[1].date)}.values())
+  return rows, used
 
 
 def _link(run: Run, results: pathlib.Path) -> str:
@@ -349,17 +374,21 @@ def _model_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
   """The train step compiled for each TPU generation (``python -m bench model --tpu``): each
   remat policy's predicted step time and MFU, and its compiled peak memory."""
   one_chip = lambda r: "compiled for" in r["name"] and "remat " in r["impl"]
-  run = _newest_with(runs, results, "model", keep=one_chip).get("tpu_compiled")
-  rows = [r for r in (run.rows if run else ()) if one_chip(r)]
+  # Since the first run of ours with the TPU's default op groups on XLA (tpu-step-1).
+  rows, used = _newest_rows(results, "model", keep=one_chip,
+                            since=lambda r: one_chip(r) and "on XLA)" in r["impl"])
   if not rows:
     return []
+  steps = list(dict.fromkeys(r["name"] for r in rows))
+  rows.sort(key=lambda r: (steps.index(r["name"]), r["impl"].startswith("plain"), r["impl"]))
   out = ["## Model step on TPUs (predicted)", "",
          f"The train step on our kernels, and bench.plain_llama's (plain JAX with JAX's splash "
          f"attention as MaxText calls it) beside it, compiled for one chip of each generation; "
          f"time "
          f"predicted from the compiled program (max(FLOPs / bf16 peak, bytes / HBM bandwidth): "
-         f"a lower bound), MFU by PaLM's count at that time ({_link(run, results)}). The GPUs' "
-         "measured steps are in the model step lines above.", "",
+         f"a lower bound), MFU by PaLM's count at that time "
+         f"({'; '.join(_link(run, results) for run in used)}: each row from the newest run "
+         "that compiled it). The GPUs' measured steps are in the model step lines above.", "",
          "| step | on | remat | predicted ms | TFLOP/s | MFU | note |",
          "| --- | --- | --- | ---: | ---: | ---: | --- |"]
   for r in rows:
