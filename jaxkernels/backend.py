@@ -114,8 +114,6 @@ def interpreter_has_effects() -> bool:
   return _interpret_setting() in ("1", "mosaic_tpu", "mosaic_gpu")
 
 
-partitioning.can_nest = lambda: not interpreter_has_effects()
-
 
 def _host_threads() -> int:
   """Threads of XLA:CPU's pool, which runs host callbacks: ``NPROC`` where it is set (read
@@ -430,7 +428,8 @@ def call(op: Op, implementation: str | None, config: Any, /, **arguments: Any) -
   if op.rule is not None:
     rule = op.rule(**args)
     arrays = {name: args[name] for name in rule if name in args}
-    where = partitioning.split(op.name, implementation, arrays, rule, xla_too=op.xla_too)
+    where = partitioning.split(op.name, implementation, arrays, rule, xla_too=op.xla_too,
+                               nest=not interpreter_has_effects())
     if where is not None:
       local = lambda **changed: _local(op, implementation, config, {**args, **changed})
       # The plan (None: the reference) for a call of other local arguments: the per-shard

@@ -337,6 +337,9 @@ class Split:
   mesh: Any
   groups: Mapping[str, tuple[str, ...]]
   layouts: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  # Whether :func:`run` may nest a shard_map over the axes that split nothing (``split``'s
+  # caller says: not under the Mosaic interpreters, see :func:`run`).
+  nest: bool = True
 
   def axes(self, *groups: str) -> tuple[str, ...]:
     return tuple(a for g in groups for a in self.groups.get(g, ()))
@@ -370,11 +373,11 @@ class Split:
         d is None or isinstance(d, (Free, Whole)) for d in x)
     out_specs = jax.tree.map(lambda d: d if isinstance(d, P) else self.spec(d), out_dims,
                              is_leaf=lambda x: isinstance(x, P) or is_dims(x))
-    return run(self.mesh, call, arrays, specs, out_specs, inside, wire)
+    return run(self.mesh, call, arrays, specs, out_specs, inside, wire, nest=self.nest)
 
 
 def split(op: str, implementation: str | None, arrays: Mapping[str, Any], rule: Rule, *,
-          xla_too: bool = False) -> Split | None:
+          xla_too: bool = False, nest: bool = True) -> Split | None:
   """How ``arrays`` split under ``rule``, or None where nothing says (the op runs as on one
   device): their types where they live on a mesh of Explicit axes (split or not: a Pallas
   call on a multi-device mesh runs only per shard), else the logical axis rules for their
@@ -382,7 +385,7 @@ def split(op: str, implementation: str | None, arrays: Mapping[str, Any], rule: 
   the reference being jnp that XLA's own partitioner splits, unless ``xla_too`` (an op whose
   reference reshapes what a type keeps split: the fused loss flattens its tokens). Arrays
   that are None or that the rule does not name are left out, and the first operand (in the
-  rule's order) that splits a group decides its axes."""
+  rule's order) that splits a group decides its axes. ``nest``: :attr:`Split.nest`."""
   if implementation == "xla" and not xla_too:
     return None
   present = {k: arrays[k] for k in rule if arrays.get(k) is not None}
@@ -434,7 +437,7 @@ def split(op: str, implementation: str | None, arrays: Mapping[str, Any], rule: 
                  instead=f"split {label} over axes that divide {name}'s")
         groups[d.group] = ()
   return Split(mesh, {g: n for g, n in groups.items() if n},
-               {k: tuple(spec) for k, spec in specs.items()})
+               {k: tuple(spec) for k, spec in specs.items()}, nest)
 
 
 def rows_rule(rows: Mapping[str, Any], vectors: Mapping[str, Any], reduced: int | None,
@@ -475,22 +478,18 @@ def _dividing(op: str, name: str, a, spec, mesh) -> list:
   return spec
 
 
-# Whether :func:`run` may nest a shard_map over the axes that split nothing (set by backend:
-# not under the Mosaic interpreters, whose host callbacks in a nested manual computation abort
-# XLA:CPU's lowering, Shardy on jax 0.10.2 "Check failed: buffer != nullptr"; there the plain
-# shard_map, with its extra all-reduces).
-can_nest: Callable[[], bool] = lambda: True
-
-
 def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mapping[str, P],
         out_specs, inside: Mapping[str, Mapping[int, tuple[str, ...]]] | None = None,
-        wire: Mapping[str, Any] | None = None) -> Any:
+        wire: Mapping[str, Any] | None = None, nest: bool = True) -> Any:
   """``call(**arrays)`` under shard_map over ``mesh``, each array split as ``specs`` says
   (resharded first where it is split otherwise: slicing a whole array is local; gathering a
   split one is what the rules warn of), None arrays passed through as None. On a mesh of Auto
   axes the compiler moves each array to its split. ``inside``: {array: {dimension: mesh
   axes}}, the gathers the map runs on entry (:func:`gathers_inside`), each in ``wire``'s dtype
-  for that array where given."""
+  for that array where given. ``nest=False``: no shard_map nested over the axes that split
+  nothing (the Mosaic interpreters' host callbacks in a nested manual computation abort
+  XLA:CPU's lowering, Shardy on jax 0.10.2 "Check failed: buffer != nullptr"; there the plain
+  shard_map, with its extra all-reduces)."""
   inside, wire = inside or {}, wire or {}
   names = [name for name, a in arrays.items() if a is not None]
   args, in_specs = [], []
@@ -527,7 +526,7 @@ def run(mesh, call: Callable[..., Any], arrays: Mapping[str, Any], specs: Mappin
   used = {a for spec in (*in_specs, *jax.tree.leaves(out_specs, is_leaf=lambda x: isinstance(
       x, P))) for e in spec for a in axes(e)}
   unused = frozenset(a for a in mesh.axis_names if a not in used)
-  if not used or all(dict(mesh.shape)[a] == 1 for a in unused) or not can_nest():
+  if not used or all(dict(mesh.shape)[a] == 1 for a in unused) or not nest:
     return jax.shard_map(lambda *local: body(*gather(local)), mesh=mesh,
                          in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)(*args)
 

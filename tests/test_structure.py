@@ -76,6 +76,25 @@ def test_the_import_graph_has_no_circle():
   assert not circles, f"modules that import themselves through others: {circles}"
 
 
+def test_no_module_patches_another_at_import():
+  """No module sets another module's attribute when it is imported (``other.hook = ...``):
+  what a module does depends on what it is given, not on which modules happened to be
+  imported (backend once patched partitioning's nesting switch this way)."""
+  patches = []
+  for name, path in MODULES.items():
+    imported = {alias.asname or alias.name.split(".")[0]
+                for node in ast.parse(path.read_text()).body
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    for node in ast.parse(path.read_text()).body:
+      targets = node.targets if isinstance(node, ast.Assign) else (
+          [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+      for target in targets:
+        if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+            and target.value.id in imported):
+          patches.append(f"{name}:{node.lineno}: {ast.unparse(target)}")
+  assert not patches, patches
+
+
 def test_no_op_imports_another_ops_modules():
   """Shared helpers live in jaxkernels/_*.py (toolchains, tiling, the online softmax), not in
   one op's backend module that another op reaches into. An op may compose another through
