@@ -114,7 +114,6 @@ def interpreter_has_effects() -> bool:
   return _interpret_setting() in ("1", "mosaic_tpu", "mosaic_gpu")
 
 
-
 def _host_threads() -> int:
   """Threads of XLA:CPU's pool, which runs host callbacks: ``NPROC`` where it is set (read
   when jax starts), else the cores this process may use."""
