@@ -399,7 +399,7 @@ def _model_on_tpus(runs: list[Run], results: pathlib.Path) -> list[str]:
     out.append(f"| {r['name']}, {r['shape']} | {who} | {policy} | {ms} | {tflops} | {mfu} | "
                f"{(r.get('note') or '').replace('|', '/')} |")
   out.append("")
-  for step in dict.fromkeys(r["name"] for r in rows):
+  for step in steps:
     ours, plain, fair = {}, float("inf"), float("inf")  # ours: by the residual stream's dtype
     for r in rows:
       if r["name"] != step or r.get("ms") is None:

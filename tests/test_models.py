@@ -63,13 +63,19 @@ def test_kernels_match_the_xla_path():
   assert max(errors) <= tolerance, (max(errors), tolerance)
 
 
-def _kernels_in(cfg, tokens) -> collections.Counter:
-  """The Pallas kernel calls (by their jk_<op>_<pass> names) of a train step's loss and
-  gradients under ``cfg``, read from its jaxpr (Triton's, interpreted: nothing runs)."""
+def _loss_jaxpr(cfg, tokens, grad: bool = False):
+  """The jaxpr of the model's loss under ``cfg`` (with its gradients where ``grad``), the
+  kernels traced as Triton's interpreted ones: nothing runs."""
   graphdef, state = nnx.split(llama.make(cfg, seed=2)[0])
   loss = lambda state: llama.loss_fn(nnx.merge(graphdef, state), tokens)
   with jk.interpret_mode("triton"):
-    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(state)
+    return jax.make_jaxpr(jax.value_and_grad(loss) if grad else loss)(state)
+
+
+def _kernels_in(cfg, tokens) -> collections.Counter:
+  """The Pallas kernel calls (by their jk_<op>_<pass> names) of a train step's loss and
+  gradients under ``cfg``, read from its jaxpr."""
+  jaxpr = _loss_jaxpr(cfg, tokens, grad=True)
   names = collections.Counter()
 
   def walk(j):
@@ -115,10 +121,8 @@ def test_a_tpu_leaves_norms_products_and_mlp_to_xla_unless_told():
 
 def _scan_outputs(cfg, tokens) -> list:
   """The (shape, dtype) of each value the scanned layers hand on (the carry out, then any
-  stacked outputs), read from the forward's jaxpr (kernels traced, not run)."""
-  graphdef, state = nnx.split(llama.make(cfg, seed=2)[0])
-  with jk.interpret_mode("triton"):
-    jaxpr = jax.make_jaxpr(lambda s: llama.loss_fn(nnx.merge(graphdef, s), tokens))(state)
+  stacked outputs), read from the forward's jaxpr."""
+  jaxpr = _loss_jaxpr(cfg, tokens)
   scans = [eqn for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "scan"]
   assert len(scans) == 1, [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
   return [(v.aval.shape, v.aval.dtype) for v in scans[0].outvars]
