@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxkernels import backend, hardware, testing, tuning
+from jaxkernels import dispatch, hardware, testing, tuning
 from jaxkernels.timing import (block, over_sets, time_call, time_rounds, time_sets,  # noqa: F401
                                time_sets_rounds)
 
@@ -74,7 +74,7 @@ class Session:
 
   def __post_init__(self):
     self.device = jax.devices()[0]
-    self.platform = backend.target_of().platform
+    self.platform = dispatch.target_of().platform
     self.chip = hardware.chip_for(self.device.device_kind)
     self.interpret = self.platform == "cpu"
 

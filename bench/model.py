@@ -1,4 +1,4 @@
-"""The model's train step (models/llama.py, AdamW with clipping as models/train.py runs it):
+"""The model's train step (models/llama.py, AdamW with clipping as models/hparams.py builds it):
 ours (kernels="jaxkernels") against two anchors: the independent plain-JAX Llama
 (bench/plain_llama.py: no project code, what a JAX user writes) and the model's own twin
 (kernels="xla": the same Flax model on XLA's ops, cuDNN attention and optax's loss), per remat
@@ -59,27 +59,27 @@ def measure(preset: str, kernels: str, policy, batch: int, seq: int, steps: int,
   step fits the device, from the compiled peaks at ``batch`` and twice it (linear in batch);
   ``stream``: the residual stream's dtype (llama.Config.stream)."""
   from jaxkernels import remat
-  from models import llama, train
+  from models import hparams, llama, train_step
   cfg = llama.preset(preset, kernels=kernels, remat=policy, scan_layers=scan_layers, fp8=fp8,
                      stream=stream)
   seq = min(seq, cfg.max_len)
-  tc = train.TrainConfig(batch=batch, seq_len=seq, steps=10_000, warmup=10)
+  tc = hparams.TrainConfig(batch=batch, seq_len=seq, steps=10_000, warmup=10)
   chosen = None
   if policy == "auto":
-    cfg, choice = train.auto_remat(cfg, tc, budget)
+    cfg, choice = train_step.auto_remat(cfg, tc, budget)
     chosen = str(choice)
   fits = None
   if largest and (jax.devices()[0].memory_stats() or {}).get("bytes_limit"):
-    peaks = [train.compiled_peak(cfg, dataclasses.replace(tc, batch=b))
+    peaks = [train_step.compiled_peak(cfg, dataclasses.replace(tc, batch=b))
              for b in (batch, 2 * batch)]
     per_sample = (peaks[1] - peaks[0]) / batch
     fits = int(batch + (remat.device_budget(fraction=1.0) - peaks[0]) // per_sample)
-  graphdef, state = train.init(cfg, tc)
+  graphdef, state = train_step.init(cfg, tc)
   tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, cfg.vocab)
-  timed, state, compiled = _timed(train.step_fn(graphdef), state, tokens, steps,
+  timed, state, compiled = _timed(train_step.step_fn(graphdef), state, tokens, steps,
                                   lambda metrics: metrics["loss"])
   stats = jax.devices()[0].memory_stats() or {}  # before the profile's second copy of state
-  breakdown = kernel_breakdown(train.step_fn(graphdef, donate=False), state, tokens) \
+  breakdown = kernel_breakdown(train_step.step_fn(graphdef, donate=False), state, tokens) \
       if profile else []
   return {
       **timed, **_rates(cfg, batch, seq, timed["ms"]),
@@ -119,9 +119,9 @@ def _timed(step, state, tokens, steps: int, loss_of) -> tuple[dict, object, obje
 def _rates(cfg, batch: int, seq: int, ms: float) -> dict:
   """Tokens/s, TFLOP/s and MFU (PaLM's count; also with the causal half of attention) of a
   step of ``ms`` on this process's first device."""
-  from models import llama, train
+  from models import llama, loop
   rate = batch * seq / (ms / 1e3)
-  peak = train.peak_flops(jax.devices()[:1])
+  peak = loop.peak_flops(jax.devices()[:1])
   return {"tokens_per_s": rate, "tflops": cfg.flops_per_token(seq) * rate / 1e12,
           "mfu": llama.mfu(cfg, rate, seq, peak) if peak else None,
           "mfu_causal_half": llama.mfu(cfg, rate, seq, peak, causal_half=True) if peak else None}
@@ -240,12 +240,12 @@ def measure_compile(preset: str, kernels: str, batch: int, seq: int, cache: str)
   """What a run of the train step spends before its first step, with JAX's persistent
   compilation cache in ``cache``: {lower_s (tracing and lowering), compile_s (XLA's compile,
   the cache's lookup), loaded}. Ours (``kernels`` "jaxkernels" or "xla", the twin) as the
-  CLI lowers it (``train.lower_step``: the program kept by an earlier run where there is
+  CLI lowers it (``train_step.lower_step``: the program kept by an earlier run where there is
   one); "plain" bench.plain_llama's fastest configuration (remat none, unrolled, a bfloat16
   stream), jitted as a plain-JAX user's step is. Run twice on one ``cache``, in two processes:
   a cold and a second run."""
   jax.config.update("jax_compilation_cache_dir", cache)
-  from models import llama, train
+  from models import hparams, llama, train_step
   cfg = llama.preset(preset, kernels="xla" if kernels == "plain" else kernels)
   seq = min(seq, cfg.max_len)
   tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, cfg.vocab)
@@ -255,10 +255,10 @@ def measure_compile(preset: str, kernels: str, batch: int, seq: int, cache: str)
     start = time.perf_counter()
     lowered = step.lower(state, tokens)
   else:
-    tc = train.TrainConfig(batch=batch, seq_len=seq, steps=10_000, warmup=10)
-    graphdef, state = train.init(cfg, tc)
+    tc = hparams.TrainConfig(batch=batch, seq_len=seq, steps=10_000, warmup=10)
+    graphdef, state = train_step.init(cfg, tc)
     start = time.perf_counter()
-    lowered, _, loaded = train.lower_step(cfg, tc, graphdef, state, tokens)
+    lowered, _, loaded = train_step.lower_step(cfg, tc, graphdef, state, tokens)
   lower_s = time.perf_counter() - start
   lowered.compile()
   return {"lower_s": lower_s, "compile_s": time.perf_counter() - start - lower_s,
@@ -376,7 +376,7 @@ def tpu_layouts(session: harness.Session, layouts=TPU_LAYOUTS) -> None:
   from jax.sharding import AxisType, Mesh
 
   from jaxkernels import remat
-  from models import llama, train
+  from models import hparams, llama, placement, train_step
   for name, topology_name, sizes, batch, scanned in layouts:
     layout = " x ".join(f"{axis} {n}" for axis, n in sizes.items())
     row = harness.Row("model", f"{name} train step, compiled for {topology_name}",
@@ -389,10 +389,10 @@ def tpu_layouts(session: harness.Session, layouts=TPU_LAYOUTS) -> None:
       mesh = Mesh(devices.reshape(shape), llama.MESH_AXES,
                   axis_types=(AxisType.Explicit,) * len(shape))
       cfg = llama.preset(name, scan_layers=scanned)
-      tc = train.TrainConfig(batch=batch, seq_len=2048, steps=10_000, warmup=10)
-      compiled = train.compiled_step(cfg, tc, mesh)
+      tc = hparams.TrainConfig(batch=batch, seq_len=2048, steps=10_000, warmup=10)
+      compiled = train_step.compiled_step(cfg, tc, mesh)
       peak = remat.compiled_peak_bytes(compiled)
-      params, moments = train.held(train.abstract_state(cfg, tc), mesh)
+      params, moments = placement.held(train_step.abstract_state(cfg, tc), mesh)
       chip = hardware.chip_for(topology.devices[0].device_kind)
       if scanned:  # the cost analysis counts a loop's body once: no time from it
         note = ("no time predicted: the layers are one scanned body, which the cost analysis "
@@ -497,7 +497,7 @@ def tpu_published(session: harness.Session, runs=PUBLISHED) -> None:
   from jax.experimental import topologies
   from jax.sharding import AxisType, Mesh
 
-  from models import llama, train
+  from models import hparams, llama, train_step
   for run in runs:
     topology = topologies.get_topology_desc(platform="tpu",
                                             topology_name=TPU_TOPOLOGIES[run.chip])
@@ -515,9 +515,9 @@ def tpu_published(session: harness.Session, runs=PUBLISHED) -> None:
       seconds = {}
       for depth in run.depths:
         cfg = llama.preset(run.preset, depth=depth, remat=run.remat, **dict(run.changes))
-        tc = train.TrainConfig(batch=run.chip_batch * devices.size, seq_len=run.seq_len,
+        tc = hparams.TrainConfig(batch=run.chip_batch * devices.size, seq_len=run.seq_len,
                                steps=10_000, warmup=10)
-        seconds[depth] = _predicted(train.compiled_step(cfg, tc, mesh), cfg, tokens,
+        seconds[depth] = _predicted(train_step.compiled_step(cfg, tc, mesh), cfg, tokens,
                                     run.seq_len, chip, causal_half=True)[0]
       low, high = run.depths
       layer = (seconds[high] - seconds[low]) / (high - low)
@@ -598,7 +598,7 @@ def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLO
   from jax.sharding import AxisType, Mesh
 
   from jaxkernels import remat
-  from models import llama, train
+  from models import hparams, llama, train_step
   unknown = set(presets or ()) - set(TPU_PRESETS)
   if unknown:
     raise ValueError(f"--only: {sorted(unknown)}: the TPU step runs {', '.join(TPU_PRESETS)}")
@@ -608,7 +608,7 @@ def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLO
     raise ValueError(f"--streams: {streams}: each must be one of {llama.STREAMS}")
   for name, chip_name in itertools.product(presets or TPU_PRESETS, chips):
     batch = TPU_PRESETS[name]
-    tc = train.TrainConfig(batch=batch, seq_len=min(SEQ, llama.PRESETS[name].max_len),
+    tc = hparams.TrainConfig(batch=batch, seq_len=min(SEQ, llama.PRESETS[name].max_len),
                            steps=10_000, warmup=10)
     topology = topologies.get_topology_desc(platform="tpu",
                                             topology_name=TPU_TOPOLOGIES[chip_name])
@@ -625,7 +625,7 @@ def tpu_compiled(session: harness.Session, policies=None, chips=tuple(TPU_TOPOLO
       label = f"jaxkernels{on_xla}, remat {policy}" + (
           f", stream {stream}" if stream != "float32" else "")
       _compiled_row(session, row(label),
-                    functools.partial(train.compiled_step, cfg, tc, mesh), cfg, batch,
+                    functools.partial(train_step.compiled_step, cfg, tc, mesh), cfg, batch,
                     tc.seq_len, chip, "MFU (PaLM's count) at that time")
     if not plain:
       continue

@@ -8,7 +8,7 @@ whole logits, AdamW with clipping by optax, ``jax.checkpoint`` with JAX's own po
 layers unrolled or under ``jax.lax.scan``. It takes the tricks a performance-minded JAX user
 takes (MaxText's fused q/k/v and gate/up projections, donated state) and none of ours.
 
-Same architecture, shapes and optimizer as models/llama.py with models/train.py's AdamW (the
+Same architecture, shapes and optimizer as models/llama.py with models/hparams.py's AdamW (the
 bench passes the preset's numbers in), so the two steps do the same work and their ratio is
 what a user gains. ``stream``: the residual stream's dtype, float32 as ours keeps it or
 bfloat16 as most JAX Llamas do (less memory traffic, coarser adds): the bench times both and
@@ -163,7 +163,7 @@ def loss_fn(params, tokens, *, shape: Shape, dtype=jnp.bfloat16, **options):
 
 
 def optimizer(steps: int = 10_000, warmup: int = 10, learning_rate: float = 3e-3):
-  """models/train.py's: clipping at global norm 1, AdamW (0.9, 0.95), weight decay 0.1 on the
+  """models/hparams.py's: clipping at global norm 1, AdamW (0.9, 0.95), weight decay 0.1 on the
   matrices, warmup then cosine to a tenth."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=learning_rate, warmup_steps=warmup, decay_steps=steps,

@@ -149,17 +149,17 @@ def measure_step(preset: str, kernels: str, sizes: dict, batch: int, seq: int,
   """The train step on the first prod(sizes) devices, laid out by ``sizes``; on a GPU, the
   profile of two more steps (``overlap``)."""
   from jaxkernels import remat
-  from models import llama, train
+  from models import batches, hparams, llama, loop, placement, train_step
   n = math.prod(sizes.values())
   devices = jax.devices()[:n]
-  where = train.mesh(devices=devices, **{"data": 1, **sizes})
+  where = placement.mesh(devices=devices, **{"data": 1, **sizes})
   cfg = llama.preset(preset, kernels=kernels)
-  tc = train.TrainConfig(batch=batch * sizes.get("data", 1) * sizes.get("fsdp", 1), seq_len=seq,
+  tc = hparams.TrainConfig(batch=batch * sizes.get("data", 1) * sizes.get("fsdp", 1), seq_len=seq,
                          steps=10_000, warmup=10)
-  graphdef, state = train.init(cfg, tc, where)
-  step = train.step_fn(graphdef)
-  data, _ = train.corpus()
-  tokens = train.shard_batch(train.batch_at(data, 0, tc), where)
+  graphdef, state = train_step.init(cfg, tc, where)
+  step = train_step.step_fn(graphdef)
+  data, _ = batches.corpus()
+  tokens = batches.shard_batch(batches.batch_at(data, 0, tc), where)
   with jax.set_mesh(where):
     start = time.perf_counter()
     compiled = step.lower(state, tokens).compile()
@@ -184,7 +184,7 @@ def measure_step(preset: str, kernels: str, sizes: dict, batch: int, seq: int,
         profile = {"error": f"{type(e).__name__}: {e}"[:300]}
   seconds = sorted(times)[1]
   rate = tc.batch * seq / seconds
-  peak_flops = train.peak_flops(devices)
+  peak_flops = loop.peak_flops(devices)
   return {"profile": profile, "ms": seconds * 1e3, "tokens_per_s": rate, "first_loss": first,
           "mfu": llama.mfu(cfg, rate, seq, peak_flops) if peak_flops else None,
           "peak_bytes": peak, "compiled_bytes": remat.compiled_peak_bytes(compiled),

@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax import lax
+from jax.experimental import pallas as pl
+
 from jaxkernels import _activations, hardware
 
 
@@ -111,6 +114,17 @@ def swizzled(minor: int, dtype):
           plgpu.SwizzleTransform(lanes * jnp.dtype(dtype).itemsize))
 
 
+def hopper_reason(chip: hardware.Chip) -> str | None:
+  """Why a Mosaic GPU kernel (wgmma, TMA, warpgroup register moves: sm90a's) cannot run on
+  ``chip``, or None on Hopper. Blackwell (sm100) has no wgmma: these kernels would need its
+  tcgen05 variant there."""
+  if chip.compute_capability != (9, 0):
+    capability = ("unknown" if chip.compute_capability is None
+                  else "sm{}{}".format(*chip.compute_capability))
+    return f"mosaic_gpu needs a Hopper GPU (sm90); the device is {chip.name!r} ({capability})"
+  return None
+
+
 def consumer_registers(producer_registers: int, consumers: int = 2,
                        chip: hardware.Chip = hardware.DEFAULT_GPU) -> int:
   """Registers a thread of each of ``consumers`` compute warpgroups may take beside a producer
@@ -130,3 +144,56 @@ def num_sms() -> int:
     return device.num_cores
   device = jax.devices()[0]
   return getattr(device, "core_count", None) or hardware.DEFAULT_GPU.cores
+
+# The Mosaic GPU interpreter (jax 0.10-0.11) runs a kernel's jaxpr on the CPU, where registers
+# have no layouts: it has no layout_cast, layout-taking iota, plgpu.load, run_state,
+# accumulator stores, transposed shared-memory views or wgmma operands in registers. The
+# kernels call these instead where they differ for it: the only places that ask.
+
+
+def cta_smem_bytes(chip: hardware.Chip | None = None) -> int:
+  """Shared memory one CTA may take on ``chip`` (None: the stand-in Hopper)."""
+  return (chip or hardware.DEFAULT_GPU).block_onchip_bytes
+
+
+def layout_cast(x, layout, interpret):
+  return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def iota(shape, dim, interpret):
+  if interpret:
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def load_block(ref, layout, interpret):
+  """A block of shared memory in registers in ``layout`` (a WGMMA tile, or its rows' or
+  columns' vector)."""
+  if interpret:
+    return ref[...]
+  return load(ref, layout=layout, optimized=False)
+
+
+def accumulators(shapes, scratch, body, interpret):
+  """body(*accumulators): zeroed float32 wgmma accumulators of ``shapes``; interpreted (the
+  interpreter's wgmma reads no registers), the warpgroup's float32 shared-memory ``scratch``."""
+  if interpret:
+    for ref in scratch:
+      ref[...] = jnp.zeros(ref.shape, jnp.float32)
+    return body(*scratch)
+  return pl.run_scoped(body, *[plgpu.ACC(shape, jnp.float32) for shape in shapes])
+
+
+def mma(acc, a, b_smem, interpret):
+  """acc += a @ b (a in registers, b a shared-memory block), issued; :func:`mma_wait` for it."""
+  if interpret:
+    acc[...] += lax.dot_general(a, b_smem[...], (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+  else:
+    plgpu.wgmma(acc, a, b_smem)
+
+
+def mma_wait(in_flight: int, interpret):
+  """Waits until at most ``in_flight`` of this warpgroup's wgmma groups still run."""
+  if not interpret:
+    plgpu.wgmma_wait(in_flight)

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxkernels as jk
-from jaxkernels import partitioning, remat
+from jaxkernels import interpret, partitioning, remat
 
 Dtype = Any
 
@@ -334,3 +334,19 @@ class LMHead(nnx.Module):
       return jk.matmul(x, self.weight(dtype), implementation=self.implementation)
     return jk.linear_softmax_cross_entropy(x, self.weight(dtype), labels,
                                            implementation=self.implementation, **loss_options)
+
+
+def checkpointed(apply, policy: str):
+  """``nnx.remat(apply)`` under the remat policy named ``policy`` (``jaxkernels.remat``'s
+  names: "none", "dots", "full", ...). The Mosaic TPU and GPU interpreters run a kernel
+  through host callbacks, whose effects jax.checkpoint refuses: interpreted, "none" (which
+  recomputes nothing) returns ``apply`` itself, and another policy is refused here rather than
+  deep in JAX's partial evaluation."""
+  if interpret.interpreter_has_effects():
+    if policy == "none":
+      return apply
+    raise ValueError(
+        f"remat={policy!r} cannot run with the Mosaic interpreters (their host callbacks have "
+        "effects, which jax.checkpoint refuses): use remat='none', or "
+        "JAXKERNELS_INTERPRET=triton (Pallas' generic interpreter, no callbacks)")
+  return nnx.remat(apply, policy=remat.policy(policy))

@@ -196,6 +196,15 @@ def chip_for(device_kind: str) -> Chip | None:
   return None
 
 
+def unknown_chip(device_kind: str, platform: str) -> Chip:
+  """A device of ``platform`` that the table does not know: the stand-in chip's sizes (an H100;
+  the TPU with the least VMEM), named for the device, its compute capability unknown (so
+  that a kernel that needs a given one refuses it)."""
+  stand_in = DEFAULT_GPU if platform == "gpu" else SMALLEST_VMEM_TPU
+  return dataclasses.replace(stand_in, name=device_kind, device_kinds=(device_kind.lower(),),
+                             compute_capability=None, measured={}, sources=())
+
+
 def chip(name: str) -> Chip:
   """A chip by its table name ("H200", "TPU v6e", ...)."""
   try:

@@ -7,7 +7,7 @@
 2. the tables we tuned on our GPUs, shipped in ``jaxkernels/data/tuned/<device>/<op>.json``;
 3. the kernel's heuristic for the chip.
 
-An op's kernels reach this module by registration (``backend.Kernels``, registered by the op's
+An op's kernels reach this module by registration (``dispatch.Kernels``, registered by the op's
 api): this module imports no op. Entries are keyed by op, implementation, device kind, jax
 version and the problem's own key (``problem.key()``: for the matmul, operand and output
 dtypes, operand layout, epilogue and shape bucket). A dimension's bucket is the next power of
@@ -35,7 +35,7 @@ import jax
 from jaxkernels import timing
 
 _DATA = pathlib.Path(__file__).parent / "data" / "tuned"
-# (op, implementation) -> the registered kernels (``backend.Kernels``): what a cached or
+# (op, implementation) -> the registered kernels (``dispatch.Kernels``): what a cached or
 # shipped entry decodes into and is checked against.
 _REGISTERED: dict[tuple[str, str], Any] = {}
 
@@ -122,7 +122,7 @@ def autotune(kernels: Any, problem: Any, candidates: Iterable[Any], *, chip: Any
   """Times each candidate config on the default device; caches and returns the fastest.
 
   Args:
-    kernels: the op's registered kernels for one implementation (``backend.Kernels``).
+    kernels: the op's registered kernels for one implementation (``dispatch.Kernels``).
     make_inputs: seed -> operands tuple (distinct sets defeat the L2 cache).
     run: (config, *operands) -> output, the kernel call to time.
     check: optional (output, operands) -> bool; a config whose output fails is skipped.

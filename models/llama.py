@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
 import jaxkernels.flax as jkf
-from jaxkernels import partitioning, remat
+from jaxkernels import remat
 
 KERNELS = ("jaxkernels", "xla")
 # The op groups that ``Config.reference_ops`` can put back on XLA's path one by one (to find
@@ -86,7 +87,7 @@ class Config:
   # platform's default (default_reference_ops: none on a GPU, TPU_REFERENCE_OPS on a TPU).
   reference_ops: tuple[str, ...] | None = None
   # A jaxkernels.remat policy for every block, or one per block. "auto" is resolved by
-  # models.train.auto_remat (per layer, under a memory budget) before a model is built.
+  # models.train_step.auto_remat (per layer, under a memory budget) before a model is built.
   remat: str | tuple[str, ...] = "none"
   scan_layers: bool = False  # one nnx.scan over the stacked layers, else the layers unrolled
   # The blocks' products (q/k/v, out, gate/up, down) in fp8, forward and backward
@@ -151,7 +152,7 @@ class Config:
   def layer_policies(self) -> tuple[str, ...]:
     """Each layer's remat policy."""
     if self.remat == "auto":
-      raise ValueError("Config: remat='auto' must be resolved first (models.train.auto_remat "
+      raise ValueError("Config: remat='auto' must be resolved first (models.train_step.auto_remat "
                        "picks a policy per layer under a memory budget)")
     return (self.remat,) * self.depth if isinstance(self.remat, str) else self.remat
 
@@ -229,11 +230,16 @@ def sequence_split() -> tuple[tuple[str, ...], int]:
   return (("sequence",), n) if n > 1 else ((), 1)
 
 
+def _entry(names: tuple[str, ...]):
+  """A PartitionSpec entry for mesh axes ``names``: one name, or a tuple of them."""
+  return names[0] if len(names) == 1 else names
+
+
 def _lookup(table, tokens, sequence: tuple[str, ...] = ()):
   """table[tokens] in float32, split as the tokens are, and along the sequence over
   ``sequence``: on a mesh of Explicit axes a gather must say how its output is split."""
   spec = tuple(jax.typeof(tokens).sharding.spec) + (None,) * tokens.ndim
-  spec = (spec[0], partitioning.entry(sequence) if sequence else spec[1])
+  spec = (spec[0], _entry(sequence) if sequence else spec[1])
   split = any(axes is not None for axes in spec)
   return table.at[tokens].get(out_sharding=P(*spec, None) if split else None).astype(
       jnp.float32)
@@ -256,14 +262,8 @@ def shardings(state: nnx.State, mesh: jax.sharding.Mesh):
   """``state``'s layout on ``mesh``: each leaf's NamedSharding from its parameters' logical
   names and the logical axis rules set (``jk.sharding_rules``, or Flax's), else :data:`RULES`;
   what has no names is replicated."""
-  rules = partitioning.rules_set(mesh)
-  if rules is None:
-    rules = {name: partitioning.axes(axis) for name, axis in RULES.items()}
-  sizes = dict(mesh.shape)
-  rules = {name: tuple(a for a in value if sizes.get(a, 1) > 1) for name, value in rules.items()}
-
   def mesh_spec(spec):
-    return P(*partitioning.logical_spec(tuple(spec), mesh, rules))
+    return jk.partition_spec(tuple(spec), mesh, rules=RULES)
 
   # The logical names as the parameters record them (under Flax's rules nnx would already
   # have mapped them to mesh axes; the rules in ``rules`` include Flax's).
@@ -282,8 +282,8 @@ def check_divides(state: nnx.State, mesh: jax.sharding.Mesh) -> None:
 
   def check(path, value, sharding, names):
     for dim, entry in enumerate(sharding.spec):
-      axes = partitioning.axes(entry)
-      k = partitioning.size(mesh, axes)
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      k = math.prod(dict(mesh.shape)[a] for a in axes)
       if axes and value.shape[dim] % k:
         name = tuple(names)[dim] if dim < len(tuple(names)) else None
         raise ValueError(
@@ -306,21 +306,6 @@ def place(tree, mesh: jax.sharding.Mesh):
     return placed
   nnx.update(tree, placed)
   return tree
-
-
-def _checkpointed(apply, policy: str):
-  """``apply`` under ``nnx.remat`` with the remat policy called ``policy``. The Mosaic TPU and
-  GPU interpreters run a kernel through host callbacks, whose effects jax.checkpoint refuses:
-  interpreted, "none" (which recomputes nothing) runs without it, and another policy is
-  refused here rather than deep in JAX's partial evaluation."""
-  if jk.backend.interpreter_has_effects():
-    if policy == "none":
-      return apply
-    raise ValueError(
-        f"remat={policy!r} cannot run with the Mosaic interpreters (their host callbacks have "
-        "effects, which jax.checkpoint refuses): use remat='none', or "
-        "JAXKERNELS_INTERPRET=triton (Pallas' generic interpreter, no callbacks)")
-  return nnx.remat(apply, policy=remat.policy(policy))
 
 
 def _cudnn(q, k, v):
@@ -438,7 +423,7 @@ class Llama(nnx.Module):
     positions = jnp.arange(tokens.shape[1]) if positions is None else positions
     cos, sin = rotary(positions, cfg.head_dim, cfg.rope_theta)
     if sequence:  # split along T as the stream is
-      cos, sin = (jax.sharding.reshard(x, P(partitioning.entry(sequence), None))
+      cos, sin = (jax.sharding.reshard(x, P(_entry(sequence), None))
                   for x in (cos, sin))
     # The residual stream, in cfg.stream whatever the activations' dtype.
     stream = _lookup(_replicated(self.embed.embedding[...]), tokens, sequence).astype(cfg.stream)
@@ -452,7 +437,7 @@ class Llama(nnx.Module):
     # One function per policy, built once: layers that share it share its traced program, and
     # so each kernel's lowering (a Mosaic GPU kernel's is ~1 s; one function per layer took
     # the 350m step's compile from 38 s to 424 s).
-    layer = {name: _checkpointed(apply, name) for name in set(policies)}
+    layer = {name: jkf.checkpointed(apply, name) for name in set(policies)}
 
     if cfg.scan_layers:
       delta, stream = nnx.scan(layer[policies[0]], in_axes=(nnx.Carry, 0),

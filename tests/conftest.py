@@ -45,7 +45,7 @@ if (os.environ.get("JAXKERNELS_TEST_COMPILED", "0") in ("", "0")
 # two cores, two blocked waits starve the third warpgroup and the kernel hangs. Enough threads
 # for the grid loop's callback, three warpgroups and their nested calls. (The TPU interpreter
 # on 8 host devices needs one more thread than devices: the sharding tests that run it give
-# their own processes NPROC=16; backend.check_interpreter_threads refuses fewer.)
+# their own processes NPROC=16; interpret.check_interpreter_threads refuses fewer.)
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 8)))
 # pytest-xdist's workers each load libtpu for the TPU AOT compiles; its lockfile would let only
 # one of them (the others' compiles would skip).
@@ -137,13 +137,13 @@ def pytest_collection_modifyitems(config, items):
     return
   import jax
 
-  from jaxkernels import backend
+  from jaxkernels import dispatch
 
-  here = backend.target_of().platform
+  here = dispatch.target_of().platform
   cpu_only = pytest.mark.skip(reason="cpu_only: the arrays live on an accelerator here")
   for item in items:
     implementation = getattr(item.cls, "IMPL", None)
-    platform = backend.KERNEL_PLATFORM.get(implementation)
+    platform = dispatch.KERNEL_PLATFORM.get(implementation)
     if "cpu_only" in item.keywords:
       item.add_marker(cpu_only)
     elif platform not in (None, here) and "tpu_mesh" not in item.fixturenames:

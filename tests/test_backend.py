@@ -8,13 +8,14 @@ import sys
 import textwrap
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jaxkernels as jk
-from jaxkernels import backend, hardware, roofline
-from jaxkernels.backend import Target
+from jaxkernels import dispatch, hardware, interpret, roofline
+from jaxkernels.dispatch import Target
 
 CPU = Target("cpu", "cpu", True)
 H200 = Target("gpu", "NVIDIA H200", True)
@@ -24,23 +25,23 @@ BOTH = {"triton": None, "mosaic_tpu": None}
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
-  monkeypatch.setattr(backend, "_WARNED", set())
+  monkeypatch.setattr(dispatch, "_WARNED", set())
   monkeypatch.delenv("JAXKERNELS_INTERPRET", raising=False)
 
 
 def test_auto_on_cpu_falls_back_once_with_the_reason():
   with pytest.warns(jk.FallbackWarning, match="jaxkernels.op: using the XLA reference"):
-    assert backend.select("op", None, CPU, BOTH) == "xla"
+    assert dispatch.select("op", None, CPU, BOTH) == "xla"
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert backend.select("op", None, CPU, BOTH) == "xla"  # one time only
+    assert dispatch.select("op", None, CPU, BOTH) == "xla"  # one time only
 
 
 @pytest.mark.cpu_only
 def test_fallback_warning_names_the_callers_line(monkeypatch):
   # However deep the op's own frames go (select < plan < the op's helpers < the op), the
   # warning points at the line that called the public op.
-  monkeypatch.setattr(backend, "_WARNED", set())  # it warns once a process
+  monkeypatch.setattr(dispatch, "_WARNED", set())  # it warns once a process
   x = jnp.ones((3, 5), jnp.float32)
   for op in (lambda: jk.softmax(x, axis=0), lambda: jk.rms_norm(x, jnp.ones((5,)), eps=1e-5),
              lambda: jk.glu(x, x), lambda: jk.matmul(x, x.T)):
@@ -50,37 +51,65 @@ def test_fallback_warning_names_the_callers_line(monkeypatch):
 
 
 def test_auto_on_gpu_prefers_a_kernel_and_names_why_not():
-  assert backend.select("op", None, H200, BOTH) == "triton"
+  assert dispatch.select("op", None, H200, BOTH) == "triton"
   with pytest.warns(jk.FallbackWarning, match="triton: rows too odd"):
-    assert backend.select("op", None, H200, {"triton": "rows too odd"}) == "xla"
+    assert dispatch.select("op", None, H200, {"triton": "rows too odd"}) == "xla"
 
 
 def test_explicit_implementation_that_cannot_serve_raises():
   with pytest.raises(ValueError, match="implementation='triton' cannot serve this call: rows"):
-    backend.select("op", "triton", H200, {"triton": "rows too odd"})
+    dispatch.select("op", "triton", H200, {"triton": "rows too odd"})
   with pytest.raises(ValueError, match="this op has no mosaic_gpu kernel"):
-    backend.select("op", "mosaic_gpu", H200, BOTH)
-  with pytest.raises(ValueError, match="mosaic_gpu needs a Hopper GPU"):
-    backend.select("op", "mosaic_gpu", A100, {"mosaic_gpu": None})
+    dispatch.select("op", "mosaic_gpu", H200, BOTH)
   with pytest.raises(ValueError, match="mosaic_tpu compiles for TPUs"):
-    backend.select("op", "mosaic_tpu", H200, BOTH)
+    dispatch.select("op", "mosaic_tpu", H200, BOTH)
+
+
+@pytest.mark.parametrize("op,args", [
+    ("matmul", (jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),) * 2),
+    ("flash_attention", (jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16),) * 3)])
+def test_each_mosaic_gpu_backend_refuses_a_gpu_that_is_not_hopper(op, args):
+  """The Hopper gate is each Mosaic GPU backend's own (its ``unsupported``), not dispatch's: an
+  A100, and a GPU the chip table does not know, get the reason; an H200 none."""
+  from jaxkernels import backend
+  registered = backend.registered()[op]
+  problem = registered.problem(registered.validate(*args, **_DEFAULTS[op]))
+  blackwell = Target("gpu", "NVIDIA B200", True)
+  for target, want in ((A100, "the device is 'A100' (sm80)"),
+                       (blackwell, "the device is 'NVIDIA B200' (unknown)"), (H200, None)):
+    reason = dispatch.kernel_reasons(problem, target, registered.kernels)["mosaic_gpu"]
+    if want is None:
+      assert reason is None, reason
+    else:
+      assert reason.startswith("mosaic_gpu needs a Hopper GPU (sm90)") and want in reason, reason
+  with pytest.raises(ValueError, match="mosaic_gpu needs a Hopper GPU"):
+    dispatch.select(op, "mosaic_gpu", A100,
+                    dispatch.kernel_reasons(problem, A100, registered.kernels))
+
+
+_DEFAULTS = {
+    "matmul": dict(bias=None, activation=None, residual=None, glu=False, out_dtype=None,
+                   precision=None, a_scale=None, b_scale=None),
+    "flash_attention": dict(causal=False, scale=None, bias=None, segment_ids=None,
+                            kv_segment_ids=None, local_window_size=None, logits_soft_cap=None),
+}
 
 
 def test_explicit_kernel_is_taken_at_its_word_while_tracing():
   tracing = Target("cpu", "cpu", False)
-  assert backend.select("op", "mosaic_tpu", tracing, BOTH) == "mosaic_tpu"
+  assert dispatch.select("op", "mosaic_tpu", tracing, BOTH) == "mosaic_tpu"
 
 
 def test_interpret_mode_switch():
-  assert not backend.interpreting()
+  assert not interpret.interpreting()
   with jk.interpret_mode():
-    assert backend.interpreting()
-    assert backend.select("op", None, CPU, BOTH) == "mosaic_tpu"
-    assert backend.interpret_params("triton") is True
-    assert type(backend.interpret_params("mosaic_tpu")).__name__ == "InterpretParams"
+    assert interpret.interpreting()
+    assert dispatch.select("op", None, CPU, BOTH) == "mosaic_tpu"
+    assert interpret.interpret_params("triton") is True
+    assert type(interpret.interpret_params("mosaic_tpu")).__name__ == "InterpretParams"
   with jk.interpret_mode("triton"):
-    assert backend.select("op", None, CPU, BOTH) == "triton"
-  assert backend.interpret_params("triton") is False
+    assert dispatch.select("op", None, CPU, BOTH) == "triton"
+  assert interpret.interpret_params("triton") is False
   with pytest.raises(ValueError, match="interpret_mode"):
     with jk.interpret_mode("cuda"):
       pass
@@ -88,21 +117,21 @@ def test_interpret_mode_switch():
 
 def test_interpret_environment_variable(monkeypatch):
   monkeypatch.setenv("JAXKERNELS_INTERPRET", "triton")
-  assert backend.select("op", None, CPU, BOTH) == "triton"
+  assert dispatch.select("op", None, CPU, BOTH) == "triton"
   monkeypatch.setenv("JAXKERNELS_INTERPRET", "yes please")
   with pytest.raises(ValueError, match="JAXKERNELS_INTERPRET='yes please' is not understood"):
-    backend.interpreting()
+    interpret.interpreting()
 
 
 @pytest.mark.cpu_only
 def test_target_of_concrete_traced_and_mesh(tpu_mesh):
   x = jnp.ones(3)
-  assert backend.target_of(x) == Target("cpu", "cpu", True)
+  assert dispatch.target_of(x) == Target("cpu", "cpu", True)
   seen = []
-  jax.jit(lambda a: seen.append(backend.target_of(a)) or a)(x)
+  jax.jit(lambda a: seen.append(dispatch.target_of(a)) or a)(x)
   assert seen[0].platform == "cpu" and not seen[0].concrete
   with jax.set_mesh(tpu_mesh):
-    target = backend.target_of(jax.ShapeDtypeStruct((3,), jnp.float32))
+    target = dispatch.target_of(jax.ShapeDtypeStruct((3,), jnp.float32))
   assert target.platform == "tpu" and target.chip.platform == "tpu"
 
 
@@ -192,13 +221,13 @@ def test_a_missing_toolchain_api_is_reported_and_skipped(monkeypatch):
   names are missing, and dispatch takes the next kernel, not a failure inside tracing."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   monkeypatch.delattr(plgpu, "wgmma")
-  backend.missing_api.cache_clear()  # asked once a process; asked again here, and after
-  monkeypatch.setattr(backend, "missing_api", backend.missing_api.__wrapped__)
+  dispatch.missing_api.cache_clear()  # asked once a process; asked again here, and after
+  monkeypatch.setattr(dispatch, "missing_api", dispatch.missing_api.__wrapped__)
   H100 = Target("gpu", "NVIDIA H100 80GB HBM3", True)
   reasons = {"mosaic_gpu": None, "triton": None}
-  assert backend.select("op", None, H100, reasons) == "triton"
+  assert dispatch.select("op", None, H100, reasons) == "triton"
   with pytest.raises(ValueError, match=r"has no wgmma in Pallas mosaic_gpu"):
-    backend.select("op", "mosaic_gpu", H100, reasons)
+    dispatch.select("op", "mosaic_gpu", H100, reasons)
   q = jnp.ones((1, 8, 2, 16), jnp.float32)
   support = jk.supports("flash_attention", "mosaic_gpu", q, q, q)
   assert not support and "wgmma" in support.reason
@@ -234,11 +263,26 @@ def test_too_few_host_threads_for_an_interpreter_is_refused_before_it_hangs(monk
   """The TPU interpreter's callbacks on N devices wait for each other (N + 1 threads), a GPU
   interpreter CTA's warpgroups too (8 a device): fewer, and the call is refused naming NPROC."""
   monkeypatch.setenv("NPROC", "8")
-  backend.check_interpreter_threads("op", "mosaic_gpu")  # 8 threads serve one device
-  backend.check_interpreter_threads("op", "triton")  # no callbacks
+  interpret.check_interpreter_threads("op", "mosaic_gpu")  # 8 threads serve one device
+  interpret.check_interpreter_threads("op", "triton")  # no callbacks
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((8,), ("x",))):
     with pytest.raises(ValueError, match=r"mosaic_tpu interpreter on 8 device\(s\) needs at "
                        r"least 9 host threads.*NPROC=8.*set NPROC=9.*JAXKERNELS_INTERPRET=triton"):
-      backend.check_interpreter_threads("op", "mosaic_tpu")
+      interpret.check_interpreter_threads("op", "mosaic_tpu")
     monkeypatch.setenv("NPROC", "9")
-    backend.check_interpreter_threads("op", "mosaic_tpu")
+    interpret.check_interpreter_threads("op", "mosaic_tpu")
+
+
+def test_supports_a_composed_call_as_it_runs():
+  """matmul(glu=True) where no kernel takes the gated product whole runs the product and then
+  glu (its composition): supports() says yes where that composition runs on the kernel named,
+  as the call itself does, and names the product's reason where it does not."""
+  a, b = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 64), jnp.bfloat16)
+  with interpret.interpret_mode():
+    support = jk.supports("matmul", "triton", a, b, glu=True, activation="silu")
+    assert support, support.reason
+    y = jk.matmul(a, b, glu=True, activation="silu", implementation="triton")
+    chex.assert_shape(y, (8, 32))
+    refused = jk.supports("matmul", "triton", a.astype(jnp.int8), b.astype(jnp.int8), glu=True,
+                          activation="silu")
+    assert not refused and "int8" in refused.reason, refused.reason

@@ -127,15 +127,15 @@ def test_the_model_trains_in_fp8_near_its_bf16_run():
   """Config(fp8=True): the blocks' products in fp8. Same first loss to fp8's accuracy (the
   products differ by a few percent, the loss by far less), and a few steps on one batch fall
   as the 16-bit run's do."""
-  from models import llama, train
+  from models import hparams, llama, train_step
 
   shape = dict(width=256, heads=4, kv_heads=2, mlp_width=512, depth=2, vocab=512)
-  tc = train.TrainConfig(batch=2, seq_len=64, steps=10)
+  tc = hparams.TrainConfig(batch=2, seq_len=64, steps=10)
   tokens = jax.random.randint(jax.random.key(0), (2, 65), 0, 512)
   losses = {}
   for fp8 in (False, True):
-    graphdef, state = train.init(llama.preset("125m", fp8=fp8, **shape), tc)
-    step = train.step_fn(graphdef)
+    graphdef, state = train_step.init(llama.preset("125m", fp8=fp8, **shape), tc)
+    step = train_step.step_fn(graphdef)
     losses[fp8] = []
     for _ in range(6):
       state, metrics = step(state, tokens)
@@ -157,9 +157,9 @@ def test_on_the_one_device_mesh_the_cli_builds():
   """The train CLI lays everything out on a mesh of Explicit axes, of size 1 on one device:
   the batch is typed as split over (data, fsdp) though nothing is, and the blocks' reshapes
   refused it. The operands are taken whole there (free), forward and backward."""
-  from models import train
+  from models import placement
 
-  mesh = train.mesh(1, jax.devices()[:1])
+  mesh = placement.mesh(1, jax.devices()[:1])
   gen = numerics.rng("fp8 mesh")
   x = numerics.normal(gen, (2, 128, 256), jnp.bfloat16)
   w = numerics.normal(gen, (256, 128), jnp.bfloat16, 0.05)

@@ -329,7 +329,7 @@ def _no_composition(monkeypatch):
   """Makes the composed path (the product, then ``glu``) fail: the gated kernel must serve."""
   def composed(*args, **kwargs):
     raise AssertionError("matmul(glu=True) composed the product and glu; the kernel should fuse")
-  monkeypatch.setattr(matmul_api.elementwise, "glu", composed)
+  monkeypatch.setattr(matmul_api, "_gate", composed)
 
 
 GLU_CASES = (("silu", False, False), ("gelu", True, True), ("gelu_tanh", False, True))

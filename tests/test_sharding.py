@@ -43,7 +43,7 @@ def mesh():
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
-  monkeypatch.setattr(partitioning, "_WARNED", set())
+  monkeypatch.setattr(partitioning.specs, "_WARNED", set())
 
 
 _CHILD = "JAXKERNELS_TEST_SHARDING_CHILD"
@@ -58,7 +58,7 @@ def _in_own_process(request) -> bool:
   if os.environ.get(_CHILD):
     return True
   # NPROC: the TPU interpreter's callbacks on 8 devices wait for each other, and need a thread
-  # more than there are devices (backend.check_interpreter_threads).
+  # more than there are devices (interpret.check_interpreter_threads).
   done = run_alone(request, 300, **{_CHILD: "1", "NPROC": "16"})
   assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
   return False

@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 import jaxkernels as jk
-from jaxkernels import backend, tuning
+from jaxkernels import backend, dispatch, tuning
 
 PACKAGE = pathlib.Path(jk.__file__).parent
 
@@ -176,7 +176,7 @@ def test_every_op_runs_through_the_one_backend_entry(op):
 @pytest.mark.parametrize("op", _public_ops())
 def test_every_op_registers_its_kernels_by_name(op):
   kernels = backend.kernels(op)
-  assert set(kernels) <= set(backend.KERNELS) and kernels
+  assert set(kernels) <= set(dispatch.KERNELS) and kernels
   for implementation, k in kernels.items():
     # an op's own kernels, or those of the op it runs on (the fused loss: the row kernels)
     assert k.implementation == implementation and k.op in backend.ops()
@@ -184,7 +184,7 @@ def test_every_op_registers_its_kernels_by_name(op):
     # each entry point is a function of that implementation's own module
     module = k.forward.__module__
     assert implementation in module.split(".")[-1] or implementation in module, module
-    assert k.backward is None or k.backward.__module__ == module
+    assert k.backward is None or implementation in k.backward.__module__, k.backward.__module__
 
 
 @pytest.mark.parametrize("alias,module", [("plgpu", "_mosaic_gpu"), ("pltriton", "_triton"),
@@ -212,3 +212,234 @@ def test_the_code_cites_only_documents_the_repository_holds():
           if not any((base / name).exists() for base in (root, path.parent)):
             missing.append(f"{path.relative_to(root)}:{number}: {name}")
   assert not missing, missing
+
+
+# --------------------------------------------------------------------------- #
+# The typed call
+# --------------------------------------------------------------------------- #
+
+# Each hook of backend.Op and the parameters it takes, in order (backend.Op's docstring).
+HOOK_PARAMETERS = {
+    "problem": 1, "reference": 1, "options": 1, "empty": 1, "rule": 1, "forward": 1,
+    "kernel": 2, "out": 2, "compose": 2, "across": 4, "composed": 1,
+}
+
+
+def _registered_hooks():
+  for name, op in sorted(backend.registered().items()):
+    for hook, count in HOOK_PARAMETERS.items():
+      function = getattr(op, hook)
+      if function is not None:
+        yield name, hook, count, function
+
+
+@pytest.mark.parametrize("name,hook,count,function",
+                         [pytest.param(*h, id=f"{h[0]}.{h[1]}") for h in _registered_hooks()])
+def test_every_hook_takes_the_typed_call(name, hook, count, function):
+  """Every hook of every op takes what backend.Op says it does, by position, and nothing
+  else: no ``**unused`` swallowing the arguments it does not name, no keyword it expects the
+  pipeline to pass by name. (``options`` and ``empty`` may be backend's defaults.)"""
+  parameters = list(inspect.signature(function).parameters.values())
+  kinds = {p.kind for p in parameters}
+  assert inspect.Parameter.VAR_KEYWORD not in kinds, (name, hook, parameters)
+  assert inspect.Parameter.VAR_POSITIONAL not in kinds, (name, hook, parameters)
+  required = [p for p in parameters if p.default is inspect.Parameter.empty
+              and p.kind != inspect.Parameter.KEYWORD_ONLY]
+  assert len(required) == count, (name, hook, parameters)
+  assert not [p for p in parameters if p.kind == inspect.Parameter.KEYWORD_ONLY
+              and p.default is inspect.Parameter.empty], (name, hook, parameters)
+
+
+def test_every_op_validates_into_a_frozen_dataclass_of_its_own():
+  """Each op's validate returns (by its annotation) a frozen subclass of ``backend.Args``."""
+  import dataclasses
+  import typing
+  for name, op in sorted(backend.registered().items()):
+    returned = typing.get_type_hints(op.validate).get("return")
+    assert isinstance(returned, type) and issubclass(returned, backend.Args), (name, returned)
+    assert returned is not backend.Args and dataclasses.is_dataclass(returned), name
+    assert returned.__dataclass_params__.frozen, name
+
+
+def _args_classes(tree: ast.Module) -> dict[str, set[str]]:
+  """The module's subclasses of backend.Args, each with the names an instance answers: its
+  fields and methods, and backend.Args's own."""
+  base = {n for n in dir(backend.Args) if not n.startswith("__")}
+  classes = {}
+  for node in tree.body:
+    if isinstance(node, ast.ClassDef) and any(ast.unparse(b) == "backend.Args"
+                                              for b in node.bases):
+      names = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign)}
+      names |= {s.name for s in node.body if isinstance(s, ast.FunctionDef)}
+      classes[node.name] = names | base
+  return classes
+
+
+def _typed_parameters(node, classes):
+  """The parameters of a function or lambda that hold a call's arguments, with the names
+  they answer: annotated with one of the module's Args classes, or (a lambda's, unannotated)
+  named ``args``, which answers what any of them does."""
+  union = set().union(*classes.values()) if classes else set()
+  found = {}
+  for p in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+    if p.annotation is not None and ast.unparse(p.annotation) in classes:
+      found[p.arg] = classes[ast.unparse(p.annotation)]
+    elif p.annotation is None and p.arg == "args" and union:
+      found[p.arg] = union
+  return found
+
+
+def test_every_argument_a_hook_reads_is_a_field():
+  """Read from the source: wherever an op's module reads ``args.name`` off a call's arguments
+  (a parameter annotated with its Args class, or a lambda's ``args``), or changes them
+  (``args.replace(name=...)``, ``local(name=...)``, ``local.plan(name=...)``), the name is a
+  field of that class: a misnamed field fails here, not inside a user's jit."""
+  wrong = []
+  for module, path in MODULES.items():
+    if _op_of(module) is None:
+      continue
+    tree = ast.parse(path.read_text())
+    classes = _args_classes(tree)
+    if not classes:
+      continue
+    fields = set().union(*classes.values())
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.Lambda)):
+        typed = _typed_parameters(node, classes)
+        for inner in ast.walk(node):
+          if (isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name)
+              and inner.value.id in typed and inner.attr not in typed[inner.value.id]):
+            wrong.append(f"{module}:{inner.lineno}: {ast.unparse(inner)}")
+      if isinstance(node, ast.Call):
+        callee = ast.unparse(node.func)
+        if callee in ("local", "local.plan") or callee.endswith("args.replace"):
+          wrong += [f"{module}:{node.lineno}: {callee}({k.arg}=...)" for k in node.keywords
+                    if k.arg is not None and k.arg not in fields]
+  assert not wrong, wrong
+
+
+def test_one_dispatcher():
+  """Only the pipeline dispatches: no op module asks dispatch for a plan, a choice, the
+  kernels' reasons or the target by itself (a plan another op's kernels need is
+  ``backend.plan_call``'s, through that op's own hooks), and no op module calls a public op
+  but through ``backend.call`` (matmul's glu once re-entered ``matmul`` four times)."""
+  forbidden = {f"{m}.{n}" for m in ("backend", "dispatch")
+               for n in ("plan", "choice", "kernel_reasons", "target_of", "select")}
+  public = set(backend.ops())
+  found = []
+  for module, path in MODULES.items():
+    if _op_of(module) is None:
+      continue
+    tree = ast.parse(path.read_text())
+    # the names this module binds to jaxkernels' api modules, or to jaxkernels itself
+    apis = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            for a in node.names
+            if f"{node.module}.{a.name}".endswith(".api") or a.name == "jaxkernels"}
+    own_kernels = module.split(".")[-1].startswith(("triton", "mosaic", "reference"))
+    for node in ast.walk(tree):
+      if not isinstance(node, ast.Call):
+        continue
+      callee = ast.unparse(node.func)
+      head, _, last = callee.rpartition(".")
+      public_call = last in public and (head in apis or (not head and not own_kernels))
+      if callee in forbidden or public_call:
+        found.append(f"{module}:{node.lineno}: {callee}(...)")
+  assert not found, found
+
+
+# --------------------------------------------------------------------------- #
+# docs/architecture.md's layers
+# --------------------------------------------------------------------------- #
+
+ARCHITECTURE = PACKAGE.parent / "docs/architecture.md"
+
+
+def _layers() -> list[tuple[str, list[str]]]:
+  """The layer table of docs/architecture.md: (layer, module patterns), top first."""
+  text = ARCHITECTURE.read_text()
+  table = text[text.index("| layer | modules |"):].split("\n\n")[0].splitlines()[2:]
+  return [(row.split("|")[1].strip(), re.findall(r"`([^`]+)`", row.split("|")[2]))
+          for row in table]
+
+
+# The modules of an op's package in the ops layer (docs/architecture.md): the rest are kernels.
+PIPELINE = ("api", "arguments", "decode", "rows", "linear")
+
+
+def _layer_of(module: str, layers) -> tuple[int, int]:
+  """(the module's layer, its place among the layer's patterns)."""
+  short = "jaxkernels" if module == "jaxkernels" else module.removeprefix("jaxkernels.")
+  parts = short.split(".")
+  for index, (_, patterns) in enumerate(layers):
+    for place, pattern in enumerate(patterns):
+      p = pattern.split(".")
+      # <kernel>: a module of the op's package, or of a package in it (matmul's mosaic_gpu)
+      deeper = p[-1] == "<kernel>" and len(parts) > len(p)
+      if len(p) != len(parts) and not deeper:
+        continue
+      if all(a == b or (a == "<op>" and _op_of(module) == b) or a == "<part>" or
+             (a == "<kernel>" and b not in PIPELINE) for a, b in zip(p, parts)):
+        return index, place
+  raise AssertionError(f"{module} is in no layer of docs/architecture.md")
+
+
+def test_every_import_keeps_to_the_layers_of_the_architecture_page():
+  """Each module imports only from layers above its own in docs/architecture.md's table (in
+  the dispatch layer, only modules listed before it); within an op's package its own
+  modules; across ops, an api only another op's api."""
+  layers = _layers()
+  names = [name for name, _ in layers]
+  assert names == ["foundations", "commons", "kernels", "dispatch", "ops", "above the ops"]
+  crossing = []
+  for module, deps in GRAPH.items():
+    layer, place = _layer_of(module, layers)
+    for dep in deps:
+      dep_layer, dep_place = _layer_of(dep, layers)
+      # one package's own modules (an op's, partitioning's)
+      package = lambda m: m.split(".")[:2] if len(m.split(".")) > 2 else None
+      same_op = package(module) is not None and package(module) == package(dep)
+      composes = (module.endswith(".api") and dep.endswith(".api"))
+      ordered = dep_layer < layer or (dep_layer == layer and names[layer] == "dispatch"
+                                      and dep_place < place)
+      if not (ordered or same_op or composes or module == "jaxkernels"
+              or dep.startswith(module + ".")  # a package's __init__, its own modules
+              or MODULES[dep].name == "__init__.py" and dep == module.rpartition(".")[0]):
+        crossing.append(f"{module} ({names[layer]}) imports {dep} ({names[dep_layer]})")
+  assert not crossing, crossing
+
+
+LIMIT = 600
+
+
+def test_no_module_does_too_many_jobs_to_read():
+  """No file of the library or the model is over 600 lines: one job a file, read in one
+  sitting."""
+  root = PACKAGE.parent
+  over = {}
+  for folder in ("jaxkernels", "models"):
+    for path in sorted((root / folder).rglob("*.py")):
+      name = str(path.relative_to(root))
+      size = len(path.read_text().splitlines())
+      if size > LIMIT:
+        over[name] = size
+  assert not over, over
+
+
+def test_the_model_is_built_on_the_public_api():
+  """models/llama.py, our own model, imports of jaxkernels only what a user would: the package,
+  its Flax drop-ins and its remat policies, and reads off the package only its exported
+  names: what it needs, the public API grows (``jk.partition_spec``, ``jkf.checkpointed``)."""
+  path = PACKAGE.parent / "models" / "llama.py"
+  tree = ast.parse(path.read_text())
+  imported = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      imported |= {a.name for a in node.names if a.name.startswith("jaxkernels")}
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxkernels"):
+      imported |= {f"{node.module}.{a.name}" for a in node.names}
+  assert imported <= {"jaxkernels", "jaxkernels.flax", "jaxkernels.remat"}, imported
+  exported = {name for name in dir(jk) if not name.startswith("_")
+              and not inspect.ismodule(getattr(jk, name))}
+  read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+          and isinstance(node.value, ast.Name) and node.value.id == "jk"}
+  assert read <= exported, read - exported

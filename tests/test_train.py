@@ -24,7 +24,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxkernels import remat
-from models import llama, train
+from models import (batches, checkpointing, hparams, llama, loop, placement, train,
+                    train_step)
 from tests import numerics
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -87,19 +88,19 @@ def test_fully_sharded_step_matches_one_device():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   cfg = llama.preset("tiny", max_len=32, depth=1)
-  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
-  data, _ = train.corpus()
+  tc = hparams.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  data, _ = batches.corpus()
   losses = []
-  for where in (None, train.mesh(data=2)):
-    graphdef, state = train.init(cfg, tc, where)
-    step = train.step_fn(graphdef)
+  for where in (None, placement.mesh(data=2)):
+    graphdef, state = train_step.init(cfg, tc, where)
+    step = train_step.step_fn(graphdef)
     got = []
     with jax.set_mesh(where) if where is not None else contextlib.nullcontext():
       if where is not None:
-        text = step.lower(state, train.shard_batch(train.batch_at(data, 0, tc), where)
+        text = step.lower(state, batches.shard_batch(batches.batch_at(data, 0, tc), where)
                           ).compile().as_text()
       for s in range(3):
-        state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
+        state, metrics = step(state, batches.shard_batch(batches.batch_at(data, s, tc), where))
         got.append(float(metrics["loss"]))
     losses.append(got)
     if where is not None:
@@ -167,17 +168,17 @@ def _three_steps(cfg, where):
   """(three train steps' losses, the compiled step's HLO text (on a mesh), the model after
   them) on ``where`` (None: one device), the kernels interpreted (Triton's)."""
   import jaxkernels as jk
-  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
-  data, _ = train.corpus()
-  graphdef, state = train.init(cfg, tc, where)
-  step = train.step_fn(graphdef, donate=False)
+  tc = hparams.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  data, _ = batches.corpus()
+  graphdef, state = train_step.init(cfg, tc, where)
+  step = train_step.step_fn(graphdef, donate=False)
   text, losses = None, []
   with jax.set_mesh(where) if where else contextlib.nullcontext(), jk.interpret_mode("triton"):
     if where is not None:
-      text = step.lower(state, train.shard_batch(train.batch_at(data, 0, tc), where)
+      text = step.lower(state, batches.shard_batch(batches.batch_at(data, 0, tc), where)
                         ).compile().as_text()
     for s in range(3):
-      state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
+      state, metrics = step(state, batches.shard_batch(batches.batch_at(data, s, tc), where))
       losses.append(float(metrics["loss"]))
   return losses, text, nnx.merge(graphdef, state)[0]
 
@@ -191,15 +192,15 @@ def test_init_makes_each_devices_share_where_it_lies(monkeypatch, default_emitte
   if not default_emitters:  # bits across shapes: run with XLA's default CPU emitters
     return
   cfg = llama.preset("tiny", max_len=32, depth=1)
-  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
-  _, whole = train.init(cfg, tc)
-  where = train.mesh(fsdp=4, tensor=2)
+  tc = hparams.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  _, whole = train_step.init(cfg, tc)
+  where = placement.mesh(fsdp=4, tensor=2)
 
   def placed(*args, **kwargs):
     raise AssertionError("init placed an array made elsewhere")
 
   monkeypatch.setattr(jax, "device_put", placed)
-  _, state = train.init(cfg, tc, where)
+  _, state = train_step.init(cfg, tc, where)
   monkeypatch.undo()
   shardings = jax.tree.leaves(llama.shardings(state, where))
   split = 0
@@ -224,7 +225,7 @@ def test_tensor_parallel_step_matches_one_device():
     pytest.skip("needs 8 devices")
   cfg = llama.preset("tiny", max_len=32, depth=1)
   want, _, _ = _three_steps(cfg, None)
-  got, text, model = _three_steps(cfg, train.mesh(data=2, fsdp=2, tensor=2))
+  got, text, model = _three_steps(cfg, placement.mesh(data=2, fsdp=2, tensor=2))
   losses = {"one device": want, "tensor": got}
   specs = {name: tuple(getattr(model.blocks, name)[...].sharding.spec) for name in ("qkv", "out")}
   assert specs == {"qkv": (None, "fsdp", "tensor", None, None), "out": (None, "tensor", "fsdp")}
@@ -257,7 +258,7 @@ def test_sequence_parallel_step_matches_one_device():
     pytest.skip("needs 8 devices")
   cfg = llama.preset("tiny", max_len=32, depth=1)
   want, _, _ = _three_steps(cfg, None)
-  got, text, _ = _three_steps(cfg, train.mesh(fsdp=4, sequence=2))
+  got, text, _ = _three_steps(cfg, placement.mesh(fsdp=4, sequence=2))
   losses = {"one device": want, "sequence": got}
   # Float32 throughout; the online softmax merges the ring's blocks in another order.
   np.testing.assert_allclose(losses["sequence"], losses["one device"], rtol=1e-5)
@@ -317,33 +318,34 @@ def test_a_checkpoint_restores_onto_another_mesh(tmp_path):
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   cfg = llama.preset("tiny", max_len=32, depth=1)
-  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
-  data, _ = train.corpus()
-  meshes = {"one device": None, "data 2 x fsdp 4": train.mesh(2), "data 4 x fsdp 2": train.mesh(4),
-            "data 2 x fsdp 2 x tensor 2": train.mesh(2, tensor=2)}
+  tc = hparams.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  data, _ = batches.corpus()
+  meshes = {"one device": None, "data 2 x fsdp 4": placement.mesh(2),
+            "data 4 x fsdp 2": placement.mesh(4),
+            "data 2 x fsdp 2 x tensor 2": placement.mesh(2, tensor=2)}
   steps = {}  # one compiled step a mesh
 
   def run(name, s, state):
     where = meshes[name]
-    step = steps.setdefault(name, train.step_fn(graphdef, donate=False))
+    step = steps.setdefault(name, train_step.step_fn(graphdef, donate=False))
     with jax.set_mesh(where) if where is not None else contextlib.nullcontext():
-      state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
+      state, metrics = step(state, batches.shard_batch(batches.batch_at(data, s, tc), where))
     return state, float(metrics["loss"])
 
   pairs = (("data 2 x fsdp 4", "data 2 x fsdp 2 x tensor 2"),  # CI: the one that re-splits most
            ("data 2 x fsdp 4", "one device"), ("one device", "data 4 x fsdp 2"))
   for saved_on, restored_on in pairs if numerics.SLOW else pairs[:1]:
-    graphdef, state = train.init(cfg, tc, meshes[saved_on])
+    graphdef, state = train_step.init(cfg, tc, meshes[saved_on])
     for s in range(2):
       state, _ = run(saved_on, s, state)
     _, want = run(saved_on, 2, state)
     directory = str(tmp_path / f"{saved_on} to {restored_on}")
-    checkpoints = train.Checkpoints(directory, {"test": saved_on})
+    checkpoints = checkpointing.Checkpoints(directory, {"test": saved_on})
     checkpoints.save(2, state)
     checkpoints.close()
     where = meshes[restored_on]
-    graphdef, fresh = train.init(cfg, tc, where)
-    reopened = train.Checkpoints(directory, {"test": saved_on})
+    graphdef, fresh = train_step.init(cfg, tc, where)
+    reopened = checkpointing.Checkpoints(directory, {"test": saved_on})
     restored = reopened.restore(2, fresh)
     reopened.close()
     qkv = nnx.merge(graphdef, restored)[0].blocks.qkv[...]
@@ -366,20 +368,20 @@ def test_the_kernels_train_step_matches_xla_on_explicit_meshes():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   import jaxkernels as jk
-  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
-  data, _ = train.corpus()
+  tc = hparams.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  data, _ = batches.corpus()
   losses = {}
   for kernels, data_axis, devices in (("xla", 1, jax.devices()[:1]),
                                       ("jaxkernels", 1, jax.devices()[:1]),
                                       ("jaxkernels", 4, jax.devices())):
     cfg = llama.preset("tiny", max_len=32, depth=1, kernels=kernels)
-    where = train.mesh(data_axis, devices)
-    graphdef, state = train.init(cfg, tc, where)
-    step = train.step_fn(graphdef)
+    where = placement.mesh(data_axis, devices)
+    graphdef, state = train_step.init(cfg, tc, where)
+    step = train_step.step_fn(graphdef)
     got = []
     with jax.set_mesh(where), jk.interpret_mode("triton"):
       for s in range(2):  # the second step runs on the first's update
-        state, metrics = step(state, train.shard_batch(train.batch_at(data, s, tc), where))
+        state, metrics = step(state, batches.shard_batch(batches.batch_at(data, s, tc), where))
         got.append(float(metrics["loss"]))
     losses[kernels, data_axis] = got
   # Float32 throughout ("tiny"): the kernels' sums run in another order than XLA's.
@@ -390,18 +392,18 @@ def test_the_kernels_train_step_matches_xla_on_explicit_meshes():
 @pytest.mark.slow  # 70 s on 2 cores; tests/test_readme.py runs --remat auto through the CLI
 def test_auto_remat_fits_its_budget_and_says_so():
   cfg = llama.preset("tiny", max_len=32, depth=2)
-  tc = train.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
-  peaks = {policy: train.compiled_peak(dataclasses.replace(cfg, remat=policy), tc)
+  tc = hparams.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
+  peaks = {policy: train_step.compiled_peak(dataclasses.replace(cfg, remat=policy), tc)
            for policy in ("none", "full")}
   assert peaks["full"] < peaks["none"]
   budget = (peaks["none"] + peaks["full"]) // 2  # "none" overflows it
-  planned, choice = train.auto_remat(dataclasses.replace(cfg, remat="auto"), tc, budget)
+  planned, choice = train_step.auto_remat(dataclasses.replace(cfg, remat="auto"), tc, budget)
   assert choice.peak_bytes <= budget < peaks["none"]
   assert planned.remat == choice.policies and len(choice.policies) == 2
   assert set(choice.policies) <= set(remat.LADDER) and choice.policies != ("none",) * 2
   assert "remat auto:" in str(choice) and "budget" in str(choice)
   with pytest.raises(ValueError, match="over the budget of"):
-    train.auto_remat(dataclasses.replace(cfg, remat="auto"), tc, peaks["full"] // 4)
+    train_step.auto_remat(dataclasses.replace(cfg, remat="auto"), tc, peaks["full"] // 4)
 
 
 def test_auto_steps_layers_down_the_ladder():
@@ -458,9 +460,9 @@ def test_a_mesh_that_does_not_divide_the_model_is_refused_before_anything_is_wri
   six = jax.devices()[:6]
   with pytest.raises(ValueError, match=r"dimension 2 \(embed, size 64\) is laid out over mesh "
                      r"axes \('fsdp',\) of size 3, which does not divide it"):
-    train.init(llama.preset("tiny", max_len=32), train.TrainConfig(batch=6, seq_len=32),
-               train.mesh(1, devices=six[:3]))
-  monkeypatch.setattr(train, "_devices", lambda: six)
+    train_step.init(llama.preset("tiny", max_len=32), hparams.TrainConfig(batch=6, seq_len=32),
+               placement.mesh(1, devices=six[:3]))
+  monkeypatch.setattr(placement, "all_devices", lambda: six)
   directory = tmp_path / "run"
   code, err = _main(capsys, "--batch", "12", "--seq-len", "32", "--steps", "2",
                     "--checkpoint-dir", str(directory))
@@ -469,7 +471,7 @@ def test_a_mesh_that_does_not_divide_the_model_is_refused_before_anything_is_wri
           and "(embed, size 64) is laid out over mesh axes ('fsdp',) of size 6" in err), err
   assert not directory.exists()
   # Tensor parallelism over more devices than the tiny model's 2 kv heads.
-  monkeypatch.setattr(train, "_devices", lambda: jax.devices()[:8])
+  monkeypatch.setattr(placement, "all_devices", lambda: jax.devices()[:8])
   code, err = _main(capsys, "--batch", "8", "--seq-len", "32", "--steps", "2", "--mesh",
                     "data=2,tensor=4", "--checkpoint-dir", str(directory))
   assert code == 2, err
@@ -491,8 +493,8 @@ def test_a_layout_that_does_not_fit_is_refused_before_anything_is_written(
   assert train.main(["--steps", "2", "--warmup", "1", "--batch", "8", "--seq-len", "32",
                      "--checkpoint-dir", str(directory)]) == 0
   before = {p: p.stat().st_mtime_ns for p in directory.rglob("*")}
-  monkeypatch.setattr(train, "device_limit", lambda where: 1 << 20)  # 1 MiB a device
-  monkeypatch.setattr(train, "_devices", lambda: jax.devices()[:1])
+  monkeypatch.setattr(loop, "device_limit", lambda where: 1 << 20)  # 1 MiB a device
+  monkeypatch.setattr(placement, "all_devices", lambda: jax.devices()[:1])
   code, err = _main(capsys, "--steps", "4", "--warmup", "1", "--batch", "8", "--seq-len", "32",
                     "--checkpoint-dir", str(directory))
   assert code == 2, err
@@ -508,22 +510,22 @@ def test_the_step_combines_collectives_on_gpus_and_the_users_xla_flags_win(monke
   options."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_all_gather_combine_threshold_bytes=1024")
-  assert train.compiler_options() == {
+  assert train_step.compiler_options() == {
       "xla_gpu_reduce_scatter_combine_threshold_bytes": 256 << 20,
       "xla_gpu_all_reduce_combine_threshold_bytes": 256 << 20}
-  monkeypatch.setenv("XLA_FLAGS", " ".join(f"--{k}=1" for k in train.GPU_COMBINE_BYTES))
-  assert train.compiler_options() is None
+  monkeypatch.setenv("XLA_FLAGS", " ".join(f"--{k}=1" for k in train_step.GPU_COMBINE_BYTES))
+  assert train_step.compiler_options() is None
   monkeypatch.delenv("XLA_FLAGS")
-  assert train.compiler_options("tpu") is None  # a TPU topology's compile from a GPU host
+  assert train_step.compiler_options("tpu") is None  # a TPU topology's compile from a GPU host
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  assert train.compiler_options() is None
-  assert train.compiler_options("gpu") == train.GPU_COMBINE_BYTES
+  assert train_step.compiler_options() is None
+  assert train_step.compiler_options("gpu") == train_step.GPU_COMBINE_BYTES
 
 
 def test_mesh_flag_names_what_it_takes(capsys, monkeypatch):
   """--mesh: an unknown axis, an axis twice, a size that is not a whole number, sizes whose
   product is not the device count: each a usage error saying what is accepted."""
-  monkeypatch.setattr(train, "_devices", lambda: jax.devices()[:8])
+  monkeypatch.setattr(placement, "all_devices", lambda: jax.devices()[:8])
   for value, says in (
       ("data=2,model=4", "has an unknown axis 'model'; the axes are data, fsdp, tensor, "
        "sequence"),
@@ -552,7 +554,7 @@ def test_flags_are_checked_and_help_shows_defaults(capsys):
   out = capsys.readouterr().out
   assert "(default: 300)" in out and "(default: 0.003)" in out and "(default: 0)" in out
   # A short run takes a warmup of a tenth of its steps (the fixed 30 refused any run <= 30).
-  assert train.TrainConfig(steps=10).warmup == 1 and train.TrainConfig().warmup == 30
+  assert hparams.TrainConfig(steps=10).warmup == 1 and hparams.TrainConfig().warmup == 30
 
 
 def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, capsys):
@@ -601,8 +603,8 @@ def test_throughput_is_timed_from_ready_to_ready(monkeypatch):
   """Each shown interval's tokens/s is its steps' tokens over the time between the results
   of its first and last steps being ready, whatever the reporting itself costs."""
   clock = iter([0.0, 1.0, 2.0, 3.0, 4.5])
-  monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
-  meter = train.Meter(0, tokens_per_step=100)  # starts at 0.0
+  monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
+  meter = loop.Meter(0, tokens_per_step=100)  # starts at 0.0
   meter.ready(1)  # 1.0
   meter.ready(2)  # 2.0
   assert meter.step_rate == 100 and meter.interval() == 100  # 2 steps over 2 s
@@ -638,7 +640,7 @@ def test_a_signal_that_lands_mid_step_is_saved_where_it_stops(tmp_path, capsys, 
   "stopped at step 55 ... saved" and its resume began at step 0): the run stops where it
   saves, and resumes there."""
 
-  class Late(train._Stopper):
+  class Late(loop.Stopper):
     reads = 0
 
     @property
@@ -650,7 +652,7 @@ def test_a_signal_that_lands_mid_step_is_saved_where_it_stops(tmp_path, capsys, 
     def received(self, value):
       pass
 
-  monkeypatch.setattr(train, "_Stopper", Late)
+  monkeypatch.setattr(loop, "Stopper", Late)
   directory = tmp_path / "run"
   common = ["--steps", "3", "--batch", "8", "--seq-len", "32", "--checkpoint-dir",
             str(directory), "--no-compilation-cache"]
@@ -667,10 +669,10 @@ def test_weight_decay_takes_the_matrices_not_the_norms_scales():
   parameters are stacked: their scales are (layers, width), 2-d as a matrix is, and a mask by
   rank decayed them)."""
   cfg = llama.preset("tiny", max_len=32)
-  tc = train.TrainConfig(steps=2, warmup=0, batch=2, seq_len=16)
-  _, state = train.init(cfg, tc)
+  tc = hparams.TrainConfig(steps=2, warmup=0, batch=2, seq_len=16)
+  _, state = train_step.init(cfg, tc)
   params = state[0]  # the model's
-  mask = train._decayed(params)
+  mask = hparams.decayed(params)
   named = {jax.tree_util.keystr(path): (leaf, x.ndim) for (path, leaf), x in zip(
       jax.tree_util.tree_leaves_with_path(mask), jax.tree.leaves(params))}
   scales = {k: v for k, v in named.items() if "scale" in k}
@@ -685,14 +687,14 @@ def test_a_resumed_run_describes_the_program_its_first_run_kept():
   (which takes its checkpoint's warmup by another path: the GPU check's resumed 125m run once
   lowered again for that alone), and differs where the program does."""
   cfg = llama.preset("tiny")
-  tc = train.TrainConfig(steps=60)
-  resumed = train._resumed_warmup(tc, {"train": {"warmup": tc.warmup}})
+  tc = hparams.TrainConfig(steps=60)
+  resumed = checkpointing.resumed_warmup(tc, {"train": {"warmup": tc.warmup}})
   assert tc.warmup_defaulted != resumed.warmup_defaulted
-  assert train.program_description(cfg, resumed) == train.program_description(cfg, tc)
+  assert train_step.program_description(cfg, resumed) == train_step.program_description(cfg, tc)
   for other in (dataclasses.replace(tc, steps=61), dataclasses.replace(tc, batch=8)):
-    assert train.program_description(cfg, other) != train.program_description(cfg, tc)
-  assert train.program_description(dataclasses.replace(cfg, remat="full"), tc) != (
-      train.program_description(cfg, tc))
+    assert train_step.program_description(cfg, other) != train_step.program_description(cfg, tc)
+  assert train_step.program_description(dataclasses.replace(cfg, remat="full"), tc) != (
+      train_step.program_description(cfg, tc))
 
 
 def test_the_kept_program_is_the_step(tmp_path):
@@ -703,16 +705,16 @@ def test_the_kept_program_is_the_step(tmp_path):
   from models import programs
 
   cfg = llama.preset("tiny", max_len=32, depth=1)
-  tc = train.TrainConfig(steps=4, warmup=1, batch=2, seq_len=16)
-  data, _ = train.corpus()
-  graphdef, state = train.init(cfg, tc)
-  tokens = train.batch_at(data, 0, tc)
-  want = train.step_fn(graphdef, donate=False)(state, tokens)
+  tc = hparams.TrainConfig(steps=4, warmup=1, batch=2, seq_len=16)
+  data, _ = batches.corpus()
+  graphdef, state = train_step.init(cfg, tc)
+  tokens = batches.batch_at(data, 0, tc)
+  want = train_step.step_fn(graphdef, donate=False)(state, tokens)
   traced = []
 
   def body(*args):
     traced.append(True)
-    return train.step_body(graphdef)(*args)
+    return train_step.step_body(graphdef)(*args)
 
   make = lambda described="run", tokens=tokens: programs.Program(
       body, state, tokens, directory=tmp_path, described=described, donate=False)
@@ -724,7 +726,7 @@ def test_the_kept_program_is_the_step(tmp_path):
   for program in (first, second):
     chex.assert_trees_all_equal(program.run(program.lowered.compile(), state, tokens), want)
   assert make(described="another run").path != first.path
-  longer = train.batch_at(data, 0, dataclasses.replace(tc, seq_len=8))
+  longer = batches.batch_at(data, 0, dataclasses.replace(tc, seq_len=8))
   assert make(tokens=longer).path != first.path
   first.path.write_bytes(b"not a program")
   with pytest.warns(UserWarning, match=f"the kept train step {first.path} did not load"):

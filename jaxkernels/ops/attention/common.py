@@ -16,6 +16,9 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkernels import _checks
+from jaxkernels._tiling import bucket
+
 # A bound that no position reaches: a side of the window that is open. Positions are int32 in
 # the kernels, and T + S + UNBOUNDED must not overflow.
 UNBOUNDED = 1 << 30
@@ -53,6 +56,46 @@ class Window(NamedTuple):
     """(left, right) as ints, UNBOUNDED where open."""
     return (UNBOUNDED if self.left is None else self.left,
             UNBOUNDED if self.right is None else self.right)
+
+
+def dtype_reason(dtype) -> str | None:
+  if dtype not in _checks.KERNEL_DTYPES:
+    return f"q has dtype {dtype}; kernels take bfloat16, float16, float32"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One attention call as its kernels see it: q (B, T, N, H), k and v (B, S, K, H), the mask's
+  kind and the logits' extras."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  dtype: jnp.dtype
+  window: Window
+  soft_cap: bool
+  bias: tuple[int, int] | None  # (Bb, Nb): the bias's batch and heads (1: broadcast)
+  segments: bool
+
+  def key(self) -> str:
+    mask = ("causal" if self.window.plain_causal else
+            "window" if self.window.bounded else "full")
+    extras = "".join(f"|{name}" for name, on in (("cap", self.soft_cap),
+                                                  ("bias", self.bias is not None),
+                                                  ("segments", self.segments)) if on)
+    return (f"{self.dtype}|h{self.head_dim}|g{self.heads // self.kv_heads}|{mask}{extras}|"
+            f"{bucket(self.q_len)}x{bucket(self.kv_len)}")
+
+  def reason(self) -> str | None:
+    return dtype_reason(self.dtype)
+
+  def __str__(self) -> str:
+    return (f"attention of q ({self.batch}, {self.q_len}, {self.heads}, {self.head_dim}) against "
+            f"k/v ({self.batch}, {self.kv_len}, {self.kv_heads}, {self.head_dim}) {self.dtype}")
 
 
 def visible(rows, cols, window: Window, q_segments=None, kv_segments=None):

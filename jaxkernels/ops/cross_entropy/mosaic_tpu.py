@@ -35,7 +35,7 @@ class Config(_mosaic_tpu.BlockConfig):
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """problem: the call's ``cross_entropy.api.Problem`` (logits as (M, V) rows)."""
+  """problem: the call's ``cross_entropy.rows.Problem`` (logits as (M, V) rows)."""
   n_rows, n_cols = problem.logits.shape
   cols = n_cols if n_cols <= WHOLE_ROW_COLS else 4096
   packing = sublanes(problem.logits.dtype)

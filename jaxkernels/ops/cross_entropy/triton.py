@@ -30,7 +30,7 @@ class Config(_triton.RowWalkConfig):
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """problem: the call's ``cross_entropy.api.Problem`` (logits as (M, V) rows); softmax's row
+  """problem: the call's ``cross_entropy.rows.Problem`` (logits as (M, V) rows); softmax's row
   walk (``_triton.row_walk``)."""
   del chip
   return Config(**_triton.row_walk(*problem.logits.shape))

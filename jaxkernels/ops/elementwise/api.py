@@ -7,7 +7,7 @@ import functools
 
 import jax
 
-from jaxkernels import _activations, _checks, backend, partitioning
+from jaxkernels import _activations, _checks, backend, dispatch, partitioning
 from jaxkernels._tiling import bucket, rows_struct, rows_view
 from jaxkernels.ops.elementwise import mosaic_tpu, reference, triton
 
@@ -41,6 +41,8 @@ class Problem:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(plan, a, b):
+  """The call's rows on ``plan``'s kernels: (x, bias) for bias_activation, (gate, up) for glu
+  (up None: gate holds [gate | up] side by side, its gradient one array)."""
   return plan.run(plan.kernels.forward, a, b)
 
 
@@ -56,15 +58,34 @@ def _fused_bwd(plan, saved, dy):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _validate_bias_activation(x, bias, *, activation):
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class BiasActivationArgs(backend.Args):
+  """bias_activation's validated arguments: x (..., N), bias (N,)."""
+
+  x: jax.Array
+  bias: jax.Array
+  activation: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class GluArgs(backend.Args):
+  """glu's validated arguments: gate and up of one shape, or up None and gate [gate | up]."""
+
+  gate: jax.Array
+  up: jax.Array | None
+  activation: str
+
+
+def _validate_bias_activation(x, bias, *, activation) -> BiasActivationArgs:
   op = "bias_activation"
   x = _checks.array(op, "x", x)
   bias = _checks.vector(op, "bias", bias, x.shape[-1], "x")
-  return dict(x=x, bias=bias,
-              activation=_checks.choice(op, "activation", activation, _activations.ACTIVATIONS))
+  return BiasActivationArgs(
+      x=x, bias=bias,
+      activation=_checks.choice(op, "activation", activation, _activations.ACTIVATIONS))
 
 
-def _validate_glu(gate, up=None, *, activation):
+def _validate_glu(gate, up=None, *, activation) -> GluArgs:
   op = "glu"
   gate = _checks.array(op, "gate", gate)
   if up is None:
@@ -76,8 +97,9 @@ def _validate_glu(gate, up=None, *, activation):
     up = _checks.same_shape(op, "up", up, gate.shape, "gate")
     if up.dtype != gate.dtype:
       raise TypeError(f"{op}: up must have gate's dtype {gate.dtype}, got {up.dtype}")
-  return dict(gate=gate, up=up,
-              activation=_checks.choice(op, "activation", activation, _activations.ACTIVATIONS))
+  return GluArgs(gate=gate, up=up,
+                 activation=_checks.choice(op, "activation", activation,
+                                           _activations.ACTIVATIONS))
 
 
 def bias_activation(x, bias, *, activation: str, implementation=None, config=None):
@@ -112,23 +134,7 @@ def glu(gate, up=None, *, activation: str = "silu", implementation=None, config=
     activation: applied to gate; "silu" by default.
     implementation, config: as for :func:`bias_activation`.
   """
-  return backend.call(_GLU, implementation, config, gate=gate, up=up, activation=activation)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _packed(plan, x):
-  return plan.run(triton.glu_packed_fwd, x)
-
-
-def _packed_fwd(plan, x):
-  return plan.run(triton.glu_packed_fwd, x), x
-
-
-def _packed_bwd(plan, x, dy):
-  return (plan.run(triton.glu_packed_bwd, x, dy),)
-
-
-_packed.defvjp(_packed_fwd, _packed_bwd)
+  return backend.call(GLU, implementation, config, gate=gate, up=up, activation=activation)
 
 
 def _halves(x):
@@ -136,78 +142,79 @@ def _halves(x):
   return x[..., :n], x[..., n:]
 
 
-def _glu_problem(gate, up, activation):
+def _glu_problem(args: GluArgs) -> Problem:
+  gate, up = args.gate, args.up
   if up is None:  # [gate | up] side by side: the kernels see its two halves
     half = jax.ShapeDtypeStruct((*gate.shape[:-1], gate.shape[-1] // 2), gate.dtype)
-    return Problem.of("glu", activation, gate=half, up=half)
-  return Problem.of("glu", activation, gate=gate, up=up)
+    return Problem.of("glu", args.activation, gate=half, up=half)
+  return Problem.of("glu", args.activation, gate=gate, up=up)
 
 
-def _glu_kernel(plan, gate, up, activation):
-  del activation  # in the plan's options
-  if up is None:
-    out_shape = (*gate.shape[:-1], gate.shape[-1] // 2)
-    if plan.implementation == "triton":  # reads both halves in place
-      return _packed(plan, rows_view(gate)).reshape(out_shape)
-    gate, up = _halves(gate)
+def _glu_kernel(plan: dispatch.Plan, args: GluArgs):
+  gate, up = args.gate, args.up
+  if up is None:  # the kernels take [gate | up] whole
+    return _fused(plan, rows_view(gate), None).reshape(*gate.shape[:-1], gate.shape[-1] // 2)
   return _fused(plan, rows_view(gate), rows_view(up)).reshape(gate.shape)
 
 
-def _glu_rule(gate, up, activation):
+def _glu_rule(args: GluArgs) -> partitioning.Rule:
   """The rows split freely; the last dimension too where gate and up come apart (elementwise),
   not where they sit side by side (each row's halves pair up: gathered, warned)."""
-  del activation
-  if up is None:
-    return partitioning.rows_rule({"gate": gate}, {}, -1, "mlp")
-  return partitioning.rows_rule({"gate": gate, "up": up}, {}, None, "mlp")
+  if args.up is None:
+    return partitioning.rows_rule({"gate": args.gate}, {}, -1, "mlp")
+  return partitioning.rows_rule({"gate": args.gate, "up": args.up}, {}, None, "mlp")
+
+
+def _glu_reference(args: GluArgs):
+  gate, up = _halves(args.gate) if args.up is None else (args.gate, args.up)
+  return reference.glu(gate, up, activation=args.activation)
 
 
 def packed_glu_grad(x, dy, *, activation: str, implementation=None):
   """d[gate | up] of ``glu(x)`` (x = [gate | up] along its last axis) for the cotangent
   ``dy``, one array shaped like x: the backward alone, for a kernel that computed glu's
-  output itself and saved x (``matmul(glu=True)``). Unsharded arrays."""
-  args = _validate_glu(x, activation=activation)
-  plan = backend.plan("glu", implementation, backend.target_of(x, dy), _glu_problem(**args),
-                      _GLU.kernels, None, empty=x.size == 0, activation=activation)
-  if plan is not None and plan.implementation == "triton":
-    return plan.run(triton.glu_packed_bwd, rows_view(x), rows_view(dy)).reshape(x.shape)
-  _, vjp = jax.vjp(lambda x: glu(x, activation=activation, implementation=implementation), x)
-  return vjp(dy)[0]
+  output itself and saved x (``matmul(glu=True)``), on the kernels a glu call of x takes
+  (its plan). Unsharded arrays."""
+  plan = backend.plan_call(GLU, implementation, gate=x, up=None, activation=activation)
+  if plan is None:
+    _, vjp = jax.vjp(lambda x: _glu_reference(GluArgs(gate=x, up=None, activation=activation)),
+                     x)
+    return vjp(dy)[0]
+  return _fused_bwd(plan, (rows_view(x), None), rows_view(dy))[0].reshape(x.shape)
 
 
 _BIAS_ACTIVATION = backend.register(backend.Op(
     name="bias_activation",
     kernels={
-        "triton": backend.Kernels.of("bias_activation", "triton", triton,
-                                     forward=triton.bias_activation_fwd,
-                                     backward=triton.bias_activation_bwd),
-        "mosaic_tpu": backend.Kernels.of("bias_activation", "mosaic_tpu", mosaic_tpu,
-                                         forward=mosaic_tpu.bias_activation_fwd,
-                                         backward=mosaic_tpu.bias_activation_bwd),
+        "triton": dispatch.Kernels.of("bias_activation", "triton", triton,
+                                      forward=triton.bias_activation_fwd,
+                                      backward=triton.bias_activation_bwd),
+        "mosaic_tpu": dispatch.Kernels.of("bias_activation", "mosaic_tpu", mosaic_tpu,
+                                          forward=mosaic_tpu.bias_activation_fwd,
+                                          backward=mosaic_tpu.bias_activation_bwd),
     },
     validate=_validate_bias_activation,
-    problem=lambda x, bias, activation: Problem.of("bias_activation", activation, x=x,
-                                                   bias=bias),
-    reference=reference.bias_activation,
-    kernel=lambda plan, x, bias, activation: _fused(plan, rows_view(x), bias).reshape(x.shape),
-    options=lambda activation, **unused: dict(activation=activation),
-    rule=lambda x, bias, activation: partitioning.rows_rule({"x": x}, {"bias": bias}, None,
-                                                            "mlp"),
+    problem=lambda args: Problem.of("bias_activation", args.activation, x=args.x,
+                                    bias=args.bias),
+    reference=lambda args: reference.bias_activation(args.x, args.bias,
+                                                     activation=args.activation),
+    kernel=lambda plan, args: _fused(plan, rows_view(args.x), args.bias).reshape(args.x.shape),
+    options=lambda args: dict(activation=args.activation),
+    rule=lambda args: partitioning.rows_rule({"x": args.x}, {"bias": args.bias}, None, "mlp"),
 ), bias_activation)
 
-_GLU = backend.register(backend.Op(
+GLU = backend.register(backend.Op(
     name="glu",
     kernels={
-        "triton": backend.Kernels.of("glu", "triton", triton, forward=triton.glu_fwd,
-                                     backward=triton.glu_bwd),
-        "mosaic_tpu": backend.Kernels.of("glu", "mosaic_tpu", mosaic_tpu,
-                                         forward=mosaic_tpu.glu_fwd, backward=mosaic_tpu.glu_bwd),
+        "triton": dispatch.Kernels.of("glu", "triton", triton, forward=triton.glu_fwd,
+                                      backward=triton.glu_bwd),
+        "mosaic_tpu": dispatch.Kernels.of("glu", "mosaic_tpu", mosaic_tpu,
+                                          forward=mosaic_tpu.glu_fwd, backward=mosaic_tpu.glu_bwd),
     },
     validate=_validate_glu,
     problem=_glu_problem,
-    reference=lambda gate, up, activation: reference.glu(
-        *(_halves(gate) if up is None else (gate, up)), activation=activation),
+    reference=_glu_reference,
     kernel=_glu_kernel,
-    options=lambda activation, **unused: dict(activation=activation),
+    options=lambda args: dict(activation=args.activation),
     rule=_glu_rule,
 ), glu)

@@ -153,7 +153,15 @@ def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=Fa
   return dx, db.reshape(-1).astype(bias.dtype)
 
 
+def _halves(x):
+  n = x.shape[-1] // 2
+  return x[:, :n], x[:, n:]
+
+
 def glu_fwd(gate, up, *, activation, config: Config, interpret=False):
+  """glu's rows; ``up=None``: gate holds [gate | up] side by side, taken as two slices."""
+  if up is None:
+    gate, up = _halves(gate)
   return _call(functools.partial(_glu_fwd_kernel, activation=activation), [gate, up],
                jax.ShapeDtypeStruct(gate.shape, gate.dtype), gate, config,
                cost=roofline.glu_fwd(gate, up, activation), name=f"jk_glu_{activation}_fwd",
@@ -161,9 +169,13 @@ def glu_fwd(gate, up, *, activation, config: Config, interpret=False):
 
 
 def glu_bwd(gate, up, dy, *, activation, config: Config, interpret=False):
+  """(d gate, d up); ``up=None``: (d[gate | up], None), the halves' gradients concatenated."""
+  packed = up is None
+  if packed:
+    gate, up = _halves(gate)
   dg, du = _call(functools.partial(_glu_bwd_kernel, activation=activation), [gate, up, dy],
                  [jax.ShapeDtypeStruct(gate.shape, gate.dtype),
                   jax.ShapeDtypeStruct(up.shape, up.dtype)], gate, config,
                  cost=roofline.glu_bwd(gate, up, activation), name=f"jk_glu_{activation}_bwd",
                  interpret=interpret)
-  return dg, du
+  return (jnp.concatenate([dg, du], axis=-1), None) if packed else (dg, du)

@@ -210,6 +210,14 @@ def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=Fa
 
 
 def glu_fwd(gate, up, *, activation, config: Config, interpret=False):
+  """glu's rows; ``up=None``: gate holds [gate | up] side by side, both halves read in
+  place."""
+  if up is None:
+    half = _halves(gate)
+    return _tiled_call(_glu_packed_fwd_kernel, (gate,), half, backward=False,
+                       activation=activation, config=config,
+                       cost=roofline.glu_fwd(half, half, activation),
+                       name=f"jk_glu_{activation}_fwd", interpret=interpret, shape=half.shape)
   return _tiled_call(_glu_fwd_kernel, (gate, up), jax.ShapeDtypeStruct(gate.shape, gate.dtype),
                      backward=False, activation=activation, config=config,
                      cost=roofline.glu_fwd(gate, up, activation), name=f"jk_glu_{activation}_fwd",
@@ -217,6 +225,16 @@ def glu_fwd(gate, up, *, activation, config: Config, interpret=False):
 
 
 def glu_bwd(gate, up, dy, *, activation, config: Config, interpret=False):
+  """(d gate, d up); ``up=None``: (d[gate | up], None), written side by side as one array (no
+  concatenation after)."""
+  if up is None:
+    half = _halves(gate)
+    dx = _tiled_call(_glu_packed_bwd_kernel, (gate, dy), jax.ShapeDtypeStruct(gate.shape,
+                                                                              gate.dtype),
+                     backward=True, activation=activation, config=config,
+                     cost=roofline.glu_bwd(half, half, activation),
+                     name=f"jk_glu_{activation}_bwd", interpret=interpret, shape=half.shape)
+    return dx, None
   dg, du = _tiled_call(
       _glu_bwd_kernel, (gate, up, dy),
       [jax.ShapeDtypeStruct(gate.shape, gate.dtype), jax.ShapeDtypeStruct(up.shape, up.dtype)],
@@ -229,18 +247,3 @@ def glu_bwd(gate, up, dy, *, activation, config: Config, interpret=False):
 def _halves(x):
   """x = [gate | up]: the shape of one half."""
   return jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // 2), x.dtype)
-
-
-def glu_packed_fwd(x, *, activation, config: Config, interpret=False):
-  half = _halves(x)
-  return _tiled_call(_glu_packed_fwd_kernel, (x,), half, backward=False, activation=activation,
-                     config=config, cost=roofline.glu_fwd(half, half, activation),
-                     name=f"jk_glu_{activation}_fwd", interpret=interpret, shape=half.shape)
-
-
-def glu_packed_bwd(x, dy, *, activation, config: Config, interpret=False):
-  half = _halves(x)
-  return _tiled_call(_glu_packed_bwd_kernel, (x, dy), jax.ShapeDtypeStruct(x.shape, x.dtype),
-                     backward=True, activation=activation, config=config,
-                     cost=roofline.glu_bwd(half, half, activation),
-                     name=f"jk_glu_{activation}_bwd", interpret=interpret, shape=half.shape)

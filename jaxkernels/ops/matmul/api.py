@@ -8,23 +8,19 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxkernels import _activations, _checks, backend, partitioning, remat
+from jaxkernels import _activations, backend, dispatch, partitioning, remat
 from jaxkernels.ops.elementwise import api as elementwise
 from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, reference, triton
-from jaxkernels.ops.matmul.common import (FLOAT8, FLOATS, INT8, NEEDS_PREACTIVATION, Problem,
-                                          is_quantized)
+from jaxkernels.ops.matmul.arguments import Args, validate
+from jaxkernels.ops.matmul.common import NEEDS_PREACTIVATION, Problem, is_quantized
 from jaxkernels.partitioning import Free
 
 OP = "matmul"
-OPERAND_DTYPES = (*FLOATS, *FLOAT8, INT8)
 
 
-
-
-def _run(plan: backend.Plan, problem: Problem, *operands, forward: bool = False,
+def _run(plan: dispatch.Plan, problem: Problem, *operands, forward: bool = False,
          **epilogue_operands):
   """The product ``problem`` on the plan's kernel, with its own config: the caller's for the
   forward (whether it saves the pre-activation or not), else the tuned table's or the
@@ -139,165 +135,19 @@ def _quantized_bwd(plan, p, saved, dy):
 _quantized.defvjp(_quantized_fwd, _quantized_bwd)
 
 
-# --------------------------------------------------------------------------- #
-# Validation
-# --------------------------------------------------------------------------- #
-
-
-def _operand(name, value, min_rank):
-  if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-    value = jnp.asarray(value)
-  if jnp.dtype(value.dtype) not in OPERAND_DTYPES:
-    raise TypeError(f"{OP}: {name} has dtype {jnp.dtype(value.dtype)}; accepted: "
-                    f"{', '.join(str(d) for d in OPERAND_DTYPES)}")
-  if len(value.shape) < min_rank:
-    raise ValueError(f"{OP}: {name} must have rank >= {min_rank}, got shape {tuple(value.shape)}")
-  return value
-
-
-def _validate(a, b, *, bias, activation, residual, glu, out_dtype, precision, a_scale,
-              b_scale):
-  a = _operand("a", a, 2)
-  b = _operand("b", b, 2)
-  if glu and b.ndim == 3:
-    return _validate_stacked(a, b, bias=bias, activation=activation, residual=residual,
-                             out_dtype=out_dtype, precision=precision, a_scale=a_scale,
-                             b_scale=b_scale)
-  if b.ndim != 2:
-    raise ValueError(f"{OP}: b must be (K, N), rank 2, got shape {tuple(b.shape)}")
-  if a.shape[-1] != b.shape[0]:
-    raise ValueError(f"{OP}: a {tuple(a.shape)} and b {tuple(b.shape)} disagree on K: "
-                     f"a's last dimension is {a.shape[-1]}, b's first is {b.shape[0]}")
-  if a.dtype != b.dtype:
-    raise TypeError(f"{OP}: a and b must share a dtype, got a {a.dtype} and b {b.dtype}")
-  n = b.shape[1]
-  if glu and n % 2:
-    raise ValueError(f"{OP}: glu=True takes b as [gate | up] side by side, (K, 2N): its last "
-                     f"dimension must be even, got b shape {tuple(b.shape)}")
-  out_shape = (*a.shape[:-1], n // 2 if glu else n)
-  if bias is not None:
-    bias = _checks.vector(OP, "bias", bias, n, "b")
-  if residual is not None:
-    residual = _checks.same_shape(OP, "residual", residual, out_shape,
-                                  "the gated output" if glu else "the output a @ b")
-  if activation is not None:
-    _checks.choice(OP, "activation", activation, _activations.ACTIVATIONS)
-  elif glu:
-    raise ValueError(f"{OP}: glu=True gates the up half with activation(gate): pass "
-                     f"activation, one of {', '.join(_activations.ACTIVATIONS)} ('silu': SwiGLU)")
-  quantized = is_quantized(a.dtype)
-  if out_dtype is None:
-    out_dtype = jnp.bfloat16 if quantized else a.dtype
-  out_dtype = jnp.dtype(out_dtype)
-  if out_dtype not in FLOATS:
-    raise TypeError(f"{OP}: out_dtype must be one of bfloat16, float16, float32, got {out_dtype}")
-  if precision is not None and not isinstance(precision, lax.Precision):
-    raise TypeError(f"{OP}: precision must be None or a jax.lax.Precision, got {precision!r}")
-  scales = _scales(a, b, a_scale, b_scale, quantized)
-  # b_dtype: the product's operand dtype where b comes wider (set only by _across).
-  return dict(a=a, b=b, bias=bias, activation=activation, residual=residual, glu=glu,
-              out_dtype=out_dtype, precision=_in_context(precision), **scales, b_dtype=None)
-
-
-def _validate_stacked(a, b, *, bias, activation, residual, out_dtype, precision, a_scale,
-                      b_scale):
-  """glu=True with b stacked (K, 2, N), bias (2, N): the side-by-side call's checks on a
-  (K, 2N) b of its shape (a, K, dtypes, the residual, the activation, out_dtype), b and the
-  bias as given."""
-  if b.shape[1] != 2:
-    raise ValueError(f"{OP}: glu=True with a rank-3 b takes it stacked, (K, 2, N): b[:, 0] the "
-                     f"gate's weights, b[:, 1] up's; got b shape {tuple(b.shape)}")
-  if a_scale is not None or b_scale is not None:
-    raise ValueError(f"{OP}: a stacked glu b (K, 2, N) takes no a_scale or b_scale; pass b "
-                     "side by side, (K, 2N), to scale fp8/int8 operands")
-  k, _, n = b.shape
-  if bias is not None:
-    bias = _checks.array(OP, "bias", bias)
-    if tuple(bias.shape) != (2, n):
-      raise ValueError(f"{OP}: with a stacked glu b {tuple(b.shape)}, bias must be (2, {n}) "
-                       f"(the gate's and up's), got shape {tuple(bias.shape)}")
-  args = _validate(a, jax.ShapeDtypeStruct((k, 2 * n), b.dtype), bias=None,
-                   activation=activation, residual=residual, glu=True, out_dtype=out_dtype,
-                   precision=precision, a_scale=None, b_scale=None)
-  return {**args, "b": b, "bias": bias}
-
-
-def _scales(a, b, a_scale, b_scale, quantized) -> dict:
-  """a_scale and b_scale checked: per tensor (), per row of a (a's leading shape) and per column
-  of b (N,), or block scales along K: a_scale (..., M, K / bk) and b_scale (K / bk, N / bn).
-  Where either is a block scale both are returned so (the other's value repeated over the
-  blocks), as float32."""
-  k, n = b.shape
-  lead = tuple(a.shape[:-1])
-  shapes = dict(a_scale=f"(), {lead} (per row) or {(*lead, 'K/bk')} (blocks of K)",
-                b_scale=f"(), ({n},) (per column) or ('K/bk', 'N/bn') (blocks of b)")
-  checked = {}
-  for name, scale in (("a_scale", a_scale), ("b_scale", b_scale)):
-    if scale is None:
-      continue
-    if not quantized:
-      raise ValueError(f"{OP}: {name} dequantizes fp8/int8 operands; a and b are {a.dtype}")
-    scale = _checks.array(OP, name, scale, min_rank=0)
-    shape = tuple(scale.shape)
-    if name == "a_scale":
-      ok = shape in ((), lead) or (len(shape) == a.ndim and shape[:-1] == lead)
-    else:
-      ok = shape in ((), (n,)) or len(shape) == 2
-    if not ok:
-      raise ValueError(f"{OP}: {name} must have shape {shapes[name]}, got {shape}")
-    checked[name] = scale
-  a_blocks = "a_scale" in checked and checked["a_scale"].ndim == a.ndim
-  b_blocks = "b_scale" in checked and checked["b_scale"].ndim == 2
-  if not (a_blocks or b_blocks):
-    return dict(a_scale=checked.get("a_scale"), b_scale=checked.get("b_scale"))
-  # Block scales: K / bk blocks along K, from whichever is blocked; both must agree.
-  kb = checked["a_scale"].shape[-1] if a_blocks else checked["b_scale"].shape[0]
-  if a_blocks and b_blocks and checked["b_scale"].shape[0] != kb:
-    raise ValueError(f"{OP}: a_scale {tuple(checked['a_scale'].shape)} and b_scale "
-                     f"{tuple(checked['b_scale'].shape)} disagree on K's blocks: {kb} in "
-                     f"a_scale's last dimension, {checked['b_scale'].shape[0]} in b_scale's first")
-  if kb == 0 or k % kb:
-    raise ValueError(f"{OP}: K={k} is not a whole number of the scales' {kb} blocks along K; "
-                     "pad K with zeros to a multiple of the block (zeros add nothing)")
-  nb = checked["b_scale"].shape[1] if b_blocks else 1
-  if b_blocks and (nb == 0 or n % nb):
-    raise ValueError(f"{OP}: N={n} is not a whole number of b_scale's {nb} blocks along N "
-                     f"(b_scale {tuple(checked['b_scale'].shape)}); pad N to a multiple of the "
-                     "block")
-  f32 = lambda v: jnp.asarray(1 if v is None else v, jnp.float32)
-  a_s = f32(checked.get("a_scale"))
-  if not a_blocks:  # per tensor or per row: the same value in every block of the row
-    a_s = jnp.broadcast_to(a_s[..., None] if a_s.ndim else a_s, (*lead, kb))
-  b_s = f32(checked.get("b_scale"))
-  if not b_blocks:  # per tensor (K / bk, 1) or per column (K / bk, N)
-    b_s = jnp.broadcast_to(b_s, (kb, b_s.shape[0] if b_s.ndim else 1))
-  return dict(a_scale=a_s, b_scale=b_s)
-
-
-# jax.default_matmul_precision's names (the context manager, or the jax_default_matmul_precision
-# flag) for the precisions that differ from DEFAULT on float32 operands.
-_CONTEXT_PRECISION = {"highest": lax.Precision.HIGHEST, "float32": lax.Precision.HIGHEST,
-                      "high": lax.Precision.HIGH, "tensorfloat32": lax.Precision.HIGH,
-                      "bfloat16_3x": lax.Precision.HIGH}
-
-
-def _in_context(precision):
-  """``precision``, or where None what ``jax.default_matmul_precision`` asks at trace time, as
-  XLA's own products read it (under "highest" a float32 product is float32, not tf32)."""
-  if precision is not None:
-    return precision
-  return _CONTEXT_PRECISION.get(jax.config.jax_default_matmul_precision)
-
-
-def _problem(a, b, bias, activation, residual, out_dtype, precision, b_scale=None, **unused):
-  """The product as its kernels see it (the plain product under glu: see _compose)."""
+def _problem(args: Args) -> Problem:
+  """The product as its kernels see it: under glu the gated product (its kernel writes y from
+  the gate's and up's accumulators), b stacked (K, 2, N) taken as (K, 2N) in place."""
+  a, b, b_scale = args.a, args.b, args.b_scale
+  k, n = b.shape[0], math.prod(b.shape[1:])
   blocked = reference.is_blocked(None, b_scale)
-  return Problem(m=math.prod(a.shape[:-1]), n=b.shape[1], k=b.shape[0], dtype=jnp.dtype(a.dtype),
-                 out_dtype=out_dtype, activation=activation, has_bias=bias is not None,
-                 has_residual=residual is not None,
+  return Problem(m=math.prod(a.shape[:-1]), n=n, k=k, dtype=jnp.dtype(a.dtype),
+                 out_dtype=args.out_dtype, activation=args.activation,
+                 has_bias=args.bias is not None, has_residual=args.residual is not None,
                  has_scales=is_quantized(a.dtype) and not blocked,
-                 block_k=b.shape[0] // b_scale.shape[0] if blocked else 0,
-                 block_n=b.shape[1] // b_scale.shape[1] if blocked else 0, precision=precision)
+                 block_k=k // b_scale.shape[0] if blocked else 0,
+                 block_n=n // b_scale.shape[1] if blocked else 0, precision=args.precision,
+                 glu=args.glu)
 
 
 def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dtype=None,
@@ -355,83 +205,91 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, glu=False, out_dt
                       a_scale=a_scale, b_scale=b_scale)
 
 
-def _kernel(plan, a, b, *, bias, activation, residual, glu, out_dtype, precision, a_scale,
-            b_scale, b_dtype):
-  """The validated product on one device (or one shard). ``b_dtype``: the product's operand
-  dtype where b comes wider (float32, for dB in float32: see _across)."""
-  b_wide, b = b, (b if b_dtype is None else b.astype(b_dtype))
-  problem = _problem(a, b, bias, activation, residual, out_dtype, precision, b_scale=b_scale)
-  out_shape = (*a.shape[:-1], problem.n)
+def _kernel(plan: dispatch.Plan, args: Args):
+  """The validated product on one device (or one shard), on the plan's kernels."""
+  a, b, a_scale, b_scale = args.a, args.b, args.a_scale, args.b_scale
+  problem = _problem(args)
+  out_shape = (*a.shape[:-1], problem.out_n)
   a2 = a.reshape(problem.m, problem.k)
-  r2 = None if residual is None else residual.reshape(problem.m, problem.n)
+  if problem.glu:  # the gated product, whole on one kernel (_compose)
+    return _gated(plan, problem, a2, b.reshape(problem.k, problem.n)).reshape(out_shape)
+  b_wide, b = b, (b if args.b_dtype is None else b.astype(args.b_dtype))
+  r2 = None if args.residual is None else args.residual.reshape(problem.m, problem.n)
   if problem.block_k:  # block scales: a_scale (..., M, K/bk) -> (M, K/bk)
-    return _quantized(plan, problem, a2, b, a_scale.reshape(problem.m, -1), b_scale, bias,
+    return _quantized(plan, problem, a2, b, a_scale.reshape(problem.m, -1), b_scale, args.bias,
                       r2).reshape(out_shape)
   if not problem.has_scales:
-    return _differentiable(plan, problem, a2, b_wide, bias, r2).reshape(out_shape)
+    return _differentiable(plan, problem, a2, b_wide, args.bias, r2).reshape(out_shape)
   as2 = jnp.broadcast_to(jnp.float32(1) if a_scale is None else a_scale.astype(jnp.float32),
                          a.shape[:-1]).reshape(problem.m)
   bs2 = jnp.broadcast_to(jnp.float32(1) if b_scale is None else b_scale.astype(jnp.float32),
                          (problem.n,))
-  return _quantized(plan, problem, a2, b, as2, bs2, bias, r2).reshape(out_shape)
+  return _quantized(plan, problem, a2, b, as2, bs2, args.bias, r2).reshape(out_shape)
 
 
-def _reference(a, b, *, bias, activation, residual, glu, out_dtype, precision, a_scale,
-               b_scale, b_dtype):
-  del glu  # composed before (_compose)
-  return reference.matmul(a, b if b_dtype is None else b.astype(b_dtype), bias=bias,
-                          activation=activation, residual=residual, a_scale=a_scale,
-                          b_scale=b_scale, out_dtype=out_dtype, precision=precision)
+def _reference(args: Args):
+  """XLA's product; under glu, then glu's reference on its [gate | up] and the residual."""
+  b = args.b if args.b_dtype is None else args.b.astype(args.b_dtype)
+  if not args.glu:
+    return reference.matmul(args.a, b, bias=args.bias, activation=args.activation,
+                            residual=args.residual, a_scale=args.a_scale, b_scale=args.b_scale,
+                            out_dtype=args.out_dtype, precision=args.precision)
+  bias = None if args.bias is None else args.bias.reshape(-1)
+  z = reference.matmul(args.a, b.reshape(b.shape[0], -1), bias=bias, a_scale=args.a_scale,
+                       b_scale=args.b_scale, out_dtype=args.out_dtype,
+                       precision=args.precision)
+  return _gate(z, args, "xla")
 
 
-def _compose(implementation, config, *, a, b, bias, activation, residual, glu, out_dtype,
-             precision, a_scale, b_scale, b_dtype):
-  """matmul(glu=True): the fused Mosaic GPU kernel where the plain product would run on
-  mosaic_gpu and the kernel takes the gated one (``mosaic_gpu.unsupported``) with nothing
-  split; else the product (any kernel, any sharding) and then ``glu`` on its [gate | up].
-  None (not composed) without glu."""
-  if not glu:
+def _gate(z, args: Args, implementation):
+  """glu of the product z = [gate | up] (a call of glu, on ``implementation``), plus the
+  residual."""
+  y = backend.call(elementwise.GLU, implementation, None, gate=z, up=None,
+                   activation=args.activation)
+  return y if args.residual is None else _add(y, args.residual)
+
+
+def _glu_implementation(implementation):
+  """The implementation glu takes after a product on ``implementation``: the same, but for
+  mosaic_gpu, where glu has no kernel (its GPU kernel is Triton's: dispatch picks it)."""
+  return None if implementation == "mosaic_gpu" else implementation
+
+
+def _compose(local: backend.Local, args: Args):
+  """matmul(glu=True): None (the call runs as any other, on the gated product's kernel: the
+  Mosaic GPU kernel's, ``mosaic_gpu.unsupported``) where nothing is split and a kernel takes
+  the gated product whole; else the product (any kernel, any sharding) and then glu on its
+  [gate | up]. None too without glu. Stacked, see :func:`_stacked`."""
+  if not args.glu:
     return None
-  if b.ndim == 3:
-    return _stacked(implementation, config, a=a, b=b, bias=bias, activation=activation,
-                    residual=residual, out_dtype=out_dtype, precision=precision)
-  arrays = (a, b, bias, residual, a_scale, b_scale)
-  target = backend.target_of(*arrays)
-  plain = _problem(a, b, bias, activation, residual, out_dtype, precision, b_scale=b_scale)
-  gated = dataclasses.replace(plain, glu=True)
-  if (not any(partitioning.layout(x) for x in arrays if x is not None)
-      and partitioning.auto_mesh() is None
-      and backend.choice(implementation, target,
-                         backend.kernel_reasons(plain, target, _OP.kernels)) == "mosaic_gpu"
-      and backend.kernel_reasons(gated, target, _OP.kernels)["mosaic_gpu"] is None):
-    plan = backend.plan(OP, "mosaic_gpu", target, gated, _OP.kernels, config,
-                        empty=0 in (gated.m, gated.n, gated.k))
-    if plan is not None:
-      out = _gated(plan, gated, a.reshape(gated.m, gated.k), b)
-      return out.reshape(*a.shape[:-1], gated.out_n)
-  z = matmul(a, b, bias=bias, out_dtype=out_dtype, precision=precision, a_scale=a_scale,
-             b_scale=b_scale, implementation=implementation, config=config)
-  y = elementwise.glu(z, activation=activation,
-                      implementation=None if implementation == "mosaic_gpu" else implementation)
-  return y if residual is None else _add(y, residual)
-
-
-def _stacked(implementation, config, *, a, b, bias, activation, residual, out_dtype,
-             precision):
-  """glu=True with b stacked (K, 2, N), where nothing is split (else None: the rule splits
-  it, :func:`_across`): the side-by-side call on b reshaped in place to (K, 2N); on
-  implementation="xla", plain JAX's products of the gate and up halves (its partitioner
-  splits them)."""
-  if implementation == "xla":
-    z = reference.stacked(a, b, bias=bias, out_dtype=out_dtype, precision=precision)
-    y = elementwise.glu(z[..., 0, :], z[..., 1, :], activation=activation, implementation="xla")
-    return y if residual is None else _add(y, residual)
-  if (any(partitioning.layout(x) for x in (a, b, bias, residual) if x is not None)
-      or partitioning.auto_mesh() is not None):
+  if args.b.ndim == 3:
+    return _stacked(local, args)
+  if local.unsplit() and local.kernel() is not None:
     return None
-  return matmul(a, b.reshape(b.shape[0], -1), bias=None if bias is None else bias.reshape(-1),
-                activation=activation, residual=residual, glu=True, out_dtype=out_dtype,
-                precision=precision, implementation=implementation, config=config)
+  z = backend.call(_OP, local.implementation, local.config, **_product(args).public())
+  return _gate(z, args, _glu_implementation(local.implementation))
+
+
+def _product(args: Args) -> Args:
+  """matmul(glu=True)'s product alone, before the gate: what its composition calls first."""
+  return args.replace(activation=None, residual=None, glu=False)
+
+
+def _stacked(local: backend.Local, args: Args):
+  """glu=True with b stacked (K, 2, N): on implementation="xla", plain JAX's products of the
+  gate and up halves (its partitioner splits them); where split, None (the rule splits it,
+  :func:`_across`); else the side-by-side call on b reshaped in place to (K, 2N)."""
+  a, b, bias = args.a, args.b, args.bias
+  if local.implementation == "xla":
+    z = reference.stacked(a, b, bias=bias, out_dtype=args.out_dtype, precision=args.precision)
+    y = backend.call(elementwise.GLU, "xla", None, gate=z[..., 0, :], up=z[..., 1, :],
+                     activation=args.activation)
+    return y if args.residual is None else _add(y, args.residual)
+  if not local.unsplit():
+    return None
+  return backend.call(_OP, local.implementation, local.config,
+                      **args.public(b=b.reshape(b.shape[0], -1),
+                                    bias=None if bias is None else bias.reshape(-1)))
 
 
 def _add(y, residual):
@@ -439,41 +297,42 @@ def _add(y, residual):
   return (y.astype(jnp.float32) + residual.astype(jnp.float32)).astype(y.dtype)
 
 
-def _stacked_across(where, rule, *, a, b, bias, activation, residual, out_dtype, precision,
-                    implementation, config):
+def _stacked_across(where: partitioning.Split, rule: partitioning.Rule, local: backend.Local,
+                    args: Args):
   """glu=True with b stacked (K, 2, N), split: on each shard the side-by-side call on its own
   [gate | up], b reshaped in place to (K, 2N / shards). Rows split freely; N splits
   column-parallel, each shard gating its own columns (tensor parallelism's first MLP product:
   nothing gathered); K splits row-parallel, the partial products summed (float32) before the
   gate, which needs the whole sum."""
-  arrays = dict(a=a, b=b, bias=bias, residual=residual)
+  b = args.b
+  arrays = dict(a=args.a, b=b, bias=args.bias, residual=args.residual)
   k_axes = where.axes("k")
+  implementation, config = local.implementation, local.config
 
-  def local(a, b, bias, residual, b_dtype=None):
+  def shard(a, b, bias, residual, b_dtype=None):
     b = b.reshape(b.shape[0], -1).astype(b_dtype or b.dtype)
     bias = None if bias is None else bias.reshape(-1)
     if not k_axes:
-      return matmul(a, b, bias=bias, activation=activation, residual=residual, glu=True,
-                    out_dtype=out_dtype, precision=precision, implementation=implementation,
-                    config=config)
-    z = partitioning.psum_out(matmul(a, b, out_dtype=jnp.float32, precision=precision,
-                                     implementation=implementation, config=config), k_axes)
-    z = reference.epilogue(z, bias=bias).astype(out_dtype)
-    y = elementwise.glu(z, activation=activation,
-                        implementation=None if implementation == "mosaic_gpu" else implementation)
-    return y if residual is None else _add(y, residual)
+      return backend.call(_OP, implementation, config,
+                          **args.public(a=a, b=b, bias=bias, residual=residual))
+    product = backend.call(_OP, implementation, config,
+                           **args.public(a=a, b=b, bias=None, residual=None, glu=False,
+                                         activation=None, out_dtype=jnp.float32))
+    z = reference.epilogue(partitioning.psum_out(product, k_axes), bias=bias)
+    return _gate(z.astype(args.out_dtype), args.replace(residual=residual),
+                 _glu_implementation(implementation))
 
   rows = [d.group for d in rule["a"][:-1]]
   if where.size(*rows) > 1 and jnp.dtype(b.dtype).itemsize < 4:
     # dB summed over the row shards in float32, rounded once (as the plain product's rule).
     arrays["b"] = b.astype(jnp.float32)
-    return where.run(lambda **shards: local(**shards, b_dtype=b.dtype), arrays, rule,
+    return where.run(lambda **shards: shard(**shards, b_dtype=b.dtype), arrays, rule,
                      rule["residual"], wire={"b": b.dtype})
-  return where.run(local, arrays, rule, rule["residual"])
+  return where.run(shard, arrays, rule, rule["residual"])
 
 
-def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dtype, precision,
-            a_scale, b_scale, b_dtype):
+def _across(where: partitioning.Split, rule: partitioning.Rule, local: backend.Local,
+            args: Args):
   """The matmul on split operands (``partitioning``). The rule (:func:`_rule`):
 
   * A's rows split freely (data parallel): each shard multiplies its rows by all of B.
@@ -489,11 +348,11 @@ def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dt
   The backward partitions with it: shard_map's transpose adds dB over the row shards and
   d(bias) over the rows, and the row-parallel product's psum transposes to a broadcast.
   """
-  if glu and b.ndim == 3:
-    return _stacked_across(where, rule, a=a, b=b, bias=bias, activation=activation,
-                           residual=residual, out_dtype=out_dtype, precision=precision,
-                           implementation=local.implementation, config=local.config)
-  arrays = dict(a=a, b=b, bias=bias, residual=residual, a_scale=a_scale, b_scale=b_scale)
+  a, b = args.a, args.b
+  if args.glu and b.ndim == 3:
+    return _stacked_across(where, rule, local, args)
+  arrays = dict(a=a, b=b, bias=args.bias, residual=args.residual, a_scale=args.a_scale,
+                b_scale=args.b_scale)
   rows = [d.group for d in rule["a"][:-1]]
   k = where.axes("k")
   out = rule["residual"]
@@ -509,7 +368,7 @@ def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dt
     return where.run(lambda **shards: local(**shards, b_dtype=b.dtype), arrays, rule, out,
                      wire={"b": b.dtype})
 
-  blocked = reference.is_blocked(a_scale, b_scale)
+  blocked = reference.is_blocked(args.a_scale, args.b_scale)
 
   def row_parallel(a, b, bias, residual, a_scale, b_scale):
     # Block scales go with their K slice into the shard's product; the others after the sum.
@@ -519,22 +378,23 @@ def _across(where, rule, local, *, a, b, bias, activation, residual, glu, out_dt
                     **scales)
     z = partitioning.psum_out(partial, k)
     after = {} if blocked else dict(a_scale=a_scale, b_scale=b_scale)
-    return reference.epilogue(z, bias=bias, activation=activation, residual=residual,
-                              **after).astype(out_dtype)
+    return reference.epilogue(z, bias=bias, activation=args.activation, residual=residual,
+                              **after).astype(args.out_dtype)
 
   return where.run(row_parallel, arrays, rule, out)
 
 
-def _rule(a, b, a_scale, b_scale, glu, **unused):
+def _rule(args: Args) -> partitioning.Rule:
   """The split rule (see :func:`_across`). On a mesh of Auto axes: A's rows as "batch",
   "length", ..., K as "embed"; B's N has no name a matmul can know (heads? mlp?), so it stays
   whole unless B's type splits it; a stacked glu b's is the MLP's, "mlp". B and the bias are
   weights: split over data-like axes (fully sharded data parallelism), they are gathered in
   the map, their gradients reduce-scattered (``partitioning.gathers_inside``)."""
-  rows = partitioning.row_dims(a.ndim, "embed")
+  a_scale, b_scale = args.a_scale, args.b_scale
+  rows = partitioning.row_dims(args.a.ndim, "embed")
   k, n = Free("k", "embed", label="K"), Free("n", label="N")
   weight = lambda d: dataclasses.replace(d, weight=True)
-  if glu and b.ndim == 3:
+  if args.glu and args.b.ndim == 3:
     n, pair = Free("n", "mlp", label="N"), partitioning.Whole(quiet=True, weight=True)
     return dict(a=(*rows, k), b=(weight(k), pair, weight(n)), bias=(pair, weight(n)),
                 residual=(*rows, n))
@@ -553,18 +413,19 @@ def _rule(a, b, a_scale, b_scale, glu, **unused):
 _OP = backend.register(backend.Op(
     name=OP,
     kernels={
-        "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.matmul),
-        "mosaic_gpu": backend.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
-                                         forward=mosaic_gpu.matmul),
-        "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,
-                                         forward=mosaic_tpu.matmul),
+        "triton": dispatch.Kernels.of(OP, "triton", triton, forward=triton.matmul),
+        "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
+                                          forward=mosaic_gpu.matmul),
+        "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,
+                                          forward=mosaic_tpu.matmul),
     },
-    validate=_validate,
+    validate=validate,
     problem=_problem,
     reference=_reference,
     kernel=_kernel,
     compose=_compose,
+    composed=_product,
     rule=_rule,
     across=_across,
-    empty=lambda a, b, **unused: 0 in (*a.shape, *b.shape),
+    empty=lambda args: 0 in (*args.a.shape, *args.b.shape),
 ), matmul)

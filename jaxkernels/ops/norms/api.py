@@ -7,7 +7,7 @@ import functools
 
 import jax
 
-from jaxkernels import _checks, backend, partitioning
+from jaxkernels import _checks, backend, dispatch, partitioning
 from jaxkernels._tiling import bucket, rows_struct, rows_view
 from jaxkernels.ops.norms import mosaic_tpu, reference, triton
 
@@ -45,9 +45,9 @@ class Problem:
 def _kernels(op):
   """rms_norm's and layer_norm's kernels: one pair of entry points per backend serves both."""
   return {
-      "triton": backend.Kernels.of(op, "triton", triton, forward=triton.forward,
+      "triton": dispatch.Kernels.of(op, "triton", triton, forward=triton.forward,
                                    backward=triton.backward),
-      "mosaic_tpu": backend.Kernels.of(op, "mosaic_tpu", mosaic_tpu,
+      "mosaic_tpu": dispatch.Kernels.of(op, "mosaic_tpu", mosaic_tpu,
                                        forward=mosaic_tpu.forward, backward=mosaic_tpu.backward),
   }
 
@@ -78,8 +78,19 @@ def _fused_bwd(plan, saved, cotangent):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class Args(backend.Args):
+  """A norm call's validated arguments: x and the residual as given, scale and bias (N,)."""
+
+  x: jax.Array
+  scale: jax.Array
+  bias: jax.Array | None
+  residual: jax.Array | None
+  eps: float
+
+
 def _validator(op):
-  def validate(x, scale, bias=None, *, eps, residual):
+  def validate(x, scale, bias=None, *, eps, residual) -> Args:
     x = _checks.array(op, "x", x)
     if x.shape[-1] == 0:
       raise ValueError(f"{op}: x's last dimension is normalized and must be > 0, got shape "
@@ -89,14 +100,14 @@ def _validator(op):
       bias = _checks.vector(op, "bias", bias, x.shape[-1], "x")
     if residual is not None:
       residual = _checks.same_shape(op, "residual", residual, x.shape, "x")
-    return dict(x=x, scale=scale, bias=bias, residual=residual,
+    return Args(x=x, scale=scale, bias=bias, residual=residual,
                 eps=_checks.positive_float(op, "eps", eps))
   return validate
 
 
-def _kernel(plan, x, scale, bias, residual, eps):
-  del eps  # in the plan's options
-  out = _fused(plan, rows_view(x), scale, bias,
+def _kernel(plan: dispatch.Plan, args: Args):
+  x, residual = args.x, args.residual
+  out = _fused(plan, rows_view(x), args.scale, args.bias,
                rows_view(residual) if residual is not None else None)
   if residual is None:
     return out.reshape(x.shape)
@@ -104,19 +115,18 @@ def _kernel(plan, x, scale, bias, residual, eps):
   return y.reshape(x.shape), h.reshape(x.shape)
 
 
-def _rule(x, scale, bias, residual, eps):
+def _rule(args: Args) -> partitioning.Rule:
   """x's and the residual's rows split freely; the normalized last dimension stays whole."""
-  del eps
-  return partitioning.rows_rule({"x": x, "residual": residual}, {"scale": scale, "bias": bias},
-                                -1, "embed")
+  return partitioning.rows_rule({"x": args.x, "residual": args.residual},
+                                {"scale": args.scale, "bias": args.bias}, -1, "embed")
 
 
 def _op(name, layer, reference_norm):
   return backend.Op(
       name=name, kernels=_kernels(name), validate=_validator(name),
-      problem=lambda x, scale, bias, residual, eps: Problem.of(x, scale, bias, residual, layer),
+      problem=lambda args: Problem.of(args.x, args.scale, args.bias, args.residual, layer),
       reference=reference_norm, kernel=_kernel, rule=_rule,
-      options=lambda eps, **unused: dict(layer=layer, eps=eps))
+      options=lambda args: dict(layer=layer, eps=args.eps))
 
 
 def rms_norm(x, scale, *, eps: float = 1e-6, residual=None, implementation=None, config=None):
@@ -150,9 +160,10 @@ def layer_norm(x, scale, bias=None, *, eps: float = 1e-6, residual=None, impleme
 
 _RMS_NORM = backend.register(_op(
     "rms_norm", False,
-    lambda x, scale, bias, residual, eps: reference.rms_norm(x, scale, eps=eps,
-                                                             residual=residual)), rms_norm)
+    lambda args: reference.rms_norm(args.x, args.scale, eps=args.eps, residual=args.residual)),
+    rms_norm)
 _LAYER_NORM = backend.register(_op(
     "layer_norm", True,
-    lambda x, scale, bias, residual, eps: reference.layer_norm(x, scale, bias, eps=eps,
-                                                               residual=residual)), layer_norm)
+    lambda args: reference.layer_norm(args.x, args.scale, args.bias, eps=args.eps,
+                                      residual=args.residual)),
+    layer_norm)

@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkernels import _checks, backend, partitioning
+from jaxkernels import _checks, backend, dispatch, partitioning
 from jaxkernels._tiling import bucket, rows_view
 from jaxkernels.ops.softmax import mosaic_tpu, reference, triton
 
@@ -55,12 +55,21 @@ def _softmax_bwd(plan, y, dy):
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
-def _validate(x, axis):
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class Args(backend.Args):
+  """A softmax call's validated arguments: x, and the axis as a non-negative index."""
+
+  x: jax.Array
+  axis: int
+
+
+def _validate(x, axis) -> Args:
   x = _checks.array(OP, "x", x)
-  return dict(x=x, axis=_checks.axis(OP, "axis", axis, x.ndim))
+  return Args(x=x, axis=_checks.axis(OP, "axis", axis, x.ndim))
 
 
-def _kernel(plan, x, axis):
+def _kernel(plan: dispatch.Plan, args: Args):
+  x, axis = args.x, args.axis
   last = x.ndim - 1
   moved = jnp.moveaxis(x, axis, last) if axis != last else x
   y = _softmax(plan, rows_view(moved)).reshape(moved.shape)
@@ -83,15 +92,15 @@ def softmax(x, *, axis: int = -1, implementation=None, config=None):
 _OP = backend.register(backend.Op(
     name=OP,
     kernels={
-        "triton": backend.Kernels.of(OP, "triton", triton, forward=triton.forward,
+        "triton": dispatch.Kernels.of(OP, "triton", triton, forward=triton.forward,
                                      backward=triton.backward),
-        "mosaic_tpu": backend.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,
+        "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,
                                          forward=mosaic_tpu.forward, backward=mosaic_tpu.backward),
     },
     validate=_validate,
-    problem=lambda x, axis: Problem.of(x, axis),
+    problem=lambda args: Problem.of(args.x, args.axis),
     # no elements: the reference, where a (-1, 0) rows view is ambiguous
-    reference=reference.softmax,
+    reference=lambda args: reference.softmax(args.x, axis=args.axis),
     kernel=_kernel,
-    rule=lambda x, axis: partitioning.rows_rule({"x": x}, {}, axis, "embed"),
+    rule=lambda args: partitioning.rows_rule({"x": args.x}, {}, args.axis, "embed"),
 ), softmax)

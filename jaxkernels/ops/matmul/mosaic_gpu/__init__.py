@@ -1,6 +1,6 @@
 """The Mosaic GPU matmul (Hopper): ``config`` (Config, the wave model, the heuristic, stream-K's
-deal), ``kernel`` (the kernel bodies and the wrapper), ``padding`` (what TMA asks of the arrays,
-and the copy that cuts a padded C)."""
+deal), ``kernel`` (the kernel bodies and the wrapper), ``epilogue`` (each warpgroup's tile
+written out), ``padding`` (what TMA asks of the arrays, and the copy that cuts a padded C)."""
 
 from jaxkernels.ops.matmul.mosaic_gpu.config import (
     CTA_SHAPES as CTA_SHAPES,

@@ -330,6 +330,8 @@ def fitted(problem: Problem, base: Config, chip: hardware.Chip) -> Config:
 
 
 def unsupported(problem: Problem, chip: hardware.Chip) -> str | None:
+  if (reason := _mosaic_gpu.hopper_reason(chip)) is not None:
+    return reason
   dtype = jnp.dtype(problem.dtype)
   if dtype not in DTYPES:
     return f"mosaic_gpu takes bfloat16, float16 or fp8 operands, got {dtype}"

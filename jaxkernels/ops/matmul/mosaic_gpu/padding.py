@@ -57,7 +57,7 @@ def padded_shapes(p: Problem, c) -> tuple[tuple[int, int], ...]:
   past those, TMA zero-fills (or reads the pad's zeros), so the K tail adds nothing. Swizzled
   TMA wants each array's rows in multiples of 8 and each row in multiples of 128 bytes, and no
   copy may start past an array's end. A and B are read in whole CTA blocks, which start inside
-  them. C's pieces past its end are not stored (``kernel._write_tile``); the residual, read piece by
+  them. C's pieces past its end are not stored (``epilogue.write_tile``); the residual, read piece by
   piece through C's buffers, has C's shape, so C is padded so that none of them starts past
   its end when there is one.
   """

@@ -1,0 +1,159 @@
+"""The Hopper attention kernels' ``Config``, its heuristic, what they serve, and the shared
+memory each of the three kernels (forward, dq, dk/dv) needs of a CTA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxkernels import _mosaic_gpu, hardware
+from jaxkernels._tiling import check_fields, round_up
+from jaxkernels.ops.attention import triton
+
+PRODUCER_REGISTERS = 40
+# The backward kernels past head dim 128: a producer of 24 registers leaves 240 to each compute
+# warpgroup; at GQA h256 dk/dv 4.72 -> 4.44 ms, dq 4.75 -> 4.34 (fewer spills), while at 128
+# the kernels were no faster (bench/NOTES.md attention-6).
+WIDE_PRODUCER_REGISTERS = 24
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  block_q: int = 64  # queries of one compute warpgroup (the CTA takes two blocks)
+  block_kv: int = 128  # keys a step
+  stages: int = 2  # key/value blocks in flight
+  bwd_block_q: int = 64  # the dk/dv kernel's queries a step (its CTA takes 2 x 64 keys, or
+  # 64 past head dim 128)
+  bwd_block_kv: int = 64  # the dq kernel's keys a step (its CTA takes 2 x 64 queries); 32
+  # past head dim 128, where two blocks of 64 keys do not fit beside 128 queries' q and dO
+  bwd_stages: int = 2  # blocks in flight in either backward kernel (fewer where they do not fit)
+  # The Triton backward's config, for the calls the Mosaic GPU backward does not serve (a
+  # bias); None: Triton's heuristic.
+  backward: triton.Config | None = None
+
+  def __post_init__(self):
+    check_fields(self, ("block_q",), lambda v: v == 64, "64 (a wgmma's rows per warpgroup)")
+    check_fields(self, ("block_kv",), lambda v: v % 64 == 0 and 64 <= v <= 256,
+                 "a multiple of 64 up to 256")
+    check_fields(self, ("bwd_block_q",), lambda v: v in (64, 128), "64 or 128")
+    check_fields(self, ("bwd_block_kv",), lambda v: v in (32, 64, 128), "32, 64 or 128")
+    check_fields(self, ("stages", "bwd_stages"), lambda v: v >= 2, ">= 2")
+
+
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """FlashAttention-3's blocks: 2 x 64 queries against 128 keys at head dim 128 (64 keys at
+  128 with 3 stages: 0.53 against 0.43 ms), 256 keys at 64 (0.604 against 0.621 ms for 128),
+  64 keys past 128 (registers: the accumulator alone takes 128 a thread at 256). H100, B=2
+  T=S=4096, bench/NOTES.md attention-4. The dq kernel past 128 takes 32 keys a step, two
+  blocks in flight: at 256 its ring of one 64-key block ran 4.26 ms, this 2.63 (attention-7).
+  Causal at head dim 64 over up to 4096 keys, 128 keys a step: a query block's last key block
+  straddles the diagonal and computes masked products, up to a whole block's, and 256-key
+  blocks waste twice 128's. At the 350m model's shape (8 x 2048, 16/4 heads, causal; H100)
+  128 keys ran 0.191 ms against 256's 0.213 and cuDNN's 0.194 (bench/NOTES.md model-4)."""
+  h = problem.head_dim
+  block_kv = 256 if h <= 64 else 128 if h <= 128 else 64
+  if h <= 64 and problem.window.plain_causal and problem.kv_len <= 4096:
+    block_kv = 128
+  if problem.bias is not None:  # a bias tile a stage beside k and v: 64 keys fit
+    block_kv = 64
+  return Config(block_q=64, block_kv=block_kv, stages=2, bwd_block_kv=64 if h <= 128 else 32,
+                backward=triton.heuristic(problem, chip))
+
+
+def unsupported(problem, chip) -> str | None:
+  if (reason := _mosaic_gpu.hopper_reason(chip)) is not None:
+    return reason
+  if jnp.dtype(problem.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"{problem.dtype} inputs: the kernel's wgmma takes 16-bit operands (Triton serves them)"
+  if problem.head_dim % 64:
+    return (f"head dim {problem.head_dim} is not a multiple of 64 (TMA's 128-byte swizzle; "
+            "Triton serves it)")
+  return None
+
+
+def smem_bytes(problem, config: Config) -> int:
+  itemsize = jnp.dtype(problem.dtype).itemsize
+  h = problem.head_dim
+  q = 2 * config.block_q * h * itemsize
+  kv = 2 * config.stages * config.block_kv * h * itemsize
+  extras = 2 * config.block_q * 4 + (
+      (2 * config.block_q + config.stages * config.block_kv) * 4 if problem.segments else 0)
+  # A bias tile a stage (its dtype is q's at most 4 bytes: counted at 4).
+  bias = config.stages * 2 * config.block_q * config.block_kv * 4 if problem.bias else 0
+  return q + kv + extras + bias
+
+
+def backward_smem_bytes(problem, config: Config) -> tuple[int, int]:
+  """Shared memory of the (dq, dk/dv) kernels: each holds two blocks of 64 rows (queries with
+  their dO; keys with their v, or one block's two head-dim halves) and rings of the other
+  side's blocks."""
+  h, itemsize = problem.head_dim, jnp.dtype(problem.dtype).itemsize
+  segments = bool(problem.segments)
+  stages = dq_stages(h, itemsize, segments, config)
+  return (_dq_bytes(h, itemsize, segments, config.bwd_block_kv, stages),
+          _dkv_bytes(h, itemsize, segments, config))
+
+
+def config_error(problem, config: Config, chip) -> str | None:
+  limit = _mosaic_gpu.cta_smem_bytes(chip)
+  need = smem_bytes(problem, config)
+  if need > limit:
+    return f"it needs {need} bytes of shared memory, over a CTA's {limit}"
+  if problem.head_dim > 128 and config.block_kv > 64:
+    return f"block_kv {config.block_kv} at head dim {problem.head_dim} spills registers: use 64"
+  if problem.bias is None:  # the Mosaic GPU backward's
+    for kernel, need in zip(("dq", "dk/dv"), backward_smem_bytes(problem, config)):
+      if need > limit:
+        return (f"its {kernel} kernel needs {need} bytes of shared memory, over a CTA's "
+                f"{limit}: fewer bwd_stages or smaller backward blocks")
+  return None
+
+
+def head_parts(head_dim: int) -> int:
+  """The dk/dv kernel's split of the head dim: 1 (each compute warpgroup takes 64 keys with the
+  whole of dk and dv), or 2 past head dim 128, where 64 keys' dk and dv accumulators would take
+  256 registers a thread: both warpgroups then take the same 64 keys, warpgroup w the w-th half
+  of dk and dv's columns (and each computes the whole of S^T and dP^T)."""
+  return 1 if head_dim <= 128 else 2
+
+
+def backward_producer_registers(head_dim: int) -> int:
+  """The backward kernels' producer registers (the compute warpgroups take the rest)."""
+  return PRODUCER_REGISTERS if head_dim <= 128 else WIDE_PRODUCER_REGISTERS
+
+
+def _smem(*buffers: int) -> int:
+  """Shared memory of scoped buffers of these byte sizes: each starts on a 1024-byte boundary
+  (Pallas Mosaic GPU's alignment), and the barriers take at most one more KiB."""
+  return sum(round_up(nbytes, 1024) for nbytes in buffers) + 1024
+
+
+def _dq_bytes(h: int, itemsize: int, segments: bool, block_kv: int, stages: int) -> int:
+  tile = 64 * h * itemsize
+  buffers = [2 * tile, 2 * tile, 2 * 64 * 4, 2 * 64 * 4,  # q, dO, lse, delta
+             stages * block_kv * h * itemsize, stages * block_kv * h * itemsize]  # k, v
+  if segments:
+    buffers += [2 * 64 * 4, stages * block_kv * 4]
+  return _smem(*buffers)
+
+
+def dq_stages(h: int, itemsize: int, segments: bool, config: Config) -> int:
+  """The dq kernel's ring depth (keys and values alike): ``bwd_stages``, less where it would
+  not fit a CTA's shared memory (past head dim 128, 128 queries' q and dO take 128 KiB: rings
+  of 64-key blocks hold one block each, of 32-key blocks two or three)."""
+  stages = config.bwd_stages
+  limit = _mosaic_gpu.cta_smem_bytes()
+  while _dq_bytes(h, itemsize, segments, config.bwd_block_kv, stages) > limit and stages > 1:
+    stages -= 1
+  return stages
+
+
+def _dkv_bytes(h: int, itemsize: int, segments: bool, config: Config) -> int:
+  stages, bq = config.bwd_stages, config.bwd_block_q
+  held = 2 * 64 * (h // head_parts(h)) * itemsize  # k or v: two blocks of 64 rows
+  ring = stages * bq * h * itemsize  # q or dO
+  buffers = [held, held, ring, ring, stages * bq * 4, stages * bq * 4]
+  if segments:
+    buffers += [2 * 64 * 4, stages * bq * 4]
+  return _smem(*buffers)

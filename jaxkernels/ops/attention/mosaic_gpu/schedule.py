@@ -1,0 +1,121 @@
+"""What the forward and both backward kernels share: the warpgroups' roles, the ring of key
+(or query) blocks each CTA walks and each compute warpgroup's runs of it, the producer's loop,
+the segments' meeting blocks, and the kernels' names.
+
+Every kernel here is a CTA of three warpgroups: two compute ("consumer") warpgroups, 0 and 1,
+each with its own block of rows and accumulators, and one producer, 2, that issues the TMA
+loads of the blocks the consumers walk. A ring slot is released by both consumers (each
+arrives on its ``free`` barrier), and the forward's consumers take turns at the tensor cores
+on a barrier that both arrive at.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkernels.ops.attention.common import Window, key_blocks
+
+CONSUMERS = 2  # compute warpgroups, 0 and 1: the arrivals that release a slot
+PRODUCER = CONSUMERS  # the producer warpgroup's index
+WARPGROUPS = CONSUMERS + 1
+ROWS = 64  # a consumer's rows: a wgmma's M for one warpgroup
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def is_producer(wg):
+  return wg == PRODUCER
+
+
+def is_consumer(wg):
+  return wg < CONSUMERS
+
+
+class Walk(NamedTuple):
+  """A compute warpgroup's key blocks (``common.key_blocks``' runs, empty where its queries
+  lie past T) inside the ring's steps [lo, hi): the union of both warpgroups' runs."""
+
+  first: Any
+  full_first: Any
+  full_end: Any
+  end: Any
+
+
+def ring(tile, n_rows: int, n_cols: int, block: int, window: Window, meet=None,
+          shared: bool = False):
+  """(lo, hi, walks): the ring's blocks of ``block`` columns for a CTA's two blocks of 64 rows
+  (queries against keys: the forward's and dq's; keys against queries, ``window`` seen from
+  the keys: dk/dv's), and each block's walk; with ``shared``, the two warpgroups' rows are the
+  same 64 (tile's; dk/dv's head-dim halves); with ``meet`` (first, end), only the column
+  blocks in [first, end) (those whose segments can meet the tile's)."""
+  raw, some = [], []
+  for w in (0, 1):
+    row0 = tile * 64 if shared else (2 * tile + w) * 64
+    rows = jnp.clip(n_rows - row0, 0, 64)  # none past the end
+    raw.append(key_blocks(row0, rows, block, n_cols, window))
+    some.append((rows > 0) & (raw[-1][3] > raw[-1][0]))
+  big = jnp.int32(1 << 30)
+  lo = jnp.minimum(*(jnp.where(s, r[0], big) for s, r in zip(some, raw)))
+  hi = jnp.maximum(*(jnp.where(s, r[3], 0) for s, r in zip(some, raw)))
+  lo = jnp.where(hi > 0, lo, 0)
+  walks = [Walk(*(jnp.where(s, x, hi) for x in r)) for s, r in zip(some, raw)]
+  if meet is not None:
+    lo = jnp.maximum(lo, meet[0])
+    hi = jnp.maximum(jnp.minimum(hi, meet[1]), lo)
+    walks = [Walk(*(jnp.clip(x, lo, hi) for x in w)) for w in walks]
+  return lo, hi, walks
+
+
+def produce(lo, end, stages: int, streams):
+  """A producer warpgroup's rings of ``stages`` slots: for every step j in [lo, end) and each
+  stream ``(free, load)``, ``load(j, slot)`` into slot (j - lo) mod stages, a refill first
+  waiting for the slot's release on ``free`` (each stream on its own, so that one ring's
+  refill does not wait for another's release); then the releases that no refill waited for,
+  so that every barrier ends with each phase observed."""
+  slot = lambda j: lax.rem(j - lo, jnp.int32(stages))
+
+  @pl.loop(lo, end)
+  def _(j):
+    for free, load in streams:
+      @pl.when(j - lo >= stages)
+      def _():
+        plgpu.barrier_wait(free.at[slot(j)])
+      load(j, slot(j))
+
+  @pl.loop(jnp.maximum(end - stages, lo), end)
+  def _(j):
+    for free, _ in streams:
+      plgpu.barrier_wait(free.at[slot(j)])
+
+
+def named(name: str, body, **kwargs):
+  """``body`` with ``kwargs`` bound, named ``name``: plgpu.kernel names its kernel after its
+  body (a profile's rows, the lowering's)."""
+  out = functools.partial(body, **kwargs)
+  out.__name__ = name
+  return out
+
+
+def meeting_blocks(q_seg, kv_seg, rows: int, cols: int):
+  """(B, query tiles, 2) int32: for each tile of ``rows`` queries, [first, end) of the key
+  blocks of ``cols`` keys whose id ranges overlap the tile's (all of them that can share a
+  segment with it, and those between); [0, 0) where none can. Packed sequences have sorted
+  ids, so that a tile of one sequence visits only that sequence's blocks."""
+  b = q_seg.shape[0]
+  q = q_seg.reshape(b, -1, rows)
+  k = kv_seg.reshape(b, -1, cols)
+  meet = ((k.min(-1)[:, None, :] <= q.max(-1)[:, :, None]) &
+          (k.max(-1)[:, None, :] >= q.min(-1)[:, :, None]))
+  blocks = meet.shape[-1]
+  index = jnp.arange(blocks, dtype=jnp.int32)
+  first = jnp.min(jnp.where(meet, index, blocks), axis=-1)
+  end = jnp.max(jnp.where(meet, index + 1, 0), axis=-1)
+  first = jnp.minimum(first, end)
+  return jnp.stack([first, end], axis=-1).astype(jnp.int32)
