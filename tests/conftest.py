@@ -219,3 +219,37 @@ def default_emitters(request) -> bool:
   assert done.returncode == 0 and " passed" in done.stdout, (
       done.stdout[-4000:] + done.stderr[-2000:])
   return False
+
+
+# The sharded tests' fixtures (tests/sharding.py holds their helpers).
+@pytest.fixture(scope="module")
+def mesh():
+  """A (4, 2) mesh of Explicit axes, ("data", "model"), over 8 host devices."""
+  import jax
+  from jax.sharding import AxisType
+
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (conftest sets --xla_force_host_platform_device_count=8)")
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+@pytest.fixture(autouse=True)
+def fresh_sharding_warnings(monkeypatch):
+  """Every test starts with no ShardingWarning given yet (each is given once a process)."""
+  from jaxkernels import partitioning
+  monkeypatch.setattr(partitioning.specs, "_WARNED", set())
+
+
+@pytest.fixture(scope="module", params=["v5e:2x2", "v6e:2x2"])
+def tpu4(request):
+  """Four chips of a TPU topology on one Explicit axis, "data": compiles run the TPU compiler."""
+  import jax
+  from jax.experimental import topologies
+  from jax.sharding import AxisType
+
+  try:
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=request.param)
+  except Exception as e:  # noqa: BLE001 - no libtpu: the `test` extra brings it
+    pytest.skip(f"no TPU compiler here ({type(e).__name__}: {e})")
+  return jax.sharding.Mesh(np.array(topology.devices[:4]), ("data",),
+                           axis_types=(AxisType.Explicit,))

@@ -23,7 +23,7 @@ from jaxkernels.ops.attention import mosaic_gpu as attention_mosaic_gpu
 from jaxkernels.ops.attention import mosaic_tpu as attention_mosaic_tpu
 from jaxkernels.ops.attention import triton as attention_triton
 from jaxkernels.ops.attention.common import Window, key_blocks, query_blocks, visible
-from tests import numerics
+from tests import cases, numerics
 from tests.conftest import aot_compile, cuda_lowering
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -173,21 +173,22 @@ class AttentionTest:
   def check(self, case: Case, config=None):
     (q, k, v, bias), (seg, kv_seg), (do, dlse) = _draw(case)
     primals = (q, k, v) if bias is None else (q, k, v, bias)
-    with numerics.kernel_mode():
-      support = jk.supports("flash_attention", self.IMPL, q, k, v, bias=bias,
-                            segment_ids=seg, kv_segment_ids=kv_seg, **case.kwargs())
-      if not support:
-        pytest.skip(support.reason)
-      out, vjp = jax.vjp(self.op(case, seg, kv_seg, config), *primals)
-      # A query that sees nothing has lse -inf; its cotangent there is 0.
-      ct = (do, jnp.where(jnp.isfinite(out[1]), dlse, 0.0)) if case.return_lse else do
-      got = (out, vjp(ct))
+    reference_ = _reference(case, seg, kv_seg)
+    # A query that sees nothing has lse -inf; its cotangent there is 0 (the reference's -inf
+    # is the kernels' too).
+    if case.return_lse:
+      _, lse = reference_(jnp.float32)(*primals)
+      ct = (do, jnp.where(jnp.isfinite(lse), dlse, 0.0))
+    else:
+      ct = do
+    got = cases.check("flash_attention", self.IMPL, self.op(case, seg, kv_seg, config),
+                      reference_, primals, ct, dtype=case.dtype,
+                      reduction=max(case.kv_len, case.q_len, case.head_dim),
+                      pointwise_rtol=_delta_rtol(case, reference_, primals, ct),
+                      support=((q, k, v), dict(bias=bias, segment_ids=seg,
+                                               kv_segment_ids=kv_seg, **case.kwargs())))
     chex.assert_shape(got[0][0] if case.return_lse else got[0],
                       (case.batch, case.q_len, case.heads, case.head_dim))
-    reference_ = _reference(case, seg, kv_seg)
-    numerics.assert_matches(got, reference_, primals, ct, dtype=case.dtype,
-                            reduction=max(case.kv_len, case.q_len, case.head_dim),
-                            pointwise_rtol=_delta_rtol(case, reference_, primals, ct))
     return got
 
   DTYPES = DTYPES  # what the kernels take (Mosaic TPU: no float16)
@@ -841,23 +842,20 @@ class DecodeTest:
     if lengths is None:  # the shortest cache (only the new queries), the full one, and between
       lengths = np.concatenate([[tq, s], gen.integers(tq, s + 1, max(batch - 2, 0))])[:batch]
     lengths = jnp.asarray(lengths, jnp.int32)
-    with numerics.kernel_mode():
-      # (its shapes are what it reads: a traced call's lengths may be past the cache)
-      support = jk.supports("decode_attention", self.IMPL, q, k, v,
-                            lengths=jnp.minimum(lengths, s))
-      if not support:
-        pytest.skip(support.reason)
-      call = lambda q, k, v, n: jk.decode_attention(
-          q, k, v, lengths=n, logits_soft_cap=soft_cap, local_window_size=window,
-          implementation=self.IMPL, config=config)
-      got = (jax.jit(call) if traced else call)(q, k, v, lengths)
-    chex.assert_shape(got, q.shape)
+    call = lambda q, k, v, n: jk.decode_attention(
+        q, k, v, lengths=n, logits_soft_cap=soft_cap, local_window_size=window,
+        implementation=self.IMPL, config=config)
+    run = jax.jit(call) if traced else call  # traced: the lengths too
 
     def ref(cd):
       return lambda q, k, v: reference.decode(q, k, v, lengths, scale=h ** -0.5,
                                               soft_cap=soft_cap, window_left=window,
                                               compute_dtype=cd)
-    numerics.assert_matches(got, ref, (q, k, v), dtype=dtype, reduction=max(s, h))
+    # (supports asks with the shapes it reads: a traced call's lengths may be past the cache)
+    got = cases.check("decode_attention", self.IMPL, lambda q, k, v: run(q, k, v, lengths), ref,
+                      (q, k, v), None, dtype=dtype, reduction=max(s, h), grads=False,
+                      support=((q, k, v), {"lengths": jnp.minimum(lengths, s)}))
+    chex.assert_shape(got, q.shape)
     return q, k, v, lengths
 
   @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,7 +17,7 @@ import jaxkernels as jk
 from jaxkernels.ops.cross_entropy import api, reference
 from jaxkernels.ops.cross_entropy import mosaic_tpu as ce_mosaic_tpu
 from jaxkernels.ops.cross_entropy import triton as ce_triton
-from tests import numerics
+from tests import cases, numerics
 from tests.conftest import aot_compile, cuda_lowering
 
 IGNORE = -100
@@ -51,23 +51,17 @@ class CrossEntropyTest:
     gen = numerics.rng("ct", logits.shape, reduction)
     out_shape = labels.shape if reduction == "none" else ()
     ct = numerics.normal(gen, out_shape, jnp.float32)
-    with numerics.kernel_mode():
-      support = jk.supports("softmax_cross_entropy", self.IMPL, logits, labels,
-                            reduction=reduction, **options)
-      if not support:
-        pytest.skip(support.reason)
-      fn = lambda z: jk.softmax_cross_entropy(z, labels, reduction=reduction,
-                                              implementation=self.IMPL, config=config,
-                                              **options)
-      out, vjp = jax.vjp(fn, logits)
-      got = (out, vjp(ct))
-    chex.assert_shape(got[0], out_shape)
-    chex.assert_type(got[0], jnp.float32)
+    fn = lambda z: jk.softmax_cross_entropy(z, labels, reduction=reduction,
+                                            implementation=self.IMPL, config=config, **options)
     ignore = options.get("ignore_index")
     ref = lambda cd: lambda z: _reduced(
         reference.softmax_cross_entropy(z, labels, compute_dtype=cd, **options)[0], labels,
         reduction, ignore)
-    numerics.assert_matches(got, ref, (logits,), ct, dtype=dtype, reduction=logits.shape[-1])
+    got = cases.check("softmax_cross_entropy", self.IMPL, fn, ref, (logits,), ct, dtype=dtype,
+                      reduction=logits.shape[-1],
+                      support=((logits, labels), {"reduction": reduction, **options}))
+    chex.assert_shape(got[0], out_shape)
+    chex.assert_type(got[0], jnp.float32)
     return got
 
   def check_drawn(self, data):

@@ -12,7 +12,7 @@ from bench import shapes
 from jaxkernels import _activations
 from jaxkernels.ops.elementwise import reference
 from jaxkernels.ops.elementwise import triton as elementwise_triton
-from tests import numerics
+from tests import cases, numerics
 from tests.conftest import aot_compile, cuda_lowering
 
 ACTIVATIONS = _activations.ACTIVATIONS
@@ -49,15 +49,10 @@ class ElementwiseTest:
                                config=config)
 
   def check(self, op_name, fn, reference_fn, primals, ct, dtype, pointwise_rtol, activation):
-    with numerics.kernel_mode():
-      support = jk.supports(op_name, self.IMPL, *primals, activation=activation)
-      if not support:
-        pytest.skip(support.reason)
-      out, vjp = jax.vjp(fn, *primals)
-      got = (out, vjp(ct))
-    numerics.assert_matches(got, reference_fn, primals, ct, dtype=dtype,
-                            reduction=primals[0].size // primals[0].shape[-1],
-                            pointwise_rtol=pointwise_rtol)
+    return cases.check(op_name, self.IMPL, fn, reference_fn, primals, ct, dtype=dtype,
+                       reduction=primals[0].size // primals[0].shape[-1],
+                       pointwise_rtol=pointwise_rtol,
+                       support=(primals, {"activation": activation}))
 
   def check_bias_activation(self, shape, dtype, activation, *labels, config=None):
     """Draws inputs (labelled ``labels``, else the activation) and checks one call."""

@@ -12,7 +12,7 @@ from bench import shapes
 from jaxkernels.ops.softmax import reference
 from jaxkernels.ops.softmax import triton as softmax_triton
 from jaxkernels.ops.softmax.api import Problem
-from tests import numerics
+from tests import cases, numerics
 from tests.conftest import aot_compile, cuda_lowering
 
 SMALL = (*shapes.SMALL_ROWS, shapes.ODD_ROWS[-1])
@@ -50,16 +50,10 @@ class SoftmaxTest:
     return numerics.normal(gen, shape, dtype, 3.0), numerics.normal(gen, shape, dtype)
 
   def check(self, x, ct, dtype, axis=-1, config=None):
-    with numerics.kernel_mode():
-      support = jk.supports("softmax", self.IMPL, x, axis=axis)
-      if not support:
-        pytest.skip(support.reason)
-      out, vjp = jax.vjp(self.op(axis, config), x)
-      got = (out, vjp(ct))
-    numerics.assert_matches(got, _reference(axis), (x,), ct, dtype=dtype,
-                            reduction=x.shape[axis],
-                            pointwise_rtol=_pointwise_rtol(x, ct, dtype, axis))
-    return got
+    return cases.check("softmax", self.IMPL, self.op(axis, config), _reference(axis), (x,), ct,
+                       dtype=dtype, reduction=x.shape[axis],
+                       pointwise_rtol=_pointwise_rtol(x, ct, dtype, axis),
+                       support=((x,), {"axis": axis}))
 
   @pytest.mark.parametrize("shape", SMALL + shapes.BATCHED)
   def test_float32(self, shape):
