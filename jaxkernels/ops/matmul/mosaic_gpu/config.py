@@ -124,7 +124,7 @@ def shared_bytes(problem: Problem, config: Config) -> int:
 def config_error(problem: Problem, config: Config, chip) -> str | None:
   """Why ``config`` cannot run ``problem`` on ``chip`` (None: a stand-in Hopper), or None."""
   p, c = as_stored(problem), config
-  limit = (chip or hardware.DEFAULT_GPU).block_onchip_bytes
+  limit = _mosaic_gpu.cta_smem_bytes(chip)
   if (need := shared_bytes(p, c)) > limit:
     return f"needs {need} bytes of shared memory per CTA; Hopper has {limit}"
   if p.glu:
