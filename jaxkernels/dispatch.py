@@ -152,7 +152,7 @@ class Kernels:
   """One op's kernels on one implementation, wired by name: what dispatch, tuning and the
   custom_vjp call. An op's api lists one per implementation, e.g. for softmax on Triton
   ``Kernels.of("softmax", "triton", triton, forward=triton.forward, backward=triton.backward)``,
-  and registers them with :func:`register`.
+  and registers them with ``backend.register``.
 
   The ``problem`` every function here takes is the op's description of one call (its
   ``Problem``: shapes, dtypes, static options), hashable, with ``key()`` for the tuning
