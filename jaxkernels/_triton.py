@@ -2,7 +2,9 @@
 full-array refs, and the walk along rows that the online softmax takes.
 
 Version differences between the jax releases we run on (0.10.2 on CPU/CI, 0.11.x on the GPU
-machine) that touch Triton kernels are absorbed here and nowhere else.
+machine) that touch Triton kernels are absorbed here and nowhere else; so is Pallas Triton's
+absence from a JAX that has removed it (``pltriton`` is None there): every Triton kernel module
+takes ``pltriton`` from here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+
+try:  # The package's one import of Pallas Triton, which JAX 0.11 deprecated and will remove.
+  from jax.experimental.pallas import triton as pltriton
+except ImportError:  # A JAX without it: the package imports, dispatch refuses the Triton
+  pltriton = None  # kernels with the reason (dispatch.missing_api), XLA serves their calls.
 
 from jaxkernels import _activations
 from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2

@@ -209,6 +209,9 @@ def _toolchain_reason(implementation: str) -> str | None:
   missing = missing_api(implementation)
   if not missing:
     return None
+  if _TOOLCHAINS[implementation][1] is None:  # the whole backend: Pallas Triton removed
+    return (f"this JAX ({jax.__version__}) has no Pallas {implementation} "
+            f"(jax.experimental.pallas.{implementation} does not import)")
   return (f"this JAX ({jax.__version__}) has no {', '.join(missing)} in Pallas "
           f"{implementation}, which its kernels call")
 

@@ -286,3 +286,70 @@ def test_supports_a_composed_call_as_it_runs():
     refused = jk.supports("matmul", "triton", a.astype(jnp.int8), b.astype(jnp.int8), glu=True,
                           activation="silu")
     assert not refused and "int8" in refused.reason, refused.reason
+
+
+def test_a_jax_without_pallas_triton():
+  """The day JAX removes Pallas Triton (deprecated since 0.11), simulated: its import fails.
+  The package imports (``_triton`` is the one import of it); a call on an sm80 GPU, whose only
+  kernel was Triton's, falls back to XLA with the FallbackWarning naming why; Hopper's Mosaic
+  GPU kernels still serve matmul and attention; an explicit Triton kernel is refused by name;
+  and the Hopper matmul's crop of a padded C is XLA's slice."""
+  script = textwrap.dedent("""
+      import sys
+      import warnings
+
+      class Removed:  # the finder of a JAX without jax.experimental.pallas.triton
+        def find_spec(self, name, path=None, target=None):
+          if name == "jax.experimental.pallas.triton":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+          return None
+
+      sys.meta_path.insert(0, Removed())
+      import jax
+      import jax.numpy as jnp
+      import numpy as np
+      import jaxkernels as jk
+      from jaxkernels import _triton, backend, dispatch
+      from jaxkernels.ops.matmul.mosaic_gpu import padding
+
+      assert _triton.pltriton is None
+      A100 = dispatch.Target("gpu", "NVIDIA A100-SXM4-80GB", True)
+      H200 = dispatch.Target("gpu", "NVIDIA H200", True)
+      x, s = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16)
+      q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+
+      def chosen(op, target, *args, **kwargs):
+        registered = backend.registered()[op]
+        arguments = backend._REGISTRY[op].signature.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        problem = registered.problem(registered.validate(**{
+            k: v for k, v in arguments.arguments.items() if k not in ("implementation",
+                                                                      "config")}))
+        reasons = dispatch.kernel_reasons(problem, target, registered.kernels)
+        with warnings.catch_warnings(record=True) as caught:
+          warnings.simplefilter("always")
+          picked = dispatch.select(op, None, target, reasons)
+        return picked, [str(w.message) for w in caught]
+
+      picked, warned = chosen("rms_norm", A100, x, s)
+      assert picked == "xla" and warned, (picked, warned)
+      assert "triton: this JAX" in warned[0] and "has no Pallas triton" in warned[0], warned
+      assert chosen("matmul", H200, x, jnp.ones((128, 256), jnp.bfloat16))[0] == "mosaic_gpu"
+      assert chosen("flash_attention", H200, q, q, q)[0] == "mosaic_gpu"
+      with jk.interpret_mode("triton"):
+        refused = jk.supports("rms_norm", "triton", x, s)
+        assert not refused and "no Pallas triton" in refused.reason, refused.reason
+        dispatch._WARNED.clear()  # the same words as on the A100 above: once a process
+        with warnings.catch_warnings(record=True) as caught:
+          warnings.simplefilter("always")
+          y = jk.rms_norm(x.astype(jnp.float32), s.astype(jnp.float32))
+        assert any("no Pallas triton" in str(w.message) for w in caught), caught
+        np.testing.assert_allclose(np.asarray(y), 1.0, rtol=1e-6)
+      c = jnp.arange(24.0).reshape(4, 6)
+      assert (np.asarray(padding.crop(c, 3, 5)) == np.asarray(c[:3, :5])).all()
+      print("ok")
+  """)
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", (out.stdout[-2000:] +
+                                                              out.stderr[-3000:])

@@ -443,3 +443,20 @@ def test_the_model_is_built_on_the_public_api():
   read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
           and isinstance(node.value, ast.Name) and node.value.id == "jk"}
   assert read <= exported, read - exported
+
+
+def test_pallas_triton_is_imported_in_one_place():
+  """JAX deprecated Pallas Triton in 0.11 and will remove it: ``_triton`` is the package's one
+  import of it (and survives its absence), so that the day it goes the package still imports
+  and dispatch refuses the Triton kernels with the reason (test_backend's
+  test_a_jax_without_pallas_triton)."""
+  importing = []
+  for name, path in MODULES.items():
+    for node in ast.walk(ast.parse(path.read_text())):
+      modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [f"{node.module}.{a.name}" for a in node.names]
+                 if isinstance(node, ast.ImportFrom) else [])
+      if any(m.startswith(("jax.experimental.pallas.triton", "jax._src.pallas.triton"))
+             for m in modules):
+        importing.append(name)
+  assert set(importing) == {"jaxkernels._triton"}, importing

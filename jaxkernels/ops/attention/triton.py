@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import _online_softmax, _triton, hardware
+from jaxkernels._triton import pltriton
 from jaxkernels._online_softmax import Running, finite
 from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
 from jaxkernels.ops.attention.common import (Call, Window, dot, key_blocks, query_blocks,

@@ -17,12 +17,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import _online_softmax, _triton, hardware, roofline
 from jaxkernels._activations import exp
 from jaxkernels._tiling import cdiv
-from jaxkernels._triton import FLAT_MAX_ELEMENTS, RowSteps, load_vector, store_vector
+from jaxkernels._triton import (FLAT_MAX_ELEMENTS, RowSteps, load_vector, pltriton,
+                                store_vector)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config(_triton.RowWalkConfig):

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import _triton, hardware
+from jaxkernels._triton import pltriton
 from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2, pad_to, round_up
 from jaxkernels.ops.matmul.common import FLOAT8, FLOATS, Problem, epilogue, split_refs
 from jaxkernels.ops.matmul.common import cost as common_cost

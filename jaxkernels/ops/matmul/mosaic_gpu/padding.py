@@ -5,14 +5,14 @@ Swizzled TMA wants each array's rows in multiples of 8 and each row in multiples
 and no copy may start past an array's end. Where A, B or C fail that, the wrapper zero-pads
 them (``padded_shapes``) and cuts the padded C with ``crop``: one extra pass over each.
 
-``crop`` is a Pallas Triton kernel. C's rows are written by TMA, which needs 16-byte row
-strides, so where N * itemsize is not a multiple of 16 (8193 bf16 columns: 16386-byte rows)
-the kernel writes a padded C that must then be cut. XLA's slice of (8320, 8448) to
-(8193, 8193) bf16 ran at 0.86 TB/s on an H200 (0.31 ms, bench/NOTES.md matmul-30): every
-destination row starts only 2-byte aligned. Here each program copies a ``BLOCK_ROWS x
-BLOCK_COLS`` tile: aligned, vectorized loads from the padded source, read once past L1, and
-masked stores that Triton issues element by element where the destination's alignment forbids
-wider ones.
+``crop`` is a Pallas Triton kernel (XLA's slice on a JAX without Pallas Triton). C's rows are
+written by TMA, which needs 16-byte row strides, so where N * itemsize is not a multiple of 16
+(8193 bf16 columns: 16386-byte rows) the kernel writes a padded C that must then be cut. XLA's
+slice of (8320, 8448) to (8193, 8193) bf16 ran at 0.86 TB/s on an H200 (0.31 ms, bench/NOTES.md
+matmul-30): every destination row starts only 2-byte aligned. Here each program copies a
+``BLOCK_ROWS x BLOCK_COLS`` tile: aligned, vectorized loads from the padded source, read once
+past L1, and masked stores that Triton issues element by element where the destination's
+alignment forbids wider ones.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jaxkernels import _triton
+from jaxkernels._triton import pltriton
 from jaxkernels._tiling import cdiv, round_up
 from jaxkernels.ops.matmul.common import FLOAT8, Problem
 
@@ -98,6 +98,8 @@ def crop(y, m: int, n: int, *, interpret=False):
     raise ValueError(f"crop: y must be 2-D and at least ({m}, {n}), got shape {y.shape}")
   if tuple(y.shape) == (m, n):
     return y
+  if pltriton is None:  # a JAX without Pallas Triton: XLA's slice (0.86 TB/s, above)
+    return y[:m, :n]
   return pl.pallas_call(
       functools.partial(_kernel, m=m, n=n),
       out_shape=jax.ShapeDtypeStruct((m, n), y.dtype),
