@@ -38,7 +38,7 @@ API = ("ACC", "Barrier", "BlockSpec", "CompilerParams", "Layout", "LoweringSeman
        "copy_gmem_to_smem", "copy_smem_to_gmem", "emit_pipeline_warp_specialized",
        "find_swizzle", "inline_mgpu", "kernel", "layout_cast", "load", "nd_loop",
        "planar_snake", "semaphore_signal", "semaphore_wait", "set_max_registers",
-       "transpose_ref", "wait_smem_to_gmem", "wgmma", "wgmma_accumulator_load", "wgmma_wait")
+       "wait_smem_to_gmem", "wgmma", "wgmma_accumulator_load", "wgmma_wait")
 
 
 # Where Mosaic GPU's API moved between the JAX releases we run on (0.10 to 0.12), the kernels
@@ -65,11 +65,13 @@ def load(ref, idx: tuple = (), *, layout, optimized: bool = True):
 
 def transposed(ref):
   """A transposed view of a 2-D shared-memory block: ``ref.T`` where refs have it (jax 0.11
-  on; ``plgpu.transpose_ref`` is deprecated there), else ``transpose_ref`` (jax 0.10)."""
+  on; ``transpose_ref`` is deprecated there), else ``transpose_ref`` (jax 0.10). Named only
+  here, outside ``API``: reading a deprecated name off the module warns (dispatch's
+  ``missing_api`` once did, on jax 0.12), and a JAX without it has ``ref.T``."""
   try:
     return ref.T
   except (AttributeError, NotImplementedError, TypeError):
-    return plgpu.transpose_ref(ref, (1, 0))
+    return getattr(plgpu, "transpose_ref")(ref, (1, 0))  # noqa: B009 - see above
 
 
 def fast_reciprocal(x):
