@@ -239,7 +239,7 @@ def _vocab_rows_fwd(spec, split, x, w, labels):
 
 def _vocab_rows_bwd(spec, split, saved, g):
   x, w, labels, lse = saved
-  g = lax.psum(g, split.axes)  # each slice's share of the cotangent (_linear_across)
+  g = lax.psum(g, split.axes)  # each slice's share of the cotangent (_across)
   return (*_vocab_grads(spec, split, x, w, labels, lse, g), None)
 
 
