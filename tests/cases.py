@@ -138,6 +138,7 @@ def _norm(layer: bool) -> Case:
             numerics.normal(gen, (n,), jnp.float32, 0.2, 1),
             numerics.normal(gen, (n,), jnp.float32, 0.2) if layer else None,
             numerics.normal(gen, shape, jnp.float32))
+
   def support(x, s, b, r):
     return ((x, s, b) if layer else (x, s)), {"residual": r}
   return Case(name, call, reference, arrays, support,

@@ -298,18 +298,9 @@ def _glu_check(shape, dtype, case, *, implementation, config=None, grads=True,
                      residual=rest.pop(0) if has_residual else None, activation=activation,
                      glu=True, implementation=implementation, config=config)
 
-  with numerics.kernel_mode():
-    if implementation != "xla" and not (support := jk.supports("matmul", implementation,
-                                                                 *primals[:2])):
-      pytest.skip(support.reason)
-    if grads:
-      out, vjp = jax.vjp(fn, *primals)
-      got = (out, vjp(ct))
-    else:
-      got = fn(*primals)
-  numerics.assert_matches(got, glu_reference(*case), primals, ct if grads else None,
-                          dtype=dtype, reduction=max(math.prod(shape[:-2]), shape[-1]),
-                          pointwise_rtol=pointwise_rtol)
+  cases.check("matmul", implementation, fn, glu_reference(*case), primals, ct, dtype=dtype,
+              reduction=max(math.prod(shape[:-2]), shape[-1]), pointwise_rtol=pointwise_rtol,
+              support=(primals[:2], {}), grads=grads)
 
 
 def _no_composition(monkeypatch):
