@@ -83,6 +83,15 @@ class Session:
     """The kernel implementation this device runs (interpreted on a CPU)."""
     return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(self.platform, "triton")
 
+  def kernels(self, op: str | None) -> list[str]:
+    """The implementations a case of ``op`` times: on a GPU each of the op's GPU kernels side
+    by side (Mosaic GPU, then the Triton kernel it replaces); elsewhere, or for a case that
+    names no op, :attr:`kernel`."""
+    if self.platform != "gpu" or op is None:
+      return [self.kernel]
+    from jaxkernels import backend
+    return [k for k in dispatch.PREFERENCE["gpu"] if k in backend.kernels(op)]
+
   @property
   def profiles(self) -> bool:
     """Kernel-only times by CUPTI: on a GPU, not in a smoke run (each profile compiles the
@@ -467,6 +476,7 @@ class Case:
   sweep: dict[str, list] = dataclasses.field(default_factory=dict)  # label -> kernel configs
   anchors: dict[str, Callable] = dataclasses.field(default_factory=dict)  # fwd-only extras
   pointwise_rtol: float = 0.0  # documented per-element accuracy (the activations')
+  registered: str | None = None  # the registered op timed (its GPU kernels side by side)
 
 
 class Timed:
@@ -563,11 +573,12 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
       return session.add(row)
 
     xla = measure("xla", case.op("xla", None))
-    rows = [measure(session.kernel, case.op(session.kernel, None))]
+    kernels = session.kernels(case.registered)
+    rows = [measure(k, case.op(k, None)) for k in kernels]
     sweep_label = "fwd+bwd" if label == "bwd" else label
     if sweep and not session.interpret and label != "fwd+bwd":
-      rows += [measure(session.kernel, case.op(session.kernel, c), c)
-               for c in case.sweep.get(sweep_label, [])]
+      rows += [measure(session.kernel, case.op(session.kernel, c), c)  # the sweep's configs
+               for c in case.sweep.get(sweep_label, [])]  # are the Triton kernel's
     if label == "fwd" and session.anchors:
       rows += [measure(name, fn, check=False) for name, fn in case.anchors.items()]
     for row in rows:

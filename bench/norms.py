@@ -88,6 +88,7 @@ def cases(session):
         bwd_cost=roofline.norm_bwd(x, s, b, r, layer=layer),
         grads=(0, 2) + ((3,) if layer else ()), dtype=dtype, reduction=max(rows, cols),
         sweep=_sweep(rows, cols) if residual else {},
+        registered="layer_norm" if layer else "rms_norm",
         anchors={} if residual else _jax_pallas_example(layer)))
   return out
 

@@ -155,6 +155,34 @@ def _cell(row) -> str:
           + kernel)
 
 
+def _mosaic_beside_triton(by_device: dict[str, list[Line]]) -> list[str]:
+  """Each op a run timed on both of our GPU kernels: the Mosaic GPU kernel (what Hopper runs)
+  beside the Triton one it replaces (deprecated in JAX 0.11; kept for sm80/sm89)."""
+  out = []
+  for device, device_lines in by_device.items():
+    pairs = []
+    for line in device_lines:
+      best = {}
+      for r in line.others:
+        if _impl(r) in ("mosaic_gpu", "triton") and r.get("config") is None:
+          best[_impl(r)] = r
+      if len(best) == 2:
+        pairs.append((line, best["mosaic_gpu"], best["triton"]))
+    if not pairs:
+      continue
+    out += [f"## Mosaic GPU beside Triton: {device}", "",
+            "Both of our GPU kernels in the same run, at their default configs; time is the "
+            "host clock's. Triton's / Mosaic GPU's > 1: the Mosaic GPU kernel is faster.", "",
+            "| op | shape | dtype | mosaic_gpu | triton | triton / mosaic_gpu | run |",
+            "| --- | --- | --- | --- | --- | ---: | --- |"]
+    for line, mosaic, triton in pairs:
+      out.append(f"| {line.name} | {line.shape} | {line.dtype} | {_cell(mosaic)} | "
+                 f"{_cell(triton)} | {triton['ms'] / mosaic['ms']:.2f}x | "
+                 f"{line.run.path.name} ({line.run.commit.split()[0]}) |")
+    out.append("")
+  return out
+
+
 def _side_by_side(by_device: dict[str, list[Line]]) -> list[str]:
   """Each shape timed (or predicted) on more than one device: ours there, and its speedup
   over that device's best anchor."""
@@ -243,6 +271,7 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
                    f"{_roofline(line.anchor)} | {line.speedup:.2f}x | "
                    f"[{run.path.name}]({where}) ({run.commit.split()[0]}, jax {run.jax}) |")
       out.append("")
+  out += _mosaic_beside_triton(by_device)
   missing = [device.name for device in sorted(results.iterdir())
              if device.is_dir() and not any(line.run.path.parent == device
                                             for ls in by_device.values() for line in ls)]

@@ -32,13 +32,13 @@ def interpret_params() -> Any:
 
 # What the kernels call of Mosaic GPU's API (tests/test_structure.py keeps it complete): a JAX
 # release without one of these cannot run them, and dispatch says so instead of failing.
-API = ("ACC", "Barrier", "BlockSpec", "CompilerParams", "Layout", "LoweringSemantics",
-       "NDLoopInfo", "SMEM", "SemaphoreType", "ShapeDtypeStruct", "SwizzleTransform",
-       "TilingTransform", "barrier_arrive", "barrier_wait", "broadcasted_iota", "commit_smem",
-       "copy_gmem_to_smem", "copy_smem_to_gmem", "emit_pipeline_warp_specialized",
-       "find_swizzle", "inline_mgpu", "kernel", "layout_cast", "load", "nd_loop",
-       "planar_snake", "semaphore_signal", "semaphore_wait", "set_max_registers",
-       "wait_smem_to_gmem", "wgmma", "wgmma_accumulator_load", "wgmma_wait")
+API = ("ACC", "Barrier", "BlockSpec", "CompilerParams", "Layout", "LoweringSemantics", "NDLoopInfo",
+       "SMEM", "SemaphoreType", "ShapeDtypeStruct", "SwizzleTransform", "TilingTransform",
+       "barrier_arrive", "barrier_wait", "broadcasted_iota", "commit_smem", "copy_gmem_to_smem",
+       "copy_smem_to_gmem", "emit_pipeline", "emit_pipeline_warp_specialized", "find_swizzle",
+       "inline_mgpu", "kernel", "layout_cast", "load", "nd_loop", "planar_snake",
+       "semaphore_signal", "semaphore_wait", "set_max_registers", "wait_smem_to_gmem", "wgmma",
+       "wgmma_accumulator_load", "wgmma_wait")
 
 
 # Where Mosaic GPU's API moved between the JAX releases we run on (0.10 to 0.12), the kernels

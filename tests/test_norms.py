@@ -8,6 +8,8 @@ import pytest
 
 import jaxkernels as jk
 from bench import shapes
+from jaxkernels import _mosaic_gpu, _triton
+from jaxkernels.ops.norms import mosaic_gpu as norms_mosaic_gpu
 from jaxkernels.ops.norms import reference
 from jaxkernels.ops.norms import triton as norms_triton
 from tests import cases, numerics
@@ -15,6 +17,7 @@ from tests.conftest import aot_compile, cuda_lowering
 
 EPS = 1e-5
 SMALL = shapes.SMALL_ROWS
+MOSAIC_GPU_CALL = "mosaic_gpu_v2"  # the custom call a Mosaic GPU kernel lowers to
 
 
 def _reference(layer):
@@ -31,6 +34,9 @@ def _reference(layer):
 
 class NormTest:
   IMPL = "xla"
+  # Shapes of the single-shape tests: (rows..., width); a kernel class whose widths are
+  # restricted (Mosaic GPU: whole 128-element vectors) draws its own.
+  VMAP_SHAPE, CHECKPOINT_SHAPE, STREAM_SHAPE, EMPTY_WIDTH = (5, 3, 40), (24, 72), (40, 96), 8
 
   def op(self, layer, config=None):
     def f(x, scale, bias, residual):
@@ -83,7 +89,8 @@ class NormTest:
   @pytest.mark.parametrize("layer", [False, True])
   def test_float32_residual_stream(self, layer):
     """bf16 branch, float32 residual stream: h (and its gradient) stay float32."""
-    primals, ct = self.inputs((40, 96), jnp.bfloat16, layer, True, residual_dtype=jnp.float32)
+    primals, ct = self.inputs(self.STREAM_SHAPE, jnp.bfloat16, layer, True,
+                              residual_dtype=jnp.float32)
     (y, h), grads = self.check(layer, primals, ct, jnp.bfloat16)
     assert (y.dtype, h.dtype) == (jnp.bfloat16, jnp.float32)
     assert (grads[0].dtype, grads[3].dtype) == (jnp.bfloat16, jnp.float32)
@@ -98,7 +105,7 @@ class NormTest:
     self.check(True, primals, ct, jnp.float32)
 
   def test_jit_vmap_over_inner_axis(self):
-    (x, s, _, _), _ = self.inputs((5, 3, 40), jnp.float32, False, False)
+    (x, s, _, _), _ = self.inputs(self.VMAP_SHAPE, jnp.float32, False, False)
     with numerics.kernel_mode():
       got = jax.jit(jax.vmap(lambda a: jk.rms_norm(a, s, eps=EPS, implementation=self.IMPL),
                              in_axes=1, out_axes=1))(x)
@@ -106,7 +113,7 @@ class NormTest:
     assert max(numerics.errors(got, want)) < 8 * numerics.F32_EPS
 
   def test_checkpoint_grad(self):
-    primals, ct = self.inputs((24, 72), jnp.float32, True, True)
+    primals, ct = self.inputs(self.CHECKPOINT_SHAPE, jnp.float32, True, True)
 
     def loss(x, s, b, r):
       y, h = self.op(True)(x, s, b, r)
@@ -120,10 +127,10 @@ class NormTest:
     assert max(numerics.errors(got, want)) < 1e-5
 
   def test_empty(self):
-    x = jnp.zeros((0, 8), jnp.float32)
+    x = jnp.zeros((0, self.EMPTY_WIDTH), jnp.float32)
     with numerics.kernel_mode():
-      y, h = jk.rms_norm(x, jnp.ones(8), residual=x, implementation=self.IMPL)
-    assert y.shape == h.shape == (0, 8)
+      y, h = jk.rms_norm(x, jnp.ones(self.EMPTY_WIDTH), residual=x, implementation=self.IMPL)
+    assert y.shape == h.shape == x.shape
 
 
 class TestNormsXla(NormTest):
@@ -166,6 +173,81 @@ class TestNormsTriton(NormTest):
     fwd, bwd = f'name = "jk_{name}_norm_fwd"', f'name = "jk_{name}_norm_bwd"'
     assert (plain.count(fwd), plain.count(bwd)) == (1, 1)
     assert (remat.count(fwd), remat.count(bwd)) == (2, 1)  # the forward is recomputed
+
+
+class TestNormsMosaicGpu(NormTest):
+  """Rows of whole 128-element vectors (the widths the kernels take), interpreted with three
+  CTAs (each a host thread), so that every CTA walks several rows and some one fewer."""
+
+  IMPL = "mosaic_gpu"
+  VMAP_SHAPE, CHECKPOINT_SHAPE, STREAM_SHAPE, EMPTY_WIDTH = (5, 3, 128), (7, 256), (9, 256), 128
+
+  @pytest.fixture(autouse=True)
+  def _three_ctas(self, monkeypatch):
+    if not numerics.COMPILED:
+      monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 3)
+
+  # (37, 384): a row of pieces of 192, one-element vectors; (2, 3, 128): batched rows.
+  @pytest.mark.parametrize("shape,variant", numerics.grid(
+      ((37, 384), (2, 3, 128), (130, 1024)),
+      [(False, False), (True, False), (False, True), (True, True)],
+      center=((37, 384), (True, True))))
+  def test_float32(self, shape, variant):
+    layer, residual = variant
+    primals, ct = self.inputs(shape, jnp.float32, layer, residual)
+    self.check(layer, primals, ct, jnp.float32)
+
+  def test_wide_rows(self):
+    numerics.slow_when_interpreted(60)
+    primals, ct = self.inputs((6, 8192), jnp.bfloat16, True, True)
+    self.check(True, primals, ct, jnp.bfloat16)
+
+  @pytest.mark.parametrize("rows,bwd_rows", [(2, 2), (2, 1)])
+  def test_row_blocks(self, rows, bwd_rows):
+    """Two rows a pipeline step; an odd row count takes one a step instead."""
+    for n in (10, 9):
+      primals, ct = self.inputs((n, 256), jnp.float32, True, True)
+      config = norms_mosaic_gpu.Config(stages=2, ctas_per_sm=1, bwd_stages=3,
+                                       bwd_ctas_per_sm=1, rows=rows, bwd_rows=bwd_rows)
+      self.check(True, primals, ct, jnp.float32, config)
+
+  def test_checkpoint_grad(self):
+    """Compiled, the numerics under remat; interpreted (the interpreter's callbacks cannot pass
+    through remat), the CUDA lowering: the backward recomputes the statistics from h, so
+    without a residual (h is x) it needs no forward at all, and remat recomputes none."""
+    if numerics.COMPILED:
+      return super().test_checkpoint_grad()
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((1024,), jnp.float32)
+
+    def loss(x, s):
+      return jnp.sum(self.op(False)(x, s, None, None).astype(jnp.float32))
+
+    for policy in (None, jax.checkpoint_policies.nothing_saveable):
+      fn = loss if policy is None else jax.checkpoint(loss, policy=policy)
+      text = cuda_lowering(jax.value_and_grad(fn, argnums=(0, 1)), x, s)
+      assert text.count(f"@{MOSAIC_GPU_CALL}(") == 2  # one forward, one backward
+
+  @pytest.mark.parametrize("cols", [200, 129, 1])
+  def test_unsupported_width_names_why(self, cols):
+    x = jnp.ones((4, cols), jnp.bfloat16)
+    with numerics.kernel_mode():
+      supported = jk.supports("rms_norm", "mosaic_gpu", x, jnp.ones(cols))
+    assert not supported and f"x's last dimension is {cols}" in supported.reason
+
+  @pytest.mark.parametrize("layer", [False, True])
+  def test_lowers_for_cuda(self, layer):
+    """One forward and one backward kernel a call, Mosaic GPU's, and nothing from Triton."""
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+    r = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+    s = jax.ShapeDtypeStruct((1024,), jnp.float32)
+
+    def loss(x, s, r):
+      y, h = self.op(layer)(x, s, s if layer else None, r)
+      return jnp.sum(y.astype(jnp.float32)) + jnp.sum(h)
+
+    text = cuda_lowering(jax.value_and_grad(loss, argnums=(0, 1, 2)), x, s, r)
+    assert text.count(f"@{MOSAIC_GPU_CALL}(") == 2 and _triton.CUSTOM_CALL not in text
 
 
 class TestNormsMosaicTpu(NormTest):

@@ -9,7 +9,7 @@ import jax
 
 from jaxkernels import _checks, backend, dispatch, partitioning
 from jaxkernels._tiling import bucket, rows_struct, rows_view
-from jaxkernels.ops.norms import mosaic_tpu, reference, triton
+from jaxkernels.ops.norms import mosaic_gpu, mosaic_tpu, reference, triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,9 @@ class Problem:
 def _kernels(op):
   """rms_norm's and layer_norm's kernels: one pair of entry points per backend serves both."""
   return {
+      "mosaic_gpu": dispatch.Kernels.of(op, "mosaic_gpu", mosaic_gpu,
+                                       forward=mosaic_gpu.forward,
+                                       backward=mosaic_gpu.backward),
       "triton": dispatch.Kernels.of(op, "triton", triton, forward=triton.forward,
                                    backward=triton.backward),
       "mosaic_tpu": dispatch.Kernels.of(op, "mosaic_tpu", mosaic_tpu,

@@ -1,0 +1,472 @@
+"""Pallas Mosaic GPU kernels for rms_norm and layer_norm, forward and backward (sm90 and later).
+
+Both are persistent: ``ctas`` CTAs of one warpgroup, CTA c taking rows c, c + ctas, ... Each row
+comes into shared memory whole by a bulk copy (``cp.async.bulk``: a row block is contiguous),
+``stages`` rows ahead of the one being computed (``plgpu.emit_pipeline``), so the copy engine,
+not threads, keeps bytes in flight. The row is read from shared memory in ``chunk``-wide pieces,
+a warpgroup-strided vector each (a thread's 16 contiguous bytes, 128 threads side by side), and
+the outputs go from registers straight to global memory: plain vector stores, nothing waits on
+them. The backward recomputes the row's statistics from h (already in shared memory), so the
+forward writes none. d(scale) and d(bias) accumulate in each CTA's shared memory, each element
+owned by the thread that updates it, one float32 row a CTA, summed by XLA afterwards.
+
+Nothing here is Hopper-only but the bulk copy, which Blackwell has too: the kernels take no
+wgmma, no cluster and no warpgroup register moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkernels import _mosaic_gpu, hardware
+from jaxkernels._tiling import cdiv, check_fields
+
+THREADS = 128  # one warpgroup a CTA
+# Bytes a thread moves per shared-memory load: a 16-byte vector (ld.shared.v4).
+VECTOR_BYTES = 16
+# Widest chunk of a row in registers at once: 16 elements a thread per array at 2048.
+MAX_CHUNK = 2048
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  stages: int  # row blocks in shared memory a CTA: the one computed and those in flight
+  ctas_per_sm: int  # forward CTAs an SM (each with its own ring of ``stages`` blocks)
+  bwd_stages: int
+  bwd_ctas_per_sm: int
+  rows: int = 1  # rows a block (a pipeline step), where they divide the rows; else 1
+  bwd_rows: int = 1
+  # Pallas' automatic barriers (a warpgroup barrier around every store), or only the one a
+  # row needs: all reads of its shared-memory slot done before the next copy refills it.
+  auto_barriers: bool = False
+
+  def __post_init__(self):
+    check_fields(self, ("stages", "ctas_per_sm", "bwd_stages", "bwd_ctas_per_sm", "rows",
+                        "bwd_rows"),
+                 lambda v: v >= 1, ">= 1")
+
+
+def _itemsize(*structs) -> int:
+  return sum(jnp.dtype(s.dtype).itemsize for s in structs if s is not None)
+
+
+def geometry(n_cols: int, *dtypes) -> tuple[int, int, int] | None:
+  """(piece, chunk, vec) for rows of ``n_cols`` of ``dtypes`` (None entries skipped), or None
+  where no such walk exists.
+
+  piece: the row is copied as (n_cols // piece, piece): a tiled bulk copy moves at most 256
+  elements along a dimension, and each piece must be whole 16-byte units of every dtype.
+  vec: elements a thread loads at once, 16 bytes of the narrowest dtype where the row allows.
+  chunk: columns a thread's registers hold at once, whole pieces and whole warpgroup vectors,
+  the widest up to MAX_CHUNK.
+  """
+  sizes = [jnp.dtype(d).itemsize for d in dtypes if d is not None]
+  unit = VECTOR_BYTES // min(sizes)
+  pieces = [w for w in range(unit, min(n_cols, 256) + 1, unit) if n_cols % w == 0]
+  if not pieces:
+    return None
+  width = max(pieces)
+  vec = unit
+  while vec >= 1:
+    chunks = [k * width for k in range(1, n_cols // width + 1)
+              if (n_cols // width) % k == 0 and (k * width) % (THREADS * vec) == 0
+              and k * width <= max(MAX_CHUNK, THREADS * vec)]
+    if chunks and width % vec == 0:
+      return width, max(chunks), vec
+    vec //= 2
+  return None
+
+
+def _row_bytes(problem, backward: bool) -> int:
+  """Shared memory a row takes in the ring: x (+ the residual) forward; h (the residual's
+  dtype, or x's), dy (x's) and, with a residual, dh (the residual's) backward."""
+  x, residual = problem.x, problem.residual
+  h = x if residual is None else residual
+  arrays = (h, x, residual) if backward else (x, residual)
+  return x.shape[1] * _itemsize(*arrays)
+
+
+def _vectors_bytes(problem, backward: bool) -> int:
+  """Shared memory beside the ring, float32 rows: scale (and bias) forward; scale and the
+  d(scale) (and d(bias)) accumulators backward."""
+  vectors = (3 if problem.bias is not None else 2) if backward else (
+      2 if problem.bias is not None else 1)
+  return 4 * problem.x.shape[1] * vectors
+
+
+def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
+  """Blocks of ``rows`` rows a CTA's ring holds beside its vectors, the barriers and the
+  reductions' scratch (4 KiB), with ``ctas_per_sm`` CTAs sharing an SM's shared memory."""
+  budget = (_mosaic_gpu.cta_smem_bytes(chip) // ctas_per_sm - _vectors_bytes(problem, backward)
+            - 4096)
+  return budget // (rows * _row_bytes(problem, backward))
+
+
+def _problem_geometry(problem):
+  return geometry(problem.x.shape[1], problem.x.dtype,
+                  None if problem.residual is None else problem.residual.dtype, jnp.float32)
+
+
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """problem: the call's ``norms.api.Problem``. Measured on an H200 at (16384, 4096) bf16 and
+  at the model's (16384, 1024) with a float32 residual (bench/NOTES.md, mgpu-norms-3):
+  layer_norm takes its rows two to a step (two rows' statistics in flight: forward 0.074 ms
+  against 0.087 for one), rms_norm one; rms_norm's backward without a residual (two streams
+  in, one out) runs three CTAs an SM (0.175 ms against 0.192 for one); the rest one CTA an SM,
+  with as many steps in flight as shared memory holds, up to 8."""
+  rows = 2 if problem.layer else 1
+  fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=1)
+  if fwd < 2:
+    rows, fwd = 1, most_stages(problem, chip, backward=False, rows=1, ctas_per_sm=1)
+  bwd_rows, bwd_per_sm = rows, 1
+  if not problem.layer and problem.residual is None:
+    bwd_per_sm = 3
+  bwd = most_stages(problem, chip, backward=True, rows=bwd_rows, ctas_per_sm=bwd_per_sm)
+  if bwd < 2:
+    bwd_rows, bwd_per_sm = 1, 1
+    bwd = most_stages(problem, chip, backward=True, rows=1, ctas_per_sm=1)
+  return Config(stages=max(1, min(8, fwd)), ctas_per_sm=1, rows=rows,
+                bwd_stages=max(1, min(8, bwd)), bwd_ctas_per_sm=bwd_per_sm, bwd_rows=bwd_rows)
+
+
+def unsupported(problem, chip) -> str | None:
+  reason = _mosaic_gpu.hopper_reason(chip)
+  if reason is not None:
+    return reason
+  n_cols = problem.x.shape[1]
+  if _problem_geometry(problem) is None:
+    return (f"mosaic_gpu takes rows a whole number of {THREADS}-element warpgroup vectors "
+            f"wide; x's last dimension is {n_cols}")
+  for backward in (False, True):
+    if most_stages(problem, chip, backward=backward, rows=1, ctas_per_sm=1) < 2:
+      return (f"mosaic_gpu's {'backward' if backward else 'forward'} holds two rows of "
+              f"{n_cols} columns ({_row_bytes(problem, backward)} bytes each) and its float32 "
+              f"vectors in shared memory, more than the {_mosaic_gpu.cta_smem_bytes(chip)} "
+              "bytes a CTA has")
+  return None
+
+
+def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
+  for backward, (stages, rows, per_sm) in (
+      (False, (config.stages, config.rows, config.ctas_per_sm)),
+      (True, (config.bwd_stages, config.bwd_rows, config.bwd_ctas_per_sm))):
+    most = most_stages(problem, chip, backward=backward, rows=rows, ctas_per_sm=per_sm)
+    if stages > most:
+      prefix = "bwd_" if backward else ""
+      return (f"{prefix}stages={stages} blocks of {prefix}rows={rows} do not fit a CTA's "
+              f"shared memory at {prefix}ctas_per_sm={per_sm} (at most {max(most, 0)})")
+  return None
+
+
+# --------------------------------------------------------------------------- #
+# Kernels
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+  """How a kernel walks one row, seen as (pieces, piece) (a tiled bulk copy moves at most 256
+  elements along a dimension): ``chunk // piece`` pieces at a time, each chunk a warpgroup-
+  strided vector of ``vec`` elements a thread."""
+
+  n_cols: int
+  piece: int
+  chunk: int
+  vec: int
+  interpret: object
+
+  @property
+  def chunks(self) -> range:
+    return range(self.n_cols // self.chunk)
+
+  def cols(self, c: int):
+    """Chunk c's pieces: the index of a (..., pieces, piece) ref's pieces axis."""
+    per_chunk = self.chunk // self.piece
+    return pl.ds(c * per_chunk, per_chunk)
+
+  def layout(self):
+    return plgpu.Layout.WG_STRIDED((self.chunk // self.piece, self.piece), self.vec)
+
+  def load(self, ref, c: int):
+    """Chunk c of a row (a (pieces, piece) ref), as float32."""
+    return _mosaic_gpu.load_block(ref.at[self.cols(c)], self.layout(),
+                                  self.interpret).astype(jnp.float32)
+
+  def zeros(self):
+    z = jnp.zeros((self.chunk // self.piece, self.piece), jnp.float32)
+    return _mosaic_gpu.layout_cast(z, self.layout(), self.interpret)
+
+  def sums(self, terms):
+    """Sums over the row of each of terms(c) (a tuple of elementwise float32 chunks) in one
+    pass: the chunks add elementwise, then one reduction across the warpgroup each."""
+    totals = None
+    for c in self.chunks:
+      ts = terms(c)
+      totals = ts if totals is None else tuple(a + b for a, b in zip(totals, ts))
+    return tuple(jnp.sum(t) for t in totals)
+
+
+def _copy_vectors(pairs, barrier):
+  """Copies each (global, shared) pair of row vectors into shared memory and waits."""
+  for gmem, smem in pairs:
+    plgpu.copy_gmem_to_smem(gmem, smem, barrier)
+  plgpu.barrier_wait(barrier)
+
+
+def _ctas(n_rows: int, per_sm: int) -> int:
+  return max(1, min(n_rows, per_sm * _mosaic_gpu.num_sms()))
+
+
+def _blocks_of(cta, ctas: int, n_blocks: int, rows: int, pieces: int, piece: int):
+  """Row blocks CTA ``cta`` takes (cta, cta + ctas, ...): how many, and their BlockSpec."""
+  count = (n_blocks - cta + ctas - 1) // ctas
+  return count, pl.BlockSpec((rows, pieces, piece), lambda i: (cta + i * ctas, 0, 0))
+
+
+def _moments(row: _Row, h_of, pivot, *, layer: bool, eps: float, g_of=None):
+  """One pass over a row whose float32 chunk c is h_of(c): (mean or None, rstd) and, given the
+  backward's g_of (dy * scale), mean(g * n) and (layer_norm) mean(g) for n = (h - mean) * rstd.
+
+  layer_norm's sums are shifted by ``pivot`` (the row's first value), so that they are
+  independent reductions in one pass where the mean and the centred squares would take two,
+  with bounded cancellation: (mean - pivot)^2 <= N * var for any pivot drawn from the row, so
+  the variance loses at most ~N float32 ulps, and typically none (the Triton kernel's scheme).
+  """
+  n = float(row.n_cols)
+  if not layer:
+    def terms(c):
+      h = h_of(c)
+      return (h * h,) if g_of is None else (h * h, g_of(c) * h)
+    sums = row.sums(terms)
+    rstd = lax.rsqrt(sums[0] / n + eps)
+    return (None, rstd) if g_of is None else (None, rstd, sums[1] * rstd / n, None)
+
+  def shifted(c):
+    d = h_of(c) - pivot
+    if g_of is None:
+      return d, d * d
+    g = g_of(c)
+    return d, d * d, g * d, g
+  sums = row.sums(shifted)
+  mean_d = sums[0] / n
+  rstd = lax.rsqrt(jnp.maximum(sums[1] / n - mean_d * mean_d, 0.0) + eps)
+  mean = pivot + mean_d
+  if g_of is None:
+    return mean, rstd
+  # sum(g * n) = rstd * sum(g * (d - mean_d)), taken from the shifted sums
+  return mean, rstd, rstd * (sums[2] - mean_d * sums[3]) / n, sums[3] / n
+
+
+def _fwd_kernel(*refs, layer, has_residual, has_bias, n_blocks, rows, row, stages, ctas, eps,
+                auto_barriers):
+  refs = list(refs)
+  x_g = refs.pop(0)
+  r_g = refs.pop(0) if has_residual else None
+  s_g = refs.pop(0)
+  b_g = refs.pop(0) if has_bias else None
+  y_g = refs.pop(0)
+  h_g = refs.pop(0) if has_residual else None
+  s_smem = refs.pop(0)
+  b_smem = refs.pop(0) if has_bias else None
+  barrier = refs.pop(0)
+
+  cta = lax.axis_index("cta")
+  _copy_vectors([(s_g, s_smem)] + ([(b_g, b_smem)] if has_bias else []), barrier.at[0])
+  count, spec = _blocks_of(cta, ctas, n_blocks, rows, *s_g.shape)
+
+  def body(indices, x_block, *rest):
+    (i,) = indices
+    first = (cta + i * ctas) * rows
+
+    def h_of(j):
+      def h(c):
+        out = row.load(x_block.at[j], c)
+        return out + row.load(rest[0].at[j], c) if has_residual else out
+      return h
+
+    def pivot(j):  # the row's first value
+      p = x_block[j, 0, 0].astype(jnp.float32)
+      return p + rest[0][j, 0, 0].astype(jnp.float32) if has_residual else p
+
+    # Every row's statistics, then the outputs chunk by chunk, the block's rows side by side.
+    stats = [_moments(row, h_of(j), pivot(j) if layer else None, layer=layer, eps=eps)
+             for j in range(rows)]
+    for c in row.chunks:
+      scale = row.load(s_smem, c)
+      bias = row.load(b_smem, c) if has_bias else None
+      for j, (mean, rstd) in enumerate(stats):
+        h = h_of(j)(c)
+        y = (h - mean if layer else h) * rstd * scale
+        if has_bias:
+          y = y + bias
+        y_g.at[first + j, row.cols(c)][...] = y.astype(y_g.dtype)
+        if has_residual:
+          h_g.at[first + j, row.cols(c)][...] = h.astype(h_g.dtype)
+    if not auto_barriers:  # every thread's reads of the slot done before it is refilled
+      plgpu.commit_smem()
+
+  inputs = [x_g] + ([r_g] if has_residual else [])
+  plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec] * len(inputs),
+                      max_concurrent_steps=stages)(*inputs)
+
+
+def _bwd_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_blocks, rows, row, stages, ctas,
+                eps, auto_barriers):
+  refs = list(refs)
+  h_g, s_g, dy_g = refs.pop(0), refs.pop(0), refs.pop(0)
+  dh_g = refs.pop(0) if has_dh else None
+  dx_g = refs.pop(0)
+  dr_g = refs.pop(0) if dual_dx else None
+  ds_g = refs.pop(0)
+  db_g = refs.pop(0) if has_bias else None
+  s_smem, ds_smem = refs.pop(0), refs.pop(0)
+  db_smem = refs.pop(0) if has_bias else None
+  barrier = refs.pop(0)
+
+  cta = lax.axis_index("cta")
+  _copy_vectors([(s_g, s_smem)], barrier.at[0])
+  sums = [ds_smem] + ([db_smem] if has_bias else [])
+  for acc in sums:  # each thread zeroes, updates and writes out the elements it owns
+    for c in row.chunks:
+      acc.at[row.cols(c)][...] = row.zeros()
+  count, spec = _blocks_of(cta, ctas, n_blocks, rows, *s_g.shape)
+
+  def body(indices, h_block, dy_block, *rest):
+    (i,) = indices
+    first = (cta + i * ctas) * rows
+
+    def h_of(j):
+      return lambda c: row.load(h_block.at[j], c)
+
+    def g_of(j):
+      return lambda c: row.load(dy_block.at[j], c) * row.load(s_smem, c)
+
+    stats = [_moments(row, h_of(j), h_block[j, 0, 0].astype(jnp.float32) if layer else None,
+                      layer=layer, eps=eps, g_of=g_of(j)) for j in range(rows)]
+    for c in row.chunks:
+      scale = row.load(s_smem, c)
+      d_scale = d_bias = None
+      for j, (mean, rstd, gn, g_mean) in enumerate(stats):
+        dy, h = row.load(dy_block.at[j], c), h_of(j)(c)
+        n = (h - mean if layer else h) * rstd
+        d = dy * scale - n * gn
+        if layer:
+          d = d - g_mean
+        dx = d * rstd
+        if has_dh:
+          dx = dx + row.load(rest[0].at[j], c)
+        dx_g.at[first + j, row.cols(c)][...] = dx.astype(dx_g.dtype)
+        if dual_dx:
+          dr_g.at[first + j, row.cols(c)][...] = dx.astype(dr_g.dtype)
+        d_scale = dy * n if d_scale is None else d_scale + dy * n
+        if has_bias:
+          d_bias = dy if d_bias is None else d_bias + dy
+      ds_smem.at[row.cols(c)][...] = row.load(ds_smem, c) + d_scale
+      if has_bias:
+        db_smem.at[row.cols(c)][...] = row.load(db_smem, c) + d_bias
+    if not auto_barriers:
+      plgpu.commit_smem()
+
+  inputs = [h_g, dy_g] + ([dh_g] if has_dh else [])
+  plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec] * len(inputs),
+                      max_concurrent_steps=stages)(*inputs)
+  for acc, out in zip(sums, [ds_g] + ([db_g] if has_bias else [])):
+    for c in row.chunks:
+      out.at[cta, row.cols(c)][...] = row.load(acc, c)
+
+
+# --------------------------------------------------------------------------- #
+# Wrappers
+# --------------------------------------------------------------------------- #
+
+
+def _call(kernel, out_type, scratch, ctas, *, auto_barriers, interpret, name):
+  def body(*refs):  # named: profiles and HLO dumps show the kernel by its name
+    return kernel(*refs)
+  body.__name__ = name
+  return plgpu.kernel(
+      body, out_type=out_type, grid=(ctas,), grid_names=("cta",), scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
+      **({"interpret": interpret} if interpret else {}))
+
+
+def _walk(n_cols: int, interpret, *arrays) -> _Row:
+  piece, width, vec = geometry(n_cols, jnp.float32, *(a.dtype for a in arrays if a is not None))
+  return _Row(n_cols, piece, width, vec, interpret)
+
+
+def _pieces(a, row: _Row):
+  """a (..., N) as (..., N // piece, piece): the shape the kernels copy and index."""
+  return None if a is None else a.reshape(*a.shape[:-1], row.n_cols // row.piece, row.piece)
+
+
+def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config,
+            interpret=False):
+  """x, residual: (M, N). Returns (y, h or None, ()): the backward recomputes the statistics."""
+  n_rows, n_cols = x.shape
+  row = _walk(n_cols, interpret, x, residual)
+  rows = config.rows if n_rows % config.rows == 0 else 1
+  ctas = _ctas(n_rows // rows, config.ctas_per_sm)
+  kernel = functools.partial(
+      _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
+      n_blocks=n_rows // rows, rows=rows, row=row,
+      stages=min(config.stages, cdiv(n_rows // rows, ctas)), ctas=ctas, eps=eps,
+      auto_barriers=config.auto_barriers)
+  shape = _pieces(x, row).shape
+  out_type = [jax.ShapeDtypeStruct(shape, x.dtype)]
+  if residual is not None:
+    out_type.append(jax.ShapeDtypeStruct(shape, residual.dtype))
+  vectors = [scale] + ([bias] if bias is not None else [])
+  vectors = [_pieces(v.astype(jnp.float32), row) for v in vectors]
+  scratch = [plgpu.SMEM(v.shape, jnp.float32) for v in vectors]
+  scratch.append(plgpu.Barrier(num_arrivals=len(vectors), num_barriers=1))
+  inputs = [_pieces(x, row)] + ([_pieces(residual, row)] if residual is not None else [])
+  outs = _call(kernel, out_type, scratch, ctas, auto_barriers=config.auto_barriers,
+               interpret=interpret, name=f"jk_{'layer' if layer else 'rms'}_norm_fwd_mgpu")(
+                   *inputs, *vectors)
+  outs = [o.reshape(n_rows, n_cols) for o in outs]
+  return outs[0], (outs[1] if residual is not None else None), ()
+
+
+def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: Config,
+             residual_dtype=None, interpret=False):
+  """Returns (dx, dresidual, dscale, dbias) for the (M, N) views, as the Triton backward does;
+  ``stats`` is the forward's () (recomputed here from h)."""
+  del stats
+  n_rows, n_cols = h.shape
+  dual_dx = residual_dtype is not None and jnp.dtype(residual_dtype) != dy.dtype
+  row = _walk(n_cols, interpret, h, dy, dh)
+  rows = config.bwd_rows if n_rows % config.bwd_rows == 0 else 1
+  ctas = _ctas(n_rows // rows, config.bwd_ctas_per_sm)
+  kernel = functools.partial(
+      _bwd_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
+      dual_dx=dual_dx, n_blocks=n_rows // rows, rows=rows, row=row,
+      stages=min(config.bwd_stages, cdiv(n_rows // rows, ctas)), ctas=ctas, eps=eps,
+      auto_barriers=config.auto_barriers)
+  shape = _pieces(h, row).shape
+  out_type = [jax.ShapeDtypeStruct(shape, dy.dtype)]
+  if dual_dx:
+    out_type.append(jax.ShapeDtypeStruct(shape, residual_dtype))
+  partials = jax.ShapeDtypeStruct((ctas, *shape[1:]), jnp.float32)
+  out_type += [partials] * (2 if bias is not None else 1)
+  scratch = [plgpu.SMEM(shape[1:], jnp.float32)
+             for _ in range(2 + (1 if bias is not None else 0))]
+  scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=1))
+  inputs = [_pieces(h, row), _pieces(scale.astype(jnp.float32), row), _pieces(dy, row)]
+  if dh is not None:
+    inputs.append(_pieces(dh, row))
+  outs = list(_call(kernel, out_type, scratch, ctas, auto_barriers=config.auto_barriers,
+                    interpret=interpret,
+                    name=f"jk_{'layer' if layer else 'rms'}_norm_bwd_mgpu")(*inputs))
+  dx = outs.pop(0).reshape(n_rows, n_cols)
+  dr = outs.pop(0).reshape(n_rows, n_cols) if dual_dx else None
+  dscale = outs.pop(0).sum(axis=0).reshape(n_cols).astype(scale.dtype)
+  dbias = outs.pop(0).sum(axis=0).reshape(n_cols).astype(bias.dtype) if bias is not None else None
+  return dx, dr, dscale, dbias
