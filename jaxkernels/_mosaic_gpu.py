@@ -57,9 +57,9 @@ def _load_index() -> str:
 
 def load(ref, idx: tuple = (), *, layout, optimized: bool = True):
   """``ref[idx]`` from shared memory into registers in ``layout``, on every release."""
-  how = _load_index()
-  if how == "required" or (how == "deprecated" and idx != ()):
+  if _load_index() == "required":
     return plgpu.load(ref, idx, layout=layout, optimized=optimized)
+  # jax 0.11 warns where the index is passed apart (jax-pallas-mgpu-load-idx): index the ref.
   return plgpu.load(ref.at[idx] if idx != () else ref, layout=layout, optimized=optimized)
 
 
