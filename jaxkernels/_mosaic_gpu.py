@@ -1,8 +1,10 @@
 """Pallas Mosaic GPU (Hopper) commons: the interpreter, the epilogue's arithmetic, shared-memory
-swizzles, register budgets of warp-specialized kernels, and the SM count."""
+swizzles, register budgets of warp-specialized kernels, the SM count, and the row kernels' walk
+over whole rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any
@@ -199,3 +201,150 @@ def mma_wait(in_flight: int, interpret):
   """Waits until at most ``in_flight`` of this warpgroup's wgmma groups still run."""
   if not interpret:
     plgpu.wgmma_wait(in_flight)
+
+
+# --------------------------------------------------------------------------- #
+# Row kernels: the memory-bound ops' walk over whole rows (norms, softmax)
+# --------------------------------------------------------------------------- #
+# A persistent grid of CTAs of one warpgroup, CTA c taking row blocks c, c + ctas, ... Each
+# block of whole rows comes into shared memory by one tiled bulk copy, several blocks ahead of
+# the one computed (``plgpu.emit_pipeline``); a row is read from there in chunks, each a
+# warpgroup-strided vector, and outputs go from registers straight to global memory.
+
+WARPGROUP = 128  # threads: one warpgroup a CTA
+# Bytes a thread moves per shared-memory load: a 16-byte vector (ld.shared.v4).
+VECTOR_BYTES = 16
+# Widest chunk of a row in registers at once: 16 elements a thread per array at 2048.
+MAX_CHUNK = 2048
+
+
+def row_geometry(n_cols: int, *dtypes) -> tuple[int, int, int] | None:
+  """(piece, chunk, vec) for rows of ``n_cols`` of ``dtypes`` (None entries skipped), or None
+  where no such walk exists (rows not a whole number of 128-element vectors).
+
+  piece: the row is copied as (n_cols // piece, piece): a tiled bulk copy moves at most 256
+  elements along a dimension, and each piece must be whole 16-byte units of every dtype.
+  vec: elements a thread loads at once, 16 bytes of the narrowest dtype where the row allows.
+  chunk: columns a thread's registers hold at once, whole pieces and whole warpgroup vectors,
+  the widest up to MAX_CHUNK.
+  """
+  sizes = [jnp.dtype(d).itemsize for d in dtypes if d is not None]
+  unit = VECTOR_BYTES // min(sizes)
+  pieces = [w for w in range(unit, min(n_cols, 256) + 1, unit) if n_cols % w == 0]
+  if not pieces:
+    return None
+  width = max(pieces)
+  vec = unit
+  while vec >= 1:
+    chunks = [k * width for k in range(1, n_cols // width + 1)
+              if (n_cols // width) % k == 0 and (k * width) % (WARPGROUP * vec) == 0
+              and k * width <= max(MAX_CHUNK, WARPGROUP * vec)]
+    if chunks:
+      return width, max(chunks), vec
+    vec //= 2
+  return None
+
+
+def width_reason(n_cols: int, *dtypes) -> str | None:
+  """Why a row kernel cannot walk rows of ``n_cols``, or None."""
+  if row_geometry(n_cols, *dtypes) is None:
+    return (f"mosaic_gpu takes rows a whole number of {WARPGROUP}-element warpgroup vectors "
+            f"wide; x's last dimension is {n_cols}")
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """How a kernel walks one row, seen as (pieces, piece): ``chunk // piece`` pieces at a time,
+  each chunk a warpgroup-strided vector of ``vec`` elements a thread."""
+
+  n_cols: int
+  piece: int
+  chunk: int
+  vec: int
+  interpret: Any
+
+  @classmethod
+  def of(cls, n_cols: int, interpret, *arrays) -> Row:
+    """The walk of rows of ``n_cols`` for ``arrays`` (None entries skipped) and float32 rows
+    beside them."""
+    dtypes = [jnp.float32, *(a.dtype for a in arrays if a is not None)]
+    return cls(n_cols, *row_geometry(n_cols, *dtypes), interpret)
+
+  @property
+  def chunks(self) -> range:
+    return range(self.n_cols // self.chunk)
+
+  def cols(self, c: int):
+    """Chunk c's pieces: the index of a (..., pieces, piece) ref's pieces axis."""
+    per_chunk = self.chunk // self.piece
+    return pl.ds(c * per_chunk, per_chunk)
+
+  def layout(self):
+    return plgpu.Layout.WG_STRIDED((self.chunk // self.piece, self.piece), self.vec)
+
+  def load(self, ref, c: int):
+    """Chunk c of a row (a (pieces, piece) ref), as float32."""
+    return load_block(ref.at[self.cols(c)], self.layout(), self.interpret).astype(jnp.float32)
+
+  def zeros(self):
+    return layout_cast(jnp.zeros((self.chunk // self.piece, self.piece), jnp.float32),
+                       self.layout(), self.interpret)
+
+  def sums(self, terms):
+    """Sums over the row of each of terms(c) (a tuple of elementwise float32 chunks) in one
+    pass: the chunks add elementwise, then one reduction across the warpgroup each."""
+    totals = None
+    for c in self.chunks:
+      ts = terms(c)
+      totals = ts if totals is None else tuple(a + b for a, b in zip(totals, ts))
+    return tuple(jnp.sum(t) for t in totals)
+
+  def peak(self, term):
+    """max over the row of term(c), an elementwise float32 chunk: the chunks' elementwise
+    maximum, then one reduction across the warpgroup."""
+    peak = None
+    for c in self.chunks:
+      t = term(c)
+      peak = t if peak is None else jnp.maximum(peak, t)
+    return jnp.max(peak)
+
+  def pieces(self, a):
+    """a (..., N) as (..., N // piece, piece): the shape the kernels copy and index."""
+    return None if a is None else a.reshape(*a.shape[:-1], self.n_cols // self.piece, self.piece)
+
+
+def copy_vectors(pairs, barrier) -> None:
+  """Copies each (global, shared) pair of row vectors into shared memory and waits."""
+  for gmem, smem in pairs:
+    plgpu.copy_gmem_to_smem(gmem, smem, barrier)
+  plgpu.barrier_wait(barrier)
+
+
+def row_ctas(n_blocks: int, per_sm: int) -> int:
+  """CTAs of a persistent row kernel: ``per_sm`` an SM, no more than there are blocks."""
+  return max(1, min(n_blocks, per_sm * num_sms()))
+
+
+def row_blocks(cta, ctas: int, n_blocks: int, rows: int, row: Row):
+  """Row blocks CTA ``cta`` takes (cta, cta + ctas, ...): how many, and their BlockSpec over
+  the rows' (M, pieces, piece) view."""
+  count = (n_blocks - cta + ctas - 1) // ctas
+  return count, pl.BlockSpec((rows, row.n_cols // row.piece, row.piece),
+                             lambda i: (cta + i * ctas, 0, 0))
+
+
+def row_kernel(kernel, out_type, scratch, ctas: int, *, name: str, interpret,
+               auto_barriers: bool = False, approx_math: bool = False):
+  """``kernel`` (refs: inputs, outputs, scratch) as a persistent Mosaic GPU kernel of ``ctas``
+  CTAs on the grid axis "cta", named ``name`` (profiles show it). Without ``auto_barriers``
+  the kernel places its own: a row kernel needs one a pipeline step, before its shared-memory
+  slots are refilled."""
+  def body(*refs):
+    return kernel(*refs)
+  body.__name__ = name
+  return plgpu.kernel(
+      body, out_type=out_type, grid=(ctas,), grid_names=("cta",), scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers,
+                                           approx_math=approx_math),
+      **({"interpret": interpret} if interpret else {}))

@@ -137,7 +137,8 @@ class Local:
     would fall back to the reference or refuse (the call that then runs warns or raises)."""
     target = dispatch.target_of(*self.args.values())
     reasons = dispatch.kernel_reasons(self.op.problem(self.args), target, self.op.kernels)
-    return dispatch.choice(self.implementation, target, reasons)
+    return dispatch.choice(self.implementation, target, reasons,
+                           dispatch.on_request(self.op.kernels))
 
 
 @dataclasses.dataclass(frozen=True)

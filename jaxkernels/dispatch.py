@@ -23,7 +23,7 @@ import functools
 import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
 import jax
@@ -167,16 +167,30 @@ class Kernels:
   forward: Callable[..., Any]
   backward: Callable[..., Any] | None = None  # None where the op's backward is not a kernel
   config_error: Callable[[Any, Any, hardware.Chip], str | None] = _no_error
+  # Whether dispatch picks these kernels on its own (implementation=None). False for kernels
+  # checked (interpreted, lowered) but not yet run and timed on their hardware: they serve a
+  # call that names them, and dispatch passes over them until a run shows them right and fast.
+  auto: bool = True
 
   @classmethod
   def of(cls, op: str, implementation: str, module: Any, *, forward: Callable[..., Any],
-         backward: Callable[..., Any] | None = None) -> Kernels:
+         backward: Callable[..., Any] | None = None, auto: bool = True) -> Kernels:
     """The kernels of ``module`` (a backend file: its Config, heuristic, unsupported and, where
     it has one, config_error), with the entry points the caller names."""
     return cls(op=op, implementation=implementation, Config=module.Config,
                heuristic=module.heuristic, unsupported=module.unsupported,
                config_error=getattr(module, "config_error", _no_error), forward=forward,
-               backward=backward)
+               backward=backward, auto=auto)
+
+
+# Why dispatch passes over a kernel of ``auto=False`` (Kernels.auto).
+ON_REQUEST = ("served only where a call names it (implementation=...): not yet run and timed on "
+              "its hardware")
+
+
+def on_request(table: Mapping[str, Kernels]) -> frozenset[str]:
+  """The implementations of ``table`` that dispatch does not pick on its own."""
+  return frozenset(name for name, k in table.items() if not k.auto)
 
 
 def kernel_reasons(problem: Any, target: Target,
@@ -269,15 +283,17 @@ def _user_stacklevel() -> int:
   return level
 
 
-def _first_serving(target: Target,
-                   kernel_reasons: Mapping[str, str | None]) -> tuple[str | None, list[str]]:
+def _first_serving(target: Target, kernel_reasons: Mapping[str, str | None],
+                   requested_only: Collection[str] = ()) -> tuple[str | None, list[str]]:
   """The first kernel of the target's preference order that serves the call (None if none
-  does), and why each one before it does not."""
+  does), and why each one before it does not; those in ``requested_only`` never serve here."""
   why_not = []
   for candidate in _auto_order(target):
     if candidate not in kernel_reasons:
       continue
     reason = reasons(candidate, target, kernel_reasons)
+    if reason is None and candidate in requested_only:
+      reason = ON_REQUEST
     if reason is None:
       return candidate, why_not
     why_not.append(f"{candidate}: {reason}")
@@ -285,12 +301,13 @@ def _first_serving(target: Target,
 
 
 def choice(implementation: str | None, target: Target,
-           kernel_reasons: Mapping[str, str | None]) -> str | None:
+           kernel_reasons: Mapping[str, str | None],
+           requested_only: Collection[str] = ()) -> str | None:
   """The kernel :func:`select` would run, asked quietly: None where it would fall back to the
   XLA reference or raise (a caller that then makes the call itself gets the warning or the
   error there)."""
   if implementation is None:
-    return _first_serving(target, kernel_reasons)[0]
+    return _first_serving(target, kernel_reasons, requested_only)[0]
   if implementation == "xla" or reasons(implementation, target, kernel_reasons) is not None:
     return None
   return implementation
@@ -301,6 +318,7 @@ def select(
     implementation: str | None,
     target: Target,
     kernel_reasons: Mapping[str, str | None],
+    requested_only: Collection[str] = (),
 ) -> str:
   """Picks the implementation for one call of ``op``.
 
@@ -310,6 +328,7 @@ def select(
     target: where the call runs (see :func:`target_of`).
     kernel_reasons: for each kernel the op has, None if its kernel can serve the
       call's shapes, dtypes and options, else the reason it cannot.
+    requested_only: kernels that serve only a call naming them (:func:`on_request`).
   """
   if implementation is not None:
     if implementation not in IMPLEMENTATIONS:
@@ -320,7 +339,7 @@ def select(
     if reason is not None:
       raise ValueError(f"{op}: implementation={implementation!r} cannot serve this call: {reason}")
     return implementation
-  chosen, why_not = _first_serving(target, kernel_reasons)
+  chosen, why_not = _first_serving(target, kernel_reasons, requested_only)
   if chosen is not None:
     return chosen
   if not why_not:
@@ -415,7 +434,8 @@ def plan(op: str, implementation: str | None, target: Target, problem: Any,
     empty: the call has no elements (the reference serves it, whatever was chosen).
     options: static keyword arguments for every kernel of the call.
   """
-  chosen = select(op, implementation, target, kernel_reasons(problem, target, table))
+  chosen = select(op, implementation, target, kernel_reasons(problem, target, table),
+                  on_request(table))
   k = table.get(chosen)
   _checks.config_type(op, chosen, config, k.Config if k else None)
   if k is None or empty:

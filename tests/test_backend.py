@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxkernels as jk
-from jaxkernels import dispatch, hardware, interpret, roofline
+from jaxkernels import backend, dispatch, hardware, interpret, roofline
 from jaxkernels.dispatch import Target
 
 CPU = Target("cpu", "cpu", True)
@@ -54,6 +54,20 @@ def test_auto_on_gpu_prefers_a_kernel_and_names_why_not():
   assert dispatch.select("op", None, H200, BOTH) == "triton"
   with pytest.warns(jk.FallbackWarning, match="triton: rows too odd"):
     assert dispatch.select("op", None, H200, {"triton": "rows too odd"}) == "xla"
+
+
+def test_a_kernel_on_request_serves_only_a_call_naming_it():
+  """Kernels(auto=False): checked but not yet timed on their hardware; dispatch passes over
+  them (saying why where nothing else serves) and serves a call that names them."""
+  gpu_both = {"mosaic_gpu": None, "triton": None}
+  assert dispatch.select("op", None, H200, gpu_both) == "mosaic_gpu"
+  assert dispatch.select("op", None, H200, gpu_both, {"mosaic_gpu"}) == "triton"
+  assert dispatch.select("op", "mosaic_gpu", H200, gpu_both, {"mosaic_gpu"}) == "mosaic_gpu"
+  assert dispatch.choice(None, H200, gpu_both, {"mosaic_gpu"}) == "triton"
+  with pytest.warns(jk.FallbackWarning, match="mosaic_gpu: served only where a call names it"):
+    assert dispatch.select("op", None, H200, {"mosaic_gpu": None}, {"mosaic_gpu"}) == "xla"
+  assert dispatch.on_request(backend.registered()["softmax"].kernels) == {"mosaic_gpu"}
+  assert dispatch.on_request(backend.registered()["rms_norm"].kernels) == frozenset()
 
 
 def test_explicit_implementation_that_cannot_serve_raises():

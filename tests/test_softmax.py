@@ -9,6 +9,7 @@ import pytest
 
 import jaxkernels as jk
 from bench import shapes
+from jaxkernels import _mosaic_gpu, _triton
 from jaxkernels.ops.softmax import reference
 from jaxkernels.ops.softmax import triton as softmax_triton
 from jaxkernels.ops.softmax.api import Problem
@@ -41,6 +42,9 @@ def _pointwise_rtol(x, ct, dtype, axis=-1):
 
 class SoftmaxTest:
   IMPL = "xla"
+  # Shapes of the single-shape tests; a kernel class whose widths are restricted (Mosaic GPU:
+  # whole 128-element vectors) draws its own.
+  AXIS_SHAPE, VMAP_SHAPE, MASKED_SHAPE = (4, 37, 5), (4, 6, 40), (6, 40)
 
   def op(self, axis=-1, config=None):
     return lambda x: jk.softmax(x, axis=axis, implementation=self.IMPL, config=config)
@@ -64,18 +68,18 @@ class SoftmaxTest:
     self.check(*self.inputs((64, 384), dtype), dtype)
 
   def test_axis(self):
-    x, ct = self.inputs((4, 37, 5), jnp.float32, "axis")
+    x, ct = self.inputs(self.AXIS_SHAPE, jnp.float32, "axis")
     self.check(x, ct, jnp.float32, axis=1)
 
   def test_jit_vmap(self):
-    x, _ = self.inputs((4, 6, 40), jnp.float32, "vmap")
+    x, _ = self.inputs(self.VMAP_SHAPE, jnp.float32, "vmap")
     with numerics.kernel_mode():
       got = jax.jit(jax.vmap(self.op(), in_axes=1, out_axes=1))(x)
     assert max(numerics.errors(got, reference.softmax(x))) < 8 * numerics.F32_EPS
 
   def test_masked_rows(self):
     """Fully masked rows give zeros and zero gradients; partly masked rows ignore the mask."""
-    x, ct = self.inputs((6, 40), jnp.float32, "masked")
+    x, ct = self.inputs(self.MASKED_SHAPE, jnp.float32, "masked")
     x = x.at[1].set(-jnp.inf).at[4, :25].set(-jnp.inf)
     (y, (dx,)) = self.check(x, ct, jnp.float32)
     assert np.all(np.asarray(y[1]) == 0) and np.all(np.asarray(dx[1]) == 0)
@@ -85,6 +89,36 @@ class SoftmaxTest:
 
 class TestSoftmaxXla(SoftmaxTest):
   IMPL = "xla"
+
+
+class TestSoftmaxMosaicGpu(SoftmaxTest):
+  """Rows of whole 128-element vectors, interpreted with three CTAs (each a host thread): every
+  CTA walks several row blocks, some one fewer. On request only until timed on a GPU."""
+
+  IMPL = "mosaic_gpu"
+  AXIS_SHAPE, VMAP_SHAPE, MASKED_SHAPE = (4, 128, 5), (4, 6, 128), (6, 256)
+
+  @pytest.fixture(autouse=True)
+  def _three_ctas(self, monkeypatch):
+    if not numerics.COMPILED:
+      monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 3)
+
+  # (37, 384): pieces of 192, one-element vectors, an odd row count (one row a step);
+  # (2, 3, 1024): batched rows, two a step.
+  @pytest.mark.parametrize("shape", [(37, 384), (2, 3, 1024), (130, 2048)])
+  def test_float32(self, shape):
+    self.check(*self.inputs(shape, jnp.float32), jnp.float32)
+
+  def test_too_wide_rows_name_why(self):
+    x = jnp.ones((2, 65536), jnp.bfloat16)
+    with numerics.kernel_mode():
+      supported = jk.supports("softmax", "mosaic_gpu", x)
+    assert not supported and "online softmax takes rows this wide" in supported.reason
+
+  def test_lowers_for_cuda(self):
+    x = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)
+    text = cuda_lowering(lambda x, dy: jax.vjp(self.op(), x)[1](dy), x, x)
+    assert text.count("@mosaic_gpu_v2(") == 2 and _triton.CUSTOM_CALL not in text
 
 
 class TestSoftmaxTriton(SoftmaxTest):

@@ -143,9 +143,11 @@ def rms_norm(x, scale, *, eps: float = 1e-6, residual=None, implementation=None,
       float32 and normalised in the same pass, and ``(y, h)`` is returned: the
       pre-norm transformer pattern in one read of x and residual, forward and
       backward. h keeps the residual's dtype, y takes x's.
-    implementation: None (best available), "xla", "triton" or "mosaic_tpu".
+    implementation: None (best available), "xla", "triton", "mosaic_gpu" (Hopper) or
+      "mosaic_tpu".
     config: the chosen kernel's Config (``jaxkernels.ops.norms.triton.Config``,
-      ``...mosaic_tpu.Config``); None picks one for the shape and device.
+      ``...mosaic_gpu.Config``, ``...mosaic_tpu.Config``); None picks one for the shape and
+      device.
 
   Returns:
     y, or (y, h) with a residual. Statistics are float32 whatever the dtype.

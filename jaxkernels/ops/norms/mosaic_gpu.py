@@ -1,17 +1,19 @@
-"""Pallas Mosaic GPU kernels for rms_norm and layer_norm, forward and backward (sm90 and later).
+"""Pallas Mosaic GPU kernels for rms_norm and layer_norm, forward and backward (Hopper).
 
-Both are persistent: ``ctas`` CTAs of one warpgroup, CTA c taking rows c, c + ctas, ... Each row
-comes into shared memory whole by a bulk copy (``cp.async.bulk``: a row block is contiguous),
-``stages`` rows ahead of the one being computed (``plgpu.emit_pipeline``), so the copy engine,
-not threads, keeps bytes in flight. The row is read from shared memory in ``chunk``-wide pieces,
-a warpgroup-strided vector each (a thread's 16 contiguous bytes, 128 threads side by side), and
-the outputs go from registers straight to global memory: plain vector stores, nothing waits on
-them. The backward recomputes the row's statistics from h (already in shared memory), so the
-forward writes none. d(scale) and d(bias) accumulate in each CTA's shared memory, each element
-owned by the thread that updates it, one float32 row a CTA, summed by XLA afterwards.
+Both are persistent: ``ctas`` CTAs of one warpgroup, CTA c taking row blocks c, c + ctas, ...
+Each block of ``rows`` whole rows comes into shared memory by one tiled bulk copy (a row seen
+as (N / piece, piece): a copy moves at most 256 elements along a dimension), ``stages`` blocks
+ahead of the one being computed (``plgpu.emit_pipeline``), so the copy engine, not threads,
+keeps bytes in flight. A row is read from shared memory in ``chunk``-wide pieces, a
+warpgroup-strided vector each (16 contiguous bytes a thread, 128 threads side by side), and
+the outputs go from registers straight to global memory: plain vector stores, nothing waits
+on them. The backward recomputes the row's statistics from h (already in shared memory), so
+the forward writes none. d(scale) and d(bias) accumulate in each CTA's shared memory, each
+element owned by the thread that updates it, one float32 row a CTA, summed by XLA afterwards.
 
 Nothing here is Hopper-only but the bulk copy, which Blackwell has too: the kernels take no
-wgmma, no cluster and no warpgroup register moves.
+wgmma, no cluster and no warpgroup register moves. Dispatch still offers them on sm90 alone
+(``_mosaic_gpu.hopper_reason``) until a later chip is in ``hardware``'s table and measured.
 """
 
 from __future__ import annotations
@@ -22,17 +24,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _mosaic_gpu, hardware
 from jaxkernels._tiling import cdiv, check_fields
-
-THREADS = 128  # one warpgroup a CTA
-# Bytes a thread moves per shared-memory load: a 16-byte vector (ld.shared.v4).
-VECTOR_BYTES = 16
-# Widest chunk of a row in registers at once: 16 elements a thread per array at 2048.
-MAX_CHUNK = 2048
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,39 +44,11 @@ class Config:
 
   def __post_init__(self):
     check_fields(self, ("stages", "ctas_per_sm", "bwd_stages", "bwd_ctas_per_sm", "rows",
-                        "bwd_rows"),
-                 lambda v: v >= 1, ">= 1")
+                        "bwd_rows"), lambda v: v >= 1, ">= 1")
 
 
 def _itemsize(*structs) -> int:
   return sum(jnp.dtype(s.dtype).itemsize for s in structs if s is not None)
-
-
-def geometry(n_cols: int, *dtypes) -> tuple[int, int, int] | None:
-  """(piece, chunk, vec) for rows of ``n_cols`` of ``dtypes`` (None entries skipped), or None
-  where no such walk exists.
-
-  piece: the row is copied as (n_cols // piece, piece): a tiled bulk copy moves at most 256
-  elements along a dimension, and each piece must be whole 16-byte units of every dtype.
-  vec: elements a thread loads at once, 16 bytes of the narrowest dtype where the row allows.
-  chunk: columns a thread's registers hold at once, whole pieces and whole warpgroup vectors,
-  the widest up to MAX_CHUNK.
-  """
-  sizes = [jnp.dtype(d).itemsize for d in dtypes if d is not None]
-  unit = VECTOR_BYTES // min(sizes)
-  pieces = [w for w in range(unit, min(n_cols, 256) + 1, unit) if n_cols % w == 0]
-  if not pieces:
-    return None
-  width = max(pieces)
-  vec = unit
-  while vec >= 1:
-    chunks = [k * width for k in range(1, n_cols // width + 1)
-              if (n_cols // width) % k == 0 and (k * width) % (THREADS * vec) == 0
-              and k * width <= max(MAX_CHUNK, THREADS * vec)]
-    if chunks and width % vec == 0:
-      return width, max(chunks), vec
-    vec //= 2
-  return None
 
 
 def _row_bytes(problem, backward: bool) -> int:
@@ -107,11 +74,6 @@ def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -
   budget = (_mosaic_gpu.cta_smem_bytes(chip) // ctas_per_sm - _vectors_bytes(problem, backward)
             - 4096)
   return budget // (rows * _row_bytes(problem, backward))
-
-
-def _problem_geometry(problem):
-  return geometry(problem.x.shape[1], problem.x.dtype,
-                  None if problem.residual is None else problem.residual.dtype, jnp.float32)
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
@@ -141,9 +103,10 @@ def unsupported(problem, chip) -> str | None:
   if reason is not None:
     return reason
   n_cols = problem.x.shape[1]
-  if _problem_geometry(problem) is None:
-    return (f"mosaic_gpu takes rows a whole number of {THREADS}-element warpgroup vectors "
-            f"wide; x's last dimension is {n_cols}")
+  reason = _mosaic_gpu.width_reason(n_cols, problem.x.dtype, jnp.float32,
+                                    None if problem.residual is None else problem.residual.dtype)
+  if reason is not None:
+    return reason
   for backward in (False, True):
     if most_stages(problem, chip, backward=backward, rows=1, ctas_per_sm=1) < 2:
       return (f"mosaic_gpu's {'backward' if backward else 'forward'} holds two rows of "
@@ -170,67 +133,7 @@ def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
 # --------------------------------------------------------------------------- #
 
 
-@dataclasses.dataclass(frozen=True)
-class _Row:
-  """How a kernel walks one row, seen as (pieces, piece) (a tiled bulk copy moves at most 256
-  elements along a dimension): ``chunk // piece`` pieces at a time, each chunk a warpgroup-
-  strided vector of ``vec`` elements a thread."""
-
-  n_cols: int
-  piece: int
-  chunk: int
-  vec: int
-  interpret: object
-
-  @property
-  def chunks(self) -> range:
-    return range(self.n_cols // self.chunk)
-
-  def cols(self, c: int):
-    """Chunk c's pieces: the index of a (..., pieces, piece) ref's pieces axis."""
-    per_chunk = self.chunk // self.piece
-    return pl.ds(c * per_chunk, per_chunk)
-
-  def layout(self):
-    return plgpu.Layout.WG_STRIDED((self.chunk // self.piece, self.piece), self.vec)
-
-  def load(self, ref, c: int):
-    """Chunk c of a row (a (pieces, piece) ref), as float32."""
-    return _mosaic_gpu.load_block(ref.at[self.cols(c)], self.layout(),
-                                  self.interpret).astype(jnp.float32)
-
-  def zeros(self):
-    z = jnp.zeros((self.chunk // self.piece, self.piece), jnp.float32)
-    return _mosaic_gpu.layout_cast(z, self.layout(), self.interpret)
-
-  def sums(self, terms):
-    """Sums over the row of each of terms(c) (a tuple of elementwise float32 chunks) in one
-    pass: the chunks add elementwise, then one reduction across the warpgroup each."""
-    totals = None
-    for c in self.chunks:
-      ts = terms(c)
-      totals = ts if totals is None else tuple(a + b for a, b in zip(totals, ts))
-    return tuple(jnp.sum(t) for t in totals)
-
-
-def _copy_vectors(pairs, barrier):
-  """Copies each (global, shared) pair of row vectors into shared memory and waits."""
-  for gmem, smem in pairs:
-    plgpu.copy_gmem_to_smem(gmem, smem, barrier)
-  plgpu.barrier_wait(barrier)
-
-
-def _ctas(n_rows: int, per_sm: int) -> int:
-  return max(1, min(n_rows, per_sm * _mosaic_gpu.num_sms()))
-
-
-def _blocks_of(cta, ctas: int, n_blocks: int, rows: int, pieces: int, piece: int):
-  """Row blocks CTA ``cta`` takes (cta, cta + ctas, ...): how many, and their BlockSpec."""
-  count = (n_blocks - cta + ctas - 1) // ctas
-  return count, pl.BlockSpec((rows, pieces, piece), lambda i: (cta + i * ctas, 0, 0))
-
-
-def _moments(row: _Row, h_of, pivot, *, layer: bool, eps: float, g_of=None):
+def _moments(row: _mosaic_gpu.Row, h_of, pivot, *, layer: bool, eps: float, g_of=None):
   """One pass over a row whose float32 chunk c is h_of(c): (mean or None, rstd) and, given the
   backward's g_of (dy * scale), mean(g * n) and (layer_norm) mean(g) for n = (h - mean) * rstd.
 
@@ -278,8 +181,8 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_blocks, rows, row, stage
   barrier = refs.pop(0)
 
   cta = lax.axis_index("cta")
-  _copy_vectors([(s_g, s_smem)] + ([(b_g, b_smem)] if has_bias else []), barrier.at[0])
-  count, spec = _blocks_of(cta, ctas, n_blocks, rows, *s_g.shape)
+  _mosaic_gpu.copy_vectors([(s_g, s_smem)] + ([(b_g, b_smem)] if has_bias else []), barrier.at[0])
+  count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
 
   def body(indices, x_block, *rest):
     (i,) = indices
@@ -331,12 +234,12 @@ def _bwd_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_blocks, rows, row, st
   barrier = refs.pop(0)
 
   cta = lax.axis_index("cta")
-  _copy_vectors([(s_g, s_smem)], barrier.at[0])
+  _mosaic_gpu.copy_vectors([(s_g, s_smem)], barrier.at[0])
   sums = [ds_smem] + ([db_smem] if has_bias else [])
   for acc in sums:  # each thread zeroes, updates and writes out the elements it owns
     for c in row.chunks:
       acc.at[row.cols(c)][...] = row.zeros()
-  count, spec = _blocks_of(cta, ctas, n_blocks, rows, *s_g.shape)
+  count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
 
   def body(indices, h_block, dy_block, *rest):
     (i,) = indices
@@ -387,50 +290,30 @@ def _bwd_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_blocks, rows, row, st
 # --------------------------------------------------------------------------- #
 
 
-def _call(kernel, out_type, scratch, ctas, *, auto_barriers, interpret, name):
-  def body(*refs):  # named: profiles and HLO dumps show the kernel by its name
-    return kernel(*refs)
-  body.__name__ = name
-  return plgpu.kernel(
-      body, out_type=out_type, grid=(ctas,), grid_names=("cta",), scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
-      **({"interpret": interpret} if interpret else {}))
-
-
-def _walk(n_cols: int, interpret, *arrays) -> _Row:
-  piece, width, vec = geometry(n_cols, jnp.float32, *(a.dtype for a in arrays if a is not None))
-  return _Row(n_cols, piece, width, vec, interpret)
-
-
-def _pieces(a, row: _Row):
-  """a (..., N) as (..., N // piece, piece): the shape the kernels copy and index."""
-  return None if a is None else a.reshape(*a.shape[:-1], row.n_cols // row.piece, row.piece)
-
-
 def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config,
             interpret=False):
   """x, residual: (M, N). Returns (y, h or None, ()): the backward recomputes the statistics."""
   n_rows, n_cols = x.shape
-  row = _walk(n_cols, interpret, x, residual)
+  row = _mosaic_gpu.Row.of(n_cols, interpret, x, residual)
   rows = config.rows if n_rows % config.rows == 0 else 1
-  ctas = _ctas(n_rows // rows, config.ctas_per_sm)
+  ctas = _mosaic_gpu.row_ctas(n_rows // rows, config.ctas_per_sm)
   kernel = functools.partial(
       _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
       n_blocks=n_rows // rows, rows=rows, row=row,
       stages=min(config.stages, cdiv(n_rows // rows, ctas)), ctas=ctas, eps=eps,
       auto_barriers=config.auto_barriers)
-  shape = _pieces(x, row).shape
+  shape = row.pieces(x).shape
   out_type = [jax.ShapeDtypeStruct(shape, x.dtype)]
   if residual is not None:
     out_type.append(jax.ShapeDtypeStruct(shape, residual.dtype))
   vectors = [scale] + ([bias] if bias is not None else [])
-  vectors = [_pieces(v.astype(jnp.float32), row) for v in vectors]
+  vectors = [row.pieces(v.astype(jnp.float32)) for v in vectors]
   scratch = [plgpu.SMEM(v.shape, jnp.float32) for v in vectors]
   scratch.append(plgpu.Barrier(num_arrivals=len(vectors), num_barriers=1))
-  inputs = [_pieces(x, row)] + ([_pieces(residual, row)] if residual is not None else [])
-  outs = _call(kernel, out_type, scratch, ctas, auto_barriers=config.auto_barriers,
-               interpret=interpret, name=f"jk_{'layer' if layer else 'rms'}_norm_fwd_mgpu")(
-                   *inputs, *vectors)
+  inputs = [row.pieces(x)] + ([row.pieces(residual)] if residual is not None else [])
+  name = f"jk_{'layer' if layer else 'rms'}_norm_fwd_mgpu"
+  outs = _mosaic_gpu.row_kernel(kernel, out_type, scratch, ctas, name=name, interpret=interpret,
+                                auto_barriers=config.auto_barriers)(*inputs, *vectors)
   outs = [o.reshape(n_rows, n_cols) for o in outs]
   return outs[0], (outs[1] if residual is not None else None), ()
 
@@ -442,15 +325,15 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
   del stats
   n_rows, n_cols = h.shape
   dual_dx = residual_dtype is not None and jnp.dtype(residual_dtype) != dy.dtype
-  row = _walk(n_cols, interpret, h, dy, dh)
+  row = _mosaic_gpu.Row.of(n_cols, interpret, h, dy, dh)
   rows = config.bwd_rows if n_rows % config.bwd_rows == 0 else 1
-  ctas = _ctas(n_rows // rows, config.bwd_ctas_per_sm)
+  ctas = _mosaic_gpu.row_ctas(n_rows // rows, config.bwd_ctas_per_sm)
   kernel = functools.partial(
       _bwd_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
       dual_dx=dual_dx, n_blocks=n_rows // rows, rows=rows, row=row,
       stages=min(config.bwd_stages, cdiv(n_rows // rows, ctas)), ctas=ctas, eps=eps,
       auto_barriers=config.auto_barriers)
-  shape = _pieces(h, row).shape
+  shape = row.pieces(h).shape
   out_type = [jax.ShapeDtypeStruct(shape, dy.dtype)]
   if dual_dx:
     out_type.append(jax.ShapeDtypeStruct(shape, residual_dtype))
@@ -459,14 +342,16 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
   scratch = [plgpu.SMEM(shape[1:], jnp.float32)
              for _ in range(2 + (1 if bias is not None else 0))]
   scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=1))
-  inputs = [_pieces(h, row), _pieces(scale.astype(jnp.float32), row), _pieces(dy, row)]
+  inputs = [row.pieces(h), row.pieces(scale.astype(jnp.float32)), row.pieces(dy)]
   if dh is not None:
-    inputs.append(_pieces(dh, row))
-  outs = list(_call(kernel, out_type, scratch, ctas, auto_barriers=config.auto_barriers,
-                    interpret=interpret,
-                    name=f"jk_{'layer' if layer else 'rms'}_norm_bwd_mgpu")(*inputs))
+    inputs.append(row.pieces(dh))
+  name = f"jk_{'layer' if layer else 'rms'}_norm_bwd_mgpu"
+  outs = list(_mosaic_gpu.row_kernel(kernel, out_type, scratch, ctas, name=name,
+                                     interpret=interpret,
+                                     auto_barriers=config.auto_barriers)(*inputs))
   dx = outs.pop(0).reshape(n_rows, n_cols)
   dr = outs.pop(0).reshape(n_rows, n_cols) if dual_dx else None
   dscale = outs.pop(0).sum(axis=0).reshape(n_cols).astype(scale.dtype)
-  dbias = outs.pop(0).sum(axis=0).reshape(n_cols).astype(bias.dtype) if bias is not None else None
+  dbias = (outs.pop(0).sum(axis=0).reshape(n_cols).astype(bias.dtype) if bias is not None
+           else None)
   return dx, dr, dscale, dbias

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxkernels import _checks, backend, dispatch, partitioning
 from jaxkernels._tiling import bucket, rows_view
-from jaxkernels.ops.softmax import mosaic_tpu, reference, triton
+from jaxkernels.ops.softmax import mosaic_gpu, mosaic_tpu, reference, triton
 
 OP = "softmax"
 
@@ -83,7 +83,8 @@ def softmax(x, *, axis: int = -1, implementation=None, config=None):
     x: bfloat16, float16 or float32, any rank >= 1.
     axis: the axis normalised over. The kernels work on the last axis; another
       axis is moved last and back (two XLA transposes).
-    implementation: None (best available), "xla", "triton" or "mosaic_tpu".
+    implementation: None (best available), "xla", "triton", "mosaic_gpu" (Hopper; asked for
+      by name only until it is measured) or "mosaic_tpu".
     config: the chosen kernel's Config; None picks one for the shape and device.
   """
   return backend.call(_OP, implementation, config, x=x, axis=axis)
@@ -92,6 +93,10 @@ def softmax(x, *, axis: int = -1, implementation=None, config=None):
 _OP = backend.register(backend.Op(
     name=OP,
     kernels={
+        # Interpreted and lowered for CUDA, not yet run on a GPU: on request only.
+        "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
+                                         forward=mosaic_gpu.forward,
+                                         backward=mosaic_gpu.backward, auto=False),
         "triton": dispatch.Kernels.of(OP, "triton", triton, forward=triton.forward,
                                      backward=triton.backward),
         "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,

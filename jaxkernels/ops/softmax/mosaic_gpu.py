@@ -1,0 +1,176 @@
+"""Pallas Mosaic GPU kernels for softmax, forward and backward (Hopper): the norms' walk over
+whole rows (``_mosaic_gpu.Row``), a persistent grid of one-warpgroup CTAs, each row block
+brought into shared memory by a bulk copy ahead of its use and written out from registers.
+
+The forward takes the row's maximum and its sum of exponentials in two passes over shared
+memory (no rescaling), then writes exp(x - max) / sum; a fully masked row (all -inf) gives
+zeros, as the reference does. The backward writes y (dy - sum(y dy)). Rows must fit shared
+memory twice over (two blocks in flight); wider ones, a vocabulary's, go to the Triton
+kernel's online softmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkernels import _mosaic_gpu, hardware
+from jaxkernels._tiling import cdiv, check_fields
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  stages: int  # row blocks in shared memory a CTA: the one computed and those in flight
+  ctas_per_sm: int
+  rows: int  # rows a block (a pipeline step), where they divide the rows; else 1
+  bwd_stages: int
+  bwd_ctas_per_sm: int
+  bwd_rows: int
+
+  def __post_init__(self):
+    check_fields(self, ("stages", "ctas_per_sm", "rows", "bwd_stages", "bwd_ctas_per_sm",
+                        "bwd_rows"), lambda v: v >= 1, ">= 1")
+
+
+def _row_bytes(problem, backward: bool) -> int:
+  """Shared memory a row takes in the ring: x forward; y and dy backward."""
+  rows, cols = problem.x.shape
+  del rows
+  return cols * jnp.dtype(problem.x.dtype).itemsize * (2 if backward else 1)
+
+
+def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
+  """Blocks of ``rows`` rows a CTA's ring holds beside the barriers and the reductions'
+  scratch (4 KiB), ``ctas_per_sm`` CTAs sharing an SM's shared memory."""
+  budget = _mosaic_gpu.cta_smem_bytes(chip) // ctas_per_sm - 4096
+  return budget // (rows * _row_bytes(problem, backward))
+
+
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """problem: the call's ``softmax.api.Problem``. Two rows a step where two blocks of them fit
+  (the norms' finding for rows of two reductions: two rows' chains in flight, bench/NOTES.md
+  mgpu-norms-3), one CTA an SM, as many blocks in flight as shared memory holds, up to 8.
+  Not yet measured on a GPU."""
+  def walk(backward):
+    for rows in (2, 1):
+      most = most_stages(problem, chip, backward=backward, rows=rows, ctas_per_sm=1)
+      if most >= 2:
+        return rows, min(8, most)
+    return 1, 1
+  rows, stages = walk(False)
+  bwd_rows, bwd_stages = walk(True)
+  return Config(stages=stages, ctas_per_sm=1, rows=rows, bwd_stages=bwd_stages,
+                bwd_ctas_per_sm=1, bwd_rows=bwd_rows)
+
+
+def unsupported(problem, chip) -> str | None:
+  reason = _mosaic_gpu.hopper_reason(chip)
+  if reason is not None:
+    return reason
+  n_cols = problem.x.shape[1]
+  reason = _mosaic_gpu.width_reason(n_cols, problem.x.dtype, jnp.float32)
+  if reason is not None:
+    return reason
+  if most_stages(problem, chip, backward=True, rows=1, ctas_per_sm=1) < 2:
+    return (f"mosaic_gpu holds two rows of y and dy ({n_cols} columns) in shared memory, more "
+            f"than the {_mosaic_gpu.cta_smem_bytes(chip)} bytes a CTA has; the Triton kernel's "
+            "online softmax takes rows this wide")
+  return None
+
+
+def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
+  for backward, (stages, rows, per_sm) in (
+      (False, (config.stages, config.rows, config.ctas_per_sm)),
+      (True, (config.bwd_stages, config.bwd_rows, config.bwd_ctas_per_sm))):
+    most = most_stages(problem, chip, backward=backward, rows=rows, ctas_per_sm=per_sm)
+    if stages > most:
+      prefix = "bwd_" if backward else ""
+      return (f"{prefix}stages={stages} blocks of {prefix}rows={rows} do not fit a CTA's "
+              f"shared memory at {prefix}ctas_per_sm={per_sm} (at most {max(most, 0)})")
+  return None
+
+
+# --------------------------------------------------------------------------- #
+# Kernels
+# --------------------------------------------------------------------------- #
+
+
+def _exp(x):
+  """e**x as 2**(x log2 e): under approx_math one ex2.approx, as the Triton kernels' exp."""
+  return jnp.exp2(x * LOG2E)
+
+
+def _fwd_kernel(x_g, y_g, *, n_blocks, rows, row, stages, ctas):
+  cta = lax.axis_index("cta")
+  count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
+
+  def body(indices, x_block):
+    (i,) = indices
+    first = (cta + i * ctas) * rows
+    x_of = lambda j: lambda c: row.load(x_block.at[j], c)
+    stats = []
+    for j in range(rows):  # every row's statistics, then the outputs, the rows side by side
+      peak = row.peak(x_of(j))
+      peak = jnp.where(peak == -jnp.inf, 0.0, peak)  # a fully masked row: zeros, not NaN
+      (total,) = row.sums(lambda c, j=j, peak=peak: (_exp(x_of(j)(c) - peak),))
+      stats.append((peak, 1.0 / jnp.where(total == 0.0, 1.0, total)))
+    for c in row.chunks:
+      for j, (peak, scale) in enumerate(stats):
+        y = _exp(x_of(j)(c) - peak) * scale
+        y_g.at[first + j, row.cols(c)][...] = y.astype(y_g.dtype)
+    plgpu.commit_smem()  # every thread's reads done before the slot is refilled
+
+  plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec], max_concurrent_steps=stages)(x_g)
+
+
+def _bwd_kernel(y_g, dy_g, dx_g, *, n_blocks, rows, row, stages, ctas):
+  cta = lax.axis_index("cta")
+  count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
+
+  def body(indices, y_block, dy_block):
+    (i,) = indices
+    first = (cta + i * ctas) * rows
+    def product(j):
+      return lambda c: (row.load(y_block.at[j], c) * row.load(dy_block.at[j], c),)
+    inner = [row.sums(product(j))[0] for j in range(rows)]
+    for c in row.chunks:
+      for j in range(rows):
+        y, dy = row.load(y_block.at[j], c), row.load(dy_block.at[j], c)
+        dx_g.at[first + j, row.cols(c)][...] = (y * (dy - inner[j])).astype(dx_g.dtype)
+    plgpu.commit_smem()
+
+  plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec, spec],
+                      max_concurrent_steps=stages)(y_g, dy_g)
+
+
+def _call(kernel, operands, out_dtype, *, stages, ctas_per_sm, rows, name, interpret):
+  n_rows, n_cols = operands[0].shape
+  row = _mosaic_gpu.Row.of(n_cols, interpret, *operands)
+  rows = rows if n_rows % rows == 0 else 1
+  n_blocks = n_rows // rows
+  ctas = _mosaic_gpu.row_ctas(n_blocks, ctas_per_sm)
+  body = functools.partial(kernel, n_blocks=n_blocks, rows=rows, row=row,
+                           stages=min(stages, cdiv(n_blocks, ctas)), ctas=ctas)
+  out_type = jax.ShapeDtypeStruct(row.pieces(operands[0]).shape, out_dtype)
+  out = _mosaic_gpu.row_kernel(body, out_type, [], ctas, name=name, interpret=interpret,
+                               approx_math=not interpret)(*[row.pieces(a) for a in operands])
+  return out.reshape(n_rows, n_cols)
+
+
+def forward(x, *, config: Config, interpret=False):
+  return _call(_fwd_kernel, (x,), x.dtype, stages=config.stages,
+               ctas_per_sm=config.ctas_per_sm, rows=config.rows, name="jk_softmax_fwd_mgpu",
+               interpret=interpret)
+
+
+def backward(y, dy, *, config: Config, interpret=False):
+  return _call(_bwd_kernel, (y, dy), dy.dtype, stages=config.bwd_stages,
+               ctas_per_sm=config.bwd_ctas_per_sm, rows=config.bwd_rows,
+               name="jk_softmax_bwd_mgpu", interpret=interpret)
