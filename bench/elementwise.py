@@ -49,7 +49,7 @@ def cases(session):
         bwd_cost=roofline.bias_activation_bwd(x, b, activation),
         grads=(0, 1), dtype=dtype, reduction=rows, pointwise_rtol=_activations.RTOL,
         sweep=_sweep(rows, cols, "bias_activation", activation)
-        if activation in ("silu", "gelu", "gelu_tanh") else {}))
+        if activation in ("silu", "gelu", "gelu_tanh") else {}, registered="bias_activation"))
   for activation in ("silu", "gelu"):
     def draw(seed):
       k = jax.random.split(jax.random.key(seed), 3)
@@ -65,7 +65,8 @@ def cases(session):
             lambda g, u: reference.glu(g, u, activation=a, compute_dtype=cd)),
         fwd_cost=roofline.glu_fwd(g, u, activation), bwd_cost=roofline.glu_bwd(g, u, activation),
         grads=(0, 1), dtype=dtype, reduction=rows, pointwise_rtol=_activations.RTOL,
-        sweep=_sweep(rows, cols, "glu", activation) if activation == "silu" else {}))
+        sweep=_sweep(rows, cols, "glu", activation) if activation == "silu" else {},
+        registered="glu"))
   return out
 
 

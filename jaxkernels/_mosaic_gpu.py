@@ -334,6 +334,22 @@ def row_blocks(cta, ctas: int, n_blocks: int, rows: int, row: Row):
                              lambda i: (cta + i * ctas, 0, 0))
 
 
+def tile_blocks(cta, row_programs: int, n_row_blocks: int, rows: int, row: Row):
+  """An elementwise kernel's CTA of a (row_programs, chunks) grid: its column chunk (cta %
+  chunks, fixed: a bias's gradient accumulates over its rows) and its row blocks (cta //
+  chunks, then every ``row_programs``-th). Returns how many blocks, the chunk, the first row
+  block, and ``spec(shift)``: the BlockSpec of a (rows, chunk) tile over the (M, pieces, piece)
+  view, ``shift`` chunks to the right (a packed [gate | up] row's up half)."""
+  chunks = len(row.chunks)
+  chunk, start = cta % chunks, cta // chunks
+  count = (n_row_blocks - start + row_programs - 1) // row_programs
+
+  def spec(shift: int = 0):
+    return pl.BlockSpec((rows, row.chunk // row.piece, row.piece),
+                        lambda i: (start + i * row_programs, chunk + shift, 0))
+  return count, chunk, start, spec
+
+
 def row_kernel(kernel, out_type, scratch, ctas: int, *, name: str, interpret,
                auto_barriers: bool = False, approx_math: bool = False):
   """``kernel`` (refs: inputs, outputs, scratch) as a persistent Mosaic GPU kernel of ``ctas``

@@ -9,7 +9,7 @@ import pytest
 
 import jaxkernels as jk
 from bench import shapes
-from jaxkernels import _activations
+from jaxkernels import _activations, _mosaic_gpu, _triton
 from jaxkernels.ops.elementwise import reference
 from jaxkernels.ops.elementwise import triton as elementwise_triton
 from tests import cases, numerics
@@ -39,6 +39,7 @@ def _pointwise_rtol(activation, z, weight):
 
 class ElementwiseTest:
   IMPL = "xla"
+  VMAP_SHAPE = (4, 6, 40)  # a kernel class of restricted widths draws its own
 
   def bias_activation(self, activation, config=None):
     return lambda x, b: jk.bias_activation(x, b, activation=activation,
@@ -118,7 +119,7 @@ class ElementwiseTest:
     self.check_glu((64, 384), dtype, activation)
 
   def test_jit_vmap(self):
-    (x, b), _ = self.bias_inputs((4, 6, 40), jnp.float32, "vmap")
+    (x, b), _ = self.bias_inputs(self.VMAP_SHAPE, jnp.float32, "vmap")
     with numerics.kernel_mode():
       got = jax.jit(jax.vmap(self.bias_activation("silu"), in_axes=(1, None), out_axes=1))(x, b)
     want = reference.bias_activation(x, b, activation="silu")
@@ -179,6 +180,52 @@ class TestElementwiseTriton(ElementwiseTest):
         jax.ShapeDtypeStruct((256, 2000), jnp.bfloat16),
         jax.ShapeDtypeStruct((256, 1000), jnp.bfloat16))
     assert 'name = "jk_glu_silu_bwd"' in text and 'name = "jk_glu_silu_fwd"' in text
+
+
+class TestElementwiseMosaicGpu(ElementwiseTest):
+  """Rows of whole 128-element vectors, interpreted with three CTAs (each a host thread). On
+  request only until timed on a GPU."""
+
+  IMPL = "mosaic_gpu"
+  VMAP_SHAPE = (4, 6, 128)
+
+  @pytest.fixture(autouse=True)
+  def _three_ctas(self, monkeypatch):
+    if not numerics.COMPILED:
+      monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 3)
+
+  # (37, 384): an odd row count (one row a tile), one chunk; (2, 5, 4096): batched rows, two
+  # column chunks (two CTAs each a chunk and one more for rows).
+  GRID = numerics.grid(((37, 384), (2, 5, 4096)), ACTIVATIONS, center=((37, 384), "gelu"))
+
+  @pytest.mark.parametrize("shape,activation", GRID)
+  def test_bias_activation_float32(self, shape, activation):
+    self.check_bias_activation(shape, jnp.float32, activation)
+
+  @pytest.mark.parametrize("shape,activation", GRID)
+  def test_glu_float32(self, shape, activation):
+    self.check_glu(shape, jnp.float32, activation)
+
+  @pytest.mark.parametrize("shape", ((37, 384), (2, 5, 4096)))
+  @pytest.mark.parametrize("activation", ["gelu", "silu"])
+  def test_glu_packed_float32(self, shape, activation):
+    self.check_glu_packed(shape, jnp.float32, activation)
+
+  def test_lowers_for_cuda_packed_in_place(self):
+    """[gate | up] read and d[gate | up] written in place by one kernel each, no Triton."""
+    def forward_and_backward(x, dy):
+      y, vjp = jax.vjp(lambda x: jk.glu(x, implementation="mosaic_gpu"), x)
+      return y, vjp(dy)
+
+    text = cuda_lowering(forward_and_backward, jax.ShapeDtypeStruct((256, 8192), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16))
+    assert text.count("@mosaic_gpu_v2(") == 2 and _triton.CUSTOM_CALL not in text
+
+  def test_unsupported_width_names_why(self):
+    x = jnp.ones((4, 200), jnp.bfloat16)
+    with numerics.kernel_mode():
+      supported = jk.supports("glu", "mosaic_gpu", x, x, activation="silu")
+    assert not supported and "x's last dimension is 200" in supported.reason
 
 
 class TestElementwiseMosaicTpu(ElementwiseTest):

@@ -9,7 +9,7 @@ import jax
 
 from jaxkernels import _activations, _checks, backend, dispatch, partitioning
 from jaxkernels._tiling import bucket, rows_struct, rows_view
-from jaxkernels.ops.elementwise import mosaic_tpu, reference, triton
+from jaxkernels.ops.elementwise import mosaic_gpu, mosaic_tpu, reference, triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +186,10 @@ def packed_glu_grad(x, dy, *, activation: str, implementation=None):
 _BIAS_ACTIVATION = backend.register(backend.Op(
     name="bias_activation",
     kernels={
+        # Interpreted and lowered for CUDA, not yet run on a GPU: on request only.
+        "mosaic_gpu": dispatch.Kernels.of("bias_activation", "mosaic_gpu", mosaic_gpu,
+                                          forward=mosaic_gpu.bias_activation_fwd,
+                                          backward=mosaic_gpu.bias_activation_bwd, auto=False),
         "triton": dispatch.Kernels.of("bias_activation", "triton", triton,
                                       forward=triton.bias_activation_fwd,
                                       backward=triton.bias_activation_bwd),
@@ -206,6 +210,9 @@ _BIAS_ACTIVATION = backend.register(backend.Op(
 GLU = backend.register(backend.Op(
     name="glu",
     kernels={
+        "mosaic_gpu": dispatch.Kernels.of("glu", "mosaic_gpu", mosaic_gpu,
+                                          forward=mosaic_gpu.glu_fwd,
+                                          backward=mosaic_gpu.glu_bwd, auto=False),
         "triton": dispatch.Kernels.of("glu", "triton", triton, forward=triton.glu_fwd,
                                       backward=triton.glu_bwd),
         "mosaic_tpu": dispatch.Kernels.of("glu", "mosaic_tpu", mosaic_tpu,

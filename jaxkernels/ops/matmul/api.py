@@ -251,7 +251,7 @@ def _gate(z, args: Args, implementation):
 
 def _glu_implementation(implementation):
   """The implementation glu takes after a product on ``implementation``: the same, but for
-  mosaic_gpu, where glu has no kernel (its GPU kernel is Triton's: dispatch picks it)."""
+  mosaic_gpu, whose glu kernel serves on request only until timed: dispatch picks glu's."""
   return None if implementation == "mosaic_gpu" else implementation
 
 

@@ -19,11 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkernels import _mosaic_gpu, hardware
+from jaxkernels import _activations, _mosaic_gpu, hardware
 from jaxkernels._tiling import cdiv, check_fields
-
-LOG2E = 1.4426950408889634
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
@@ -102,11 +99,6 @@ def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
 # --------------------------------------------------------------------------- #
 
 
-def _exp(x):
-  """e**x as 2**(x log2 e): under approx_math one ex2.approx, as the Triton kernels' exp."""
-  return jnp.exp2(x * LOG2E)
-
-
 def _fwd_kernel(x_g, y_g, *, n_blocks, rows, row, stages, ctas):
   cta = lax.axis_index("cta")
   count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
@@ -119,11 +111,11 @@ def _fwd_kernel(x_g, y_g, *, n_blocks, rows, row, stages, ctas):
     for j in range(rows):  # every row's statistics, then the outputs, the rows side by side
       peak = row.peak(x_of(j))
       peak = jnp.where(peak == -jnp.inf, 0.0, peak)  # a fully masked row: zeros, not NaN
-      (total,) = row.sums(lambda c, j=j, peak=peak: (_exp(x_of(j)(c) - peak),))
+      (total,) = row.sums(lambda c, j=j, peak=peak: (_activations.exp(x_of(j)(c) - peak),))
       stats.append((peak, 1.0 / jnp.where(total == 0.0, 1.0, total)))
     for c in row.chunks:
       for j, (peak, scale) in enumerate(stats):
-        y = _exp(x_of(j)(c) - peak) * scale
+        y = _activations.exp(x_of(j)(c) - peak) * scale
         y_g.at[first + j, row.cols(c)][...] = y.astype(y_g.dtype)
     plgpu.commit_smem()  # every thread's reads done before the slot is refilled
 

@@ -1,0 +1,296 @@
+"""Pallas Mosaic GPU kernels for bias_activation and glu (two inputs, or [gate | up] packed),
+forward and backward (Hopper).
+
+A persistent grid of one-warpgroup CTAs, each fixed on one column chunk of the rows (``chunk``
+columns, the row walk's: ``_mosaic_gpu.Row``) and walking every ``row_programs``-th block of
+``rows`` rows in it: each (rows, chunk) tile comes into shared memory by a bulk copy, up to
+``stages`` tiles ahead of the one computed (``plgpu.emit_pipeline``), and the results go from
+registers straight to global memory. bias_activation's backward sums d(bias) over a CTA's
+rows in its shared memory (each element owned by the thread that updates it), one float32 row
+a CTA, summed by XLA afterwards. The activations are ``_activations``' formulas; compiled,
+their exp2 and reciprocal take the hardware's approximate forms (approx_math), as the Triton
+kernels' do. Packed glu reads both halves of each row in place and writes d[gate | up] side
+by side, as one array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkernels import _activations, _mosaic_gpu, hardware
+from jaxkernels._tiling import cdiv, check_fields
+
+# Bytes of one input's tile: rows a tile = TILE_BYTES // (chunk x itemsize), at least one.
+TILE_BYTES = 16384
+# Most tiles a CTA keeps in flight; fewer where shared memory holds fewer.
+MOST_STAGES = 6
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  rows: int  # rows a tile, where they divide the rows; else 1
+  stages: int  # tiles in shared memory a CTA: the one computed and those in flight
+  ctas_per_sm: int
+  bwd_stages: int
+
+  def __post_init__(self):
+    check_fields(self, ("rows", "stages", "ctas_per_sm", "bwd_stages"), lambda v: v >= 1,
+                 ">= 1")
+
+
+def _walk(problem):
+  """(n_cols, geometry) of the rows walked: x's (for glu, gate's; a packed [gate | up] is
+  walked half by half, and its problem's x is one half)."""
+  n_cols = problem.x.shape[1]
+  return n_cols, _mosaic_gpu.row_geometry(n_cols, problem.x.dtype, jnp.float32)
+
+
+def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
+  """Tiles a CTA's ring holds (inputs only: outputs leave from registers), beside the bias
+  chunk and the d(bias) accumulator, with ``ctas_per_sm`` CTAs sharing an SM."""
+  _, (_, chunk, _) = _walk(problem)
+  streams = (1 if problem.op == "bias_activation" else 2) + (1 if backward else 0)  # dy too
+  tile = rows * chunk * jnp.dtype(problem.x.dtype).itemsize * streams
+  vectors = 4 * chunk * (2 if problem.op == "bias_activation" else 0)
+  return (_mosaic_gpu.cta_smem_bytes(chip) // ctas_per_sm - vectors - 4096) // tile
+
+
+def heuristic(problem, chip: hardware.Chip) -> Config:
+  """problem: the call's ``elementwise.api.Problem``. 16 KiB tiles of each input, two CTAs
+  an SM (an elementwise tile has no reduction to overlap: occupancy hides the stores'
+  issue), as many tiles in flight as fit, up to MOST_STAGES. Not yet measured on a GPU."""
+  _, (_, chunk, _) = _walk(problem)
+  rows = max(1, TILE_BYTES // (chunk * jnp.dtype(problem.x.dtype).itemsize))
+  fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=2)
+  bwd = most_stages(problem, chip, backward=True, rows=rows, ctas_per_sm=2)
+  return Config(rows=rows, stages=max(1, min(MOST_STAGES, fwd)), ctas_per_sm=2,
+                bwd_stages=max(1, min(MOST_STAGES, bwd)))
+
+
+def unsupported(problem, chip) -> str | None:
+  reason = _mosaic_gpu.hopper_reason(chip)
+  if reason is not None:
+    return reason
+  n_cols, geometry = _walk(problem)
+  if geometry is None:
+    return _mosaic_gpu.width_reason(n_cols, problem.x.dtype, jnp.float32)
+  return None
+
+
+def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
+  for backward, stages in ((False, config.stages), (True, config.bwd_stages)):
+    most = most_stages(problem, chip, backward=backward, rows=config.rows,
+                       ctas_per_sm=config.ctas_per_sm)
+    if stages > most:
+      prefix = "bwd_" if backward else ""
+      return (f"{prefix}stages={stages} tiles of rows={config.rows} do not fit a CTA's shared "
+              f"memory at ctas_per_sm={config.ctas_per_sm} (at most {max(most, 0)})")
+  return None
+
+
+# --------------------------------------------------------------------------- #
+# Kernels
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+  """A launch's walk: the row walk (its chunks are the grid's columns), rows a tile, row
+  blocks, CTAs a column chunk, stages."""
+
+  row: _mosaic_gpu.Row
+  rows: int
+  n_row_blocks: int
+  row_programs: int
+  stages: int
+
+  @classmethod
+  def of(cls, n_rows: int, n_cols: int, config: Config, stages: int, interpret, *arrays):
+    row = _mosaic_gpu.Row.of(n_cols, interpret, *arrays)
+    rows = config.rows if n_rows % config.rows == 0 else 1
+    n_row_blocks = n_rows // rows
+    per_chunk = config.ctas_per_sm * _mosaic_gpu.num_sms() // len(row.chunks)
+    row_programs = max(1, min(n_row_blocks, per_chunk))
+    return cls(row, rows, n_row_blocks, row_programs,
+               min(stages, cdiv(n_row_blocks, row_programs)))
+
+  @property
+  def ctas(self) -> int:
+    return self.row_programs * len(self.row.chunks)
+
+  def walk(self):
+    """This CTA's (count, chunk, start, spec) (``_mosaic_gpu.tile_blocks``)."""
+    return _mosaic_gpu.tile_blocks(lax.axis_index("cta"), self.row_programs, self.n_row_blocks,
+                                   self.rows, self.row)
+
+  def first_row(self, start, i):
+    return (start + i * self.row_programs) * self.rows
+
+  def pipeline(self, body, specs, count, *gmem):
+    plgpu.emit_pipeline(body, grid=(count,), in_specs=specs,
+                        max_concurrent_steps=self.stages)(*gmem)
+
+  def out(self, n_rows: int, n_cols: int, dtype):
+    """An (n_rows, n_cols) output as the kernel writes it: (n_rows, pieces, piece)."""
+    return jax.ShapeDtypeStruct((n_rows, n_cols // self.row.piece, self.row.piece), dtype)
+
+
+def _bias_act_fwd_kernel(x_g, b_g, y_g, b_smem, barrier, *, activation, grid):
+  row = grid.row
+  count, chunk, start, spec = grid.walk()
+  _mosaic_gpu.copy_vectors([(b_g.at[0, row.cols(chunk)], b_smem)], barrier.at[0])
+
+  def body(indices, x_tile):
+    first = grid.first_row(start, indices[0])
+    bias = row.load(b_smem, 0)
+    for j in range(grid.rows):
+      y = _activations.apply(activation, row.load(x_tile.at[j], 0) + bias)
+      y_g.at[first + j, row.cols(chunk)][...] = y.astype(y_g.dtype)
+    plgpu.commit_smem()  # every thread's reads done before the slot is refilled
+
+  grid.pipeline(body, [spec()], count, x_g)
+
+
+def _bias_act_bwd_kernel(x_g, b_g, dy_g, dx_g, db_g, b_smem, db_smem, barrier, *, activation,
+                         grid):
+  row = grid.row
+  count, chunk, start, spec = grid.walk()
+  _mosaic_gpu.copy_vectors([(b_g.at[0, row.cols(chunk)], b_smem)], barrier.at[0])
+  db_smem[...] = row.zeros()  # each thread zeroes, updates and writes out what it owns
+
+  def body(indices, x_tile, dy_tile):
+    first = grid.first_row(start, indices[0])
+    bias = row.load(b_smem, 0)
+    d_bias = None
+    for j in range(grid.rows):
+      _, slope = _activations.value_and_grad(activation, row.load(x_tile.at[j], 0) + bias)
+      dx = row.load(dy_tile.at[j], 0) * slope
+      dx_g.at[first + j, row.cols(chunk)][...] = dx.astype(dx_g.dtype)
+      d_bias = dx if d_bias is None else d_bias + dx
+    db_smem[...] = row.load(db_smem, 0) + d_bias
+    plgpu.commit_smem()
+
+  grid.pipeline(body, [spec(), spec()], count, x_g, dy_g)
+  db_g.at[start, row.cols(chunk)][...] = row.load(db_smem, 0)
+
+
+def _glu_fwd_kernel(*refs, activation, packed, grid):
+  refs = list(refs)
+  g_g = refs.pop(0)
+  u_g = g_g if packed else refs.pop(0)
+  y_g = refs.pop(0)
+  row = grid.row
+  count, chunk, start, spec = grid.walk()
+
+  def body(indices, g_tile, u_tile):
+    first = grid.first_row(start, indices[0])
+    for j in range(grid.rows):
+      y = (_activations.apply(activation, row.load(g_tile.at[j], 0))
+           * row.load(u_tile.at[j], 0))
+      y_g.at[first + j, row.cols(chunk)][...] = y.astype(y_g.dtype)
+    plgpu.commit_smem()
+
+  up_shift = len(row.chunks) if packed else 0  # packed: the up half, half a row on
+  grid.pipeline(body, [spec(), spec(up_shift)], count, g_g, u_g)
+
+
+def _glu_bwd_kernel(*refs, activation, packed, grid):
+  refs = list(refs)
+  g_g = refs.pop(0)
+  u_g = g_g if packed else refs.pop(0)
+  dy_g, dg_g = refs.pop(0), refs.pop(0)
+  du_g = dg_g if packed else refs.pop(0)
+  row = grid.row
+  count, chunk, start, spec = grid.walk()
+  up_shift = len(row.chunks) if packed else 0
+
+  def body(indices, g_tile, u_tile, dy_tile):
+    first = grid.first_row(start, indices[0])
+    for j in range(grid.rows):
+      value, slope = _activations.value_and_grad(activation, row.load(g_tile.at[j], 0))
+      dy = row.load(dy_tile.at[j], 0)
+      dg = dy * row.load(u_tile.at[j], 0) * slope
+      dg_g.at[first + j, row.cols(chunk)][...] = dg.astype(dg_g.dtype)
+      # packed: d[gate | up] side by side in one array, up's half a row on
+      du_g.at[first + j, row.cols(chunk + up_shift)][...] = (dy * value).astype(du_g.dtype)
+    plgpu.commit_smem()
+
+  grid.pipeline(body, [spec(), spec(up_shift), spec()], count, g_g, u_g, dy_g)
+
+
+# --------------------------------------------------------------------------- #
+# Wrappers
+# --------------------------------------------------------------------------- #
+
+
+def _run(kernel, grid: _Grid, operands, out_type, scratch=(), *, name, interpret):
+  outs = _mosaic_gpu.row_kernel(
+      functools.partial(kernel, grid=grid), out_type, list(scratch), grid.ctas, name=name,
+      interpret=interpret, approx_math=not interpret)(
+          *[a.reshape(*a.shape[:-1], a.shape[-1] // grid.row.piece, grid.row.piece)
+            for a in operands])
+  outs = outs if isinstance(outs, (list, tuple)) else [outs]
+  return [o.reshape(o.shape[0], -1) for o in outs]
+
+
+def _bias_scratch(grid: _Grid, accumulators: int):
+  chunk = (grid.row.chunk // grid.row.piece, grid.row.piece)
+  return ([plgpu.SMEM(chunk, jnp.float32) for _ in range(1 + accumulators)]
+          + [plgpu.Barrier(num_arrivals=1, num_barriers=1)])
+
+
+def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False):
+  n_rows, n_cols = x.shape
+  grid = _Grid.of(n_rows, n_cols, config, config.stages, interpret, x)
+  (y,) = _run(functools.partial(_bias_act_fwd_kernel, activation=activation), grid,
+              (x, bias.astype(jnp.float32)[None]), [grid.out(n_rows, n_cols, x.dtype)],
+              _bias_scratch(grid, 0), name=f"jk_bias_{activation}_fwd_mgpu",
+              interpret=interpret)
+  return y
+
+
+def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=False):
+  n_rows, n_cols = x.shape
+  grid = _Grid.of(n_rows, n_cols, config, config.bwd_stages, interpret, x, dy)
+  dx, partials = _run(
+      functools.partial(_bias_act_bwd_kernel, activation=activation), grid,
+      (x, bias.astype(jnp.float32)[None], dy),
+      [grid.out(n_rows, n_cols, dy.dtype), grid.out(grid.row_programs, n_cols, jnp.float32)],
+      _bias_scratch(grid, 1), name=f"jk_bias_{activation}_bwd_mgpu", interpret=interpret)
+  return dx, partials.sum(axis=0).astype(bias.dtype)
+
+
+def glu_fwd(gate, up, *, activation, config: Config, interpret=False):
+  """glu's rows; ``up=None``: gate holds [gate | up] side by side, both halves read in
+  place."""
+  packed = up is None
+  n_rows, n_cols = gate.shape[0], gate.shape[1] // (2 if packed else 1)
+  grid = _Grid.of(n_rows, n_cols, config, config.stages, interpret, gate)
+  operands = (gate,) if packed else (gate, up)
+  (y,) = _run(functools.partial(_glu_fwd_kernel, activation=activation, packed=packed), grid,
+              operands, [grid.out(n_rows, n_cols, gate.dtype)],
+              name=f"jk_glu_{activation}_fwd_mgpu", interpret=interpret)
+  return y
+
+
+def glu_bwd(gate, up, dy, *, activation, config: Config, interpret=False):
+  """(d gate, d up); ``up=None``: (d[gate | up], None), written side by side as one array."""
+  packed = up is None
+  n_rows, n_cols = gate.shape[0], gate.shape[1] // (2 if packed else 1)
+  grid = _Grid.of(n_rows, n_cols, config, config.bwd_stages, interpret, gate, dy)
+  if packed:
+    (dx,) = _run(functools.partial(_glu_bwd_kernel, activation=activation, packed=True), grid,
+                 (gate, dy), [grid.out(n_rows, 2 * n_cols, gate.dtype)],
+                 name=f"jk_glu_{activation}_bwd_mgpu", interpret=interpret)
+    return dx, None
+  dg, du = _run(functools.partial(_glu_bwd_kernel, activation=activation, packed=False), grid,
+                (gate, up, dy), [grid.out(n_rows, n_cols, gate.dtype),
+                                 grid.out(n_rows, n_cols, up.dtype)],
+                name=f"jk_glu_{activation}_bwd_mgpu", interpret=interpret)
+  return dg, du
