@@ -26,8 +26,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkernels import _activations, _mosaic_gpu, hardware
 from jaxkernels._tiling import cdiv, check_fields
 
-# Bytes of one input's tile: rows a tile = TILE_BYTES // (chunk x itemsize), at least one.
+# Bytes of one input's tile: rows a tile = TILE_BYTES // (chunk x itemsize), at least one and
+# at most MOST_ROWS (a tile's rows are unrolled in the kernel).
 TILE_BYTES = 16384
+MOST_ROWS = 8
 # Most tiles a CTA keeps in flight; fewer where shared memory holds fewer.
 MOST_STAGES = 6
 
@@ -54,7 +56,10 @@ def _walk(problem):
 def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
   """Tiles a CTA's ring holds (inputs only: outputs leave from registers), beside the bias
   chunk and the d(bias) accumulator, with ``ctas_per_sm`` CTAs sharing an SM."""
-  _, (_, chunk, _) = _walk(problem)
+  _, geometry = _walk(problem)
+  if geometry is None:
+    return 0
+  chunk = geometry[1]
   streams = (1 if problem.op == "bias_activation" else 2) + (1 if backward else 0)  # dy too
   tile = rows * chunk * jnp.dtype(problem.x.dtype).itemsize * streams
   vectors = 4 * chunk * (2 if problem.op == "bias_activation" else 0)
@@ -65,8 +70,9 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``elementwise.api.Problem``. 16 KiB tiles of each input, two CTAs
   an SM (an elementwise tile has no reduction to overlap: occupancy hides the stores'
   issue), as many tiles in flight as fit, up to MOST_STAGES. Not yet measured on a GPU."""
-  _, (_, chunk, _) = _walk(problem)
-  rows = max(1, TILE_BYTES // (chunk * jnp.dtype(problem.x.dtype).itemsize))
+  _, geometry = _walk(problem)
+  chunk = geometry[1] if geometry is not None else _mosaic_gpu.MAX_CHUNK
+  rows = max(1, min(MOST_ROWS, TILE_BYTES // (chunk * jnp.dtype(problem.x.dtype).itemsize)))
   fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=2)
   bwd = most_stages(problem, chip, backward=True, rows=rows, ctas_per_sm=2)
   return Config(rows=rows, stages=max(1, min(MOST_STAGES, fwd)), ctas_per_sm=2,
