@@ -150,6 +150,8 @@ def test_report_from_the_committed_results(tmp_path):
   for lesson in lessons.LESSONS:
     assert f"### {lesson}" in text
   assert "TPU v5e (predicted)" in text.split("### fusion")[1].split("###")[0]
+  beside = text.split("## Mosaic GPU beside Triton: NVIDIA H200")[1].split("\n## ")[0]
+  assert "| rms_norm+residual fwd+bwd | 16384x4096 |" in beside
   assert "**Block-scaled fp8, NVIDIA H100" in text
   drawn = sorted(p.name for p in plots.glob("*.png"))
   assert drawn == ["matmul_waves.png", "roofline_nvidia_h100_80gb_hbm3.png",
@@ -204,6 +206,22 @@ def test_report_takes_the_newest_run_and_only_right_rows(tmp_path):
   assert line.speedup == 2.0
   text = report.render(report.lines(report.load(results)), results)
   assert "| Chip | norms, elementwise, softmax | 1 | 1 | 2.00x |" in text
+  assert "Mosaic GPU beside Triton" not in text  # its Mosaic GPU row was over its tolerance
+
+
+def test_report_shows_the_mosaic_gpu_kernel_beside_the_triton_one(tmp_path):
+  """Where a run timed both of our GPU kernels (at their default configs), a table puts the
+  Mosaic GPU one beside the Triton one it replaces, with Triton's time over its."""
+  from bench import report
+
+  results = tmp_path / "results"
+  _result(results / "chip/run.json", "2026-01-01",
+          [dict(impl="xla", ms=2.0), dict(impl="mosaic_gpu", ms=0.8), dict(impl="triton", ms=1.0),
+           dict(impl="triton", ms=0.5, config="Config(block_rows=4)")])
+  text = report.render(report.lines(report.load(results)), results)
+  section = text.split("## Mosaic GPU beside Triton: Chip")[1]
+  row = next(r for r in section.splitlines() if r.startswith("| rms_norm fwd |"))
+  assert "mosaic_gpu 0.800 ms" in row and "triton 1.000 ms" in row and "| 1.25x |" in row
 
 
 def test_tpu_prediction_bounds_the_compiled_program():
