@@ -216,6 +216,27 @@ WARPGROUP = 128  # threads: one warpgroup a CTA
 VECTOR_BYTES = 16
 # Widest chunk of a row in registers at once: 16 elements a thread per array at 2048.
 MAX_CHUNK = 2048
+# Shared memory a row kernel takes beside its buffers: the cross-warp reductions' scratch
+# (CompilerParams.reduction_scratch_bytes, 2048 on jax 0.10-0.12) and the pipeline's barriers.
+ROW_KERNEL_RESERVE = 2048 + 1024
+# Each shared-memory buffer is counted in whole units of this: with it, ring_stages' count was
+# at or above what Mosaic GPU's allocator asked ("exceeds available shared memory" gives its
+# total) for every norms config tried, 2-4.6 KB above the buffers' bare sizes.
+SMEM_ALIGNMENT = 1024
+
+
+def ring_stages(chip: hardware.Chip | None, ctas_per_sm: int, ring_bytes, buffer_bytes,
+                most: int = 64) -> int:
+  """The most blocks a row kernel's rings hold (0 if not one): a ring of ``stages`` blocks for
+  each of ``ring_bytes`` (a block's bytes of one input), beside buffers of ``buffer_bytes``
+  and ROW_KERNEL_RESERVE, ``ctas_per_sm`` CTAs sharing an SM's shared memory."""
+  align = lambda n: -(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+  budget = (cta_smem_bytes(chip) // ctas_per_sm - ROW_KERNEL_RESERVE
+            - sum(align(b) for b in buffer_bytes))
+  for stages in range(most, 0, -1):
+    if sum(align(stages * r) for r in ring_bytes) <= budget:
+      return stages
+  return 0
 
 
 def row_geometry(n_cols: int, *dtypes) -> tuple[int, int, int] | None:

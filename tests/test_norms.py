@@ -8,10 +8,11 @@ import pytest
 
 import jaxkernels as jk
 from bench import shapes
-from jaxkernels import _mosaic_gpu, _triton
+from jaxkernels import _mosaic_gpu, _triton, hardware
 from jaxkernels.ops.norms import mosaic_gpu as norms_mosaic_gpu
 from jaxkernels.ops.norms import reference
 from jaxkernels.ops.norms import triton as norms_triton
+from jaxkernels.ops.norms.api import Problem
 from tests import cases, numerics
 from tests.conftest import aot_compile, cuda_lowering
 
@@ -227,6 +228,33 @@ class TestNormsMosaicGpu(NormTest):
       fn = loss if policy is None else jax.checkpoint(loss, policy=policy)
       text = cuda_lowering(jax.value_and_grad(fn, argnums=(0, 1)), x, s)
       assert text.count(f"@{MOSAIC_GPU_CALL}(") == 2  # one forward, one backward
+
+  @pytest.mark.parametrize("layer", [False, True])
+  @pytest.mark.parametrize("residual", [None, jnp.bfloat16, jnp.float32])
+  def test_widest_rows_fit_shared_memory(self, layer, residual):
+    """At the widest rows dispatch offers the kernels (the shared-memory count of
+    ``most_stages``), the heuristic's configs lower for CUDA: Mosaic GPU's allocator, which
+    refuses a kernel over the SM's shared memory, agrees with the count."""
+    chip = hardware.chip("H200")
+
+    def problem(n, rows=4096):
+      x = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+      s = jax.ShapeDtypeStruct((n,), jnp.float32)
+      r = None if residual is None else jax.ShapeDtypeStruct((rows, n), residual)
+      return Problem(x, s, s if layer else None, r, layer)
+
+    n = max(n for n in range(128, 32768, 128)
+            if norms_mosaic_gpu.unsupported(problem(n, 8), chip) is None)
+    assert norms_mosaic_gpu.unsupported(problem(n + 128, 8), chip) is not None
+    p = problem(n)
+    config = norms_mosaic_gpu.heuristic(p, chip)
+    fwd = lambda x, s, b, r: norms_mosaic_gpu.forward(x, s, b, r, layer=layer, eps=EPS,
+                                                      config=config)[:2]
+    bwd = lambda h, s, b, dy, dh: norms_mosaic_gpu.backward(
+        h, s, b, (), dy, dh, layer=layer, eps=EPS, config=config, residual_dtype=residual)
+    cuda_lowering(fwd, p.x, p.scale, p.bias, p.residual)
+    cuda_lowering(bwd, p.x if p.residual is None else p.residual, p.scale, p.bias, p.x,
+                  p.residual)
 
   @pytest.mark.parametrize("cols", [200, 129, 1])
   def test_unsupported_width_names_why(self, cols):

@@ -54,16 +54,17 @@ def _walk(problem):
 
 
 def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
-  """Tiles a CTA's ring holds (inputs only: outputs leave from registers), beside the bias
-  chunk and the d(bias) accumulator, with ``ctas_per_sm`` CTAs sharing an SM."""
+  """Tiles a CTA's rings hold (inputs only: outputs leave from registers), beside the bias
+  chunk and the d(bias) accumulator, ``ctas_per_sm`` CTAs sharing an SM
+  (``_mosaic_gpu.ring_stages``)."""
   _, geometry = _walk(problem)
   if geometry is None:
     return 0
   chunk = geometry[1]
   streams = (1 if problem.op == "bias_activation" else 2) + (1 if backward else 0)  # dy too
-  tile = rows * chunk * jnp.dtype(problem.x.dtype).itemsize * streams
-  vectors = 4 * chunk * (2 if problem.op == "bias_activation" else 0)
-  return (_mosaic_gpu.cta_smem_bytes(chip) // ctas_per_sm - vectors - 4096) // tile
+  tile = rows * chunk * jnp.dtype(problem.x.dtype).itemsize
+  vectors = [4 * chunk] * ((2 if backward else 1) if problem.op == "bias_activation" else 0)
+  return _mosaic_gpu.ring_stages(chip, ctas_per_sm, [tile] * streams, vectors)
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:

@@ -47,33 +47,28 @@ class Config:
                         "bwd_rows"), lambda v: v >= 1, ">= 1")
 
 
-def _itemsize(*structs) -> int:
-  return sum(jnp.dtype(s.dtype).itemsize for s in structs if s is not None)
-
-
-def _row_bytes(problem, backward: bool) -> int:
-  """Shared memory a row takes in the ring: x (+ the residual) forward; h (the residual's
+def _rings(problem, backward: bool, rows: int) -> list[int]:
+  """A block's bytes in each input's ring: x (and the residual) forward; h (the residual's
   dtype, or x's), dy (x's) and, with a residual, dh (the residual's) backward."""
   x, residual = problem.x, problem.residual
   h = x if residual is None else residual
   arrays = (h, x, residual) if backward else (x, residual)
-  return x.shape[1] * _itemsize(*arrays)
+  return [rows * x.shape[1] * jnp.dtype(a.dtype).itemsize for a in arrays if a is not None]
 
 
-def _vectors_bytes(problem, backward: bool) -> int:
-  """Shared memory beside the ring, float32 rows: scale (and bias) forward; scale and the
-  d(scale) (and d(bias)) accumulators backward."""
-  vectors = (3 if problem.bias is not None else 2) if backward else (
+def _vectors(problem, backward: bool) -> list[int]:
+  """The float32 rows beside the rings: scale (and bias) forward; scale and the d(scale)
+  (and d(bias)) accumulators backward."""
+  count = (3 if problem.bias is not None else 2) if backward else (
       2 if problem.bias is not None else 1)
-  return 4 * problem.x.shape[1] * vectors
+  return [4 * problem.x.shape[1]] * count
 
 
 def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
-  """Blocks of ``rows`` rows a CTA's ring holds beside its vectors, the barriers and the
-  reductions' scratch (4 KiB), with ``ctas_per_sm`` CTAs sharing an SM's shared memory."""
-  budget = (_mosaic_gpu.cta_smem_bytes(chip) // ctas_per_sm - _vectors_bytes(problem, backward)
-            - 4096)
-  return budget // (rows * _row_bytes(problem, backward))
+  """Blocks of ``rows`` rows a CTA's rings hold beside its vectors
+  (``_mosaic_gpu.ring_stages``), ``ctas_per_sm`` CTAs sharing an SM's shared memory."""
+  return _mosaic_gpu.ring_stages(chip, ctas_per_sm, _rings(problem, backward, rows),
+                                 _vectors(problem, backward))
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
@@ -110,9 +105,9 @@ def unsupported(problem, chip) -> str | None:
   for backward in (False, True):
     if most_stages(problem, chip, backward=backward, rows=1, ctas_per_sm=1) < 2:
       return (f"mosaic_gpu's {'backward' if backward else 'forward'} holds two rows of "
-              f"{n_cols} columns ({_row_bytes(problem, backward)} bytes each) and its float32 "
-              f"vectors in shared memory, more than the {_mosaic_gpu.cta_smem_bytes(chip)} "
-              "bytes a CTA has")
+              f"{n_cols} columns ({sum(_rings(problem, backward, 1))} bytes each) and its "
+              f"float32 vectors in shared memory, more than the "
+              f"{_mosaic_gpu.cta_smem_bytes(chip)} bytes a CTA has")
   return None
 
 

@@ -36,18 +36,11 @@ class Config:
                         "bwd_rows"), lambda v: v >= 1, ">= 1")
 
 
-def _row_bytes(problem, backward: bool) -> int:
-  """Shared memory a row takes in the ring: x forward; y and dy backward."""
-  rows, cols = problem.x.shape
-  del rows
-  return cols * jnp.dtype(problem.x.dtype).itemsize * (2 if backward else 1)
-
-
 def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
-  """Blocks of ``rows`` rows a CTA's ring holds beside the barriers and the reductions'
-  scratch (4 KiB), ``ctas_per_sm`` CTAs sharing an SM's shared memory."""
-  budget = _mosaic_gpu.cta_smem_bytes(chip) // ctas_per_sm - 4096
-  return budget // (rows * _row_bytes(problem, backward))
+  """Blocks of ``rows`` rows a CTA's rings hold (x forward; y and dy backward), ``ctas_per_sm``
+  CTAs sharing an SM's shared memory (``_mosaic_gpu.ring_stages``)."""
+  block = rows * problem.x.shape[1] * jnp.dtype(problem.x.dtype).itemsize
+  return _mosaic_gpu.ring_stages(chip, ctas_per_sm, [block] * (2 if backward else 1), [])
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
