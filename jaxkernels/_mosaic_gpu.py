@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import _activations, hardware
+from jaxkernels._tiling import check_fields
 
 
 def interpret_params() -> Any:
@@ -223,6 +224,36 @@ ROW_KERNEL_RESERVE = 2048 + 1024
 # at or above what Mosaic GPU's allocator asked ("exceeds available shared memory" gives its
 # total) for every norms config tried, 2-4.6 KB above the buffers' bare sizes.
 SMEM_ALIGNMENT = 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowConfig:
+  """A row kernel's walk, forward and backward: the fields of the norms' and softmax's Mosaic
+  GPU configs (each op's Config derives from it)."""
+
+  stages: int  # row blocks in shared memory a CTA: the one computed and those in flight
+  ctas_per_sm: int  # CTAs an SM, each with its own rings of ``stages`` blocks
+  bwd_stages: int
+  bwd_ctas_per_sm: int
+  rows: int = 1  # rows a block (a pipeline step), where they divide the rows; else 1
+  bwd_rows: int = 1
+
+  def __post_init__(self):
+    check_fields(self, ("stages", "ctas_per_sm", "bwd_stages", "bwd_ctas_per_sm", "rows",
+                        "bwd_rows"), lambda v: v >= 1, ">= 1")
+
+  def error(self, most_stages, problem, chip: hardware.Chip) -> str | None:
+    """Why this config's rings do not fit a CTA's shared memory for ``problem``, or None;
+    ``most_stages(problem, chip, backward=, rows=, ctas_per_sm=)`` is the op's count."""
+    for backward, (stages, rows, per_sm) in (
+        (False, (self.stages, self.rows, self.ctas_per_sm)),
+        (True, (self.bwd_stages, self.bwd_rows, self.bwd_ctas_per_sm))):
+      most = most_stages(problem, chip, backward=backward, rows=rows, ctas_per_sm=per_sm)
+      if stages > most:
+        prefix = "bwd_" if backward else ""
+        return (f"{prefix}stages={stages} blocks of {prefix}rows={rows} do not fit a CTA's "
+                f"shared memory at {prefix}ctas_per_sm={per_sm} (at most {max(most, 0)})")
+    return None
 
 
 def ring_stages(chip: hardware.Chip | None, ctas_per_sm: int, ring_bytes, buffer_bytes,

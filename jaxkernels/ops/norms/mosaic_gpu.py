@@ -27,24 +27,14 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _mosaic_gpu, hardware
-from jaxkernels._tiling import cdiv, check_fields
+from jaxkernels._tiling import cdiv
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-  stages: int  # row blocks in shared memory a CTA: the one computed and those in flight
-  ctas_per_sm: int  # forward CTAs an SM (each with its own ring of ``stages`` blocks)
-  bwd_stages: int
-  bwd_ctas_per_sm: int
-  rows: int = 1  # rows a block (a pipeline step), where they divide the rows; else 1
-  bwd_rows: int = 1
+class Config(_mosaic_gpu.RowConfig):
   # Pallas' automatic barriers (a warpgroup barrier around every store), or only the one a
   # row needs: all reads of its shared-memory slot done before the next copy refills it.
   auto_barriers: bool = False
-
-  def __post_init__(self):
-    check_fields(self, ("stages", "ctas_per_sm", "bwd_stages", "bwd_ctas_per_sm", "rows",
-                        "bwd_rows"), lambda v: v >= 1, ">= 1")
 
 
 def _rings(problem, backward: bool, rows: int) -> list[int]:
@@ -112,15 +102,7 @@ def unsupported(problem, chip) -> str | None:
 
 
 def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
-  for backward, (stages, rows, per_sm) in (
-      (False, (config.stages, config.rows, config.ctas_per_sm)),
-      (True, (config.bwd_stages, config.bwd_rows, config.bwd_ctas_per_sm))):
-    most = most_stages(problem, chip, backward=backward, rows=rows, ctas_per_sm=per_sm)
-    if stages > most:
-      prefix = "bwd_" if backward else ""
-      return (f"{prefix}stages={stages} blocks of {prefix}rows={rows} do not fit a CTA's "
-              f"shared memory at {prefix}ctas_per_sm={per_sm} (at most {max(most, 0)})")
-  return None
+  return config.error(most_stages, problem, chip)
 
 
 # --------------------------------------------------------------------------- #
