@@ -77,19 +77,21 @@ def transposed(ref):
     return getattr(plgpu, "transpose_ref")(ref, (1, 0))  # noqa: B009 - see above
 
 
-def fast_reciprocal(x):
-  """1/x by rcp.approx.ftz.f32 in a Mosaic GPU kernel of warpgroup semantics, for a float32
-  array in the WGMMA layout (a matmul epilogue's pieces). Compiled kernels only.
+def fast_reciprocal(x, layout=None):
+  """1/x by rcp.approx.ftz.f32 in a compiled Mosaic GPU kernel, for a float32 array in
+  registers in ``layout`` (default: the WGMMA layout of a matmul epilogue's pieces; a row
+  kernel's chunks pass their WG_STRIDED one).
 
   Pallas lowers 1/x under approx_math to rcp.approx.f32, whose subnormal and overflow range
   fix-ups take six SASS instructions besides the one MUFU.RCP (the matmul epilogue's SASS,
-  bench/NOTES.md matmul-24). Mosaic GPU exposes no reciprocal, so this reaches FragmentedArray's
-  PTX helpers (jax 0.10-0.11); where a release lacks them, exact division.
+  bench/NOTES.md matmul-24): in an issue-bound elementwise kernel, a fifth of its
+  instructions (mgpu-rows-1). Mosaic GPU exposes no reciprocal, so this reaches
+  FragmentedArray's PTX helpers (jax 0.10-0.12); where a release lacks them, exact division.
   """
   from jax.experimental.mosaic import gpu as mgpu
   if not all(hasattr(mgpu.FragmentedArray, f) for f in ("_pointwise", "_lift_fast_instr")):
     return 1.0 / x
-  layout = plgpu.Layout.WGMMA
+  layout = plgpu.Layout.WGMMA if layout is None else layout
 
   @plgpu.inline_mgpu(arg_types=(layout,),
                      return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=layout))
@@ -98,12 +100,13 @@ def fast_reciprocal(x):
   return rcp(x)
 
 
-def math(interpret) -> _activations.Math:
-  """A Mosaic GPU epilogue's arithmetic: its LLVM contracts FMAs and approx_math gives
-  ex2.approx.ftz; the reciprocal is inline PTX (compiled kernels only)."""
+def math(interpret, layout=None) -> _activations.Math:
+  """A Mosaic GPU kernel's arithmetic for float32 arrays in ``layout`` (default WGMMA): its
+  LLVM contracts FMAs and approx_math gives ex2.approx.ftz; the reciprocal is inline PTX
+  (compiled kernels only)."""
   if interpret:
     return _activations.EXACT
-  return _activations.Math(reciprocal=fast_reciprocal)
+  return _activations.Math(reciprocal=functools.partial(fast_reciprocal, layout=layout))
 
 
 def swizzle_lanes(minor: int, dtype) -> int:
@@ -217,6 +220,9 @@ WARPGROUP = 128  # threads: one warpgroup a CTA
 VECTOR_BYTES = 16
 # Widest chunk of a row in registers at once: 16 elements a thread per array at 2048.
 MAX_CHUNK = 2048
+# Float32 values of whole rows a thread may hold in registers through a pipeline step (a
+# warpgroup's 128 threads, one CTA or two an SM: far under the 255 a thread can have).
+RESIDENT_FLOATS = 64
 # Shared memory a row kernel takes beside its buffers: the cross-warp reductions' scratch
 # (CompilerParams.reduction_scratch_bytes, 2048 on jax 0.10-0.12) and the pipeline's barriers.
 ROW_KERNEL_RESERVE = 2048 + 1024
@@ -339,6 +345,10 @@ class Row:
     """Chunk c of a row (a (pieces, piece) ref), as float32."""
     return load_block(ref.at[self.cols(c)], self.layout(), self.interpret).astype(jnp.float32)
 
+  def math(self) -> _activations.Math:
+    """The activations' arithmetic on this walk's chunks (:func:`math`)."""
+    return math(self.interpret, self.layout())
+
   def zeros(self):
     return layout_cast(jnp.zeros((self.chunk // self.piece, self.piece), jnp.float32),
                        self.layout(), self.interpret)
@@ -360,6 +370,20 @@ class Row:
       t = term(c)
       peak = t if peak is None else jnp.maximum(peak, t)
     return jnp.max(peak)
+
+  def held(self, term, resident: bool):
+    """term(c), an elementwise chunk, as a function of c: computed for every chunk here and
+    kept in registers where ``resident`` (each shared-memory read and exp done once), else
+    computed again at each use (rows too wide for registers)."""
+    if not resident:
+      return term
+    chunks = [term(c) for c in self.chunks]
+    return lambda c: chunks[c]
+
+  def fits_registers(self, arrays: int) -> bool:
+    """Whether ``arrays`` whole float32 rows fit a thread's registers beside the walk's own
+    (RESIDENT_FLOATS a thread)."""
+    return arrays * self.n_cols <= RESIDENT_FLOATS * WARPGROUP
 
   def pieces(self, a):
     """a (..., N) as (..., N // piece, piece): the shape the kernels copy and index."""

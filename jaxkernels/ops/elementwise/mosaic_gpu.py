@@ -68,15 +68,16 @@ def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """problem: the call's ``elementwise.api.Problem``. 16 KiB tiles of each input, two CTAs
-  an SM (an elementwise tile has no reduction to overlap: occupancy hides the stores'
-  issue), as many tiles in flight as fit, up to MOST_STAGES. Not yet measured on a GPU."""
+  """problem: the call's ``elementwise.api.Problem``. 16 KiB tiles of each input, one CTA an
+  SM, as many tiles in flight as fit, up to MOST_STAGES: with the activations' reciprocal in
+  one instruction, the best of one to four CTAs an SM and two or four rows a tile, forward
+  and backward (bench/NOTES.md mgpu-rows-1)."""
   _, geometry = _walk(problem)
   chunk = geometry[1] if geometry is not None else _mosaic_gpu.MAX_CHUNK
   rows = max(1, min(MOST_ROWS, TILE_BYTES // (chunk * jnp.dtype(problem.x.dtype).itemsize)))
-  fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=2)
-  bwd = most_stages(problem, chip, backward=True, rows=rows, ctas_per_sm=2)
-  return Config(rows=rows, stages=max(1, min(MOST_STAGES, fwd)), ctas_per_sm=2,
+  fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=1)
+  bwd = most_stages(problem, chip, backward=True, rows=rows, ctas_per_sm=1)
+  return Config(rows=rows, stages=max(1, min(MOST_STAGES, fwd)), ctas_per_sm=1,
                 bwd_stages=max(1, min(MOST_STAGES, bwd)))
 
 
@@ -157,7 +158,7 @@ def _bias_act_fwd_kernel(x_g, b_g, y_g, b_smem, barrier, *, activation, grid):
     first = grid.first_row(start, indices[0])
     bias = row.load(b_smem, 0)
     for j in range(grid.rows):
-      y = _activations.apply(activation, row.load(x_tile.at[j], 0) + bias)
+      y = _activations.apply(activation, row.load(x_tile.at[j], 0) + bias, row.math())
       y_g.at[first + j, row.cols(chunk)][...] = y.astype(y_g.dtype)
     plgpu.commit_smem()  # every thread's reads done before the slot is refilled
 
@@ -176,7 +177,8 @@ def _bias_act_bwd_kernel(x_g, b_g, dy_g, dx_g, db_g, b_smem, db_smem, barrier, *
     bias = row.load(b_smem, 0)
     d_bias = None
     for j in range(grid.rows):
-      _, slope = _activations.value_and_grad(activation, row.load(x_tile.at[j], 0) + bias)
+      _, slope = _activations.value_and_grad(activation, row.load(x_tile.at[j], 0) + bias,
+                                                  row.math())
       dx = row.load(dy_tile.at[j], 0) * slope
       dx_g.at[first + j, row.cols(chunk)][...] = dx.astype(dx_g.dtype)
       d_bias = dx if d_bias is None else d_bias + dx
@@ -198,7 +200,7 @@ def _glu_fwd_kernel(*refs, activation, packed, grid):
   def body(indices, g_tile, u_tile):
     first = grid.first_row(start, indices[0])
     for j in range(grid.rows):
-      y = (_activations.apply(activation, row.load(g_tile.at[j], 0))
+      y = (_activations.apply(activation, row.load(g_tile.at[j], 0), row.math())
            * row.load(u_tile.at[j], 0))
       y_g.at[first + j, row.cols(chunk)][...] = y.astype(y_g.dtype)
     plgpu.commit_smem()
@@ -220,7 +222,8 @@ def _glu_bwd_kernel(*refs, activation, packed, grid):
   def body(indices, g_tile, u_tile, dy_tile):
     first = grid.first_row(start, indices[0])
     for j in range(grid.rows):
-      value, slope = _activations.value_and_grad(activation, row.load(g_tile.at[j], 0))
+      value, slope = _activations.value_and_grad(activation, row.load(g_tile.at[j], 0),
+                                                        row.math())
       dy = row.load(dy_tile.at[j], 0)
       dg = dy * row.load(u_tile.at[j], 0) * slope
       dg_g.at[first + j, row.cols(chunk)][...] = dg.astype(dg_g.dtype)

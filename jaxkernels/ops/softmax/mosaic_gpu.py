@@ -35,20 +35,21 @@ def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """problem: the call's ``softmax.api.Problem``. Two rows a step where two blocks of them fit
-  (the norms' finding for rows of two reductions: two rows' chains in flight, bench/NOTES.md
-  mgpu-norms-3), one CTA an SM, as many blocks in flight as shared memory holds, up to 8.
-  Not yet measured on a GPU."""
+  """problem: the call's ``softmax.api.Problem``. One row a step, three CTAs an SM, as many
+  blocks in flight as shared memory holds, up to 8. A row's chain of two reductions and an
+  exp leaves one warp a scheduler mostly waiting (ncu: 3.7 cycles an instruction, 60% of DRAM
+  bandwidth at one CTA an SM); three CTAs an SM overlap three rows' (bench/NOTES.md
+  mgpu-rows-1)."""
   def walk(backward):
-    for rows in (2, 1):
-      most = most_stages(problem, chip, backward=backward, rows=rows, ctas_per_sm=1)
+    for per_sm in (3, 2, 1):
+      most = most_stages(problem, chip, backward=backward, rows=1, ctas_per_sm=per_sm)
       if most >= 2:
-        return rows, min(8, most)
+        return per_sm, min(8, most)
     return 1, 1
-  rows, stages = walk(False)
-  bwd_rows, bwd_stages = walk(True)
-  return Config(stages=stages, ctas_per_sm=1, rows=rows, bwd_stages=bwd_stages,
-                bwd_ctas_per_sm=1, bwd_rows=bwd_rows)
+  per_sm, stages = walk(False)
+  bwd_per_sm, bwd_stages = walk(True)
+  return Config(stages=stages, ctas_per_sm=per_sm, rows=1, bwd_stages=bwd_stages,
+                bwd_ctas_per_sm=bwd_per_sm, bwd_rows=1)
 
 
 def unsupported(problem, chip) -> str | None:
@@ -78,21 +79,22 @@ def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
 def _fwd_kernel(x_g, y_g, *, n_blocks, rows, row, stages, ctas):
   cta = lax.axis_index("cta")
   count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
+  resident = row.fits_registers(rows)  # each row read and exponentiated once
 
   def body(indices, x_block):
     (i,) = indices
     first = (cta + i * ctas) * rows
-    x_of = lambda j: lambda c: row.load(x_block.at[j], c)
     stats = []
     for j in range(rows):  # every row's statistics, then the outputs, the rows side by side
-      peak = row.peak(x_of(j))
+      x = row.held(lambda c, j=j: row.load(x_block.at[j], c), resident)
+      peak = row.peak(x)
       peak = jnp.where(peak == -jnp.inf, 0.0, peak)  # a fully masked row: zeros, not NaN
-      (total,) = row.sums(lambda c, j=j, peak=peak: (_activations.exp(x_of(j)(c) - peak),))
-      stats.append((peak, 1.0 / jnp.where(total == 0.0, 1.0, total)))
+      e = row.held(lambda c, x=x, peak=peak: _activations.exp(x(c) - peak), resident)
+      (total,) = row.sums(lambda c, e=e: (e(c),))
+      stats.append((e, 1.0 / jnp.where(total == 0.0, 1.0, total)))
     for c in row.chunks:
-      for j, (peak, scale) in enumerate(stats):
-        y = _activations.exp(x_of(j)(c) - peak) * scale
-        y_g.at[first + j, row.cols(c)][...] = y.astype(y_g.dtype)
+      for j, (e, scale) in enumerate(stats):
+        y_g.at[first + j, row.cols(c)][...] = (e(c) * scale).astype(y_g.dtype)
     plgpu.commit_smem()  # every thread's reads done before the slot is refilled
 
   plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec], max_concurrent_steps=stages)(x_g)
@@ -101,17 +103,18 @@ def _fwd_kernel(x_g, y_g, *, n_blocks, rows, row, stages, ctas):
 def _bwd_kernel(y_g, dy_g, dx_g, *, n_blocks, rows, row, stages, ctas):
   cta = lax.axis_index("cta")
   count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
+  resident = row.fits_registers(2 * rows)
 
   def body(indices, y_block, dy_block):
     (i,) = indices
     first = (cta + i * ctas) * rows
-    def product(j):
-      return lambda c: (row.load(y_block.at[j], c) * row.load(dy_block.at[j], c),)
-    inner = [row.sums(product(j))[0] for j in range(rows)]
+    ys = [row.held(lambda c, j=j: row.load(y_block.at[j], c), resident) for j in range(rows)]
+    dys = [row.held(lambda c, j=j: row.load(dy_block.at[j], c), resident) for j in range(rows)]
+    inner = [row.sums(lambda c, y=y, dy=dy: (y(c) * dy(c),))[0] for y, dy in zip(ys, dys)]
     for c in row.chunks:
       for j in range(rows):
-        y, dy = row.load(y_block.at[j], c), row.load(dy_block.at[j], c)
-        dx_g.at[first + j, row.cols(c)][...] = (y * (dy - inner[j])).astype(dx_g.dtype)
+        dx = ys[j](c) * (dys[j](c) - inner[j])
+        dx_g.at[first + j, row.cols(c)][...] = dx.astype(dx_g.dtype)
     plgpu.commit_smem()
 
   plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec, spec],
