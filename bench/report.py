@@ -47,6 +47,16 @@ class Run:
   jax: str
   rows: tuple[dict[str, Any], ...]
 
+  @property
+  def short_commit(self) -> str:
+    """The commit as ``git rev-parse --short`` gives it (JAXKERNELS_COMMIT may be a whole
+    hash), with any "-dirty"."""
+    word = self.commit.split()[0] if self.commit.split() else "?"
+    sha, _, rest = word.partition("-")
+    if len(sha) == 40 and all(c in "0123456789abcdef" for c in sha):
+      word = sha[:7] + ("-" + rest if rest else "")
+    return word
+
 
 def load(results: pathlib.Path) -> list[Run]:
   """Every full-size result file of the standard schema under ``results`` (one folder a
@@ -178,7 +188,7 @@ def _mosaic_beside_triton(by_device: dict[str, list[Line]]) -> list[str]:
     for line, mosaic, triton in pairs:
       out.append(f"| {line.name} | {line.shape} | {line.dtype} | {_cell(mosaic)} | "
                  f"{_cell(triton)} | {triton['ms'] / mosaic['ms']:.2f}x | "
-                 f"{line.run.path.name} ({line.run.commit.split()[0]}) |")
+                 f"{line.run.path.name} ({line.run.short_commit}) |")
     out.append("")
   return out
 
@@ -269,7 +279,7 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
         out.append(f"| {line.name} | {line.shape} | {line.dtype} | {_cell(line.ours)} | "
                    f"{_roofline(line.ours)} | {_cell(line.anchor)} | "
                    f"{_roofline(line.anchor)} | {line.speedup:.2f}x | "
-                   f"[{run.path.name}]({where}) ({run.commit.split()[0]}, jax {run.jax}) |")
+                   f"[{run.path.name}]({where}) ({run.short_commit}, jax {run.jax}) |")
       out.append("")
   out += _mosaic_beside_triton(by_device)
   missing = [device.name for device in sorted(results.iterdir())
@@ -329,7 +339,7 @@ def _newest_rows(results: pathlib.Path, suite: str, keep, since, folder: str = "
 
 def _link(run: Run, results: pathlib.Path) -> str:
   where = run.path.relative_to(results.parent).as_posix()
-  return f"[{run.path.name}]({where}) ({run.commit.split()[0]}, jax {run.jax})"
+  return f"[{run.path.name}]({where}) ({run.short_commit}, jax {run.jax})"
 
 
 def _lessons(runs: list[Run], results: pathlib.Path, plots: dict[str, str]) -> list[str]:

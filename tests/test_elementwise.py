@@ -221,6 +221,16 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
                          jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16))
     assert text.count("@mosaic_gpu_v2(") == 2 and _triton.CUSTOM_CALL not in text
 
+  def test_reciprocal_is_one_instruction(self):
+    """The activations' 1/x as rcp.approx.ftz (inline PTX in the row layout), not the
+    approx_math lowering's seven instructions: a fifth of the issue-bound forward's
+    (bench/NOTES.md mgpu-rows-1)."""
+    x = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((4096,), jnp.float32)
+    for text in (cuda_lowering(self.bias_activation("gelu"), x, b),
+                 cuda_lowering(self.glu("silu"), x, x)):
+      assert text.count("@mosaic_gpu_v2(") == 1 and "rcp.approx.ftz.f32" in text
+
   def test_unsupported_width_names_why(self):
     x = jnp.ones((4, 200), jnp.bfloat16)
     with numerics.kernel_mode():

@@ -11,6 +11,7 @@ import jaxkernels as jk
 from bench import shapes
 from jaxkernels import _mosaic_gpu, _triton
 from jaxkernels.ops.softmax import reference
+from jaxkernels.ops.softmax import mosaic_gpu as softmax_mosaic_gpu
 from jaxkernels.ops.softmax import triton as softmax_triton
 from jaxkernels.ops.softmax.api import Problem
 from tests import cases, numerics
@@ -103,11 +104,25 @@ class TestSoftmaxMosaicGpu(SoftmaxTest):
     if not numerics.COMPILED:
       monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 3)
 
-  # (37, 384): pieces of 192, one-element vectors, an odd row count (one row a step);
-  # (2, 3, 1024): batched rows, two a step.
+  # (37, 384): pieces of 192, one-element vectors, an odd row count; (2, 3, 1024): batched
+  # rows.
   @pytest.mark.parametrize("shape", [(37, 384), (2, 3, 1024), (130, 2048)])
   def test_float32(self, shape):
     self.check(*self.inputs(shape, jnp.float32), jnp.float32)
+
+  def test_two_rows_a_step(self):
+    """rows=2: two rows' statistics in flight, outputs side by side; at 37 rows (odd) the
+    kernel takes one a step."""
+    config = softmax_mosaic_gpu.Config(stages=2, ctas_per_sm=1, rows=2, bwd_stages=2,
+                                       bwd_ctas_per_sm=1, bwd_rows=2)
+    for shape in ((6, 512), (37, 256)):
+      self.check(*self.inputs(shape, jnp.float32), jnp.float32, config=config)
+
+  def test_rows_wider_than_registers(self, monkeypatch):
+    """Rows too wide to hold in registers are read from shared memory at each use (and
+    exponentiated twice): the walk for 8192-column rows and wider."""
+    monkeypatch.setattr(_mosaic_gpu, "RESIDENT_FLOATS", 1)
+    self.check(*self.inputs((2, 3, 1024), jnp.float32), jnp.float32)
 
   def test_too_wide_rows_name_why(self):
     x = jnp.ones((2, 65536), jnp.bfloat16)

@@ -2,8 +2,9 @@
 whole rows (``_mosaic_gpu.Row``), a persistent grid of one-warpgroup CTAs, each row block
 brought into shared memory by a bulk copy ahead of its use and written out from registers.
 
-The forward takes the row's maximum and its sum of exponentials in two passes over shared
-memory (no rescaling), then writes exp(x - max) / sum; a fully masked row (all -inf) gives
+The forward takes the row's maximum, then its exponentials and their sum, then writes
+exp(x - max) / sum; a row that fits registers (``Row.fits_registers``) is read from shared
+memory and exponentiated once, a wider one at each use. A fully masked row (all -inf) gives
 zeros, as the reference does. The backward writes y (dy - sum(y dy)). Rows must fit shared
 memory twice over (two blocks in flight); wider ones, a vocabulary's, go to the Triton
 kernel's online softmax.
