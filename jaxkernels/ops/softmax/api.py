@@ -84,7 +84,7 @@ def softmax(x, *, axis: int = -1, implementation=None, config=None):
     axis: the axis normalised over. The kernels work on the last axis; another
       axis is moved last and back (two XLA transposes).
     implementation: None (best available), "xla", "triton", "mosaic_gpu" (Hopper; asked for
-      by name only until it is measured) or "mosaic_tpu".
+      by name only until it is at Triton's speed) or "mosaic_tpu".
     config: the chosen kernel's Config; None picks one for the shape and device.
   """
   return backend.call(_OP, implementation, config, x=x, axis=axis)
@@ -93,7 +93,7 @@ def softmax(x, *, axis: int = -1, implementation=None, config=None):
 _OP = backend.register(backend.Op(
     name=OP,
     kernels={
-        # Interpreted and lowered for CUDA, not yet run on a GPU: on request only.
+        # Right, but 6-13% behind Triton on an H200 (bench/NOTES.md mgpu-rows-1): on request.
         "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
                                          forward=mosaic_gpu.forward,
                                          backward=mosaic_gpu.backward, auto=False),
