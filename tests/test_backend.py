@@ -307,7 +307,9 @@ def test_a_jax_without_pallas_triton():
   The package imports (``_triton`` is the one import of it); a call on an sm80 GPU, whose only
   kernel was Triton's, falls back to XLA with the FallbackWarning naming why; Hopper's Mosaic
   GPU kernels still serve matmul and attention; an explicit Triton kernel is refused by name;
-  and the Hopper matmul's crop of a padded C is XLA's slice."""
+  the Hopper matmul's crop of a padded C is XLA's slice; and the fused GLU product's gradient
+  runs glu's backward on the Mosaic GPU kernel beside it (it asked for Triton's by name, and
+  raised)."""
   script = textwrap.dedent("""
       import sys
       import warnings
@@ -361,6 +363,16 @@ def test_a_jax_without_pallas_triton():
         np.testing.assert_allclose(np.asarray(y), 1.0, rtol=1e-6)
       c = jnp.arange(24.0).reshape(4, 6)
       assert (np.asarray(padding.crop(c, 3, 5)) == np.asarray(c[:3, :5])).all()
+
+      def grads(a, b):  # the fused GLU product's gradient: glu's backward beside it
+        loss = lambda a, b: jnp.sum(jk.matmul(a, b, activation="silu", glu=True,
+                                              implementation="mosaic_gpu").astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1))(a, b)
+
+      text = jax.export.export(jax.jit(grads), platforms=["cuda"])(
+          jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+          jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)).mlir_module()
+      assert text.count("@mosaic_gpu_v2(") == 4 and "jk_glu_silu_bwd_mgpu" in text, text[:500]
       print("ok")
   """)
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

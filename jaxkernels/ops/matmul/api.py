@@ -108,8 +108,12 @@ def _gated_fwd(plan, p, a, b):
 
 def _gated_bwd(plan, p, saved, dy):
   a, b, z = saved
-  # glu's GPU kernel (the Mosaic GPU matmul's companion, as in the composed path on a GPU).
-  dz = elementwise.packed_glu_grad(z, dy, activation=p.activation, implementation="triton")
+  # glu's backward on a GPU kernel beside the product's (only Mosaic GPU fuses the gate):
+  # Triton's, the faster today (bench/NOTES.md mgpu-rows-1), where it serves; else, on a JAX
+  # without Pallas Triton, the Mosaic GPU one (never the XLA reference, 2.3x slower).
+  on_triton = backend.supports(elementwise.GLU.name, "triton", z, activation=p.activation)
+  dz = elementwise.packed_glu_grad(z, dy, activation=p.activation,
+                                   implementation="triton" if on_triton else plan.implementation)
   return _grad_products(plan, p, a, b, dz)
 
 
