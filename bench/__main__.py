@@ -97,7 +97,9 @@ def main(argv=None) -> int:
   on_cpu = jax.devices()[0].platform == "cpu"
   # --tpu compiles for TPUs at full size from any host: not a smoke run, though on a CPU.
   smoke = args.smoke or (on_cpu and not args.tpu)
-  session = harness.Session(smoke=smoke, rounds=args.rounds or (3 if on_cpu else 20),
+  # On a CPU the kernels are interpreted: a row is a check, and its ms the interpreter's (one
+  # round after one warm-up call; three of each cost the README's make bench 2x its time).
+  session = harness.Session(smoke=smoke, rounds=args.rounds or (1 if on_cpu else 20),
                             calls=args.calls if not on_cpu else 1)
   print(harness.environment_line(session), flush=True)
   session.printer = harness.Table(session.interpret)

@@ -226,7 +226,8 @@ def _decode(session, only, sweep) -> None:
             rows[impl] = session.add(row)
             continue
           seconds, whole = harness.time_sets_rounds(program, [(q, k, v, lengths)],
-                                                    rounds=session.rounds, calls=session.calls)
+                                                    rounds=session.rounds, calls=session.calls,
+                                                    warmup=session.warmup)
           row.round_ms = whole * 1e3
         row.ms, row.gbps = seconds * 1e3, cache_bytes / seconds / 1e9
       except Exception as e:  # noqa: BLE001
@@ -304,7 +305,8 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
               inputs = jax.tree.map(lambda a: a.astype(jnp.float16), sets)
             program, arg_sets = timed.programs[label], timed.arg_sets(label, inputs)
             seconds, whole = harness.time_sets_rounds(program, arg_sets, rounds=session.rounds,
-                                                      calls=session.calls)
+                                                      calls=session.calls,
+                                                      warmup=session.warmup)
             row.round_ms = whole * 1e3
             if session.profiles:
               kernel, row.kernels = harness.kernel_seconds(program, arg_sets, iterations=5)

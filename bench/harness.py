@@ -79,6 +79,12 @@ class Session:
     self.interpret = self.platform == "cpu"
 
   @property
+  def warmup(self) -> int:
+    """Calls before a timing's rounds: one where the kernels are interpreted (it compiles; the
+    interpreter has no caches to warm), else three (compile, autotune, first touch)."""
+    return 1 if self.interpret else 3
+
+  @property
   def kernel(self) -> str | None:
     """The kernel implementation this device runs (interpreted on a CPU)."""
     return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(self.platform, "triton")
@@ -557,7 +563,7 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
               return session.add(row)
           program, arg_sets = timed.programs[label], timed.arg_sets(label, sets)
           seconds, whole = time_sets_rounds(program, arg_sets, rounds=session.rounds,
-                                            calls=session.calls)
+                                            calls=session.calls, warmup=session.warmup)
           row.round_ms = whole * 1e3
           if session.profiles:
             kernel, row.kernels = kernel_seconds(program, arg_sets)

@@ -74,7 +74,7 @@ def time_rounds(run: Callable[[int], Any], *, rounds: int, calls: int,
 
 
 def time_sets_rounds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds: int,
-                     calls: int) -> tuple[float, float]:
+                     calls: int, warmup: int = 3) -> tuple[float, float]:
   """(steady, whole-round) median host-clock seconds per execution of ``fn`` over several
   distinct argument sets (:func:`time_rounds`).
 
@@ -91,7 +91,7 @@ def time_sets_rounds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, rounds:
       out = batched(sets)
     return out
 
-  steady, whole = time_rounds(run, rounds=rounds, calls=calls)
+  steady, whole = time_rounds(run, rounds=rounds, calls=calls, warmup=warmup)
   return steady / len(sets), whole / len(sets)
 
 

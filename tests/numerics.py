@@ -54,6 +54,8 @@ def draws(full: int) -> int:
 def _id(value) -> str:
   if isinstance(value, tuple):
     return ("x" if all(type(v) is int for v in value) else "-").join(map(str, value))
+  if isinstance(value, type) and hasattr(value, "dtype"):  # jnp.bfloat16: "bfloat16"
+    return jnp.dtype(value).name
   return str(value)
 
 

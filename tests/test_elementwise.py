@@ -112,8 +112,8 @@ class ElementwiseTest:
   def test_glu_packed_bfloat16(self):
     self.check_glu_packed((64, 384), jnp.bfloat16, "silu")
 
-  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  @pytest.mark.parametrize("activation", ["gelu", "silu"])
+  @pytest.mark.parametrize("dtype,activation", numerics.grid([jnp.bfloat16, jnp.float16],
+                                                             ["gelu", "silu"]))
   def test_low_precision(self, dtype, activation):
     self.check_bias_activation((64, 384), dtype, activation)
     self.check_glu((64, 384), dtype, activation)

@@ -80,9 +80,8 @@ class NormTest:
     primals, ct = self.inputs(shape, jnp.float32, layer, residual)
     self.check(layer, primals, ct, jnp.float32)
 
-  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  @pytest.mark.parametrize("layer", [False, True])
-  @pytest.mark.parametrize("residual", [False, True])
+  @pytest.mark.parametrize("dtype,layer,residual", numerics.grid(
+      [jnp.bfloat16, jnp.float16], [True, False], [True, False]))
   def test_low_precision(self, dtype, layer, residual):
     primals, ct = self.inputs((64, 256), dtype, layer, residual)
     self.check(layer, primals, ct, dtype)
