@@ -217,7 +217,7 @@ def missing_api(implementation: str) -> tuple[str, ...]:
   return tuple(name for name in toolchain.API if not hasattr(pallas, name))
 
 
-def toolchain_reason(implementation: str) -> str | None:
+def _toolchain_reason(implementation: str) -> str | None:
   """Why this JAX's Pallas cannot build ``implementation``'s kernels (API they call is
   missing), or None."""
   missing = missing_api(implementation)
@@ -232,7 +232,7 @@ def toolchain_reason(implementation: str) -> str | None:
 
 def _platform_reason(implementation: str, target: Target) -> str | None:
   """Why ``implementation`` cannot run on ``target``'s device, or None."""
-  if (reason := toolchain_reason(implementation)) is not None:
+  if (reason := _toolchain_reason(implementation)) is not None:
     return reason
   want = KERNEL_PLATFORM[implementation]
   if target.platform == want:
@@ -344,15 +344,11 @@ def select(
     return chosen
   if not why_not:
     why_not.append(f"no Pallas kernel runs on {target.platform} outside interpret mode")
-  warn_fallback(op, f"jaxkernels.{op}: using the XLA reference ({'; '.join(why_not)})")
-  return "xla"
-
-
-def warn_fallback(op: str, message: str) -> None:
-  """A FallbackWarning saying ``message``, once a process for each (op, message)."""
+  message = f"jaxkernels.{op}: using the XLA reference ({'; '.join(why_not)})"
   if (op, message) not in _WARNED:
     _WARNED.add((op, message))
     warnings.warn(message, FallbackWarning, stacklevel=_user_stacklevel())
+  return "xla"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from absl.testing import parameterized
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import jaxkernels as jk
-from jaxkernels import dispatch, hardware, roofline, testing
+from jaxkernels import hardware, roofline, testing
 from jaxkernels.ops.attention import reference
 from jaxkernels.ops.attention import mosaic_gpu as attention_mosaic_gpu
 from jaxkernels.ops.attention import mosaic_tpu as attention_mosaic_tpu
@@ -347,17 +347,6 @@ class TestAttentionMosaicGpu(AttentionTest):
     config = attention_mosaic_gpu.Config(block_q=64, block_kv=64, stages=2, bwd_block_q=128,
                                          bwd_block_kv=128, bwd_stages=3)
     self.check(case.replace(q_len=200, window=(150, 20)), config)
-
-  def test_bias_backward_without_triton(self, monkeypatch):
-    """On a JAX without Pallas Triton (simulated) the bias backward, Triton's kernels', is the
-    reference's vjp: the Mosaic GPU forward's gradients with the segments, window and cap
-    passed through, at the suite's tolerances."""
-    toolchain_reason = dispatch.toolchain_reason
-    monkeypatch.setattr(dispatch, "toolchain_reason", lambda implementation: (
-        "simulated" if implementation == "triton" else toolchain_reason(implementation)))
-    case = Case(batch=1, q_len=70, kv_len=64, kv_heads=1, group=2, head_dim=64,
-                dtype=jnp.bfloat16, window=(40, 20), segments=2, soft_cap=3.0, bias=(1, 2))
-    self.check(case, attention_mosaic_gpu.Config(block_q=64, block_kv=64, stages=2))
 
   def test_head_dim_256(self):
     """Past head dim 128: the dk/dv kernel's warpgroups share 64 keys, each its half of dk and

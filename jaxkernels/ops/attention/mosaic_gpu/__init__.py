@@ -25,8 +25,8 @@ transposed by XLA (a few hundred KiB).
 
 The backward is two more kernels of the same make (a dq kernel, and a dk/dv kernel that walks
 the queries for each block of keys), below; with a bias it is the Triton kernels'
-(``triton.backward``, with ``Config.backward``), or on a JAX without Pallas Triton the
-reference's vjp (with a FallbackWarning).
+(``triton.backward``, with ``Config.backward``): on a JAX without Pallas Triton a call with a
+bias is refused (``unsupported`` names why) and falls back.
 
 The package: ``config`` (the Config, its heuristic, what each kernel needs of shared memory),
 ``schedule`` (the warpgroups' roles and the walk every kernel shares), ``forward`` and

@@ -27,10 +27,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkernels import _mosaic_gpu, dispatch, hardware
+from jaxkernels import _mosaic_gpu, hardware
 from jaxkernels._mosaic_gpu import accumulators, iota, load_block, mma, mma_wait
 from jaxkernels._tiling import pad_to, round_up
-from jaxkernels.ops.attention import reference, triton
+from jaxkernels.ops.attention import triton
 from jaxkernels.ops.attention.common import Call, Problem, Window, visible
 from jaxkernels.ops.attention.mosaic_gpu.config import (Config, backward_producer_registers,
                                                         dq_stages, head_parts)
@@ -446,30 +446,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
       plgpu.wait_smem_to_gmem(0)
 
 
-def _reference_backward(q, k, v, bias, q_seg, kv_seg, dout, dlse, *, window, scale,
-                        soft_cap):
-  """(dq, dk, dv, dbias): the vjp of the reference attention and its log-sum-exp."""
-  def attend(q, k, v, bias):
-    return reference.attention(q, k, v, bias=bias, q_segments=q_seg, kv_segments=kv_seg,
-                               window=window, scale=scale, soft_cap=soft_cap, return_lse=True)
-  _, vjp = jax.vjp(attend, q, k, v, bias)
-  return vjp((dout, dlse))
-
-
 def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Window,
              scale: float, soft_cap: float | None, config: Config, interpret=False):
   """(dq, dk, dv, dbias or None) from the saved output and log-sum-exp: the Mosaic GPU dq and
   dk/dv kernels, or where they do not serve the call (:func:`backward_unsupported`) the Triton
-  kernels' backward with ``config.backward`` (None: the Triton heuristic's), and on a JAX
-  without Pallas Triton the reference's."""
+  kernels' backward with ``config.backward`` (None: the Triton heuristic's)."""
   call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
-  if backward_unsupported(call) is not None and (
-      missing := dispatch.toolchain_reason("triton")) is not None:
-    # A JAX without Pallas Triton: the gradient through the reference, said once a process.
-    dispatch.warn_fallback("flash_attention", "jaxkernels.flash_attention: the backward "
-                           f"with a bias on the XLA reference (Triton's kernels: {missing})")
-    return _reference_backward(q, k, v, bias, q_seg, kv_seg, dout, dlse, window=window,
-                               scale=scale, soft_cap=soft_cap)
   if backward_unsupported(call) is not None:
     bwd = config.backward
     if bwd is None:

@@ -7,7 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxkernels import _mosaic_gpu, hardware
+from jaxkernels import _mosaic_gpu, _triton, hardware
 from jaxkernels._tiling import check_fields, round_up
 from jaxkernels.ops.attention import triton
 
@@ -64,6 +64,9 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
 def unsupported(problem, chip) -> str | None:
   if (reason := _mosaic_gpu.hopper_reason(chip)) is not None:
     return reason
+  if problem.bias is not None and _triton.pltriton is None:
+    return ("a bias: its backward is the Triton kernels', and this JAX has no Pallas triton "
+            "(a Mosaic GPU bias backward is not written yet)")
   if jnp.dtype(problem.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"{problem.dtype} inputs: the kernel's wgmma takes 16-bit operands (Triton serves them)"
   if problem.head_dim % 64:
