@@ -276,7 +276,8 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
     label_smoothing, z_loss, ignore_index, reduction, labels_checked: as for
       :func:`softmax_cross_entropy`.
     chunk_size: tokens a chunk, or None.
-    implementation: None (best available), "xla", "triton" or "mosaic_tpu": the row kernels'.
+    implementation: None (best available), "xla", "triton", "mosaic_gpu" (on request) or
+      "mosaic_tpu": the row kernels'.
     config: their Config (for a (chunk, V) problem of x's dtype); None picks one.
 
   On a mesh, x's tokens and w's vocabulary split (the logical axes "batch", ..., and "vocab"

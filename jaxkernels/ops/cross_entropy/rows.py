@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxkernels import _checks, dispatch
 from jaxkernels._tiling import bucket
-from jaxkernels.ops.cross_entropy import mosaic_tpu, reference, triton
+from jaxkernels.ops.cross_entropy import mosaic_gpu, mosaic_tpu, reference, triton
 
 # The public names: warnings, errors, supports() and the tuning tables say these.
 OP = "softmax_cross_entropy"
@@ -170,6 +170,9 @@ def check_range(op, labels, vocab, ignore_index):
 # Both ops' kernels: the fused loss runs the row kernels on a chunk's logits (supports() asks
 # them so).
 KERNELS = {
+    # Interpreted and lowered for CUDA, not yet run on a GPU: on request only.
+    "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu, forward=mosaic_gpu.forward,
+                                      backward=mosaic_gpu.backward, auto=False),
     "triton": dispatch.Kernels.of(OP, "triton", triton, forward=triton.forward,
                                   backward=triton.backward),
     "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
