@@ -303,11 +303,11 @@ def row_geometry(n_cols: int, *dtypes) -> tuple[int, int, int] | None:
   return None
 
 
-def width_reason(n_cols: int, *dtypes) -> str | None:
-  """Why a row kernel cannot walk rows of ``n_cols``, or None."""
+def width_reason(n_cols: int, *dtypes, whose: str = "x's") -> str | None:
+  """Why a row kernel cannot walk rows of ``n_cols`` (``whose`` last dimension), or None."""
   if row_geometry(n_cols, *dtypes) is None:
     return (f"mosaic_gpu takes rows a whole number of {WARPGROUP}-element warpgroup vectors "
-            f"wide; x's last dimension is {n_cols}")
+            f"wide; {whose} last dimension is {n_cols}")
   return None
 
 

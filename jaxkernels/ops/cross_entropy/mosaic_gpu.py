@@ -85,7 +85,8 @@ def unsupported(problem, chip) -> str | None:
     return reason
   n_cols, geometry = _geometry(problem)
   if geometry is None:
-    return _mosaic_gpu.width_reason(n_cols, problem.logits.dtype, jnp.float32)
+    return _mosaic_gpu.width_reason(n_cols, problem.logits.dtype, jnp.float32,
+                                    whose="the logits'")
   return None
 
 
