@@ -109,11 +109,13 @@ def _gated_fwd(plan, p, a, b):
 def _gated_bwd(plan, p, saved, dy):
   a, b, z = saved
   # glu's backward on a GPU kernel beside the product's (only Mosaic GPU fuses the gate):
-  # Triton's, the faster today (bench/NOTES.md mgpu-rows-1), where it serves; else, on a JAX
-  # without Pallas Triton, the Mosaic GPU one (never the XLA reference, 2.3x slower).
-  on_triton = backend.supports(elementwise.GLU.name, "triton", z, activation=p.activation)
+  # Triton's, the faster today (bench/NOTES.md mgpu-rows-1), where it serves; else (a JAX
+  # without Pallas Triton) the Mosaic GPU one; else dispatch's choice, the XLA reference.
+  serving = [implementation for implementation in ("triton", plan.implementation)
+             if backend.supports(elementwise.GLU.name, implementation, z,
+                                 activation=p.activation)]
   dz = elementwise.packed_glu_grad(z, dy, activation=p.activation,
-                                   implementation="triton" if on_triton else plan.implementation)
+                                   implementation=serving[0] if serving else None)
   return _grad_products(plan, p, a, b, dz)
 
 
