@@ -653,10 +653,15 @@ def test_unbatched_inputs_and_vmap_over_the_only_batch_dim(impl):
     want_decoded = jk.decode_attention(q[:1, :1], k[:1], k[:1], lengths=jnp.array([20]),
                                        implementation=impl)[0]
   chex.assert_shape((got, lse, decoded), ((24, 4, 16), (24, 4), (1, 4, 16)))
-  chex.assert_trees_all_close((got, lse, grad), (want[0], want_lse[0], want_grad), atol=1e-6,
-                              rtol=1e-6)
-  chex.assert_trees_all_close((mapped, mapped_lse), (want, want_lse), atol=1e-6, rtol=1e-6)
-  chex.assert_trees_all_close(decoded, want_decoded, atol=1e-6, rtol=1e-6)
+  # One computation, programs of two shapes: each sums over the 30 keys and 16 head dims in an
+  # order its own shape gets (XLA's fusions), so each result may round apart by up to
+  # (S + H) float32 units of its terms (values and softmax weights are under 4 here). The
+  # gradient did, by 12 units of 0.11 on one seed.
+  bound = 4 * (30 + 16) * numerics.F32_EPS
+  chex.assert_trees_all_close((got, lse, grad), (want[0], want_lse[0], want_grad), atol=bound,
+                              rtol=bound)
+  chex.assert_trees_all_close((mapped, mapped_lse), (want, want_lse), atol=bound, rtol=bound)
+  chex.assert_trees_all_close(decoded, want_decoded, atol=bound, rtol=bound)
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton", "mosaic_tpu"])
