@@ -13,8 +13,8 @@ reduction across threads inside the row), reduced once at the row's last tile in
 log-sum-exp; the label's logit is read from the tile that holds it, and label smoothing keeps
 a running sum of the logits. The backward reads the row again and writes its gradient,
 g (p - onehot) + 2 g z lse p + g e (onehot - 1 / V), from registers (as the Triton and Mosaic
-TPU kernels do). With ``lse`` None the backward runs the forward first (two launches: a fused
-one is not written yet).
+TPU kernels do). The fused loss's rows are two launches, forward then backward (``rows.FUSED``
+names the backends that fuse them).
 """
 
 from __future__ import annotations
@@ -298,13 +298,8 @@ def forward(logits, labels, *, label_smoothing, z_loss, ignore_index, config: Co
 
 def backward(logits, labels, lse, g, *, label_smoothing, z_loss, ignore_index, config: Config,
              dtype=None, interpret=False):
-  """d loss / d logits for the cotangent ``g`` of each row's loss, in ``dtype`` (the logits').
-  With ``lse`` None, the loss too: (loss, lse, dlogits), the forward kernel then this one."""
+  """d loss / d logits for the cotangent ``g`` of each row's loss, in ``dtype`` (the logits')."""
   options = dict(label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index)
-  if lse is None:
-    loss, lse = forward(logits, labels, **options, config=config, interpret=interpret)
-    return loss, lse, backward(logits, labels, lse, g, **options, config=config, dtype=dtype,
-                               interpret=interpret)
   dtype = logits.dtype if dtype is None else dtype
   walk = _Walk.of(logits, config.bwd_tile, config.bwd_stages, config.bwd_ctas_per_sm,
                   interpret)

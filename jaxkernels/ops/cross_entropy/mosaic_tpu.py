@@ -147,13 +147,7 @@ def forward(logits, labels, *, label_smoothing, z_loss, ignore_index, config: Co
 
 def backward(logits, labels, lse, g, *, label_smoothing, z_loss, ignore_index, config: Config,
              dtype=None, interpret=False):
-  """d loss / d logits for the cotangent ``g`` of each row's loss, in ``dtype`` (the logits').
-  With ``lse`` None, the loss too: (loss, lse, dlogits), the forward kernel then this one."""
-  options = dict(label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index)
-  if lse is None:
-    loss, lse = forward(logits, labels, **options, config=config, interpret=interpret)
-    return loss, lse, backward(logits, labels, lse, g, **options, config=config, dtype=dtype,
-                               interpret=interpret)
+  """d loss / d logits for the cotangent ``g`` of each row's loss, in ``dtype`` (the logits')."""
   n_rows, n_cols = logits.shape
   dtype = logits.dtype if dtype is None else dtype
   rows, cols = config.blocks(logits)

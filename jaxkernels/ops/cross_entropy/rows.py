@@ -134,9 +134,9 @@ def backward(plan, options: Options, logits, labels, lse, g, dtype):
 
 
 def loss_and_backward(plan, options: Options, logits, labels, g, dtype):
-  """(loss, lse, dlogits) of (M, V) rows: on the kernels, one launch where the backend fuses
-  them (Triton: dlogits written over the logits, which are spent)."""
-  if plan is None:
+  """(loss, lse, dlogits) of (M, V) rows: one launch where the backend fuses them
+  (:data:`FUSED`), else the forward and then the backward."""
+  if plan is None or plan.implementation not in FUSED:
     loss, lse = forward(plan, options, logits, labels)
     return loss, lse, backward(plan, options, logits, labels, lse, g, dtype)
   return plan.run(plan.kernels.backward, logits, labels, None, g, dtype=dtype)
@@ -166,6 +166,10 @@ def check_range(op, labels, vocab, ignore_index):
   else:
     check(labels)
 
+
+# The kernels whose backward, given no lse, computes the loss too in the same launch (Triton:
+# dlogits written over the logits, which are spent).
+FUSED = ("triton",)
 
 # Both ops' kernels: the fused loss runs the row kernels on a chunk's logits (supports() asks
 # them so).
