@@ -56,12 +56,14 @@ def _linear(session):
   labels = jax.random.randint(k[2], (tokens,), 0, vocab)
   want = float(jnp.mean(reference.linear_softmax_cross_entropy(x, w, labels)[0]))
   impls = {"optax": _optax_loss}
-  for impl in ("xla", session.kernel):
+  chunk = tokens // 4  # a larger chunk than the default's: dW's accumulator passed fewer times
+  kernels = session.kernels("linear_softmax_cross_entropy")  # on a GPU, each side by side
+  for impl in ("xla", *kernels):
     impls[impl] = lambda x, w, y, impl=impl: jk.linear_softmax_cross_entropy(
         x, w, y, implementation=impl)
-  chunk = tokens // 4  # a larger chunk than the default's: dW's accumulator passed fewer times
-  impls[f"{session.kernel}, {chunk} a chunk"] = lambda x, w, y: jk.linear_softmax_cross_entropy(
-      x, w, y, implementation=session.kernel, chunk_size=chunk)
+  for impl in kernels:
+    impls[f"{impl}, {chunk} a chunk"] = lambda x, w, y, impl=impl: (
+        jk.linear_softmax_cross_entropy(x, w, y, implementation=impl, chunk_size=chunk))
   context = jk.interpret_mode if session.interpret else contextlib.nullcontext
   shape = f"{tokens}x{dim}x{vocab}"
   for impl, fn in impls.items():

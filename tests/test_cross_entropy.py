@@ -223,8 +223,7 @@ class TestCrossEntropyMosaicTpu(CrossEntropyTest):
 class TestCrossEntropyMosaicGpu(CrossEntropyTest):
   """Vocabularies of whole 128-element vectors (the widths the kernels take), interpreted with
   three CTAs (each a host thread): every CTA walks several rows, each row several tiles, the
-  last one past the row where the tiles do not divide it (the bulk copy's zeros masked). On
-  request only until timed on a GPU."""
+  last one past the row where the tiles do not divide it (the bulk copy's zeros masked)."""
 
   IMPL = "mosaic_gpu"
   # The base tests' vocabularies (1, 30, 40, optax's 6-7) are not whole vectors: the kernels
@@ -273,22 +272,23 @@ class TestCrossEntropyMosaicGpu(CrossEntropyTest):
     linear = jax.value_and_grad(lambda x, w, y: jk.linear_softmax_cross_entropy(
         x, w, y, implementation=self.IMPL), argnums=(0, 1))
     text = cuda_lowering(linear, x, w, jax.ShapeDtypeStruct((256,), jnp.int32))
-    assert "jk_cross_entropy_fwd_mgpu" in text and "jk_cross_entropy_bwd_mgpu" in text
+    assert "jk_cross_entropy_fused_mgpu" in text and "jk_cross_entropy_bwd_mgpu" not in text
 
 
 class TestLinearCrossEntropy:
   """x @ w's cross-entropy in chunks of tokens (a partial last chunk), against the reference
   that holds the whole logits: loss and both gradients, every reduction."""
 
-  def check(self, impl, reduction, dtype=jnp.float32, chunk_size=16, config=None, **options):
+  def check(self, impl, reduction, dtype=jnp.float32, chunk_size=16, config=None, vocab=257,
+            **options):
     """A reduced loss is one number, and the rule's baseline for one number (the naive
     low-precision loss's error) is one draw of rounding luck: there the per-token losses
     (reduction "none", the same chunks' logits) are checked by the rule, the reduced loss must
     be their reduction to float32 rounding, and its gradients (the fused path's) are checked
     by the rule as the per-token losses' gradients for the cotangent the reduction spreads."""
-    gen, _, labels = _inputs((3, 11), 257, jnp.float32, "linear", reduction, ignored=0.2)
+    gen, _, labels = _inputs((3, 11), vocab, jnp.float32, "linear", reduction, ignored=0.2)
     x = numerics.normal(gen, (3, 11, 48), dtype)
-    w = numerics.normal(gen, (48, 257), dtype, 0.3)
+    w = numerics.normal(gen, (48, vocab), dtype, 0.3)
     out_shape = labels.shape if reduction == "none" else ()
     ct = numerics.normal(gen, out_shape, jnp.float32)
     loss = lambda reduction: lambda x, w: jk.linear_softmax_cross_entropy(
@@ -308,7 +308,7 @@ class TestLinearCrossEntropy:
       ct = ct * spread
     ref = lambda cd: lambda x, w: reference.linear_softmax_cross_entropy(
         x, w, labels, compute_dtype=cd, ignore_index=IGNORE, **options)[0]
-    numerics.assert_matches((per_token, grads), ref, (x, w), ct, dtype=dtype, reduction=257)
+    numerics.assert_matches((per_token, grads), ref, (x, w), ct, dtype=dtype, reduction=vocab)
 
   @pytest.mark.parametrize("reduction", api.REDUCTIONS)
   @pytest.mark.parametrize("impl", ["xla", "triton"])
@@ -325,6 +325,18 @@ class TestLinearCrossEntropy:
     config = ce_triton.Config(block_rows=2, block_cols=64, num_warps=4, bwd_block_rows=2,
                               bwd_num_warps=4, unroll=2, bwd_unroll=3)
     self.check("triton", "sum", dtype, config=config, label_smoothing=0.1, z_loss=1e-3)
+
+  @pytest.mark.parametrize("reduction", ["mean", "none"])
+  def test_mosaic_gpu(self, reduction, monkeypatch):
+    """On the Mosaic GPU rows (256 columns: whole vectors), three CTAs interpreted: reduced,
+    the loss and its gradient in one launch that walks each row twice (tiles of one chunk, a
+    row's two passes in one pipeline); per token, the forward and then the backward."""
+    if not numerics.COMPILED:
+      monkeypatch.setattr(_mosaic_gpu, "num_sms", lambda: 3)
+    config = ce_mosaic_gpu.Config(tile=1, stages=3, ctas_per_sm=1, bwd_tile=1, bwd_stages=3,
+                                  bwd_ctas_per_sm=1)
+    self.check("mosaic_gpu", reduction, jnp.bfloat16, config=config, vocab=256,
+               label_smoothing=0.1, z_loss=1e-3)
 
   def test_lowers_for_cuda(self):
     """Reduced, the loss and gradient of a chunk are one kernel."""

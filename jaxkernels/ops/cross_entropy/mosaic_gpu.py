@@ -13,8 +13,9 @@ reduction across threads inside the row), reduced once at the row's last tile in
 log-sum-exp; the label's logit is read from the tile that holds it, and label smoothing keeps
 a running sum of the logits. The backward reads the row again and writes its gradient,
 g (p - onehot) + 2 g z lse p + g e (onehot - 1 / V), from registers (as the Triton and Mosaic
-TPU kernels do). The fused loss's rows are two launches, forward then backward (``rows.FUSED``
-names the backends that fuse them).
+TPU kernels do). The fused loss's rows (the loss and its gradient together) are one launch
+that walks each row twice, the statistics and then the gradient, the second read close
+behind the first (from the L2 where the rows in flight fit it).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from jaxkernels._activations import exp
 from jaxkernels._tiling import cdiv, check_fields
 
 # A tile's bytes: chunks a tile = TILE_BYTES // a chunk's bytes (at least one).
-TILE_BYTES = 16384
+TILE_BYTES = 32768
 MOST_STAGES = 8
 
 
@@ -67,10 +68,11 @@ def most_stages(problem, chip, *, tile: int, ctas_per_sm: int) -> int:
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """problem: the call's ``cross_entropy.rows.Problem``. 16 KiB tiles, two CTAs an SM (the
-  online softmax's chain of exps and maxima a row, as softmax's, wants more than one warp a
-  scheduler: bench/NOTES.md mgpu-rows-1), as many tiles in flight as fit, up to MOST_STAGES.
-  Not yet measured on a GPU."""
+  """problem: the call's ``cross_entropy.rows.Problem``. 32 KiB tiles, two CTAs an SM, as many
+  tiles in flight as fit (three), forward and backward: at (8192, 128256) bfloat16 on an H200
+  the best of 8-32 KiB tiles at one to four CTAs an SM, 1.3x Triton's forward and 1.07x its
+  forward and backward (bench/NOTES.md mgpu-ce-2). One CTA an SM starves the online softmax's
+  chain of exps and maxima (0.56-1.06 ms forward against 0.48)."""
   _, geometry = _geometry(problem)
   chunk = geometry[1] if geometry is not None else _mosaic_gpu.MAX_CHUNK
   itemsize = jnp.dtype(problem.logits.dtype).itemsize
@@ -117,15 +119,18 @@ class _Walk:
   n_rows: int
   ctas: int
   stages: int
+  passes: int = 1  # walks over each row: 2 for the loss and its gradient in one launch
 
   @classmethod
-  def of(cls, logits, tile: int, stages: int, ctas_per_sm: int, interpret) -> _Walk:
+  def of(cls, logits, tile: int, stages: int, ctas_per_sm: int, interpret,
+         passes: int = 1) -> _Walk:
     n_rows, n_cols = logits.shape
     row = _mosaic_gpu.Row.of(n_cols, interpret, logits)
     tile = min(tile, len(row.chunks))
     n_tiles = cdiv(len(row.chunks), tile)
     ctas = _mosaic_gpu.row_ctas(n_rows, ctas_per_sm)
-    return cls(row, tile, n_tiles, n_rows, ctas, max(1, min(stages, cdiv(n_rows, ctas) * n_tiles)))
+    steps = cdiv(n_rows, ctas) * n_tiles * passes
+    return cls(row, tile, n_tiles, n_rows, ctas, max(1, min(stages, steps)), passes)
 
   @property
   def ragged(self) -> bool:
@@ -133,12 +138,15 @@ class _Walk:
     return len(self.row.chunks) % self.tile != 0
 
   def pipeline(self, body, gmem, init_carry=None):
-    """body((i, t), tile, [carry]) over this CTA's rows i and their tiles t."""
+    """body((i, step), tile, [carry]) over this CTA's rows i and their steps: tile t of pass
+    p is step p * n_tiles + t."""
     cta = lax.axis_index("cta")
     count = (self.n_rows - cta + self.ctas - 1) // self.ctas
     pieces = self.tile * self.row.chunk // self.row.piece
-    spec = pl.BlockSpec((1, pieces, self.row.piece), lambda i, t: (cta + i * self.ctas, t, 0))
-    return plgpu.emit_pipeline(body, grid=(count, self.n_tiles), in_specs=[spec],
+    tile = (lambda step: step) if self.passes == 1 else (lambda step: step % self.n_tiles)
+    spec = pl.BlockSpec((1, pieces, self.row.piece),
+                        lambda i, step: (cta + i * self.ctas, tile(step), 0))
+    return plgpu.emit_pipeline(body, grid=(count, self.passes * self.n_tiles), in_specs=[spec],
                                max_concurrent_steps=self.stages,
                                init_carry=init_carry)(gmem)
 
@@ -153,19 +161,25 @@ class _Walk:
     return True if not self.ragged else self.chunk_in_row(t, c) < len(self.row.chunks)
 
 
-def _fwd_kernel(x_g, labels_g, loss_g, lse_g, *, walk: _Walk, label_smoothing, z_loss,
-                ignore_index):
-  row = walk.row
-  n_cols, span = row.n_cols, walk.tile * row.chunk  # the row's and a tile's columns
-  lanes = lambda value: row.zeros() + value
-  # Per register element: the running maximum and sum of exp(x - maximum), the sum of the
-  # logits (label smoothing); then the label's logit.
-  init = (lanes(-jnp.inf), lanes(0.0), lanes(0.0), jnp.float32(0.0))
+class _Rows:
+  """The arithmetic of a walk's rows, one tile at a time: the forward's online statistics and
+  the loss they end in, and the backward's gradient of a tile."""
 
-  def body(indices, x_tile, carry):
-    i, t = indices
-    first = (t == 0).astype(jnp.float32)  # a new row: the state starts again
-    peak, total, logit_sum, picked = carry
+  def __init__(self, walk: _Walk, label_smoothing, z_loss, ignore_index):
+    self.walk, self.row = walk, walk.row
+    self.label_smoothing, self.z_loss, self.ignore_index = label_smoothing, z_loss, ignore_index
+
+  def start(self):
+    """Per register element: the running maximum and sum of exp(x - maximum), the sum of the
+    logits (label smoothing); then the label's logit."""
+    lanes = lambda value: self.row.zeros() + value
+    return lanes(-jnp.inf), lanes(0.0), lanes(0.0), jnp.float32(0.0)
+
+  def statistics(self, state, x_tile, t, label):
+    """The state after tile t of a row (t = 0 starts it again)."""
+    walk, row = self.walk, self.row
+    first = (t == 0).astype(jnp.float32)
+    peak, total, logit_sum, picked = state
     peak = peak + jnp.where(t == 0, -jnp.inf, 0.0)
     total, logit_sum, picked = total * (1.0 - first), logit_sum * (1.0 - first), \
         picked * (1.0 - first)
@@ -175,11 +189,11 @@ def _fwd_kernel(x_g, labels_g, loss_g, lse_g, *, walk: _Walk, label_smoothing, z
       inside = walk.inside(t, c)
       if inside is not True:  # a chunk past the row came as zeros: out of every sum
         xs.append(x + jnp.where(inside, 0.0, -jnp.inf))
-        if label_smoothing:
+        if self.label_smoothing:
           logit_sum = logit_sum + x * inside.astype(jnp.float32)
       else:
         xs.append(x)
-        if label_smoothing:
+        if self.label_smoothing:
           logit_sum = logit_sum + x
     new_peak = functools.reduce(jnp.maximum, xs, peak)
     # A finite stand-in for a maximum still -inf: exp(-inf - it) is 0, never exp(nan).
@@ -187,78 +201,130 @@ def _fwd_kernel(x_g, labels_g, loss_g, lse_g, *, walk: _Walk, label_smoothing, z
     total = total * exp(peak - safe)
     for x in xs:
       total = total + exp(x - safe)
-    peak = new_peak
 
-    label = labels_g[walk.row_of(i)]
+    span = walk.tile * row.chunk  # a tile's columns
     where = label - t * span  # the label's column in this tile, if it is here
-    here = (where >= 0) & (where < span) & (label < n_cols)
+    here = (where >= 0) & (where < span) & (label < row.n_cols)
     at = jnp.clip(where, 0, span - 1)
     logit = x_tile[0, at // row.piece, at % row.piece].astype(jnp.float32)
-    picked = picked + jnp.where(here, logit, 0.0)
+    return new_peak, total, logit_sum, picked + jnp.where(here, logit, 0.0)
 
-    @pl.when(t == walk.n_tiles - 1)
-    def _():
-      row_peak = jnp.max(peak)
-      row_peak = jnp.where(row_peak == -jnp.inf, 0.0, row_peak)
-      lse = row_peak + jnp.log(jnp.sum(total * exp(peak - row_peak)))
-      loss = lse - picked  # the smoothing as a correction to it (reference.py)
-      if label_smoothing:
-        loss = loss + label_smoothing * (picked - jnp.sum(logit_sum) / n_cols)
-      if z_loss:
-        loss = loss + z_loss * lse * lse
-      loss = jnp.where((label >= 0) & (label < n_cols), loss, jnp.nan)
-      if ignore_index is not None:
-        loss = jnp.where(label == ignore_index, 0.0, loss)
-      r = walk.row_of(i)
-      loss_g[r] = loss
-      lse_g[r] = lse
+  def finish(self, state, label):
+    """(loss, lse) of a row from its state after the last tile."""
+    peak, total, logit_sum, picked = state
+    row_peak = jnp.max(peak)
+    row_peak = jnp.where(row_peak == -jnp.inf, 0.0, row_peak)
+    lse = row_peak + jnp.log(jnp.sum(total * exp(peak - row_peak)))
+    loss = lse - picked  # the smoothing as a correction to it (reference.py)
+    if self.label_smoothing:
+      loss = loss + self.label_smoothing * (picked - jnp.sum(logit_sum) / self.row.n_cols)
+    if self.z_loss:
+      loss = loss + self.z_loss * lse * lse
+    loss = jnp.where((label >= 0) & (label < self.row.n_cols), loss, jnp.nan)
+    if self.ignore_index is not None:
+      loss = jnp.where(label == self.ignore_index, 0.0, loss)
+    return loss, lse
 
-    plgpu.commit_smem()  # every thread's reads done before the slot is refilled
-    return peak, total, logit_sum, picked
+  def columns(self):
+    """Each register element's column in its chunk (built once, before the walk)."""
+    row = self.row
+    shape = (row.chunk // row.piece, row.piece)
+    iota = lambda dim: (lax.broadcasted_iota(jnp.int32, shape, dim) if row.interpret else
+                        plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=row.layout()))
+    return iota(0) * row.piece + iota(1)
 
-  walk.pipeline(body, x_g, init_carry=init)
-
-
-def _bwd_kernel(x_g, labels_g, lse_g, g_g, dx_g, *, walk: _Walk, label_smoothing, z_loss,
-                ignore_index):
-  row = walk.row
-  n_cols = row.n_cols
-  shape = (row.chunk // row.piece, row.piece)
-  iota = lambda dim: (lax.broadcasted_iota(jnp.int32, shape, dim) if row.interpret else
-                      plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=row.layout()))
-  columns = iota(0) * row.piece + iota(1)  # each register element's column in its chunk
-
-  def body(indices, x_tile):
-    i, t = indices
-    r = walk.row_of(i)
-    label, lse, g = labels_g[r], lse_g[r], g_g[r]
-    if ignore_index is not None:
-      g = jnp.where(label == ignore_index, 0.0, g)
+  def gradient(self, x_tile, t, r, label, lse, g, columns, dx_g):
+    """Writes row r's gradient over tile t: g (p - onehot) + g e (onehot - 1 / V)
+    + 2 g z lse p, each term apart (triton.py)."""
+    walk, row = self.walk, self.row
+    if self.ignore_index is not None:
+      g = jnp.where(label == self.ignore_index, 0.0, g)
     finite = lse != -jnp.inf  # a fully masked row has no softmax: 0, not exp(x + inf)
     lse_or_inf = jnp.where(finite, lse, jnp.inf)
-    g_z = 2.0 * z_loss * g * jnp.where(finite, lse, 0.0)
-    g_smooth = g * label_smoothing
+    g_z = 2.0 * self.z_loss * g * jnp.where(finite, lse, 0.0)
+    g_smooth = g * self.label_smoothing
     for c in range(walk.tile):
       def write(c=c):
         chunk = walk.chunk_in_row(t, c)
         x = row.load(x_tile.at[0], c)
         p = exp(x - lse_or_inf)
         onehot = (columns == label - chunk * row.chunk).astype(jnp.float32)
-        # g (p - onehot) + g e (onehot - 1 / V) + 2 g z lse p, each term apart (triton.py)
         d = g * (p - onehot)
-        if z_loss:
+        if self.z_loss:
           d = d + g_z * p
-        if label_smoothing:
-          d = d + g_smooth * (onehot - 1.0 / n_cols)
+        if self.label_smoothing:
+          d = d + g_smooth * (onehot - 1.0 / row.n_cols)
         dx_g.at[r, row.cols(chunk)][...] = d.astype(dx_g.dtype)
       inside = walk.inside(t, c)
       if inside is True:
         write()
       else:  # a chunk past the row: nothing to write
         pl.when(inside)(write)
+
+
+def _fwd_kernel(x_g, labels_g, loss_g, lse_g, *, walk: _Walk, **options):
+  rows = _Rows(walk, **options)
+
+  def body(indices, x_tile, state):
+    i, t = indices
+    r = walk.row_of(i)
+    label = labels_g[r]
+    state = rows.statistics(state, x_tile, t, label)
+
+    @pl.when(t == walk.n_tiles - 1)
+    def _():
+      loss_g[r], lse_g[r] = rows.finish(state, label)
+
+    plgpu.commit_smem()  # every thread's reads done before the slot is refilled
+    return state
+
+  walk.pipeline(body, x_g, init_carry=rows.start())
+
+
+def _bwd_kernel(x_g, labels_g, lse_g, g_g, dx_g, *, walk: _Walk, **options):
+  rows = _Rows(walk, **options)
+  columns = rows.columns()
+
+  def body(indices, x_tile):
+    i, t = indices
+    r = walk.row_of(i)
+    rows.gradient(x_tile, t, r, labels_g[r], lse_g[r], g_g[r], columns, dx_g)
     plgpu.commit_smem()
 
   walk.pipeline(body, x_g)
+
+
+def _fused_kernel(x_g, labels_g, g_g, loss_g, lse_g, dx_g, *, walk: _Walk, **options):
+  """The loss and its gradient in one launch: each row walked twice (``walk.passes``), the
+  statistics on the first pass, the gradient on the second, whose reads follow the first's
+  from the L2 where the rows in flight fit it."""
+  rows = _Rows(walk, **options)
+  columns = rows.columns()
+  last = walk.n_tiles - 1
+
+  def body(indices, x_tile, carry):
+    i, step = indices
+    r = walk.row_of(i)
+    label = labels_g[r]
+
+    def statistics(carry):
+      state = rows.statistics(carry[:4], x_tile, step, label)
+
+      def finish(lse):
+        loss, lse = rows.finish(state, label)
+        loss_g[r], lse_g[r] = loss, lse
+        return lse
+      return (*state, lax.cond(step == last, finish, lambda lse: lse, carry[4]))
+
+    def gradient(carry):
+      rows.gradient(x_tile, step - walk.n_tiles, r, label, carry[4], g_g[r], columns, dx_g)
+      return carry
+
+    carry = lax.cond(step < walk.n_tiles, statistics, gradient, carry)
+    plgpu.commit_smem()
+    return carry
+
+  walk.pipeline(body, x_g, init_carry=(*rows.start(), jnp.float32(0.0)))
 
 
 # --------------------------------------------------------------------------- #
@@ -298,12 +364,20 @@ def forward(logits, labels, *, label_smoothing, z_loss, ignore_index, config: Co
 
 def backward(logits, labels, lse, g, *, label_smoothing, z_loss, ignore_index, config: Config,
              dtype=None, interpret=False):
-  """d loss / d logits for the cotangent ``g`` of each row's loss, in ``dtype`` (the logits')."""
+  """d loss / d logits for the cotangent ``g`` of each row's loss, in ``dtype`` (the logits').
+  With ``lse`` None, the loss too, in one launch: (loss, lse, dlogits)."""
   options = dict(label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index)
   dtype = logits.dtype if dtype is None else dtype
   walk = _Walk.of(logits, config.bwd_tile, config.bwd_stages, config.bwd_ctas_per_sm,
-                  interpret)
-  out = jax.ShapeDtypeStruct(walk.row.pieces(logits).shape, dtype)
-  dlogits = _launch(_bwd_kernel, walk, (logits, labels, lse, g.astype(jnp.float32)), out,
+                  interpret, passes=1 if lse is not None else 2)
+  grad = jax.ShapeDtypeStruct(walk.row.pieces(logits).shape, dtype)
+  g = g.astype(jnp.float32)
+  if lse is None:
+    column = jax.ShapeDtypeStruct((logits.shape[0],), jnp.float32)
+    loss, lse, dlogits = _launch(_fused_kernel, walk, (logits, labels, g),
+                                 [column, column, grad], "jk_cross_entropy_fused_mgpu",
+                                 interpret, options)
+    return loss, lse, dlogits.reshape(logits.shape)
+  dlogits = _launch(_bwd_kernel, walk, (logits, labels, lse, g), grad,
                     "jk_cross_entropy_bwd_mgpu", interpret, options)
   return dlogits.reshape(logits.shape)

@@ -167,16 +167,15 @@ def check_range(op, labels, vocab, ignore_index):
     check(labels)
 
 
-# The kernels whose backward, given no lse, computes the loss too in the same launch (Triton:
-# dlogits written over the logits, which are spent).
-FUSED = ("triton",)
+# The kernels whose backward, given no lse, computes the loss too in the same launch (Triton's
+# writes dlogits over the logits, which are spent; Mosaic GPU's into an array of its own).
+FUSED = ("triton", "mosaic_gpu")
 
 # Both ops' kernels: the fused loss runs the row kernels on a chunk's logits (supports() asks
 # them so).
 KERNELS = {
-    # Interpreted and lowered for CUDA, not yet run on a GPU: on request only.
     "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu, forward=mosaic_gpu.forward,
-                                      backward=mosaic_gpu.backward, auto=False),
+                                      backward=mosaic_gpu.backward),
     "triton": dispatch.Kernels.of(OP, "triton", triton, forward=triton.forward,
                                   backward=triton.backward),
     "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
