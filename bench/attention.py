@@ -189,8 +189,9 @@ def _decode(session, only, sweep) -> None:
     rule = harness.Rule(lambda cd: functools.partial(reference.decode, scale=h ** -0.5,
                                                      compute_dtype=cd),
                         (q, k, v, lengths), dtype=jnp.bfloat16, reduction=s)
-    impls = {session.kernel: lambda q, k, v, n_: jk.decode_attention(
-        q, k, v, lengths=n_, implementation=session.kernel)}
+    impls = {impl: lambda q, k, v, n_, impl=impl: jk.decode_attention(
+        q, k, v, lengths=n_, implementation=impl)
+        for impl in session.kernels("decode_attention")}  # on a GPU, each side by side
     if sweep and session.platform == "gpu":
       from jaxkernels.ops.attention import triton_decode
       for bk, splits, warps, stages in ((64, 8, 4, 3), (128, 8, 4, 4), (128, 4, 4, 3),

@@ -17,7 +17,7 @@ from absl.testing import parameterized
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import jaxkernels as jk
-from jaxkernels import hardware, roofline, testing
+from jaxkernels import _triton, hardware, roofline, testing
 from jaxkernels.ops.attention import reference
 from jaxkernels.ops.attention import mosaic_gpu as attention_mosaic_gpu
 from jaxkernels.ops.attention import mosaic_tpu as attention_mosaic_tpu
@@ -916,6 +916,58 @@ class TestDecodeTriton(DecodeTest):
     text = cuda_lowering(lambda q, k, v, n: jk.decode_attention(
         q, k, v, lengths=n, implementation="triton"), q, k, k, lengths)
     assert 'name = "jk_decode_attention"' in text
+
+
+class TestDecodeMosaicGpu(DecodeTest):
+  """16-bit inputs at head dims of whole 64s (what the kernel takes; the base tests' float32
+  and head dims 16-32 it refuses by name), a group's rows padded to a warpgroup's 64."""
+
+  IMPL = "mosaic_gpu"
+  test_one_query_gqa = test_several_queries_window_cap = test_mqa_odd_head_dim = None
+  test_a_length_past_the_cache_sees_all_of_it = test_gradient_is_the_references = None
+
+  # (batch, tq, kv heads, group, S, H, dtype, options): S of 300 and 130 not whole blocks of
+  # 64 (the last block past the cache, its zeros masked); chunks past a sequence's length;
+  # 4 queries of 16 heads: a group's 64 rows, the most the kernel takes.
+  @pytest.mark.parametrize("shape,dtype,options", [
+      ((4, 1, 2, 4, 300, 64), jnp.bfloat16, {}),
+      ((3, 4, 2, 2, 200, 64), jnp.float16, dict(soft_cap=3.0, window=50)),
+      ((3, 2, 1, 3, 130, 128), jnp.bfloat16, dict(lengths=[2, 17, 130], splits=8)),
+      ((1, 4, 1, 16, 128, 64), jnp.bfloat16, dict(window=7)),
+      ((2, 1, 1, 2, 64, 64), jnp.bfloat16, dict(lengths=[70, 20], traced=True)),
+  ], ids=["ragged-cache", "window-cap-f16", "chunks-past-length", "64-rows",
+          "length-past-cache"])
+  def test_decode(self, shape, dtype, options):
+    from jaxkernels.ops.attention.mosaic_gpu import decode
+    options = dict(options)
+    config = decode.Config(block_k=64, splits=options.pop("splits", 2), stages=2)
+    self.check(*shape, dtype, config=config, **options)
+
+  @pytest.mark.parametrize("shape,dtype,why", [
+      ((1, 1, 2, 2, 64, 64), jnp.float32, "float32 inputs"),
+      ((1, 1, 2, 2, 64, 96), jnp.bfloat16, "head dim 96 is not a multiple of 64"),
+      ((1, 5, 1, 13, 64, 64), jnp.bfloat16, "65 rows, over a warpgroup's 64"),
+  ])
+  def test_unsupported_names_why(self, shape, dtype, why):
+    b, tq, kv_heads, group, s, h = shape
+    q = jnp.ones((b, tq, kv_heads * group, h), dtype)
+    k = jnp.ones((b, s, kv_heads, h), dtype)
+    with numerics.kernel_mode():
+      supported = jk.supports("decode_attention", "mosaic_gpu", q, k, k,
+                              lengths=jnp.full((b,), s))
+    assert not supported and why in supported.reason
+
+  def test_lowers_for_cuda(self):
+    """The bench's shape (Llama 3 8B's heads), with a cap and a window, through Mosaic GPU's
+    passes; and at head dim 256."""
+    lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
+    for h in (128, 256):
+      q = jax.ShapeDtypeStruct((8, 1, 32, h), jnp.bfloat16)
+      k = jax.ShapeDtypeStruct((8, 4096, 8, h), jnp.bfloat16)
+      text = cuda_lowering(lambda q, k, v, n: jk.decode_attention(
+          q, k, v, lengths=n, logits_soft_cap=30.0, local_window_size=1024,
+          implementation="mosaic_gpu"), q, k, k, lengths)
+      assert text.count("@mosaic_gpu_v2(") == 1 and _triton.CUSTOM_CALL not in text
 
 
 class TestDecodeMosaicTpu(DecodeTest):

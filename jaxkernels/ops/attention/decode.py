@@ -16,6 +16,7 @@ import numpy as np
 from jaxkernels import backend, dispatch
 from jaxkernels._tiling import bucket
 from jaxkernels.ops.attention import api, mosaic_tpu_decode, reference, triton_decode
+from jaxkernels.ops.attention.mosaic_gpu import decode as mosaic_gpu_decode
 from jaxkernels.ops.attention.common import dtype_reason
 
 DECODE_OP = "decode_attention"
@@ -144,7 +145,8 @@ def decode_attention(q, k_cache, v_cache, *, lengths, scale: float | None = None
       positions up to its own.
     scale, logits_soft_cap: as for flash_attention.
     local_window_size: int: each query also sees no key more than this far behind it.
-    implementation: None (best available), "xla", "triton", "mosaic_tpu".
+    implementation: None (best available), "xla", "mosaic_gpu" (Hopper), "triton",
+      "mosaic_tpu".
 
   Returns (..., Tq, N, H) in q's dtype; 0 for a query that sees no key. Differentiable (the
   reference's gradient).
@@ -186,6 +188,9 @@ def _decode_reference_call(args: DecodeArgs):
 _DECODE_OP = backend.register(backend.Op(
     name=DECODE_OP,
     kernels={
+        # Interpreted and lowered for CUDA, not yet timed on a GPU: on request only.
+        "mosaic_gpu": dispatch.Kernels.of(DECODE_OP, "mosaic_gpu", mosaic_gpu_decode,
+                                         forward=mosaic_gpu_decode.forward, auto=False),
         "triton": dispatch.Kernels.of(DECODE_OP, "triton", triton_decode,
                                      forward=triton_decode.forward),
         "mosaic_tpu": dispatch.Kernels.of(DECODE_OP, "mosaic_tpu", mosaic_tpu_decode,

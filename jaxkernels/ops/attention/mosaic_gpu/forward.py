@@ -194,7 +194,7 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _scores(q_smem, k_smem, then, interpret):
+def scores(q_smem, k_smem, then, interpret):
   """q k^T by one wgmma (k^T a transposed view of k's block), ``then()`` run while it is in
   flight; interpreted (no transposed shared-memory views there), a dot of the blocks."""
   if interpret:
@@ -210,7 +210,7 @@ def _scores(q_smem, k_smem, then, interpret):
   return pl.run_scoped(product, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
 
 
-def _accumulate(acc, a, b_smem, then, interpret):
+def accumulate(acc, a, b_smem, then, interpret):
   """acc + a @ b by one wgmma into the accumulator's registers (``run_state`` with it as the
   initial value), ``then()`` run while it is in flight; interpreted (its wgmma reads no
   registers), a dot added."""
@@ -239,7 +239,7 @@ def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: C
     plgpu.barrier_arrive(turn)
     plgpu.barrier_wait(turn)
 
-  qk = _scores(q_tile, k_smem.at[slot], turn_over, interpret)
+  qk = scores(q_tile, k_smem.at[slot], turn_over, interpret)
   mask = None
   if positions or call.segments:
     kv_seg = None
@@ -294,7 +294,7 @@ def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: C
     total = total + p.sum(axis=1)
 
   # The next step's keys are awaited while this product runs (JAX's example's order).
-  acc = _accumulate(acc, p16, v_smem.at[slot], next_keys, interpret)
+  acc = accumulate(acc, p16, v_smem.at[slot], next_keys, interpret)
   plgpu.barrier_arrive(v_free.at[slot])
   return acc, new_peak, total
 
