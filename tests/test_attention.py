@@ -926,13 +926,13 @@ class TestDecodeMosaicGpu(DecodeTest):
   test_one_query_gqa = test_several_queries_window_cap = test_mqa_odd_head_dim = None
   test_a_length_past_the_cache_sees_all_of_it = test_gradient_is_the_references = None
 
-  # (batch, tq, kv heads, group, S, H, dtype, options): S of 300 and 130 not whole blocks of
+  # (batch, tq, kv heads, group, S, H, dtype, options): S of 296 and 136 not whole blocks of
   # 64 (the last block past the cache, its zeros masked); chunks past a sequence's length;
   # 4 queries of 16 heads: a group's 64 rows, the most the kernel takes.
   @pytest.mark.parametrize("shape,dtype,options", [
-      ((4, 1, 2, 4, 300, 64), jnp.bfloat16, {}),
+      ((4, 1, 2, 4, 296, 64), jnp.bfloat16, {}),
       ((3, 4, 2, 2, 200, 64), jnp.float16, dict(soft_cap=3.0, window=50)),
-      ((3, 2, 1, 3, 130, 128), jnp.bfloat16, dict(lengths=[2, 17, 130], splits=8)),
+      ((3, 2, 1, 3, 136, 128), jnp.bfloat16, dict(lengths=[2, 17, 136], splits=8)),
       ((1, 4, 1, 16, 128, 64), jnp.bfloat16, dict(window=7)),
       ((2, 1, 1, 2, 64, 64), jnp.bfloat16, dict(lengths=[70, 20], traced=True)),
   ], ids=["ragged-cache", "window-cap-f16", "chunks-past-length", "64-rows",
@@ -947,6 +947,7 @@ class TestDecodeMosaicGpu(DecodeTest):
       ((1, 1, 2, 2, 64, 64), jnp.float32, "float32 inputs"),
       ((1, 1, 2, 2, 64, 96), jnp.bfloat16, "head dim 96 is not a multiple of 64"),
       ((1, 5, 1, 13, 64, 64), jnp.bfloat16, "65 rows, over a warpgroup's 64"),
+      ((1, 1, 2, 2, 300, 64), jnp.bfloat16, "the caches' length 300 is not a multiple of 8"),
   ])
   def test_unsupported_names_why(self, shape, dtype, why):
     b, tq, kv_heads, group, s, h = shape

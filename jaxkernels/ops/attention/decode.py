@@ -188,9 +188,8 @@ def _decode_reference_call(args: DecodeArgs):
 _DECODE_OP = backend.register(backend.Op(
     name=DECODE_OP,
     kernels={
-        # Interpreted and lowered for CUDA, not yet timed on a GPU: on request only.
         "mosaic_gpu": dispatch.Kernels.of(DECODE_OP, "mosaic_gpu", mosaic_gpu_decode,
-                                         forward=mosaic_gpu_decode.forward, auto=False),
+                                         forward=mosaic_gpu_decode.forward),
         "triton": dispatch.Kernels.of(DECODE_OP, "triton", triton_decode,
                                      forward=triton_decode.forward),
         "mosaic_tpu": dispatch.Kernels.of(DECODE_OP, "mosaic_tpu", mosaic_tpu_decode,

@@ -11,9 +11,10 @@ bounds are the length's), and only those its window reaches. A CTA writes its ch
 output (float32) and log-sum-exp; XLA combines the chunks by their log-sum-exps
 (``common.combine``), as for the Triton kernel.
 
-The caches are read in place, (B, S, K, H): a key block is a (block_k, H) box of one kv head.
-Where the blocks do not divide S, the last one runs past the cache: the bulk copy fills the
-missing rows with zeros, and the position mask drops them.
+The caches are read in place, (B, S, K, H): a key block is a (block_k, H) box of one kv head
+(S a multiple of 8: the bulk copy's tiles of 8 rows). Where the blocks do not divide S, the
+last one runs past the cache: the bulk copy fills the missing rows with zeros, and the
+position mask drops them.
 """
 
 from __future__ import annotations
@@ -63,15 +64,20 @@ def smem_bytes(problem, config: Config) -> int:
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """The Triton kernel's split (enough chunks for two CTAs an SM, each at least four blocks
-  long); 128 keys a step at head dim 64, else 64; as many blocks in flight as fit two CTAs an
-  SM, two to four. Not yet measured on a GPU."""
+  """128 keys a step at head dim 64, else 64; as many blocks in flight as fit two CTAs an SM
+  (two to four); and the chunks a sequence's kv head is cut into so that the CTAs fill the
+  SMs in one wave (each chunk at least four blocks long). At B=8 S=32768 N=32 K=8 H=128 on an
+  H200 (bench/NOTES.md mgpu-decode-1): 64 keys, two stages, four chunks ran the full cache in
+  0.254 ms (Triton 0.253) and ragged lengths in 0.151 (Triton 0.170); five chunks (1.2 waves)
+  took 0.311 on the full cache."""
   block_k = 128 if problem.head_dim <= 64 else 64
+  fits = lambda stages, ctas: smem_bytes(
+      problem, Config(block_k=block_k, splits=1, stages=stages)) <= (
+          _mosaic_gpu.cta_smem_bytes(chip) // ctas)
+  stages = next((n for n in (4, 3) if fits(n, 2)), 2)
+  slots = chip.cores * (2 if fits(stages, 2) else 1)  # CTAs resident at once
   programs = problem.batch * problem.kv_heads
-  splits = max(1, min(cdiv(2 * chip.cores, programs), cdiv(problem.kv_len, 4 * block_k)))
-  fits = lambda stages: smem_bytes(problem, Config(block_k=block_k, splits=1, stages=stages)) \
-      <= _mosaic_gpu.cta_smem_bytes(chip) // 2
-  stages = next((n for n in (4, 3) if fits(n)), 2)
+  splits = max(1, min(slots // programs, problem.kv_len // (4 * block_k)))
   return Config(block_k=block_k, splits=splits, stages=stages)
 
 
@@ -83,6 +89,9 @@ def unsupported(problem, chip) -> str | None:
   if problem.head_dim % 64 or problem.head_dim > 256:
     return (f"head dim {problem.head_dim} is not a multiple of 64 up to 256 (TMA's 128-byte "
             "swizzle, wgmma's widest product)")
+  if problem.kv_len % 8:
+    return (f"the caches' length {problem.kv_len} is not a multiple of 8 (the bulk copy's "
+            "tiles of 8 rows)")
   rows = problem.q_len * problem.heads // problem.kv_heads
   if rows > MAX_QUERIES:
     return (f"{problem.q_len} queries x {problem.heads // problem.kv_heads} heads a group is "
