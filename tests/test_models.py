@@ -74,13 +74,14 @@ def _loss_jaxpr(cfg, tokens, grad: bool = False):
 
 def _kernels_in(cfg, tokens) -> collections.Counter:
   """The Pallas kernel calls (by their jk_<op>_<pass> names) of a train step's loss and
-  gradients under ``cfg``, read from its jaxpr."""
+  gradients under ``cfg``, read from its jaxpr: pallas_call's, and mpmd_map's (plgpu.kernel's,
+  the Mosaic GPU kernels but the matmul; core_map's on a JAX that binds that)."""
   jaxpr = _loss_jaxpr(cfg, tokens, grad=True)
   names = collections.Counter()
 
   def walk(j):
     for eqn in j.eqns:
-      if eqn.primitive.name == "pallas_call":
+      if eqn.primitive.name in ("pallas_call", "mpmd_map", "core_map"):
         names[eqn.params["name"]] += 1
       for value in eqn.params.values():
         for sub in value if isinstance(value, (list, tuple)) else [value]:
