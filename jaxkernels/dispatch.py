@@ -167,9 +167,10 @@ class Kernels:
   forward: Callable[..., Any]
   backward: Callable[..., Any] | None = None  # None where the op's backward is not a kernel
   config_error: Callable[[Any, Any, hardware.Chip], str | None] = _no_error
-  # Whether dispatch picks these kernels on its own (implementation=None). False for kernels
-  # checked (interpreted, lowered) but not yet run and timed on their hardware: they serve a
-  # call that names them, and dispatch passes over them until a run shows them right and fast.
+  # Whether dispatch prefers these kernels on its own (implementation=None). False for kernels
+  # slower than the ones they would replace (or not yet timed on their hardware): they serve
+  # a call that names them, and, where no other kernel serves the call (a JAX without Pallas
+  # Triton), one that names none, before the XLA reference.
   auto: bool = True
 
   @classmethod
@@ -183,9 +184,9 @@ class Kernels:
                backward=backward, auto=auto)
 
 
-# Why dispatch passes over a kernel of ``auto=False`` (Kernels.auto).
-ON_REQUEST = ("served only where a call names it (implementation=...): not yet run and timed on "
-              "its hardware")
+# Why dispatch passed over a kernel of ``auto=False`` (Kernels.auto) for one it prefers.
+ON_REQUEST = ("served where a call names it (implementation=...) or no preferred kernel serves "
+              "it: slower than the one it would replace")
 
 
 def on_request(table: Mapping[str, Kernels]) -> frozenset[str]:
@@ -285,18 +286,22 @@ def _user_stacklevel() -> int:
 
 def _first_serving(target: Target, kernel_reasons: Mapping[str, str | None],
                    requested_only: Collection[str] = ()) -> tuple[str | None, list[str]]:
-  """The first kernel of the target's preference order that serves the call (None if none
-  does), and why each one before it does not; those in ``requested_only`` never serve here."""
-  why_not = []
+  """The first kernel of the target's preference order that serves the call, those in
+  ``requested_only`` only where no other does (None if none does), and why each one before
+  it does not."""
+  why_not, second = [], None
   for candidate in _auto_order(target):
     if candidate not in kernel_reasons:
       continue
     reason = reasons(candidate, target, kernel_reasons)
     if reason is None and candidate in requested_only:
+      second = second or candidate
       reason = ON_REQUEST
     if reason is None:
       return candidate, why_not
     why_not.append(f"{candidate}: {reason}")
+  if second is not None:
+    return second, [w for w in why_not if not w.startswith(f"{second}: ")]
   return None, why_not
 
 

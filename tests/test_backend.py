@@ -56,16 +56,23 @@ def test_auto_on_gpu_prefers_a_kernel_and_names_why_not():
     assert dispatch.select("op", None, H200, {"triton": "rows too odd"}) == "xla"
 
 
-def test_a_kernel_on_request_serves_only_a_call_naming_it():
-  """Kernels(auto=False): checked but not yet timed on their hardware; dispatch passes over
-  them (saying why where nothing else serves) and serves a call that names them."""
+def test_a_kernel_on_request_is_the_second_choice():
+  """Kernels(auto=False): slower than the kernel it would replace; dispatch passes over it
+  where that one serves, serves a call that names it, and one that names none where no other
+  kernel serves (before the XLA reference: a JAX without Pallas Triton)."""
   gpu_both = {"mosaic_gpu": None, "triton": None}
   assert dispatch.select("op", None, H200, gpu_both) == "mosaic_gpu"
   assert dispatch.select("op", None, H200, gpu_both, {"mosaic_gpu"}) == "triton"
   assert dispatch.select("op", "mosaic_gpu", H200, gpu_both, {"mosaic_gpu"}) == "mosaic_gpu"
   assert dispatch.choice(None, H200, gpu_both, {"mosaic_gpu"}) == "triton"
-  with pytest.warns(jk.FallbackWarning, match="mosaic_gpu: served only where a call names it"):
-    assert dispatch.select("op", None, H200, {"mosaic_gpu": None}, {"mosaic_gpu"}) == "xla"
+  no_triton = {"mosaic_gpu": None, "triton": "this JAX has no Pallas triton"}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the second choice is no fallback: nothing to say
+    assert dispatch.select("op", None, H200, no_triton, {"mosaic_gpu"}) == "mosaic_gpu"
+  assert dispatch.choice(None, H200, no_triton, {"mosaic_gpu"}) == "mosaic_gpu"
+  neither = {"mosaic_gpu": "rows too odd", "triton": "this JAX has no Pallas triton"}
+  with pytest.warns(jk.FallbackWarning, match="mosaic_gpu: rows too odd"):
+    assert dispatch.select("op", None, H200, neither, {"mosaic_gpu"}) == "xla"
   assert dispatch.on_request(backend.registered()["softmax"].kernels) == {"mosaic_gpu"}
   assert dispatch.on_request(backend.registered()["rms_norm"].kernels) == frozenset()
 
@@ -306,7 +313,8 @@ def test_a_jax_without_pallas_triton():
   """The day JAX removes Pallas Triton (deprecated since 0.11), simulated: its import fails.
   The package imports (``_triton`` is the one import of it); a call on an sm80 GPU, whose only
   kernel was Triton's, falls back to XLA with the FallbackWarning naming why; Hopper's Mosaic
-  GPU kernels still serve matmul and attention; an explicit Triton kernel is refused by name;
+  GPU kernels still serve matmul, attention, decode and every row op (softmax's and the
+  activations' as the second choice); an explicit Triton kernel is refused by name;
   the Hopper matmul's crop of a padded C is XLA's slice; and the fused GLU product's gradient
   runs glu's backward on the Mosaic GPU kernel beside it (it asked for Triton's by name, and
   raised); attention with a bias (its backward Triton's kernels') falls back to XLA by name on
@@ -345,7 +353,8 @@ def test_a_jax_without_pallas_triton():
         reasons = dispatch.kernel_reasons(problem, target, registered.kernels)
         with warnings.catch_warnings(record=True) as caught:
           warnings.simplefilter("always")
-          picked = dispatch.select(op, None, target, reasons)
+          picked = dispatch.select(op, None, target, reasons,
+                                   dispatch.on_request(registered.kernels))
         return picked, [str(w.message) for w in caught]
 
       picked, warned = chosen("rms_norm", A100, x, s)
@@ -353,6 +362,19 @@ def test_a_jax_without_pallas_triton():
       assert "triton: this JAX" in warned[0] and "has no Pallas triton" in warned[0], warned
       assert chosen("matmul", H200, x, jnp.ones((128, 256), jnp.bfloat16))[0] == "mosaic_gpu"
       assert chosen("flash_attention", H200, q, q, q)[0] == "mosaic_gpu"
+      # Every row op and decode keeps a Hopper kernel: the norms', the loss's and decode's
+      # preferred there, softmax's and the activations' (slower than Triton's where it
+      # imports) as the second choice, before XLA.
+      logits, labels = jnp.ones((8, 256), jnp.bfloat16), jnp.zeros((8,), jnp.int32)
+      cache = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+      for op, args, kwargs in (
+          ("rms_norm", (x, s), {}), ("layer_norm", (x, s, s), {}), ("softmax", (x,), {}),
+          ("bias_activation", (x, s), {"activation": "gelu"}), ("glu", (x, x), {}),
+          ("softmax_cross_entropy", (logits, labels), {}),
+          ("decode_attention", (cache[:, :1].reshape(1, 1, 2, 64), cache, cache),
+           {"lengths": jnp.array([64])})):
+        picked, warned = chosen(op, H200, *args, **kwargs)
+        assert picked == "mosaic_gpu" and not warned, (op, picked, warned)
       with jk.interpret_mode("triton"):
         refused = jk.supports("rms_norm", "triton", x, s)
         assert not refused and "no Pallas triton" in refused.reason, refused.reason
