@@ -125,8 +125,8 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
       ``ignore_index``) instead of giving it NaN: at once for labels known now, and for traced
       ones (under jit) when the computation runs (a host callback: its error reaches the
       caller as the runtime's, at the next read of a result).
-    implementation: None (best available), "xla", "triton", "mosaic_gpu" (Hopper; asked for
-      by name only until it is timed on a GPU) or "mosaic_tpu".
+    implementation: None (best available), "xla", "mosaic_gpu" (Hopper), "triton" or
+      "mosaic_tpu".
     config: the chosen kernel's Config; None picks one for the shape and device.
 
   Where it differs from optax's ``softmax_cross_entropy_with_integer_labels`` on purpose: it

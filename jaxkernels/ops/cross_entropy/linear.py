@@ -276,7 +276,7 @@ def linear_softmax_cross_entropy(x, w, labels, *, label_smoothing: float = 0.0,
     label_smoothing, z_loss, ignore_index, reduction, labels_checked: as for
       :func:`softmax_cross_entropy`.
     chunk_size: tokens a chunk, or None.
-    implementation: None (best available), "xla", "triton", "mosaic_gpu" (on request) or
+    implementation: None (best available), "xla", "mosaic_gpu" (Hopper), "triton" or
       "mosaic_tpu": the row kernels'.
     config: their Config (for a (chunk, V) problem of x's dtype); None picks one.
 

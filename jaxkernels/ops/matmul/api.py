@@ -257,7 +257,7 @@ def _gate(z, args: Args, implementation):
 
 def _glu_implementation(implementation):
   """The implementation glu takes after a product on ``implementation``: the same, but for
-  mosaic_gpu, whose glu kernel serves on request only until timed: dispatch picks glu's."""
+  mosaic_gpu, whose glu kernel is on request (slower than Triton's): dispatch picks glu's."""
   return None if implementation == "mosaic_gpu" else implementation
 
 
