@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import jax
 
-from jaxkernels import (_checks, _mosaic_gpu, _mosaic_tpu, _triton, hardware, interpret,
+from jaxkernels import (_checks, _mosaic_gpu, _mosaic_tpu, _triton_files, hardware, interpret,
                         partitioning, tuning)
 from jaxkernels.interpret import interpreting
 
@@ -184,6 +184,16 @@ class Kernels:
                backward=backward, auto=auto)
 
 
+def triton_kernels(op: str, module: str, **entry_points: str) -> dict[str, Kernels]:
+  """{"triton": the Kernels of the Triton file ``module``, its entry points named by
+  attribute}, or {} where the file is gone (``_triton_files``)."""
+  found = _triton_files.optional(module)
+  if found is None:
+    return {}
+  return {"triton": Kernels.of(op, "triton", found, **{
+      name: getattr(found, attribute) for name, attribute in entry_points.items()})}
+
+
 # Why dispatch passed over a kernel of ``auto=False`` (Kernels.auto) for one it prefers.
 ON_REQUEST = ("served where a call names it (implementation=...) or no preferred kernel serves "
               "it: slower than the one it would replace")
@@ -204,8 +214,9 @@ def kernel_reasons(problem: Any, target: Target,
 
 
 # Each kernel implementation's toolchain module (its API: the Pallas names its kernels call)
-# and the Pallas module those names live in.
-_TOOLCHAINS = {"triton": (_triton, _triton.pltriton),
+# and the Pallas module those names live in; Triton's are None where its files are gone.
+_triton = _triton_files.optional("jaxkernels._triton")
+_TOOLCHAINS = {"triton": (_triton, _triton_files.pallas_triton()),
                "mosaic_gpu": (_mosaic_gpu, _mosaic_gpu.plgpu),
                "mosaic_tpu": (_mosaic_tpu, _mosaic_tpu.pltpu)}
 
@@ -215,6 +226,8 @@ def missing_api(implementation: str) -> tuple[str, ...]:
   """The Pallas names ``implementation``'s kernels call that this JAX lacks (asked once a
   process: every dispatch reads it)."""
   toolchain, pallas = _TOOLCHAINS[implementation]
+  if toolchain is None:
+    return ("its kernels",)
   return tuple(name for name in toolchain.API if not hasattr(pallas, name))
 
 
@@ -224,6 +237,9 @@ def _toolchain_reason(implementation: str) -> str | None:
   missing = missing_api(implementation)
   if not missing:
     return None
+  if _TOOLCHAINS[implementation][0] is None:  # the kernels' files removed with it
+    return (f"jaxkernels' {implementation} kernels are not installed (removed with Pallas "
+            f"{implementation}, which JAX deprecated)")
   if _TOOLCHAINS[implementation][1] is None:  # the whole backend: Pallas Triton removed
     return (f"this JAX ({jax.__version__}) has no Pallas {implementation} "
             f"(jax.experimental.pallas.{implementation} does not import)")
@@ -292,6 +308,8 @@ def _first_serving(target: Target, kernel_reasons: Mapping[str, str | None],
   why_not, second = [], None
   for candidate in _auto_order(target):
     if candidate not in kernel_reasons:
+      if _TOOLCHAINS[candidate][0] is None:  # its files are gone: say so
+        why_not.append(f"{candidate}: {_toolchain_reason(candidate)}")
       continue
     reason = reasons(candidate, target, kernel_reasons)
     if reason is None and candidate in requested_only:

@@ -28,7 +28,7 @@ import warnings
 import jax
 from jax import export
 
-from jaxkernels import _triton
+from jaxkernels import _triton_files
 
 ROOTS = ("jaxkernels", "models")  # the packages whose source is in the key
 SUFFIX = ".jax-exported"
@@ -81,7 +81,8 @@ def _custom_calls_allowed() -> list:
   """Custom calls of ours (and cuDNN's attention, the XLA path's) that export's safety checks
   refuse for want of a compatibility promise; a kept program is loaded only by the same
   versions that wrote it, so none is needed."""
-  targets = [_triton.CUSTOM_CALL]
+  triton = _triton_files.optional("jaxkernels._triton")  # None: no Triton kernels to allow
+  targets = [] if triton is None else [triton.CUSTOM_CALL]
   try:  # cuDNN's fused attention's targets, by JAX's own naming of them
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
     targets += sorted(set(getattr(cudnn, "_custom_name_maps", {}).values()))

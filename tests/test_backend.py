@@ -309,6 +309,86 @@ def test_supports_a_composed_call_as_it_runs():
     assert not refused and "int8" in refused.reason, refused.reason
 
 
+def test_the_triton_files_deleted():
+  """The day Pallas Triton goes and the Triton kernels' files with it, simulated: none of
+  ``_triton_files.MODULES`` imports (nor Pallas Triton). The package imports; no op registers
+  a Triton kernel; every op keeps the same Hopper kernel as on a JAX that merely lacks Pallas
+  Triton (test_a_jax_without_pallas_triton), with no warning; an sm80 call falls back to XLA
+  with the FallbackWarning saying the Triton kernels are not installed; the Hopper matmul's
+  crop of a padded C is XLA's slice; and a bias on Hopper attention is refused by name."""
+  script = textwrap.dedent("""
+      import sys
+      import warnings
+
+      def gone(name):  # the Triton files (by their names, as the structure test finds them)
+        last = name.rpartition(".")[2]
+        return (name == "jax.experimental.pallas.triton" or name.startswith("jaxkernels.")
+                and "triton" in last and last != "_triton_files")
+
+      class Deleted:
+        def find_spec(self, name, path=None, target=None):
+          if gone(name):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+          return None
+
+      sys.meta_path.insert(0, Deleted())
+      import jax.numpy as jnp
+      import numpy as np
+      import jaxkernels as jk
+      from jaxkernels import _triton_files, backend, dispatch
+      from jaxkernels.ops.matmul.mosaic_gpu import padding
+
+      assert all(gone(name) for name in _triton_files.MODULES)
+      assert not [name for name in sys.modules if gone(name)]
+      registered = backend.registered()
+      assert not [op for op, r in registered.items() if "triton" in r.kernels]
+      A100 = dispatch.Target("gpu", "NVIDIA A100-SXM4-80GB", True)
+      H200 = dispatch.Target("gpu", "NVIDIA H200", True)
+
+      def chosen(op, target, *args, **kwargs):
+        arguments = backend._REGISTRY[op].signature.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        r = registered[op]
+        problem = r.problem(r.validate(**{k: v for k, v in arguments.arguments.items()
+                                          if k not in ("implementation", "config")}))
+        reasons = dispatch.kernel_reasons(problem, target, r.kernels)
+        with warnings.catch_warnings(record=True) as caught:
+          warnings.simplefilter("always")
+          picked = dispatch.select(op, None, target, reasons, dispatch.on_request(r.kernels))
+        return picked, [str(w.message) for w in caught]
+
+      x, s = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16)
+      q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+      cache = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+      calls = [("rms_norm", (x, s), {}), ("layer_norm", (x, s, s), {}), ("softmax", (x,), {}),
+               ("bias_activation", (x, s), {"activation": "gelu"}), ("glu", (x, x), {}),
+               ("softmax_cross_entropy", (jnp.ones((8, 256), jnp.bfloat16),
+                                          jnp.zeros((8,), jnp.int32)), {}),
+               ("matmul", (x, jnp.ones((128, 256), jnp.bfloat16)), {}),
+               ("flash_attention", (q, q, q), {}),
+               ("decode_attention", (cache[:, :1], cache, cache), {"lengths": jnp.array([64])})]
+      for op, args, kwargs in calls:
+        picked, warned = chosen(op, H200, *args, **kwargs)
+        assert picked == "mosaic_gpu" and not warned, (op, picked, warned)
+      picked, warned = chosen("rms_norm", A100, x, s)
+      assert picked == "xla" and "triton kernels are not installed" in warned[0], warned
+      bias = jnp.ones((1, 2, 128, 128), jnp.bfloat16)
+      picked, warned = chosen("flash_attention", H200, q, q, q, bias=bias)
+      assert picked == "xla" and "a bias: its backward is the Triton kernels'" in warned[0], (
+          picked, warned)
+      c = jnp.arange(24.0).reshape(4, 6)
+      assert (np.asarray(padding.crop(c, 3, 5)) == np.asarray(c[:3, :5])).all()
+      with jk.interpret_mode("mosaic_gpu"):  # a Mosaic GPU kernel still runs (interpreted)
+        y = jk.rms_norm(x.astype(jnp.float32), s.astype(jnp.float32))
+      np.testing.assert_allclose(np.asarray(y), 1.0, rtol=1e-6)
+      print("ok")
+  """)
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu", "NPROC": "8"}, timeout=180)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", (out.stdout[-2000:] +
+                                                              out.stderr[-3000:])
+
+
 def test_a_jax_without_pallas_triton():
   """The day JAX removes Pallas Triton (deprecated since 0.11), simulated: its import fails.
   The package imports (``_triton`` is the one import of it); a call on an sm80 GPU, whose only

@@ -460,3 +460,18 @@ def test_pallas_triton_is_imported_in_one_place():
              for m in modules):
         importing.append(name)
   assert set(importing) == {"jaxkernels._triton"}, importing
+
+
+def test_the_triton_files_are_behind_one_boundary():
+  """The Triton kernels' files (``_triton_files.MODULES``: every module whose name says
+  triton, each importing Pallas Triton through ``_triton``) are imported by each other and by
+  nothing else: every other module reaches them through ``_triton_files.optional``, so that
+  deleting them, the day Pallas Triton goes, changes nothing else (test_backend's
+  test_the_triton_files_deleted runs the package without them)."""
+  from jaxkernels import _triton_files
+  named = {name for name in MODULES if "triton" in name.rpartition(".")[2]} - {
+      "jaxkernels._triton_files"}
+  assert named == set(_triton_files.MODULES), named ^ set(_triton_files.MODULES)
+  outside = {name: sorted(GRAPH[name] & named) for name in MODULES
+             if name not in named and GRAPH[name] & named}
+  assert not outside, outside

@@ -13,7 +13,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxkernels import _checks, backend, dispatch, partitioning, remat
-from jaxkernels.ops.attention import mosaic_gpu, mosaic_tpu, reference, ring, triton
+from jaxkernels.ops.attention import mosaic_gpu, mosaic_tpu, reference, ring
 from jaxkernels.ops.attention.common import Problem, Window
 from jaxkernels.partitioning import Free, Whole
 
@@ -433,8 +433,8 @@ _OP = backend.register(backend.Op(
         "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
                                          forward=mosaic_gpu.forward,
                                          backward=mosaic_gpu.backward),
-        "triton": dispatch.Kernels.of(OP, "triton", triton, forward=triton.forward,
-                                     backward=triton.backward),
+        **dispatch.triton_kernels(OP, "jaxkernels.ops.attention.triton", forward="forward",
+                                  backward="backward"),
         "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,
                                          forward=mosaic_tpu.forward,
                                          backward=mosaic_tpu.backward),

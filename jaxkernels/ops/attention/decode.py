@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxkernels import backend, dispatch
 from jaxkernels._tiling import bucket
-from jaxkernels.ops.attention import api, mosaic_tpu_decode, reference, triton_decode
+from jaxkernels.ops.attention import api, mosaic_tpu_decode, reference
 from jaxkernels.ops.attention.mosaic_gpu import decode as mosaic_gpu_decode
 from jaxkernels.ops.attention.common import dtype_reason
 
@@ -190,8 +190,8 @@ _DECODE_OP = backend.register(backend.Op(
     kernels={
         "mosaic_gpu": dispatch.Kernels.of(DECODE_OP, "mosaic_gpu", mosaic_gpu_decode,
                                          forward=mosaic_gpu_decode.forward),
-        "triton": dispatch.Kernels.of(DECODE_OP, "triton", triton_decode,
-                                     forward=triton_decode.forward),
+        **dispatch.triton_kernels(DECODE_OP, "jaxkernels.ops.attention.triton_decode",
+                                  forward="forward"),
         "mosaic_tpu": dispatch.Kernels.of(DECODE_OP, "mosaic_tpu", mosaic_tpu_decode,
                                          forward=mosaic_tpu_decode.forward),
     },

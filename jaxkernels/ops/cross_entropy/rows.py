@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxkernels import _checks, dispatch
 from jaxkernels._tiling import bucket
-from jaxkernels.ops.cross_entropy import mosaic_gpu, mosaic_tpu, reference, triton
+from jaxkernels.ops.cross_entropy import mosaic_gpu, mosaic_tpu, reference
 
 # The public names: warnings, errors, supports() and the tuning tables say these.
 OP = "softmax_cross_entropy"
@@ -176,8 +176,8 @@ FUSED = ("triton", "mosaic_gpu")
 KERNELS = {
     "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu, forward=mosaic_gpu.forward,
                                       backward=mosaic_gpu.backward),
-    "triton": dispatch.Kernels.of(OP, "triton", triton, forward=triton.forward,
-                                  backward=triton.backward),
+    **dispatch.triton_kernels(OP, "jaxkernels.ops.cross_entropy.triton", forward="forward",
+                              backward="backward"),
     "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu, forward=mosaic_tpu.forward,
                                       backward=mosaic_tpu.backward),
 }

@@ -9,7 +9,7 @@ import jax
 
 from jaxkernels import _activations, _checks, backend, dispatch, partitioning
 from jaxkernels._tiling import bucket, rows_struct, rows_view
-from jaxkernels.ops.elementwise import mosaic_gpu, mosaic_tpu, reference, triton
+from jaxkernels.ops.elementwise import mosaic_gpu, mosaic_tpu, reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +191,9 @@ _BIAS_ACTIVATION = backend.register(backend.Op(
         "mosaic_gpu": dispatch.Kernels.of("bias_activation", "mosaic_gpu", mosaic_gpu,
                                           forward=mosaic_gpu.bias_activation_fwd,
                                           backward=mosaic_gpu.bias_activation_bwd, auto=False),
-        "triton": dispatch.Kernels.of("bias_activation", "triton", triton,
-                                      forward=triton.bias_activation_fwd,
-                                      backward=triton.bias_activation_bwd),
+        **dispatch.triton_kernels("bias_activation", "jaxkernels.ops.elementwise.triton",
+                                  forward="bias_activation_fwd",
+                                  backward="bias_activation_bwd"),
         "mosaic_tpu": dispatch.Kernels.of("bias_activation", "mosaic_tpu", mosaic_tpu,
                                           forward=mosaic_tpu.bias_activation_fwd,
                                           backward=mosaic_tpu.bias_activation_bwd),
@@ -214,8 +214,8 @@ GLU = backend.register(backend.Op(
         "mosaic_gpu": dispatch.Kernels.of("glu", "mosaic_gpu", mosaic_gpu,
                                           forward=mosaic_gpu.glu_fwd,
                                           backward=mosaic_gpu.glu_bwd, auto=False),
-        "triton": dispatch.Kernels.of("glu", "triton", triton, forward=triton.glu_fwd,
-                                      backward=triton.glu_bwd),
+        **dispatch.triton_kernels("glu", "jaxkernels.ops.elementwise.triton",
+                                  forward="glu_fwd", backward="glu_bwd"),
         "mosaic_tpu": dispatch.Kernels.of("glu", "mosaic_tpu", mosaic_tpu,
                                           forward=mosaic_tpu.glu_fwd, backward=mosaic_tpu.glu_bwd),
     },

@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxkernels import _activations, backend, dispatch, partitioning, remat
 from jaxkernels.ops.elementwise import api as elementwise
-from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, reference, triton
+from jaxkernels.ops.matmul import mosaic_gpu, mosaic_tpu, reference
 from jaxkernels.ops.matmul.arguments import Args, validate
 from jaxkernels.ops.matmul.common import NEEDS_PREACTIVATION, Problem, is_quantized
 from jaxkernels.partitioning import Free
@@ -419,7 +419,7 @@ def _rule(args: Args) -> partitioning.Rule:
 _OP = backend.register(backend.Op(
     name=OP,
     kernels={
-        "triton": dispatch.Kernels.of(OP, "triton", triton, forward=triton.matmul),
+        **dispatch.triton_kernels(OP, "jaxkernels.ops.matmul.triton", forward="matmul"),
         "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
                                           forward=mosaic_gpu.matmul),
         "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,

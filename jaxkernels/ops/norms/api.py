@@ -9,7 +9,7 @@ import jax
 
 from jaxkernels import _checks, backend, dispatch, partitioning
 from jaxkernels._tiling import bucket, rows_struct, rows_view
-from jaxkernels.ops.norms import mosaic_gpu, mosaic_tpu, reference, triton
+from jaxkernels.ops.norms import mosaic_gpu, mosaic_tpu, reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +48,8 @@ def _kernels(op):
       "mosaic_gpu": dispatch.Kernels.of(op, "mosaic_gpu", mosaic_gpu,
                                        forward=mosaic_gpu.forward,
                                        backward=mosaic_gpu.backward),
-      "triton": dispatch.Kernels.of(op, "triton", triton, forward=triton.forward,
-                                   backward=triton.backward),
+      **dispatch.triton_kernels(op, "jaxkernels.ops.norms.triton", forward="forward",
+                                backward="backward"),
       "mosaic_tpu": dispatch.Kernels.of(op, "mosaic_tpu", mosaic_tpu,
                                        forward=mosaic_tpu.forward, backward=mosaic_tpu.backward),
   }

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxkernels import _checks, backend, dispatch, partitioning
 from jaxkernels._tiling import bucket, rows_view
-from jaxkernels.ops.softmax import mosaic_gpu, mosaic_tpu, reference, triton
+from jaxkernels.ops.softmax import mosaic_gpu, mosaic_tpu, reference
 
 OP = "softmax"
 
@@ -97,8 +97,8 @@ _OP = backend.register(backend.Op(
         "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
                                          forward=mosaic_gpu.forward,
                                          backward=mosaic_gpu.backward, auto=False),
-        "triton": dispatch.Kernels.of(OP, "triton", triton, forward=triton.forward,
-                                     backward=triton.backward),
+        **dispatch.triton_kernels(OP, "jaxkernels.ops.softmax.triton", forward="forward",
+                                  backward="backward"),
         "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,
                                          forward=mosaic_tpu.forward, backward=mosaic_tpu.backward),
     },

@@ -30,10 +30,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkernels import _mosaic_gpu, hardware
 from jaxkernels._mosaic_gpu import accumulators, iota, load_block, mma, mma_wait
 from jaxkernels._tiling import pad_to, round_up
-from jaxkernels.ops.attention import triton
 from jaxkernels.ops.attention.common import Call, Problem, Window, visible
 from jaxkernels.ops.attention.mosaic_gpu.config import (Config, backward_producer_registers,
-                                                        dq_stages, head_parts)
+                                                        dq_stages, head_parts, triton)
 from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LOG2E, WARPGROUPS, Walk,
                                                           is_consumer, is_producer,
                                                           meeting_blocks, named, produce, ring)

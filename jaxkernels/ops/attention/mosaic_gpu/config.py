@@ -4,12 +4,15 @@ memory each of the three kernels (forward, dq, dk/dv) needs of a CTA."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 
-from jaxkernels import _mosaic_gpu, _triton, hardware
+from jaxkernels import _mosaic_gpu, _triton_files, hardware
 from jaxkernels._tiling import check_fields, round_up
-from jaxkernels.ops.attention import triton
+
+# The Triton kernels, whose backward serves a bias (None where their files are gone).
+triton = _triton_files.optional("jaxkernels.ops.attention.triton")
 
 PRODUCER_REGISTERS = 40
 # The backward kernels past head dim 128: a producer of 24 registers leaves 240 to each compute
@@ -30,7 +33,7 @@ class Config:
   bwd_stages: int = 2  # blocks in flight in either backward kernel (fewer where they do not fit)
   # The Triton backward's config, for the calls the Mosaic GPU backward does not serve (a
   # bias); None: Triton's heuristic.
-  backward: triton.Config | None = None
+  backward: Any = None  # triton.Config
 
   def __post_init__(self):
     check_fields(self, ("block_q",), lambda v: v == 64, "64 (a wgmma's rows per warpgroup)")
@@ -58,13 +61,13 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   if problem.bias is not None:  # a bias tile a stage beside k and v: 64 keys fit
     block_kv = 64
   return Config(block_q=64, block_kv=block_kv, stages=2, bwd_block_kv=64 if h <= 128 else 32,
-                backward=triton.heuristic(problem, chip))
+                backward=None if triton is None else triton.heuristic(problem, chip))
 
 
 def unsupported(problem, chip) -> str | None:
   if (reason := _mosaic_gpu.hopper_reason(chip)) is not None:
     return reason
-  if problem.bias is not None and _triton.pltriton is None:
+  if problem.bias is not None and (triton is None or _triton_files.pallas_triton() is None):
     return ("a bias: its backward is the Triton kernels', and this JAX has no Pallas triton "
             "(a Mosaic GPU bias backward is not written yet)")
   if jnp.dtype(problem.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
