@@ -80,14 +80,15 @@ def pytest_configure(config):
 
 
 def _first_case_only(item) -> bool:
-  """A test class whose ``FIRST_CASE_ONLY`` holds (by default a test base's XLA subclass, the
-  reference's own battery) runs the first case of each parametrized test, and its drawn
-  (hypothesis) test not at all, outside SLOW. The kernels' classes compare every case against
-  the float64 oracle, which is the reference evaluated in float64, so the reference's own grid
-  adds little: the first case checks the dispatch and the dtype path. A schedule variant of a
-  kernel (the Mosaic GPU matmul's ping-pong and ring) sets it too: its base class runs the
-  grid through the same kernel body."""
-  if not getattr(item.cls, "FIRST_CASE_ONLY", getattr(item.cls, "IMPL", None) == "xla"):
+  """A test base's subclass (one with an ``IMPL``: the XLA reference's battery, or a kernel
+  backend's interpreted class) runs the first case of each parametrized test, and its drawn
+  (hypothesis) test not at all, outside SLOW, unless it sets ``FIRST_CASE_ONLY = False``.
+  Interpreted, a kernel case takes seconds where compiled it takes milliseconds: CI checks
+  each test once a backend (its dispatch, its dtype path, its kernel body), and the grids
+  run under SLOW on the CPU and compiled, every case, in the GPU check (Triton's and Mosaic
+  GPU's). The Mosaic TPU classes' grids have no compiled run: a change to a TPU kernel runs
+  them under SLOW (docs/testing.md)."""
+  if not getattr(item.cls, "FIRST_CASE_ONLY", getattr(item.cls, "IMPL", None) is not None):
     return False
   if item.originalname == "test_drawn":
     return True

@@ -230,7 +230,6 @@ class TestMosaicGpuPingpong(TestMosaicGpu):
 
   CONFIG = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, stages=3, schedule="pingpong")
   SCHEDULE_SHAPES = ((64, 64, "n"), (128, 192, "n"), (128, 192, "m"))
-  FIRST_CASE_ONLY = True  # CI: each test's first case (conftest); the grids under SLOW
 
   @pytest.fixture(autouse=True)
   def _two_sms(self, monkeypatch):
