@@ -664,7 +664,9 @@ def test_unbatched_inputs_and_vmap_over_the_only_batch_dim(impl):
   chex.assert_trees_all_close(decoded, want_decoded, atol=bound, rtol=bound)
 
 
-@pytest.mark.parametrize("impl", ["xla", "triton", "mosaic_tpu"])
+# CI: the reference and one kernel backend; Mosaic TPU's under SLOW (16 s interpreted).
+@pytest.mark.parametrize("impl", ["xla", "triton", pytest.param("mosaic_tpu",
+                                                                marks=pytest.mark.slow)])
 def test_under_numpy_rank_promotion_raise(impl):
   """With jax.numpy_rank_promotion("raise") (JAX's strict mode, which some codebases set
   globally), every mask feature forward and backward, and decode: the reference's mask once
@@ -926,11 +928,11 @@ class TestDecodeMosaicGpu(DecodeTest):
   test_one_query_gqa = test_several_queries_window_cap = test_mqa_odd_head_dim = None
   test_a_length_past_the_cache_sees_all_of_it = test_gradient_is_the_references = None
 
-  # (batch, tq, kv heads, group, S, H, dtype, options): S of 296 and 136 not whole blocks of
+  # (batch, tq, kv heads, group, S, H, dtype, options): S of 200 and 136 not whole blocks of
   # 64 (the last block past the cache, its zeros masked); chunks past a sequence's length;
   # 4 queries of 16 heads: a group's 64 rows, the most the kernel takes.
   @pytest.mark.parametrize("shape,dtype,options", [
-      ((4, 1, 2, 4, 296, 64), jnp.bfloat16, {}),
+      ((2, 1, 2, 4, 200, 64), jnp.bfloat16, {}),
       ((3, 4, 2, 2, 200, 64), jnp.float16, dict(soft_cap=3.0, window=50)),
       ((3, 2, 1, 3, 136, 128), jnp.bfloat16, dict(lengths=[2, 17, 136], splits=8)),
       ((1, 4, 1, 16, 128, 64), jnp.bfloat16, dict(window=7)),

@@ -52,6 +52,9 @@ def _curve(metrics) -> dict[int, float]:
   return curve
 
 
+# The GPU check's train-125m and interrupt steps run this one and the SIGINT one on the
+# device, at the README's sizes; CI leaves them to SLOW (24 s each on its cores).
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_curve(tmp_path):
   whole, whole_metrics = _launch(tmp_path, "whole")
   assert whole.wait(timeout=300) == 0, whole.stdout.read()
@@ -613,6 +616,7 @@ def test_throughput_is_timed_from_ready_to_ready(monkeypatch):
   assert meter.step_rate == 100 / 1.5 and meter.interval() == 200 / 2.5
 
 
+@pytest.mark.slow
 def test_sigint_saves_and_the_same_command_resumes(tmp_path):
   checkpoints = tmp_path / "checkpoints"
   process, metrics = _launch(tmp_path, "interrupted", "--checkpoint-dir", str(checkpoints),
