@@ -123,11 +123,21 @@ def _other_generations(items) -> set:
   return out
 
 
+# The files of the longest tests (the README's commands, whole training runs: 20-100 s each),
+# collected first: xdist's workers take the collection in contiguous halves and steal only
+# what is still queued, so a long test left at the end of a half ran on past the other
+# worker's last (the suite's tail).
+LONGEST_FIRST = ("test_readme.py", "test_train.py", "test_models.py")
+
+
 def pytest_collection_modifyitems(config, items):
-  """Outside SLOW and COMPILED, the ``slow`` cases skip (CI runs one of each, and each TPU
-  compile for one generation). Compiled, the tests that assert CPU behaviour skip, and so do a
-  test base's cases for a kernel of another platform (Mosaic TPU on a GPU), except its AOT
-  compiles (``tpu_mesh``)."""
+  """The longest tests' files first (``LONGEST_FIRST``). Outside SLOW and COMPILED, the
+  ``slow`` cases skip (CI runs one of each, and each TPU compile for one generation).
+  Compiled, the tests that assert CPU behaviour skip, and so do a test base's cases for a
+  kernel of another platform (Mosaic TPU on a GPU), except its AOT compiles
+  (``tpu_mesh``)."""
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: else unmoved
   if not (numerics.COMPILED or numerics.SLOW):
     slow = pytest.mark.skip(reason="slow: JAXKERNELS_TEST_SLOW=1 runs it (docs/testing.md)")
     other_generations = _other_generations(items)
