@@ -194,11 +194,6 @@ def triton_kernels(op: str, module: str, **entry_points: str) -> dict[str, Kerne
       name: getattr(found, attribute) for name, attribute in entry_points.items()})}
 
 
-# Why dispatch passed over a kernel of ``auto=False`` (Kernels.auto) for one it prefers.
-ON_REQUEST = ("served where a call names it (implementation=...) or no preferred kernel serves "
-              "it: slower than the one it would replace")
-
-
 def on_request(table: Mapping[str, Kernels]) -> frozenset[str]:
   """The implementations of ``table`` that dispatch does not pick on its own."""
   return frozenset(name for name, k in table.items() if not k.auto)
@@ -313,14 +308,12 @@ def _first_serving(target: Target, kernel_reasons: Mapping[str, str | None],
       continue
     reason = reasons(candidate, target, kernel_reasons)
     if reason is None and candidate in requested_only:
-      second = second or candidate
-      reason = ON_REQUEST
+      second = second or candidate  # served only where no preferred kernel is
+      continue
     if reason is None:
       return candidate, why_not
     why_not.append(f"{candidate}: {reason}")
-  if second is not None:
-    return second, [w for w in why_not if not w.startswith(f"{second}: ")]
-  return None, why_not
+  return second, why_not
 
 
 def choice(implementation: str | None, target: Target,
