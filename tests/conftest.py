@@ -245,10 +245,13 @@ def mesh():
 
 
 @pytest.fixture(autouse=True)
-def fresh_sharding_warnings(monkeypatch):
-  """Every test starts with no ShardingWarning given yet (each is given once a process)."""
-  from jaxkernels import partitioning
+def fresh_warnings(monkeypatch):
+  """Every test starts with no ShardingWarning or FallbackWarning given yet (each is given
+  once a process: a test that expects one failed where an earlier test in its worker had
+  drawn the same words)."""
+  from jaxkernels import dispatch, partitioning
   monkeypatch.setattr(partitioning.specs, "_WARNED", set())
+  monkeypatch.setattr(dispatch, "_WARNED", set())
 
 
 @pytest.fixture(scope="module", params=["v5e:2x2", "v6e:2x2"])
