@@ -33,6 +33,17 @@ def interpret_params() -> Any:
   return params.InterpretGPUParams()
 
 
+def reading_zeros_past_the_end(interpret):
+  """``interpret`` (False, True or params) for a kernel whose bulk copies run past an
+  array's end: interpreted, such reads give zeros, as the hardware's do (the interpreter's
+  default raises)."""
+  if not interpret:
+    return interpret
+  params = interpret if not isinstance(interpret, bool) else interpret_params()
+  return dataclasses.replace(params, out_of_bounds_reads="uninitialized",
+                             uninitialized_memory="zero")
+
+
 # What the kernels call of Mosaic GPU's API (tests/test_structure.py keeps it complete): a JAX
 # release without one of these cannot run them, and dispatch says so instead of failing.
 API = ("ACC", "Barrier", "BlockSpec", "CompilerParams", "Layout", "LoweringSemantics", "NDLoopInfo",

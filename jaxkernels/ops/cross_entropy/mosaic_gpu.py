@@ -332,21 +332,11 @@ def _fused_kernel(x_g, labels_g, g_g, loss_g, lse_g, dx_g, *, walk: _Walk, **opt
 # --------------------------------------------------------------------------- #
 
 
-def _interpret(interpret):
-  """The interpreter's params: a bulk copy past the row reads zeros, as the hardware's
-  does (the interpreter's default raises)."""
-  if not interpret:
-    return interpret
-  params = interpret if not isinstance(interpret, bool) else _mosaic_gpu.interpret_params()
-  return dataclasses.replace(params, out_of_bounds_reads="uninitialized",
-                             uninitialized_memory="zero")
-
-
 def _launch(kernel, walk: _Walk, operands, out_type, name, interpret, options):
   body = functools.partial(kernel, walk=walk, **options)
   logits, *rest = operands
   return _mosaic_gpu.row_kernel(body, out_type, [], walk.ctas, name=name,
-                                interpret=_interpret(interpret),
+                                interpret=_mosaic_gpu.reading_zeros_past_the_end(interpret),
                                 approx_math=not interpret)(walk.row.pieces(logits), *rest)
 
 

@@ -232,16 +232,6 @@ def _body(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, o_ref, lse_ref, *, call
     plgpu.wait_smem_to_gmem(0)
 
 
-def _interpret(interpret):
-  """The interpreter's params: a bulk copy past the cache reads zeros, as the hardware's does
-  (the interpreter's default raises)."""
-  if not interpret:
-    return {}
-  params = interpret if not isinstance(interpret, bool) else _mosaic_gpu.interpret_params()
-  return {"interpret": dataclasses.replace(params, out_of_bounds_reads="uninitialized",
-                                           uninitialized_memory="zero")}
-
-
 def forward(q, k_cache, v_cache, lengths, *, scale: float, soft_cap: float | None,
             window_left: int | None, config: Config, interpret=False):
   """(B, Tq, N, H) in q's dtype."""
@@ -269,7 +259,9 @@ def forward(q, k_cache, v_cache, lengths, *, scale: float, soft_cap: float | Non
       thread_name="wg",
       # ex2.approx and tanh.approx on the SFU, as the flash forward's; 1/l and log once a row.
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      **_interpret(interpret),
+      # Interpreted, the last key block's copy past the cache reads zeros, as on the GPU.
+      **({"interpret": _mosaic_gpu.reading_zeros_past_the_end(interpret)} if interpret
+         else {}),
   )(q_rows, k_cache, v_cache, lengths.astype(jnp.int32), offsets)
   unrows = lambda x: jnp.moveaxis(
       x[:, :, :rows].reshape(splits, b, kv_heads, group, tq, *x.shape[3:]), 4, 2)
