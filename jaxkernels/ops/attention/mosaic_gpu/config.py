@@ -129,7 +129,7 @@ def backward_producer_registers(head_dim: int) -> int:
   return PRODUCER_REGISTERS if head_dim <= 128 else WIDE_PRODUCER_REGISTERS
 
 
-def _smem(*buffers: int) -> int:
+def scoped_smem_bytes(*buffers: int) -> int:
   """Shared memory of scoped buffers of these byte sizes: each starts on a 1024-byte boundary
   (Pallas Mosaic GPU's alignment), and the barriers take at most one more KiB."""
   return sum(round_up(nbytes, 1024) for nbytes in buffers) + 1024
@@ -141,7 +141,7 @@ def _dq_bytes(h: int, itemsize: int, segments: bool, block_kv: int, stages: int)
              stages * block_kv * h * itemsize, stages * block_kv * h * itemsize]  # k, v
   if segments:
     buffers += [2 * 64 * 4, stages * block_kv * 4]
-  return _smem(*buffers)
+  return scoped_smem_bytes(*buffers)
 
 
 def dq_stages(h: int, itemsize: int, segments: bool, config: Config) -> int:
@@ -162,4 +162,4 @@ def _dkv_bytes(h: int, itemsize: int, segments: bool, config: Config) -> int:
   buffers = [held, held, ring, ring, stages * bq * 4, stages * bq * 4]
   if segments:
     buffers += [2 * 64 * 4, stages * bq * 4]
-  return _smem(*buffers)
+  return scoped_smem_bytes(*buffers)

@@ -31,8 +31,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkernels import _mosaic_gpu, hardware
 from jaxkernels._mosaic_gpu import iota, layout_cast, load_block
 from jaxkernels._online_softmax import finite
-from jaxkernels._tiling import cdiv, check_fields, round_up
+from jaxkernels._tiling import cdiv, check_fields
 from jaxkernels.ops.attention.common import combine
+from jaxkernels.ops.attention.mosaic_gpu.config import scoped_smem_bytes
 from jaxkernels.ops.attention.mosaic_gpu.forward import accumulate, scores
 from jaxkernels.ops.attention.mosaic_gpu.schedule import LN2, LOG2E, ROWS, named, produce
 
@@ -54,13 +55,11 @@ class Config:
 
 
 def smem_bytes(problem, config: Config) -> int:
-  """q's rows, the key and value rings, the log-sum-exps and offsets; each buffer on a
-  1024-byte boundary, a KiB for the barriers."""
+  """q's rows, the key and value rings, the log-sum-exps and offsets, as the attention
+  kernels' scoped buffers are counted (``config.scoped_smem_bytes``)."""
   h, itemsize = problem.head_dim, jnp.dtype(problem.dtype).itemsize
-  buffers = [ROWS * h * itemsize, ROWS * 4, ROWS * 4,
-             config.stages * config.block_k * h * itemsize,
-             config.stages * config.block_k * h * itemsize]
-  return sum(round_up(b, 1024) for b in buffers) + 1024
+  ring = config.stages * config.block_k * h * itemsize
+  return scoped_smem_bytes(ROWS * h * itemsize, ROWS * 4, ROWS * 4, ring, ring)
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
