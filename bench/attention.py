@@ -7,6 +7,11 @@ shape without them (an effective rate: their point is the time against the plain
 kernel row is checked before it is timed by the numerics rule (jaxkernels.testing: error against
 the float64 reference <= twice the bfloat16 reference's), except at 32K, where the reference does
 not fit.
+
+The bias rows give every implementation the same (1, N, T, S) bias. cuDNN's backward computes
+the bias's gradient in the same call whether or not it is asked for; ours computes it in its
+own kernel, which XLA drops where it is not ("bias": the gradients of q, k and v, as where a
+mask is given as a bias; "bias with d(bias)": the bias's as well).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ def _inputs(shape: Shape, seed: int):
   k = jax.random.normal(key[1], (b, t, kv, h), jnp.bfloat16)
   v = jax.random.normal(key[2], (b, t, kv, h), jnp.bfloat16)
   do = jax.random.normal(key[3], (b, t, n, h), jnp.bfloat16)
+  if shape.bias:
+    bias = jax.random.normal(jax.random.fold_in(key[3], 1), (1, n, t, t), jnp.bfloat16)
+    return (q, k, v, bias), do
   return (q, k, v), do
 
 
@@ -47,16 +55,17 @@ def _segment_ids(shape: Shape):
 
 def _ours(shape: Shape, implementation: str, config=None):
   seg = _segment_ids(shape)
-  return lambda q, k, v: jk.flash_attention(
-      q, k, v, causal=shape.causal, local_window_size=shape.window, segment_ids=seg,
+  return lambda q, k, v, bias=None: jk.flash_attention(
+      q, k, v, bias=bias, causal=shape.causal, local_window_size=shape.window, segment_ids=seg,
       logits_soft_cap=shape.soft_cap, implementation=implementation, config=config)
 
 
 def _unserved(shape: Shape, implementation: str, inputs) -> str:
   """Why ``implementation`` cannot serve ``shape`` ("" where it can)."""
-  support = jk.supports("flash_attention", implementation, *inputs[0], causal=shape.causal,
-                        local_window_size=shape.window, segment_ids=_segment_ids(shape),
-                        logits_soft_cap=shape.soft_cap)
+  q, k, v, *bias = inputs[0]
+  support = jk.supports("flash_attention", implementation, q, k, v, bias=(bias or [None])[0],
+                        causal=shape.causal, local_window_size=shape.window,
+                        segment_ids=_segment_ids(shape), logits_soft_cap=shape.soft_cap)
   return "" if support else support.reason
 
 
@@ -64,16 +73,16 @@ def _reference(shape: Shape, compute_dtype):
   seg = _segment_ids(shape)
   h = shape.head_dim
 
-  def fn(q, k, v):
-    return reference.attention(q, k, v, q_segments=seg, kv_segments=seg,
+  def fn(q, k, v, bias=None):
+    return reference.attention(q, k, v, bias=bias, q_segments=seg, kv_segments=seg,
                                window=Window.of(shape.causal, shape.window), scale=h**-0.5,
                                soft_cap=shape.soft_cap, compute_dtype=compute_dtype)
   return fn
 
 
 def _jax_nn(shape: Shape, implementation: str):
-  return lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=shape.causal, local_window_size=shape.window,
+  return lambda q, k, v, bias=None: jax.nn.dot_product_attention(
+      q, k, v, bias=bias, is_causal=shape.causal, local_window_size=shape.window,
       implementation=implementation)
 
 
@@ -97,7 +106,7 @@ def _jax_anchors(shape: Shape) -> dict:
   if not shape.anchors or shape.segments or shape.soft_cap:
     return {}
   out = {"xla": _jax_nn(shape, "xla"), "cudnn": _jax_nn(shape, "cudnn")}
-  if shape.window is None:
+  if shape.window is None and shape.bias is None:  # neither example takes a bias
     for name, make in (("jax_pallas_triton", _jax_pallas_example),
                        ("jax_pallas_mgpu", _jax_pallas_mgpu)):
       try:
@@ -264,7 +273,7 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
     # The float64 oracle and the bfloat16 reference's error, forward and backward, once.
     rule = harness.Rule(lambda cd: _reference(shape, cd), *first, dtype=jnp.bfloat16,
                         reduction=max(shape.length, shape.head_dim),
-                        grads=(0, 1, 2)) if shape.check else None
+                        grads=shape.grads) if shape.check else None
     # Interpreted, a check: forward+backward checks the output and every gradient at once.
     for label in ("fwd+bwd",) if session.interpret else ("fwd", "fwd+bwd"):
       impls = {kernel: (_ours(shape, kernel), True) for kernel in _kernels(session)}
@@ -293,7 +302,7 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
           continue
         try:
           with context():
-            timed = harness.Timed(fn, (0, 1, 2))
+            timed = harness.Timed(fn, shape.grads)
             if check and rule is not None:
               row.error, row.tolerance = rule.verdict(label, timed.outputs(label, *first))
               if not row.error <= row.tolerance:
@@ -318,7 +327,7 @@ def run(session: harness.Session, sweep: bool = False, only=None) -> None:
           row.note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows[impl] = session.add(row)
       if session.anchors and shape.anchors and not (shape.segments or shape.soft_cap
-                                                              or shape.window):
+                                                              or shape.window or shape.bias):
         row = harness.Row("attention", f"{shape.name} {label}", "torch_sdpa", str(shape),
                           "bfloat16")
         try:

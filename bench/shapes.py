@@ -82,8 +82,16 @@ class Attention:
   window: tuple[int, int] | None = None
   segments: int = 0  # packed sequences a row, equal lengths
   soft_cap: float | None = None
+  # A bias over the heads, (1, N, T, S) (a learned relative-position bias): "bias" times the
+  # gradients of q, k and v (as with a mask given as a bias), "bias+grad" the bias's too.
+  bias: str | None = None
   check: bool = True  # the float64 reference fits beside the run
   anchors: bool = True
+
+  @property
+  def grads(self) -> tuple[int, ...]:
+    """The inputs whose gradients forward+backward computes: q, k, v (and the bias)."""
+    return (0, 1, 2, 3) if self.bias == "bias+grad" else (0, 1, 2)
 
   def flops(self, label: str) -> float:
     return roofline.attention_flops(self.batch, self.length, self.length, self.heads,
@@ -115,6 +123,8 @@ def attention(smoke: bool) -> list[Attention]:
           Attention("soft-cap", 2, 4096, 16, 16, 128, soft_cap=30.0, anchors=False),
           Attention("causal+segments+window+cap", 2, 4096, 16, 16, 128, causal=True,
                     window=(1024, 0), segments=4, soft_cap=30.0, anchors=False),
+          Attention("bias", 4, 2048, 16, 16, 128, bias="bias"),
+          Attention("bias with d(bias)", 4, 2048, 16, 16, 128, bias="bias+grad"),
           Attention("long causal", 1, 32768, 16, 16, 128, causal=True, check=False)]
 
 

@@ -311,7 +311,7 @@ class TestAttentionTriton(AttentionTest):
 
 class TestAttentionMosaicGpu(AttentionTest):
   """The Hopper kernels: 16-bit inputs, head dims of multiples of 64; the backward is the Mosaic
-  GPU dq and dk/dv kernels' (with a bias, Triton's). Interpreted on the CPU the products are
+  GPU dq and dk/dv kernels', with a bias and the d(bias) kernel's. Interpreted on the CPU the products are
   plain dots and the accumulators float32 shared memory (the interpreter has no wgmma from
   registers); the schedule, barriers, rings and masks are the kernels' own."""
 
@@ -337,8 +337,9 @@ class TestAttentionMosaicGpu(AttentionTest):
   def test_block_edges(self):
     """Several query tiles and key blocks: partial ones at both ends, a window that leaves one
     warpgroup of a tile idle through steps its partner computes, GQA, segments, the cap; with
-    a bias (the Triton backward) and without (the Mosaic GPU backward, whose dk/dv kernel walks
-    both query heads of the group through 128-query blocks)."""
+    a bias over the heads (the d(bias) kernel sums the batch; tiles the window hides are
+    skipped) and without (whose dk/dv kernel walks both query heads of the group through
+    128-query blocks)."""
     numerics.slow_when_interpreted(193)
     config = attention_mosaic_gpu.Config(block_q=64, block_kv=64, stages=2)
     case = Case(batch=1, q_len=130, kv_len=150, kv_heads=1, group=2, head_dim=64,
@@ -351,10 +352,14 @@ class TestAttentionMosaicGpu(AttentionTest):
   def test_head_dim_256(self):
     """Past head dim 128: the dk/dv kernel's warpgroups share 64 keys, each its half of dk and
     dv's columns, and the dq kernel takes 32 keys a step (a 64-byte swizzle); causal, GQA,
-    segments, a cap, partial blocks at both ends, the heuristic's config."""
+    segments, a cap, partial blocks at both ends, the heuristic's config; and a bias broadcast
+    over batch and heads (the d(bias) kernel's ring takes the head dim in four blocks and sums
+    both heads)."""
     numerics.slow_when_interpreted(85)
-    self.check(Case(batch=1, q_len=130, kv_len=100, kv_heads=1, group=2, head_dim=256,
-                    dtype=jnp.bfloat16, causal=True, segments=2, soft_cap=3.0), None)
+    case = Case(batch=1, q_len=130, kv_len=100, kv_heads=1, group=2, head_dim=256,
+                dtype=jnp.bfloat16, causal=True, segments=2, soft_cap=3.0)
+    self.check(case, None)
+    self.check(case.replace(bias=(1, 1)), None)
     q = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
     too_big = attention_mosaic_gpu.Config(block_kv=64, bwd_block_q=128)
     with numerics.kernel_mode(), pytest.raises(ValueError, match="dk/dv kernel needs"):
@@ -368,8 +373,7 @@ class TestAttentionMosaicGpu(AttentionTest):
       assert "16-bit" in jk.supports("flash_attention", self.IMPL, q, q, q).reason
 
   def test_lowers_for_cuda(self):
-    """Without a bias, forward, dq and dk/dv are Mosaic GPU kernels; with one, the backward is
-    the Triton kernels'."""
+    """Forward, dq and dk/dv are Mosaic GPU kernels, and with a bias d(bias) too."""
     q = jax.ShapeDtypeStruct((2, 200, 8, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
@@ -380,9 +384,11 @@ class TestAttentionMosaicGpu(AttentionTest):
       assert name in text, name
     bias = jax.ShapeDtypeStruct((1, 8, 200, 300), jnp.float32)
     text = cuda_lowering(_every_feature_vjp("mosaic_gpu"), q, k, k, bias, seg, kv_seg, q)
-    assert "jk_attention_fwd_mgpu" in text
-    for name in ("jk_attention_dkdv", "jk_attention_dq", "jk_attention_dbias"):
-      assert f'name = "{name}"' in text, name
+    assert text.count("custom_call @mosaic_gpu") == 4, text.count("custom_call @mosaic_gpu")
+    for name in ("jk_attention_fwd_mgpu", "jk_attention_dq_mgpu", "jk_attention_dkdv_mgpu",
+                 "jk_attention_dbias_mgpu"):
+      assert name in text, name
+    assert "triton" not in text
 
 
 class TestAttentionVariants(chex.TestCase):

@@ -315,7 +315,7 @@ def test_the_triton_files_deleted():
   a Triton kernel; every op keeps the same Hopper kernel as on a JAX that merely lacks Pallas
   Triton (test_a_jax_without_pallas_triton), with no warning; an sm80 call falls back to XLA
   with the FallbackWarning saying the Triton kernels are not installed; the Hopper matmul's
-  crop of a padded C is XLA's slice; and a bias on Hopper attention is refused by name."""
+  crop of a padded C is XLA's slice; and Hopper attention with a bias stays Mosaic GPU."""
   script = textwrap.dedent("""
       import sys
       import warnings
@@ -374,8 +374,7 @@ def test_the_triton_files_deleted():
       assert picked == "xla" and "triton kernels are not installed" in warned[0], warned
       bias = jnp.ones((1, 2, 128, 128), jnp.bfloat16)
       picked, warned = chosen("flash_attention", H200, q, q, q, bias=bias)
-      assert picked == "xla" and "a bias: its backward is the Triton kernels'" in warned[0], (
-          picked, warned)
+      assert picked == "mosaic_gpu" and not warned, (picked, warned)
       c = jnp.arange(24.0).reshape(4, 6)
       assert (np.asarray(padding.crop(c, 3, 5)) == np.asarray(c[:3, :5])).all()
       with jk.interpret_mode("mosaic_gpu"):  # a Mosaic GPU kernel still runs (interpreted)
@@ -397,8 +396,8 @@ def test_a_jax_without_pallas_triton():
   activations' as the second choice); an explicit Triton kernel is refused by name;
   the Hopper matmul's crop of a padded C is XLA's slice; and the fused GLU product's gradient
   runs glu's backward on the Mosaic GPU kernel beside it (it asked for Triton's by name, and
-  raised); attention with a bias (its backward Triton's kernels') falls back to XLA by name on
-  Hopper too (it ran the Mosaic GPU forward, then raised in the backward)."""
+  raised); attention with a bias lowers to four Mosaic GPU kernels (forward, dq, dk/dv and
+  d(bias))."""
   script = textwrap.dedent("""
       import sys
       import warnings
@@ -482,11 +481,15 @@ def test_a_jax_without_pallas_triton():
           jax.ShapeDtypeStruct((128, 384), jnp.bfloat16)).mlir_module()
       assert text.count("@mosaic_gpu_v2(") == 3 and "jk_glu" not in text, text[:500]
 
-      # A bias: the Mosaic GPU backward is Triton's, so Hopper refuses it by name too.
+      # A bias: its backward and gradient are Mosaic GPU kernels too.
       bias = jnp.ones((1, 2, 128, 128), jnp.bfloat16)
       picked, warned = chosen("flash_attention", H200, q, q, q, bias=bias)
-      assert picked == "xla" and "a bias: its backward is the Triton kernels'" in warned[0], (
-          picked, warned)
+      assert picked == "mosaic_gpu" and not warned, (picked, warned)
+      attend = lambda q, b: jk.flash_attention(q, q, q, bias=b, implementation="mosaic_gpu")
+      text = jax.export.export(jax.jit(jax.grad(lambda q, b: attend(q, b).sum(), (0, 1))),
+                               platforms=["cuda"])(q, bias).mlir_module()
+      assert text.count("@mosaic_gpu_v2(") == 4 and "jk_attention_dbias_mgpu" in text, (
+          text.count("@mosaic_gpu_v2("))
       print("ok")
   """)
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

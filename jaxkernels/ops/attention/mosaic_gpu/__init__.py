@@ -24,18 +24,16 @@ the keys past S are masked in the last block. The log-sum-exp is written (B, N, 
 transposed by XLA (a few hundred KiB).
 
 The backward is two more kernels of the same make (a dq kernel, and a dk/dv kernel that walks
-the queries for each block of keys), below; with a bias it is the Triton kernels'
-(``triton.backward``, with ``Config.backward``): on a JAX without Pallas Triton a call with a
-bias is refused (``unsupported`` names why) and falls back.
+the queries for each block of keys), both reading a bias as the forward does (the dk/dv kernel
+a transposed copy of it); and with a bias a third, d(bias)'s, its own launch (XLA drops it
+where the bias's gradient is not asked for).
 
 The package: ``config`` (the Config, its heuristic, what each kernel needs of shared memory),
 ``schedule`` (the warpgroups' roles and the walk every kernel shares), ``forward`` and
 ``backward``; the interpreter's shims are the toolchain's (``jaxkernels._mosaic_gpu``).
 """
 
-from jaxkernels.ops.attention.mosaic_gpu.backward import (backward as backward,
-                                                          backward_unsupported as
-                                                          backward_unsupported)
+from jaxkernels.ops.attention.mosaic_gpu.backward import backward as backward
 from jaxkernels.ops.attention.mosaic_gpu.config import (Config as Config,
                                                         backward_smem_bytes as
                                                         backward_smem_bytes,

@@ -4,21 +4,20 @@ memory each of the three kernels (forward, dq, dk/dv) needs of a CTA."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax.numpy as jnp
 
-from jaxkernels import _mosaic_gpu, _triton_files, hardware
+from jaxkernels import _mosaic_gpu, hardware
 from jaxkernels._tiling import check_fields, round_up
-
-# The Triton kernels, whose backward serves a bias (None where their files are gone).
-triton = _triton_files.optional("jaxkernels.ops.attention.triton")
 
 PRODUCER_REGISTERS = 40
 # The backward kernels past head dim 128: a producer of 24 registers leaves 240 to each compute
 # warpgroup; at GQA h256 dk/dv 4.72 -> 4.44 ms, dq 4.75 -> 4.34 (fewer spills), while at 128
 # the kernels were no faster (bench/NOTES.md attention-6).
 WIDE_PRODUCER_REGISTERS = 24
+# The d(bias) kernel's keys a CTA (beside 2 x 64 queries): its three float32 tiles (S, dP and
+# the sum) of 64 x 64 take 96 registers a thread.
+DBIAS_BLOCK_KV = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,9 +30,6 @@ class Config:
   bwd_block_kv: int = 64  # the dq kernel's keys a step (its CTA takes 2 x 64 queries); 32
   # past head dim 128, where two blocks of 64 keys do not fit beside 128 queries' q and dO
   bwd_stages: int = 2  # blocks in flight in either backward kernel (fewer where they do not fit)
-  # The Triton backward's config, for the calls the Mosaic GPU backward does not serve (a
-  # bias); None: Triton's heuristic.
-  backward: Any = None  # triton.Config
 
   def __post_init__(self):
     check_fields(self, ("block_q",), lambda v: v == 64, "64 (a wgmma's rows per warpgroup)")
@@ -60,16 +56,12 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
     block_kv = 128
   if problem.bias is not None:  # a bias tile a stage beside k and v: 64 keys fit
     block_kv = 64
-  return Config(block_q=64, block_kv=block_kv, stages=2, bwd_block_kv=64 if h <= 128 else 32,
-                backward=None if triton is None else triton.heuristic(problem, chip))
+  return Config(block_q=64, block_kv=block_kv, stages=2, bwd_block_kv=64 if h <= 128 else 32)
 
 
 def unsupported(problem, chip) -> str | None:
   if (reason := _mosaic_gpu.hopper_reason(chip)) is not None:
     return reason
-  if problem.bias is not None and (triton is None or _triton_files.pallas_triton() is None):
-    return ("a bias: its backward is the Triton kernels', and this JAX has no Pallas triton "
-            "(a Mosaic GPU bias backward is not written yet)")
   if jnp.dtype(problem.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"{problem.dtype} inputs: the kernel's wgmma takes 16-bit operands (Triton serves them)"
   if problem.head_dim % 64:
@@ -93,12 +85,13 @@ def smem_bytes(problem, config: Config) -> int:
 def backward_smem_bytes(problem, config: Config) -> tuple[int, int]:
   """Shared memory of the (dq, dk/dv) kernels: each holds two blocks of 64 rows (queries with
   their dO; keys with their v, or one block's two head-dim halves) and rings of the other
-  side's blocks."""
+  side's blocks, with a bias its tiles (counted at 4 bytes)."""
   h, itemsize = problem.head_dim, jnp.dtype(problem.dtype).itemsize
-  segments = bool(problem.segments)
-  stages = dq_stages(h, itemsize, segments, config)
-  return (_dq_bytes(h, itemsize, segments, config.bwd_block_kv, stages),
-          _dkv_bytes(h, itemsize, segments, config))
+  segments, bias = bool(problem.segments), 4 if problem.bias is not None else 0
+  return (_dq_bytes(h, itemsize, segments, config.bwd_block_kv,
+                    dq_stages(h, itemsize, segments, config, bias), bias),
+          _dkv_bytes(h, itemsize, segments, config,
+                     dkv_stages(h, itemsize, segments, config, bias), bias))
 
 
 def config_error(problem, config: Config, chip) -> str | None:
@@ -108,11 +101,10 @@ def config_error(problem, config: Config, chip) -> str | None:
     return f"it needs {need} bytes of shared memory, over a CTA's {limit}"
   if problem.head_dim > 128 and config.block_kv > 64:
     return f"block_kv {config.block_kv} at head dim {problem.head_dim} spills registers: use 64"
-  if problem.bias is None:  # the Mosaic GPU backward's
-    for kernel, need in zip(("dq", "dk/dv"), backward_smem_bytes(problem, config)):
-      if need > limit:
-        return (f"its {kernel} kernel needs {need} bytes of shared memory, over a CTA's "
-                f"{limit}: fewer bwd_stages or smaller backward blocks")
+  for kernel, need in zip(("dq", "dk/dv"), backward_smem_bytes(problem, config)):
+    if need > limit:
+      return (f"its {kernel} kernel needs {need} bytes of shared memory, over a CTA's "
+              f"{limit}: fewer bwd_stages or smaller backward blocks")
   return None
 
 
@@ -135,31 +127,68 @@ def scoped_smem_bytes(*buffers: int) -> int:
   return sum(round_up(nbytes, 1024) for nbytes in buffers) + 1024
 
 
-def _dq_bytes(h: int, itemsize: int, segments: bool, block_kv: int, stages: int) -> int:
+def _dq_bytes(h: int, itemsize: int, segments: bool, block_kv: int, stages: int,
+              bias: int = 0) -> int:
   tile = 64 * h * itemsize
   buffers = [2 * tile, 2 * tile, 2 * 64 * 4, 2 * 64 * 4,  # q, dO, lse, delta
              stages * block_kv * h * itemsize, stages * block_kv * h * itemsize]  # k, v
   if segments:
     buffers += [2 * 64 * 4, stages * block_kv * 4]
+  if bias:  # the CTA's 128 queries' bias against a block of keys, a stage
+    buffers.append(stages * 128 * block_kv * bias)
   return scoped_smem_bytes(*buffers)
 
 
-def dq_stages(h: int, itemsize: int, segments: bool, config: Config) -> int:
-  """The dq kernel's ring depth (keys and values alike): ``bwd_stages``, less where it would
-  not fit a CTA's shared memory (past head dim 128, 128 queries' q and dO take 128 KiB: rings
-  of 64-key blocks hold one block each, of 32-key blocks two or three)."""
-  stages = config.bwd_stages
+def _fitting(need, stages: int) -> int:
+  """The largest ring depth up to ``stages`` (at least 1) whose ``need(stages)`` fits a CTA's
+  shared memory."""
   limit = _mosaic_gpu.cta_smem_bytes()
-  while _dq_bytes(h, itemsize, segments, config.bwd_block_kv, stages) > limit and stages > 1:
+  while need(stages) > limit and stages > 1:
     stages -= 1
   return stages
 
 
-def _dkv_bytes(h: int, itemsize: int, segments: bool, config: Config) -> int:
-  stages, bq = config.bwd_stages, config.bwd_block_q
+def dq_stages(h: int, itemsize: int, segments: bool, config: Config, bias: int = 0) -> int:
+  """The dq kernel's ring depth (keys and values alike): ``bwd_stages``, less where it would
+  not fit a CTA's shared memory (past head dim 128, 128 queries' q and dO take 128 KiB: rings
+  of 64-key blocks hold one block each, of 32-key blocks two or three). ``bias``: its
+  itemsize, 0 without one."""
+  return _fitting(
+      lambda st: _dq_bytes(h, itemsize, segments, config.bwd_block_kv, st, bias),
+      config.bwd_stages)
+
+
+def _dkv_bytes(h: int, itemsize: int, segments: bool, config: Config, stages: int,
+               bias: int = 0) -> int:
+  bq = config.bwd_block_q
   held = 2 * 64 * (h // head_parts(h)) * itemsize  # k or v: two blocks of 64 rows
   ring = stages * bq * h * itemsize  # q or dO
   buffers = [held, held, ring, ring, stages * bq * 4, stages * bq * 4]
   if segments:
     buffers += [2 * 64 * 4, stages * bq * 4]
+  if bias:  # the CTA's keys' (transposed) bias against a block of queries, a stage
+    buffers.append(stages * (128 // head_parts(h)) * bq * bias)
   return scoped_smem_bytes(*buffers)
+
+
+def dkv_stages(h: int, itemsize: int, segments: bool, config: Config, bias: int = 0) -> int:
+  """The dk/dv kernel's ring depth: ``bwd_stages`` without a bias (a config that does not fit
+  is refused by :func:`config_error`), with one as many as fit beside its tiles."""
+  if not bias:
+    return config.bwd_stages
+  return _fitting(lambda st: _dkv_bytes(h, itemsize, segments, config, st, bias),
+                  config.bwd_stages)
+
+
+def _dbias_bytes(itemsize: int, segments: bool, stages: int, bias: int) -> int:
+  q = stages * 128 * 64 * itemsize  # q or dO: 2 x 64 queries' block of 64 of the head dim
+  kv = stages * DBIAS_BLOCK_KV * 64 * itemsize
+  buffers = [q, q, kv, kv, stages * 128 * 4, stages * 128 * 4, 128 * DBIAS_BLOCK_KV * bias]
+  if segments:
+    buffers += [stages * 128 * 4, stages * DBIAS_BLOCK_KV * 4]
+  return scoped_smem_bytes(*buffers)
+
+
+def dbias_stages(itemsize: int, segments: bool, bias: int) -> int:
+  """The d(bias) kernel's ring depth: up to 4 blocks (of q, dO, k and v) in flight."""
+  return _fitting(lambda st: _dbias_bytes(itemsize, segments, st, bias), 4)
