@@ -44,6 +44,7 @@ class Case:
   window: object = None
   soft_cap: object = None
   bias: object = None  # None, or the bias's (Bb, Nb) broadcast pattern
+  bias_dtype: object = None  # None: the inputs' dtype
   segments: int = 0  # segment ids drawn from [0, segments)
   return_lse: bool = True
 
@@ -66,7 +67,7 @@ def _draw(case: Case, *labels):
   bias = None
   if case.bias is not None:
     bb, nb = case.bias
-    bias = numerics.normal(gen, (bb, nb, t, s), case.dtype)
+    bias = numerics.normal(gen, (bb, nb, t, s), case.bias_dtype or case.dtype)
   seg = kv_seg = None
   if case.segments:
     # Sorted, as packed sequences are; a query segment missing from the keys leaves its rows
@@ -352,18 +353,28 @@ class TestAttentionMosaicGpu(AttentionTest):
   def test_head_dim_256(self):
     """Past head dim 128: the dk/dv kernel's warpgroups share 64 keys, each its half of dk and
     dv's columns, and the dq kernel takes 32 keys a step (a 64-byte swizzle); causal, GQA,
-    segments, a cap, partial blocks at both ends, the heuristic's config; and a bias broadcast
-    over batch and heads (the d(bias) kernel's ring takes the head dim in four blocks and sums
-    both heads)."""
+    segments, a cap, partial blocks at both ends, the heuristic's config. A bias is refused
+    there (the forward's tiles do not fit a CTA's shared memory)."""
     numerics.slow_when_interpreted(85)
-    case = Case(batch=1, q_len=130, kv_len=100, kv_heads=1, group=2, head_dim=256,
-                dtype=jnp.bfloat16, causal=True, segments=2, soft_cap=3.0)
-    self.check(case, None)
-    self.check(case.replace(bias=(1, 1)), None)
+    self.check(Case(batch=1, q_len=130, kv_len=100, kv_heads=1, group=2, head_dim=256,
+                    dtype=jnp.bfloat16, causal=True, segments=2, soft_cap=3.0), None)
+    q = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
+    with numerics.kernel_mode():
+      reason = jk.supports("flash_attention", self.IMPL, q, q, q,
+                           bias=jnp.zeros((1, 1, 64, 64), jnp.bfloat16)).reason
+      assert "a bias at head dim 256" in reason, reason
     q = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
     too_big = attention_mosaic_gpu.Config(block_kv=64, bwd_block_q=128)
     with numerics.kernel_mode(), pytest.raises(ValueError, match="dk/dv kernel needs"):
       jk.flash_attention(q, q, q, implementation=self.IMPL, config=too_big)
+
+  def test_bias_head_dim_128(self):
+    """A bias of every batch and head at head dim 128, float32: the d(bias) kernel's ring
+    takes the head dim in two blocks; both backward kernels read their tiles of it in the
+    float32 swizzle; partial blocks at both ends, T < S."""
+    numerics.slow_when_interpreted(60)
+    self.check(Case(batch=2, q_len=70, kv_len=130, kv_heads=2, group=1, head_dim=128,
+                    dtype=jnp.bfloat16, bias=(2, 2), bias_dtype=jnp.float32), None)
 
   def test_unsupported_calls_say_why(self):
     q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)

@@ -29,8 +29,8 @@ a transposed copy of it); and with a bias a third, d(bias)'s, its own launch (XL
 where the bias's gradient is not asked for).
 
 The package: ``config`` (the Config, its heuristic, what each kernel needs of shared memory),
-``schedule`` (the warpgroups' roles and the walk every kernel shares), ``forward`` and
-``backward``; the interpreter's shims are the toolchain's (``jaxkernels._mosaic_gpu``).
+``schedule`` (the warpgroups' roles and the walk every kernel shares), ``forward``,
+``backward`` and ``dbias``; the interpreter's shims are the toolchain's (``jaxkernels._mosaic_gpu``).
 """
 
 from jaxkernels.ops.attention.mosaic_gpu.backward import backward as backward

@@ -13,8 +13,10 @@ and dk += dS^T q. Past head dim 128 (64 keys' dk and dv would take 256 registers
 warpgroups take the same 64 keys and each accumulates its half of dk's and dv's columns,
 computing the whole S^T and dP^T from both halves of k, q, v and dO (``head_parts``: 1.5x the
 dk/dv kernel's tensor work, no exchange between warpgroups). Masks walk as the forward's do,
-from the other side for dk/dv (``common.query_blocks``). The products run as JAX's and
-tokamax's Mosaic GPU backward kernels run theirs (read before writing these).
+from the other side for dk/dv (``common.query_blocks``). A bias comes with k's blocks to the
+dq kernel and with q's to the dk/dv kernel, from a transposed copy XLA makes (a tile in
+registers has the keys as rows there); its gradient is the ``dbias`` kernel's. The products
+run as JAX's and tokamax's Mosaic GPU backward kernels run theirs (read before writing these).
 """
 
 from __future__ import annotations
@@ -31,19 +33,14 @@ from jaxkernels import _mosaic_gpu
 from jaxkernels._mosaic_gpu import accumulators, iota, load_block, mma, mma_wait
 from jaxkernels._tiling import pad_to, round_up
 from jaxkernels.ops.attention.common import Call, Window, visible
-from jaxkernels.ops.attention.mosaic_gpu.config import (DBIAS_BLOCK_KV, PRODUCER_REGISTERS,
-                                                        Config, backward_producer_registers,
-                                                        dbias_stages, dkv_stages, dq_stages,
-                                                        head_parts)
+from jaxkernels.ops.attention.mosaic_gpu import dbias as dbias_kernel
+from jaxkernels.ops.attention.mosaic_gpu.config import (Config, backward_producer_registers,
+                                                        dkv_stages, dq_stages, head_parts)
 from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LOG2E, WARPGROUPS, Walk,
-                                                          is_consumer, is_producer,
-                                                          meeting_blocks, named, produce, ring)
-
-
-def _dot_t(pairs):
-  """The sum of a @ b^T over shared-memory blocks (a, b) (the parts of one contraction)."""
-  return sum(lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32) for a, b in pairs)
+                                                          bias_at, capped, dot_t, grad_logits,
+                                                          is_consumer, is_producer, itemsize,
+                                                          meeting_blocks, named, probabilities,
+                                                          produce, ring)
 
 
 def _products(groups, interpret, after_first=None):
@@ -51,7 +48,7 @@ def _products(groups, interpret, after_first=None):
   pairs are one contraction's parts along the head dim), issued together; ``after_first()``
   runs as soon as the first group's are done."""
   if interpret:
-    out = [_dot_t(group) for group in groups]
+    out = [dot_t(group) for group in groups]
     if after_first is not None:
       after_first()
     return out
@@ -76,7 +73,7 @@ def _dp_and_dv(pairs, do_own, p16, dv_acc, interpret):
   (dv's may still run)."""
   if interpret:
     mma(dv_acc, p16, do_own, interpret)
-    return _dot_t(pairs)
+    return dot_t(pairs)
 
   def products(acc):
     for a, b in pairs:
@@ -86,43 +83,6 @@ def _dp_and_dv(pairs, do_own, p16, dv_acc, interpret):
 
   return pl.run_scoped(products, plgpu.ACC((pairs[0][0].shape[0], pairs[0][1].shape[0]),
                                            jnp.float32))
-
-
-def _probabilities(qk, lse2, mask, axis: int, call: Call, bias2=None):
-  """(P, tanh or None) of a block from its raw q k^T (or its transpose: the queries along
-  ``axis``): P from the saved log-sum-exp in base 2, the block's bias (base 2, as the
-  forward adds it: after the cap) where there is one, 0 where ``mask`` hides a score."""
-  if call.soft_cap is None:
-    th, x, scale2 = None, qk, call.scale * LOG2E
-  else:
-    th = jnp.tanh(qk * (call.scale / call.soft_cap))
-    x, scale2 = th, call.soft_cap * LOG2E
-  s = x * scale2 if bias2 is None else x * scale2 + bias2
-  p = jnp.exp2(s - lax.broadcast_in_dim(lse2, qk.shape, [axis]))
-  return p if mask is None else jnp.where(mask, p, 0.0), th
-
-
-def _capped(p, th):
-  """P times the cap's derivative (1 - tanh^2), or P without a cap: taken as soon as P is, so
-  that one tile (not P and tanh) stays in registers through dP's product."""
-  return p if th is None else p * (1.0 - th * th)
-
-
-def _itemsize(ref) -> int:
-  """Bytes of an element of ``ref`` (0 for None: no bias)."""
-  return 0 if ref is None else jnp.dtype(ref.dtype).itemsize
-
-
-def _bias_at(call: Call, b, n) -> tuple:
-  """The (batch, head) index of query head ``n`` of batch ``b``'s bias: 0 where the bias
-  broadcasts over that dimension."""
-  bb, nb = call.bias_shape[:2]
-  return (b if bb > 1 else 0, n if nb > 1 else 0)
-
-
-def _grad_logits(p_capped, dp, delta, axis: int):
-  """dS, the gradient of q k^T before the scale: P (dP - delta), with the cap's derivative."""
-  return p_capped * (dp - lax.broadcast_in_dim(delta, p_capped.shape, [axis]))
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Call,
@@ -136,7 +96,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
     (dq_ref,), q_seg_ref, kv_seg_ref, meet_ref = refs, None, None, None
   h, bkv = call.head_dim, c.bwd_block_kv
   stages = dq_stages(h, jnp.dtype(call.dtype).itemsize, call.segments, c,
-                     _itemsize(bias_ref))
+                     itemsize(bias_ref))
   producer_registers = backward_producer_registers(h)
   # dq's product contracts over the keys: wgmma's K (bkv) is a multiple of the swizzle's lanes
   # (a 64-byte swizzle for 32 keys a step).
@@ -189,7 +149,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
           plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[slot],
                                   k_full.at[slot])
         if bias_ref is not None:
-          plgpu.copy_gmem_to_smem(bias_ref.at[_bias_at(call, b, n) + (pl.ds(tile * 128, 128), keys)],
+          plgpu.copy_gmem_to_smem(bias_ref.at[bias_at(call, b, n) + (pl.ds(tile * 128, 128), keys)],
                                   bias_smem.at[slot], k_full.at[slot])
 
       def load_v(j, slot):
@@ -256,8 +216,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
             if positions and call.kv_len % bkv:  # padded keys: their P would not be 0
               end = k_pos < call.kv_len
               mask = end if mask is None else mask & end
-          p, th = _probabilities(qk, lse2, mask, 0, call, bias2)
-          ds = _grad_logits(_capped(p, th), dp, delta, 0)
+          p, th = probabilities(qk, lse2, mask, 0, call, bias2)
+          ds = grad_logits(capped(p, th), dp, delta, 0)
           mma(dq_acc, ds.astype(call.dtype), k_block, interpret)
           mma_wait(0, interpret)
           plgpu.barrier_arrive(k_free.at[slot])
@@ -291,7 +251,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
   else:
     (dk_ref, dv_ref), q_seg_ref, kv_seg_ref, meet_ref = refs, None, None, None
   h, bq = call.head_dim, c.bwd_block_q
-  stages = dkv_stages(h, jnp.dtype(call.dtype).itemsize, call.segments, c, _itemsize(bias_ref))
+  stages = dkv_stages(h, jnp.dtype(call.dtype).itemsize, call.segments, c, itemsize(bias_ref))
   parts = head_parts(h)
   part = h // parts
   held_keys = 128 // parts  # the CTA's keys
@@ -367,7 +327,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
           plgpu.copy_gmem_to_smem(q_seg_ref.at[b, queries], q_seg_smem.at[slot], arrive)
         if bias_ref is not None:
           keys = pl.ds(tile * held_keys, held_keys)
-          plgpu.copy_gmem_to_smem(bias_ref.at[_bias_at(call, b, n) + (keys, queries)],
+          plgpu.copy_gmem_to_smem(bias_ref.at[bias_at(call, b, n) + (keys, queries)],
                                   bias_smem.at[slot], arrive)
 
       def load_do(step, slot):
@@ -443,12 +403,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
                            lax.broadcast_in_dim(kv_seg, shape, [0]))
           plgpu.barrier_wait(do_full.at[slot])
           delta = load_block(delta_smem.at[slot], cols, interpret)
-          p, th = _probabilities(kq, lse2, mask, 1, call, bias2)
-          p16, p = p.astype(call.dtype), _capped(p, th)
+          p, th = probabilities(kq, lse2, mask, 1, call, bias2)
+          p16, p = p.astype(call.dtype), capped(p, th)
           # dv's product is issued behind dP^T's, and runs on while dS^T is computed.
           dp = _dp_and_dv(list(zip(v_parts, do_parts)), do_smem.at[slot, own], p16, dv_acc,
                           interpret)
-          ds = _grad_logits(p, dp, delta, 1)
+          ds = grad_logits(p, dp, delta, 1)
           mma(dk_acc, ds.astype(call.dtype), q_smem.at[slot, own], interpret)
           mma_wait(1, interpret)  # dv's product is done: dO's slot is free
           plgpu.barrier_arrive(do_free.at[slot])
@@ -483,172 +443,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(k_tile, in_part(dk_ref.at[b, keys, kh], wg))
       plgpu.copy_smem_to_gmem(v_tile, in_part(dv_ref.at[b, keys, kh], wg))
-      plgpu.wait_smem_to_gmem(0)
-
-
-def _mma_t(acc, a, b, interpret):
-  """acc += a @ b^T (shared-memory blocks), issued; :func:`mma_wait` for it."""
-  if interpret:
-    acc[...] += _dot_t([(a, b)])
-  else:
-    plgpu.wgmma(acc, a, _mosaic_gpu.transposed(b))
-
-
-def _tile_seen(r0, k0, call: Call, block_kv: int):
-  """Whether any query of the rows [r0, r0 + 128) sees any key of [k0, k0 + block_kv) by
-  position (the window, and both ends)."""
-  r_end = jnp.minimum(r0 + 128, call.q_len)
-  k_end = jnp.minimum(k0 + block_kv, call.kv_len)
-  seen = (r0 < call.q_len) & (k0 < call.kv_len)
-  if call.window.right is not None:  # some key j <= i + right
-    seen &= k0 - (r_end - 1) <= call.window.right
-  if call.window.left is not None:  # some key j >= i - left
-    seen &= (k_end - 1) - r0 >= -call.window.left
-  return seen
-
-
-def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, *refs, call: Call,
-                  interpret):
-  """d(bias) of one (128 queries, DBIAS_BLOCK_KV keys) tile of one (Bb, Nb) bias, summed over
-  the batch and heads it broadcasts over: for each summed (batch, head) pair, S = q k^T and
-  dP = dO v^T over the head dim in blocks of 64 (a ring of q, dO, k and v blocks), then
-  P (dP - delta) into a float32 accumulator in registers, written once."""
-  if call.segments:
-    q_seg_ref, kv_seg_ref, dbias_ref = refs
-  else:
-    (dbias_ref,), q_seg_ref, kv_seg_ref = refs, None, None
-  h, bk, chunk = call.head_dim, DBIAS_BLOCK_KV, 64
-  chunks = h // chunk
-  bb, nb = call.bias_shape[:2]
-  heads = call.heads // nb  # the heads (and below, batches) each tile sums over
-  pairs = call.batch // bb * heads
-  stages = dbias_stages(jnp.dtype(call.dtype).itemsize, call.segments, _itemsize(bias_ref))
-  transforms = _mosaic_gpu.swizzled(chunk, call.dtype)
-  extra = {}
-  if call.segments:
-    extra = dict(q_seg_smem=plgpu.SMEM((stages, 128), jnp.int32),
-                 kv_seg_smem=plgpu.SMEM((stages, bk), jnp.int32))
-  if interpret:
-    extra["scratch"] = plgpu.SMEM((2, 2, 64, bk), jnp.float32)
-  copies = 6 + 2 * int(call.segments)
-
-  @functools.partial(
-      pl.run_scoped, collective_axes="wg",
-      q_smem=plgpu.SMEM((stages, 128, chunk), call.dtype, transforms=transforms),
-      do_smem=plgpu.SMEM((stages, 128, chunk), call.dtype, transforms=transforms),
-      k_smem=plgpu.SMEM((stages, bk, chunk), call.dtype, transforms=transforms),
-      v_smem=plgpu.SMEM((stages, bk, chunk), call.dtype, transforms=transforms),
-      lse_smem=plgpu.SMEM((stages, 128), jnp.float32),
-      delta_smem=plgpu.SMEM((stages, 128), jnp.float32),
-      # Each compute warpgroup's 64 rows of the bias tile, and then of d(bias).
-      bias_smem=plgpu.SMEM((CONSUMERS, 64, bk), bias_ref.dtype,
-                           transforms=_mosaic_gpu.swizzled(bk, bias_ref.dtype)),
-      bias_full=plgpu.Barrier(num_barriers=CONSUMERS),
-      full=plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
-      free=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-      **extra)
-  def _scope(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, bias_full, full,
-             free, q_seg_smem=None, kv_seg_smem=None, scratch=None):
-    k0 = lax.axis_index("kv") * bk
-    r0 = lax.axis_index("q") * 128
-    bias_index = lax.axis_index("bias")
-    b0, n0 = lax.div(bias_index, jnp.int32(nb)), lax.rem(bias_index, jnp.int32(nb))
-    wg = lax.axis_index("wg")
-    # The pairs' (batch, head): b0 and n0 where the bias has the dimension (then it sums over
-    # one), else each in turn (b0, n0 are 0 there).
-    pair = lambda m: (b0 + lax.div(m, jnp.int32(heads)), n0 + lax.rem(m, jnp.int32(heads)))
-    n_pairs = jnp.where(_tile_seen(r0, k0, call, bk), pairs, 0)
-    slot_of = lambda step: lax.rem(step, jnp.int32(stages))
-    keys = pl.ds(k0, bk)
-
-    @pl.when(is_producer(wg))
-    def _producer():
-      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-      def load(step, slot):
-        b, n = pair(lax.div(step, jnp.int32(chunks)))
-        kh = lax.div(n, jnp.int32(call.group))
-        cols = pl.ds(lax.rem(step, jnp.int32(chunks)) * chunk, chunk)
-        rows, arrive = pl.ds(r0, 128), full.at[slot]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, n, cols], q_smem.at[slot], arrive)
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, n, cols], do_smem.at[slot], arrive)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, cols], k_smem.at[slot], arrive)
-        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh, cols], v_smem.at[slot], arrive)
-        plgpu.copy_gmem_to_smem(lse_ref.at[b, n, rows], lse_smem.at[slot], arrive)
-        plgpu.copy_gmem_to_smem(delta_ref.at[b, n, rows], delta_smem.at[slot], arrive)
-        if call.segments:
-          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], q_seg_smem.at[slot], arrive)
-          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[slot], arrive)
-
-      produce(jnp.int32(0), n_pairs * chunks, stages, [(free, load)])
-
-    @pl.when(is_consumer(wg))
-    def _consumer():
-      plgpu.set_max_registers(_mosaic_gpu.consumer_registers(PRODUCER_REGISTERS),
-                              action="increase")
-      row0 = r0 + wg * 64
-      rows, own = pl.ds(row0, 64), pl.ds(wg * 64, 64)
-      tile = bias_smem.at[wg]
-      plgpu.copy_gmem_to_smem(bias_ref.at[b0, n0, rows, keys], tile, bias_full.at[wg])
-      plgpu.barrier_wait(bias_full.at[wg])
-      bias2 = load_block(tile, plgpu.Layout.WGMMA, interpret).astype(jnp.float32) * LOG2E
-      shape = (64, bk)
-      q_pos = row0 + iota(shape, 0, interpret)
-      k_pos = k0 + iota(shape, 1, interpret)
-      positions = visible(q_pos, k_pos, call.window)
-      if call.kv_len % bk:  # padded keys: their P would not be 0
-        end = k_pos < call.kv_len
-        positions = end if positions is None else positions & end
-      row_vector, col_vector = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-
-      def products(base):
-        """S and dP of the pair whose first step is ``base``, over the head dim's blocks
-        (each block's slot released once the next block's products are issued, the last one's
-        left to the caller); returns the last slot."""
-        def body(s_acc, dp_acc):
-          def issue(step):
-            slot = slot_of(step)
-            plgpu.barrier_wait(full.at[slot])
-            _mma_t(s_acc, q_smem.at[slot, own], k_smem.at[slot], interpret)
-            _mma_t(dp_acc, do_smem.at[slot, own], v_smem.at[slot], interpret)
-
-          issue(base)
-
-          @pl.loop(1, chunks)
-          def _(c):
-            issue(base + c)
-            mma_wait(2, interpret)  # the previous block's products are done
-            plgpu.barrier_arrive(free.at[slot_of(base + c - 1)])
-
-          mma_wait(0, interpret)
-          return s_acc[...], dp_acc[...]
-        return accumulators([shape, shape],
-                            [] if scratch is None else [scratch.at[0, wg], scratch.at[1, wg]],
-                            body, interpret)
-
-      def accumulate(m, acc):
-        base = m * chunks
-        qk, dp = products(base)
-        slot = slot_of(base + chunks - 1)
-        lse2 = load_block(lse_smem.at[slot, own], row_vector, interpret)
-        delta = load_block(delta_smem.at[slot, own], row_vector, interpret)
-        mask = positions
-        if call.segments:
-          q_seg = load_block(q_seg_smem.at[slot, own], row_vector, interpret)
-          kv_seg = load_block(kv_seg_smem.at[slot], col_vector, interpret)
-          same = (lax.broadcast_in_dim(q_seg, shape, [0]) ==
-                  lax.broadcast_in_dim(kv_seg, shape, [1]))
-          mask = same if mask is None else mask & same
-        plgpu.barrier_arrive(free.at[slot])
-        p, _ = _probabilities(qk, lse2, mask, 0, call, bias2)
-        return acc + _grad_logits(p, dp, delta, 0)  # the bias meets the logits after the cap
-
-      zero = _mosaic_gpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA,
-                                     interpret)
-      dbias = lax.fori_loop(0, n_pairs, accumulate, zero)
-      tile[...] = dbias.astype(tile.dtype)  # the bias tile was read before the loop
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(tile, dbias_ref.at[b0, n0, rows, keys])
       plgpu.wait_smem_to_gmem(0)
 
 
@@ -704,10 +498,6 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
   )(*operands, *dkv_extra)
   dbias = None
   if bias is not None:
-    dbias = plgpu.kernel(
-        named("jk_attention_dbias_mgpu", _dbias_kernel, call=call, interpret=bool(interpret)),
-        out_type=jax.ShapeDtypeStruct(bias.shape, bias.dtype),
-        grid=(s_pad // DBIAS_BLOCK_KV, t_pad // 128, bias.shape[0] * bias.shape[1]),
-        grid_names=("kv", "q", "bias"), **params,
-    )(*operands, bias, *dbias_extra)[:, :, :t, :s]
+    dbias = dbias_kernel.dbias(operands, bias, dbias_extra, call=call, params=params)
+    dbias = dbias[:, :, :t, :s]
   return dq[:, :t], dk[:, :s], dv[:, :s], dbias

@@ -67,6 +67,12 @@ def unsupported(problem, chip) -> str | None:
   if problem.head_dim % 64:
     return (f"head dim {problem.head_dim} is not a multiple of 64 (TMA's 128-byte swizzle; "
             "Triton serves it)")
+  if problem.bias is not None:
+    need, limit = smem_bytes(problem, heuristic(problem, chip)), _mosaic_gpu.cta_smem_bytes(chip)
+    if need > limit:  # head dim 256: q and two stages of k, v and the bias's tiles
+      return (f"a bias at head dim {problem.head_dim}: the forward's q and two stages of k, v "
+              f"and the bias's tiles need {need} bytes of shared memory, over a CTA's {limit} "
+              "(Triton serves it)")
   return None
 
 

@@ -1,6 +1,7 @@
-"""What the forward and both backward kernels share: the warpgroups' roles, the ring of key
+"""What the forward and the backward kernels share: the warpgroups' roles, the ring of key
 (or query) blocks each CTA walks and each compute warpgroup's runs of it, the producer's loop,
-the segments' meeting blocks, and the kernels' names.
+the segments' meeting blocks, the kernels' names; and the backward kernels' (dq, dk/dv,
+d(bias)) arithmetic: P from the saved log-sum-exp, dS, products of transposed blocks.
 
 Every kernel here is a CTA of three warpgroups: two compute ("consumer") warpgroups, 0 and 1,
 each with its own block of rows and accumulators, and one producer, 2, that issues the TMA
@@ -20,7 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkernels.ops.attention.common import Window, key_blocks
+from jaxkernels import _mosaic_gpu
+from jaxkernels.ops.attention.common import Call, Window, key_blocks
 
 CONSUMERS = 2  # compute warpgroups, 0 and 1: the arrivals that release a slot
 PRODUCER = CONSUMERS  # the producer warpgroup's index
@@ -119,3 +121,59 @@ def meeting_blocks(q_seg, kv_seg, rows: int, cols: int):
   end = jnp.max(jnp.where(meet, index + 1, 0), axis=-1)
   first = jnp.minimum(first, end)
   return jnp.stack([first, end], axis=-1).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- #
+# The backward kernels' arithmetic
+# --------------------------------------------------------------------------- #
+
+
+def dot_t(pairs):
+  """The sum of a @ b^T over shared-memory blocks (a, b) (the parts of one contraction)."""
+  return sum(lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32) for a, b in pairs)
+
+
+def probabilities(qk, lse2, mask, axis: int, call: Call, bias2=None):
+  """(P, tanh or None) of a block from its raw q k^T (or its transpose: the queries along
+  ``axis``): P from the saved log-sum-exp in base 2, the block's bias (base 2, as the
+  forward adds it: after the cap) where there is one, 0 where ``mask`` hides a score."""
+  if call.soft_cap is None:
+    th, x, scale2 = None, qk, call.scale * LOG2E
+  else:
+    th = jnp.tanh(qk * (call.scale / call.soft_cap))
+    x, scale2 = th, call.soft_cap * LOG2E
+  s = x * scale2 if bias2 is None else x * scale2 + bias2
+  p = jnp.exp2(s - lax.broadcast_in_dim(lse2, qk.shape, [axis]))
+  return p if mask is None else jnp.where(mask, p, 0.0), th
+
+
+def capped(p, th):
+  """P times the cap's derivative (1 - tanh^2), or P without a cap: taken as soon as P is, so
+  that one tile (not P and tanh) stays in registers through dP's product."""
+  return p if th is None else p * (1.0 - th * th)
+
+
+def itemsize(ref) -> int:
+  """Bytes of an element of ``ref`` (0 for None: no bias)."""
+  return 0 if ref is None else jnp.dtype(ref.dtype).itemsize
+
+
+def bias_at(call: Call, b, n) -> tuple:
+  """The (batch, head) index of query head ``n`` of batch ``b``'s bias: 0 where the bias
+  broadcasts over that dimension."""
+  bb, nb = call.bias_shape[:2]
+  return (b if bb > 1 else 0, n if nb > 1 else 0)
+
+
+def grad_logits(p_capped, dp, delta, axis: int):
+  """dS, the gradient of q k^T before the scale: P (dP - delta), with the cap's derivative."""
+  return p_capped * (dp - lax.broadcast_in_dim(delta, p_capped.shape, [axis]))
+
+
+def mma_t(acc, a, b, interpret):
+  """acc += a @ b^T (shared-memory blocks), issued; :func:`mma_wait` for it."""
+  if interpret:
+    acc[...] += dot_t([(a, b)])
+  else:
+    plgpu.wgmma(acc, a, _mosaic_gpu.transposed(b))
