@@ -384,7 +384,9 @@ class TestAttentionMosaicGpu(AttentionTest):
       assert "16-bit" in jk.supports("flash_attention", self.IMPL, q, q, q).reason
 
   def test_lowers_for_cuda(self):
-    """Forward, dq and dk/dv are Mosaic GPU kernels, and with a bias d(bias) too."""
+    """Forward, dq and dk/dv are Mosaic GPU kernels, and with a bias d(bias) too; with a
+    float32 bias and segments at head dims 128 and 192 every kernel fits a CTA's shared memory
+    (the lowering counts it)."""
     q = jax.ShapeDtypeStruct((2, 200, 8, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
@@ -400,6 +402,9 @@ class TestAttentionMosaicGpu(AttentionTest):
                  "jk_attention_dbias_mgpu"):
       assert name in text, name
     assert "triton" not in text
+    q, k = (jax.ShapeDtypeStruct(a.shape[:3] + (192,), a.dtype) for a in (q, k))
+    text = cuda_lowering(_every_feature_vjp("mosaic_gpu"), q, k, k, bias, seg, kv_seg, q)
+    assert text.count("custom_call @mosaic_gpu") == 4, text.count("custom_call @mosaic_gpu")
 
 
 class TestAttentionVariants(chex.TestCase):
