@@ -300,3 +300,44 @@ def test_cuda_lowering_of_ring_attention_on_mosaic_gpu(mesh):
   for name in MOSAIC_GPU_ATTENTION_KERNELS:
     assert name in text, name
   assert "all_gather" not in text and "all_to_all" not in text
+
+
+def test_cuda_lowering_of_mosaic_gpu_attention_with_a_bias(mesh):
+  """A (1, N, T, S) bias on the (4, 2) mesh, q's batch over "data" and the heads over "model"
+  (the bias's heads with them): the four Mosaic GPU kernels (forward, dq, dk/dv, d(bias)) run
+  in the manual computation on their shards, d(bias) summed over the batch's shards by an
+  all-reduce, nothing gathered."""
+  from jax import export
+
+  shard = NamedSharding(mesh, P("data", None, "model", None))
+  q = jax.ShapeDtypeStruct((8, 256, 8, 128), jnp.bfloat16, sharding=shard)
+  kv = jax.ShapeDtypeStruct((8, 256, 2, 128), jnp.bfloat16, sharding=shard)
+  bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.bfloat16,
+                              sharding=NamedSharding(mesh, P(None, "model", None, None)))
+  grads = jax.grad(lambda q, k, v, b: jnp.sum(jk.flash_attention(
+      q, k, v, bias=b, causal=True, implementation="mosaic_gpu").astype(jnp.float32)),
+      argnums=(0, 1, 2, 3))
+  text = export.export(jax.jit(grads), platforms=["cuda"])(q, kv, kv, bias).mlir_module()
+  assert "manual_computation" in text and "all_reduce" in text
+  for name in (*MOSAIC_GPU_ATTENTION_KERNELS, "jk_attention_dbias_mgpu"):
+    assert name in text, name
+  assert "all_gather" not in text and "all_to_all" not in text
+
+
+def test_cuda_lowering_of_mosaic_gpu_decode(mesh):
+  """decode_attention's Mosaic GPU kernel on the (4, 2) mesh, the batch over "data" and the kv
+  heads over "model" (the lengths with the batch): each shard runs it on its own, nothing
+  gathered."""
+  from jax import export
+
+  q = jax.ShapeDtypeStruct((8, 1, 8, 128), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P("data", None, "model", None)))
+  cache = jax.ShapeDtypeStruct((8, 1024, 2, 128), jnp.bfloat16,
+                               sharding=NamedSharding(mesh, P("data", None, "model", None)))
+  lengths = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+  decode = lambda q, k, v, n: jk.decode_attention(q, k, v, lengths=n,
+                                                  implementation="mosaic_gpu")
+  text = export.export(jax.jit(decode), platforms=["cuda"])(q, cache, cache,
+                                                            lengths).mlir_module()
+  assert "manual_computation" in text and "jk_decode_attention_mgpu" in text
+  assert "all_gather" not in text and "all_to_all" not in text and "all_reduce" not in text
