@@ -241,6 +241,28 @@ class AttentionTest:
     assert np.all(np.isneginf(np.asarray(lse[:, 10:])))
     assert np.all(np.isfinite(np.asarray(out[:, :10]))) and np.all(np.isfinite(dk))
 
+  def test_a_bias_of_minus_infinity_masks(self):
+    """A mask given as a bias of -inf: the keys it hides get zero gradients, a query it hides
+    wholly 0 and zero gradients, the bias's gradient is 0 wherever it is -inf, and no NaN
+    anywhere (each backward kernel reads the bias)."""
+    case = Case(batch=1, q_len=24, kv_len=20, kv_heads=1, group=2, head_dim=self.SMALL_HEAD_DIM,
+                dtype=self.FEATURE_DTYPE)
+    (q, k, v, _), _, _ = _draw(case)
+    hidden = jnp.zeros((24, 20), bool).at[:, 10:].set(True).at[20:].set(True)
+    bias = jnp.where(hidden, -jnp.inf, 0.0).astype(q.dtype)[None, None]
+    attend = lambda q, k, v, b: jk.flash_attention(q, k, v, bias=b, implementation=self.IMPL)
+    with numerics.kernel_mode():
+      out = attend(q, k, v, bias)
+      dq, dk, dv, dbias = jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)),
+                                   (0, 1, 2, 3))(q, k, v, bias)
+    f32 = lambda a: np.asarray(a, np.float32)
+    for name, a in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv), ("dbias", dbias)):
+      assert np.all(np.isfinite(f32(a))), name
+    assert np.all(f32(out[:, 20:]) == 0) and np.all(f32(dq[:, 20:]) == 0)
+    assert np.all(f32(dk[:, 10:]) == 0) and np.all(f32(dv[:, 10:]) == 0)
+    assert np.all(f32(dbias)[0, 0][np.asarray(hidden)] == 0)
+    assert np.any(f32(dbias)[0, 0][~np.asarray(hidden)] != 0)
+
   def test_segments_without_common_ids(self):
     case = Case(batch=2, q_len=20, kv_len=20, kv_heads=1, group=1, head_dim=self.SMALL_HEAD_DIM,
                 dtype=self.FEATURE_DTYPE, segments=3)
