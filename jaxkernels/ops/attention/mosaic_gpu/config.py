@@ -15,8 +15,8 @@ PRODUCER_REGISTERS = 40
 # warpgroup; at GQA h256 dk/dv 4.72 -> 4.44 ms, dq 4.75 -> 4.34 (fewer spills), while at 128
 # the kernels were no faster (bench/NOTES.md attention-6).
 WIDE_PRODUCER_REGISTERS = 24
-# The d(bias) kernel's keys a CTA (beside 2 x 64 queries): its three float32 tiles (S, dP and
-# the sum) of 64 x 64 take 96 registers a thread.
+# The d(bias) kernel's keys a CTA (beside 2 x 64 queries): its four float32 tiles of 64 x 64
+# (S, dP, the bias and the sum) take 128 registers a thread.
 DBIAS_BLOCK_KV = 64
 
 

@@ -139,9 +139,9 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, *re
       row_vector, col_vector = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
       def products(base):
-        """S and dP of the pair whose first step is ``base``, over the head dim's blocks
-        (each block's slot released once the next block's products are issued, the last one's
-        left to the caller); returns the last slot."""
+        """(S, dP) of the pair whose first step is ``base``, over the head dim's blocks (each
+        block's slot released once the next block's products are issued; the last one's is
+        left to the caller, which reads the pair's statistics from it)."""
         def body(s_acc, dp_acc):
           def issue(step):
             slot = slot_of(step)
