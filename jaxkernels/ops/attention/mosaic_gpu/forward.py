@@ -17,7 +17,7 @@ from jaxkernels._tiling import cdiv, pad_to, round_up
 from jaxkernels.ops.attention.common import Call, Window, visible
 from jaxkernels.ops.attention.mosaic_gpu.config import PRODUCER_REGISTERS, Config
 from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LN2, LOG2E, WARPGROUPS, Walk,
-                                                          is_consumer, is_producer,
+                                                          bias_at, is_consumer, is_producer,
                                                           meeting_blocks, named, ring)
 
 
@@ -99,9 +99,8 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
       if call.segments:
         plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[slot], k_full.at[slot])
       if bias_ref is not None:
-        bb, nb = call.bias_shape[:2]
         rows = pl.ds(tile * 2 * c.block_q, 2 * c.block_q)
-        plgpu.copy_gmem_to_smem(bias_ref.at[b if bb > 1 else 0, n if nb > 1 else 0, rows, keys],
+        plgpu.copy_gmem_to_smem(bias_ref.at[bias_at(call, b, n) + (rows, keys)],
                                 bias_smem.at[slot], k_full.at[slot])
 
       @pl.when(refill)
