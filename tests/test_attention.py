@@ -375,16 +375,21 @@ class TestAttentionMosaicGpu(AttentionTest):
   def test_head_dim_256(self):
     """Past head dim 128: the dk/dv kernel's warpgroups share 64 keys, each its half of dk and
     dv's columns, and the dq kernel takes 32 keys a step (a 64-byte swizzle); causal, GQA,
-    segments, a cap, partial blocks at both ends, the heuristic's config. A bias is refused
-    there (the forward's tiles do not fit a CTA's shared memory)."""
-    numerics.slow_when_interpreted(85)
-    self.check(Case(batch=1, q_len=130, kv_len=100, kv_heads=1, group=2, head_dim=256,
-                    dtype=jnp.bfloat16, causal=True, segments=2, soft_cap=3.0), None)
+    segments, a cap, partial blocks at both ends, the heuristic's config. With a float32 bias
+    broadcast over batch and heads (no segments): each compute warpgroup of the forward loads
+    its own bias tiles, one buffer deep, and the d(bias) kernel takes the head dim in four
+    blocks; with segment ids too a bias is refused (the forward's tiles do not fit a CTA)."""
+    numerics.slow_when_interpreted(150)
+    case = Case(batch=1, q_len=130, kv_len=100, kv_heads=1, group=2, head_dim=256,
+                dtype=jnp.bfloat16, causal=True, segments=2, soft_cap=3.0)
+    self.check(case, None)
+    self.check(case.replace(segments=0, bias=(1, 1), bias_dtype=jnp.float32), None)
     q = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
     with numerics.kernel_mode():
       reason = jk.supports("flash_attention", self.IMPL, q, q, q,
-                           bias=jnp.zeros((1, 1, 64, 64), jnp.bfloat16)).reason
-      assert "a bias at head dim 256" in reason, reason
+                           bias=jnp.zeros((1, 1, 64, 64), jnp.bfloat16),
+                           segment_ids=jnp.zeros((1, 64), jnp.int32)).reason
+      assert "a bias at head dim 256 with segment ids" in reason, reason
     q = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
     too_big = attention_mosaic_gpu.Config(block_kv=64, bwd_block_q=128)
     with numerics.kernel_mode(), pytest.raises(ValueError, match="dk/dv kernel needs"):
@@ -407,8 +412,8 @@ class TestAttentionMosaicGpu(AttentionTest):
 
   def test_lowers_for_cuda(self):
     """Forward, dq and dk/dv are Mosaic GPU kernels, and with a bias d(bias) too; with a
-    float32 bias and segments at head dims 128 and 192 every kernel fits a CTA's shared memory
-    (the lowering counts it)."""
+    float32 bias and segments at head dims 128 and 192, and a float32 bias at 256, every kernel
+    fits a CTA's shared memory (the lowering counts it)."""
     q = jax.ShapeDtypeStruct((2, 200, 8, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
@@ -424,9 +429,10 @@ class TestAttentionMosaicGpu(AttentionTest):
                  "jk_attention_dbias_mgpu"):
       assert name in text, name
     assert "triton" not in text
-    q, k = (jax.ShapeDtypeStruct(a.shape[:3] + (192,), a.dtype) for a in (q, k))
-    text = cuda_lowering(_every_feature_vjp("mosaic_gpu"), q, k, k, bias, seg, kv_seg, q)
-    assert text.count("custom_call @mosaic_gpu") == 4, text.count("custom_call @mosaic_gpu")
+    for h, segments in ((192, (seg, kv_seg)), (256, (None, None))):
+      q, k = (jax.ShapeDtypeStruct(a.shape[:3] + (h,), a.dtype) for a in (q, k))
+      text = cuda_lowering(_every_feature_vjp("mosaic_gpu"), q, k, k, bias, *segments, q)
+      assert text.count("custom_call @mosaic_gpu") == 4, (h, text.count("custom_call @mosaic_gpu"))
 
 
 class TestAttentionVariants(chex.TestCase):

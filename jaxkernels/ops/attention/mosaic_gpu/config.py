@@ -69,23 +69,35 @@ def unsupported(problem, chip) -> str | None:
             "Triton serves it)")
   if problem.bias is not None:
     need, limit = smem_bytes(problem, heuristic(problem, chip)), _mosaic_gpu.cta_smem_bytes(chip)
-    if need > limit:  # head dim 256: q and two stages of k, v and the bias's tiles
-      return (f"a bias at head dim {problem.head_dim}: the forward's q and two stages of k, v "
-              f"and the bias's tiles need {need} bytes of shared memory, over a CTA's {limit} "
-              "(Triton serves it)")
+    if need > limit:  # head dim 256 with segments: q, k, v, the ids and a bias tile
+      return (f"a bias at head dim {problem.head_dim}"
+              f"{' with segment ids' if problem.segments else ''}: the forward's q, two "
+              f"stages of k and v and a bias tile (counted at 4 bytes an element) need {need} "
+              f"bytes of shared memory, over a CTA's {limit} (Triton serves it)")
   return None
 
 
+def bias_in_ring(head_dim: int) -> bool:
+  """Whether the forward's bias tiles ride k's ring, a (2 x 64 queries, block_kv) tile a
+  stage (up to head dim 128), or each compute warpgroup loads its own 64 rows into one buffer,
+  the next tile as soon as it has read one (past 128, where q and two stages of k and v take
+  192 KiB and a ring of bias tiles would not fit beside them)."""
+  return head_dim <= 128
+
+
 def smem_bytes(problem, config: Config) -> int:
+  """The forward's shared memory (each buffer in whole KiB, as Mosaic GPU places them); a bias
+  is counted at 4 bytes an element (its dtype is not the problem's: at most 4)."""
   itemsize = jnp.dtype(problem.dtype).itemsize
-  h = problem.head_dim
-  q = 2 * config.block_q * h * itemsize
-  kv = 2 * config.stages * config.block_kv * h * itemsize
-  extras = 2 * config.block_q * 4 + (
-      (2 * config.block_q + config.stages * config.block_kv) * 4 if problem.segments else 0)
-  # A bias tile a stage (its dtype is q's at most 4 bytes: counted at 4).
-  bias = config.stages * 2 * config.block_q * config.block_kv * 4 if problem.bias else 0
-  return q + kv + extras + bias
+  h, bq, bk, stages = problem.head_dim, config.block_q, config.block_kv, config.stages
+  buffers = [2 * bq * h * itemsize, stages * bk * h * itemsize, stages * bk * h * itemsize,
+             2 * bq * 4]  # q, k, v, lse
+  if problem.segments:
+    buffers += [2 * bq * 4, stages * bk * 4]
+  if problem.bias is not None:
+    tiles = stages if bias_in_ring(h) else 1
+    buffers.append(tiles * 2 * bq * bk * 4)
+  return scoped_smem_bytes(*buffers)
 
 
 def backward_smem_bytes(problem, config: Config) -> tuple[int, int]:

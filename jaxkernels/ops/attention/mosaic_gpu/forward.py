@@ -15,7 +15,7 @@ from jaxkernels._mosaic_gpu import iota, layout_cast, load_block
 from jaxkernels._online_softmax import finite
 from jaxkernels._tiling import cdiv, pad_to, round_up
 from jaxkernels.ops.attention.common import Call, Window, visible
-from jaxkernels.ops.attention.mosaic_gpu.config import PRODUCER_REGISTERS, Config
+from jaxkernels.ops.attention.mosaic_gpu.config import PRODUCER_REGISTERS, Config, bias_in_ring
 from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LN2, LOG2E, WARPGROUPS, Walk,
                                                           bias_at, is_consumer, is_producer,
                                                           meeting_blocks, named, ring)
@@ -35,11 +35,17 @@ def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
     extra_buffers = dict(q_seg_smem=plgpu.SMEM((2, c.block_q), jnp.int32),
                            kv_seg_smem=plgpu.SMEM((c.stages, c.block_kv), jnp.int32))
   q_copies = 2 if call.segments else 1  # TMA copies arriving on a q or k slot's barrier
-  k_copies = q_copies + (bias_ref is not None)
-  if bias_ref is not None:  # the CTA's (2 block_q, block_kv) bias tile, a stage
+  in_ring = bias_ref is not None and bias_in_ring(call.head_dim)
+  k_copies = q_copies + in_ring
+  if in_ring:  # the CTA's (2 block_q, block_kv) bias tile, a stage
     extra_buffers["bias_smem"] = plgpu.SMEM(
         (c.stages, 2 * c.block_q, c.block_kv), bias_ref.dtype,
         transforms=_mosaic_gpu.swizzled(c.block_kv, bias_ref.dtype))
+  elif bias_ref is not None:  # each compute warpgroup's own (block_q, block_kv) tile
+    extra_buffers["bias_smem"] = plgpu.SMEM(
+        (CONSUMERS, c.block_q, c.block_kv), bias_ref.dtype,
+        transforms=_mosaic_gpu.swizzled(c.block_kv, bias_ref.dtype))
+    extra_buffers["bias_full"] = plgpu.Barrier(num_barriers=CONSUMERS)
 
   @functools.partial(
       pl.run_scoped, collective_axes="wg",
@@ -64,7 +70,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, call: Call, config: Config, interpret):
 def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref, lse_ref, *,
           call: Call, config: Config, interpret, q_smem, k_smem, v_smem, lse_smem, q_full,
           k_full, v_full, k_free, v_free, turn, q_seg_smem=None, kv_seg_smem=None,
-          bias_smem=None):
+          bias_smem=None, bias_full=None):
   c = config
   b = lax.axis_index("batch")
   n = lax.axis_index("heads")
@@ -98,7 +104,7 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
       plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh], k_smem.at[slot], k_full.at[slot])
       if call.segments:
         plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[slot], k_full.at[slot])
-      if bias_ref is not None:
+      if bias_ref is not None and bias_full is None:  # the bias rides k's ring
         rows = pl.ds(tile * 2 * c.block_q, 2 * c.block_q)
         plgpu.copy_gmem_to_smem(bias_ref.at[bias_at(call, b, n) + (rows, keys)],
                                 bias_smem.at[slot], k_full.at[slot])
@@ -149,11 +155,29 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
       rendezvous()
       return carry
 
+    def load_bias(j):
+      """The bias tile of step j into this warpgroup's buffer (on its own barrier)."""
+      plgpu.copy_gmem_to_smem(
+          bias_ref.at[bias_at(call, b, n) + (queries, pl.ds(j * c.block_kv, c.block_kv))],
+          bias_smem.at[wg], bias_full.at[wg])
+
+    def read_bias(j):
+      """Step j's bias tile in registers (base 2). From k's ring slot, or from this
+      warpgroup's own buffer, whose next tile (step j + 1's) is then loaded at once: it has
+      the rest of the step to arrive."""
+      if bias_full is None:
+        tile_ = bias_smem.at[slot_of(j), pl.ds(wg * c.block_q, c.block_q)]
+      else:
+        tile_ = bias_smem.at[wg]
+        plgpu.barrier_wait(bias_full.at[wg])
+      bias = load_block(tile_, plgpu.Layout.WGMMA, interpret).astype(jnp.float32) * LOG2E
+      if bias_full is not None:
+        pl.when(j + 1 < walk.end)(lambda: load_bias(j + 1))
+      return bias
+
     def step(positions: bool):
       def run(j, carry):
-        bias = None
-        if bias_smem is not None:
-          bias = bias_smem.at[slot_of(j), pl.ds(wg * c.block_q, c.block_q)]
+        bias = None if bias_smem is None else functools.partial(read_bias, j)
         return _step(j, carry, slot_of(j), row0, q_tile, q_seg, bias, positions, call=call,
                      config=c, interpret=interpret, next_keys=functools.partial(next_keys, j),
                      k_smem=k_smem, v_smem=v_smem, kv_seg_smem=kv_seg_smem, v_full=v_full,
@@ -172,6 +196,8 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
     def _():
       plgpu.barrier_wait(k_full.at[slot_of(lo)])
 
+    if bias_full is not None:  # the first step's bias tile
+      pl.when(walk.first < walk.end)(lambda: load_bias(walk.first))
     lax.fori_loop(lo, walk.first, idle, None)
     carry = lax.fori_loop(walk.first, walk.full_first, step(True), carry)
     carry = lax.fori_loop(walk.full_first, walk.full_end, step(False), carry)
@@ -229,7 +255,8 @@ def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: C
           config: Config, interpret, next_keys, k_smem, v_smem, kv_seg_smem, v_full, k_free,
           v_free, turn):
   """One key block of a compute warpgroup: S = q k^T, the online softmax, acc += P V; with
-  ``positions`` the window's mask (and the keys' end), with segments theirs."""
+  ``positions`` the window's mask (and the keys' end), with segments theirs; ``bias``: None,
+  or what reads the block's bias tile into registers (before the slot is released)."""
   c = config
   acc, peak, total = carry
   shape = (c.block_q, c.block_kv)
@@ -253,7 +280,7 @@ def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: C
       end = cols < call.kv_len
       mask = end if mask is None else mask & end
   if bias is not None:  # read before the slot is released
-    bias = load_block(bias, plgpu.Layout.WGMMA, interpret).astype(jnp.float32) * LOG2E
+    bias = bias()
   plgpu.barrier_arrive(k_free.at[slot])
 
   # The logits in base 2 are x * scale2: x is q k^T, or with a cap tanh(q k^T scale / cap)
@@ -298,6 +325,16 @@ def _step(j, carry, slot, row0, q_tile, q_seg, bias, positions: bool, *, call: C
   return acc, new_peak, total
 
 
+def _reduction_scratch(call: Call) -> dict:
+  """The kernel's reductions are along the rows of WGMMA tiles (a warp's shuffles), so the
+  cross-warp scratch Mosaic GPU sets aside (2 KiB) goes unused; where a bias tile sits beside
+  head dim 256's q, k and v (float32: 104 bytes over a CTA with the scratch), none is taken.
+  Elsewhere the default, as measured."""
+  if call.bias_shape is not None and not bias_in_ring(call.head_dim):
+    return {"reduction_scratch_bytes": 0}
+  return {}
+
+
 def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
             soft_cap: float | None, config: Config, interpret=False):
   """(out (B, T, N, H) in q's dtype, lse (B, T, N) float32, natural log; -inf for a query
@@ -329,7 +366,7 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
       num_threads=WARPGROUPS,
       thread_name="wg",
       # ex2.approx and tanh.approx on the SFU, as the Triton kernel's; 1/l and log once a row.
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, **_reduction_scratch(call)),
       **({"interpret": interpret} if interpret else {}),
   )(*operands)
   return out[:, :t], jnp.swapaxes(lse[:, :, :t], 1, 2)
