@@ -172,6 +172,9 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
         plgpu.barrier_wait(bias_full.at[wg])
       bias = load_block(tile_, plgpu.Layout.WGMMA, interpret).astype(jnp.float32) * LOG2E
       if bias_full is not None:
+        # Every thread of the warpgroup has read the buffer (a warpgroup barrier, with the
+        # fence that orders its reads before the bulk copy's writes) before it is refilled.
+        plgpu.commit_smem()
         pl.when(j + 1 < walk.end)(lambda: load_bias(j + 1))
       return bias
 
