@@ -16,7 +16,8 @@ barriers' phases stay in step). Segment ids come with the key blocks (one more T
 step) and mask every block; a tile visits only the key blocks whose id ranges overlap its own
 (``schedule.meeting_blocks``, computed by XLA before the kernel: packed sequences skip each other).
 A bias comes the same way, the CTA's (2 block_q, block_kv) tile a stage, each compute
-warpgroup reading its half in the WGMMA layout.
+warpgroup reading its half in the WGMMA layout; past head dim 128, where a ring of them does
+not fit beside q, k and v, each compute warpgroup loads its own half, one buffer deep.
 
 Edges: swizzled TMA reads rows in tiles of 8 and no copy may run past an array, so T and S
 are padded to whole blocks where they are not (one copy of q, k and v, and of the output);
