@@ -125,6 +125,8 @@ def attention(smoke: bool) -> list[Attention]:
                     window=(1024, 0), segments=4, soft_cap=30.0, anchors=False),
           Attention("bias", 4, 2048, 16, 16, 128, bias="bias"),
           Attention("bias with d(bias)", 4, 2048, 16, 16, 128, bias="bias+grad"),
+          # Past head dim 128 the forward reads its bias tiles one buffer deep.
+          Attention("bias with d(bias) h256", 2, 2048, 16, 16, 256, bias="bias+grad"),
           Attention("long causal", 1, 32768, 16, 16, 128, causal=True, check=False)]
 
 
