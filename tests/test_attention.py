@@ -334,9 +334,9 @@ class TestAttentionTriton(AttentionTest):
 
 class TestAttentionMosaicGpu(AttentionTest):
   """The Hopper kernels: 16-bit inputs, head dims of multiples of 64; the backward is the Mosaic
-  GPU dq and dk/dv kernels', with a bias and the d(bias) kernel's. Interpreted on the CPU the products are
-  plain dots and the accumulators float32 shared memory (the interpreter has no wgmma from
-  registers); the schedule, barriers, rings and masks are the kernels' own."""
+  GPU dq and dk/dv kernels', with a bias and the d(bias) kernel's. Interpreted on the CPU the
+  products are plain dots and the accumulators float32 shared memory (the interpreter has no
+  wgmma from registers); the schedule, barriers, rings and masks are the kernels' own."""
 
   IMPL = "mosaic_gpu"
   DTYPES = (jnp.bfloat16, jnp.float16)
@@ -432,7 +432,8 @@ class TestAttentionMosaicGpu(AttentionTest):
     for h, segments in ((192, (seg, kv_seg)), (256, (None, None))):
       q, k = (jax.ShapeDtypeStruct(a.shape[:3] + (h,), a.dtype) for a in (q, k))
       text = cuda_lowering(_every_feature_vjp("mosaic_gpu"), q, k, k, bias, *segments, q)
-      assert text.count("custom_call @mosaic_gpu") == 4, (h, text.count("custom_call @mosaic_gpu"))
+      calls = text.count("custom_call @mosaic_gpu")
+      assert calls == 4, (h, calls)
 
 
 class TestAttentionVariants(chex.TestCase):

@@ -31,7 +31,8 @@ where the bias's gradient is not asked for).
 
 The package: ``config`` (the Config, its heuristic, what each kernel needs of shared memory),
 ``schedule`` (the warpgroups' roles and the walk every kernel shares), ``forward``,
-``backward`` and ``dbias``; the interpreter's shims are the toolchain's (``jaxkernels._mosaic_gpu``).
+``backward`` and ``dbias``; the interpreter's shims are the toolchain's
+(``jaxkernels._mosaic_gpu``).
 """
 
 from jaxkernels.ops.attention.mosaic_gpu.backward import backward as backward
