@@ -37,7 +37,8 @@ from jaxkernels.ops.attention.mosaic_gpu import dbias as dbias_kernel
 from jaxkernels.ops.attention.mosaic_gpu.config import (Config, backward_producer_registers,
                                                         dkv_stages, dq_stages, head_parts)
 from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LOG2E, WARPGROUPS, Walk,
-                                                          bias_at, capped, dot_t, grad_logits,
+                                                          bias_at, bias_tile, capped, dot_t,
+                                                          grad_logits,
                                                           is_consumer, is_producer, itemsize,
                                                           meeting_blocks, named, probabilities,
                                                           produce, ring)
@@ -199,8 +200,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Cal
           shape = qk.shape
           bias2 = None
           if bias_smem is not None:  # read before k's slot (and the bias's) is released
-            bias2 = load_block(bias_smem.at[slot, pl.ds(wg * 64, 64)], plgpu.Layout.WGMMA,
-                               interpret).astype(jnp.float32) * LOG2E
+            bias2 = bias_tile(bias_smem.at[slot, pl.ds(wg * 64, 64)], interpret)
           mask = None
           if positions or call.segments:
             kv_seg = None
@@ -387,9 +387,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, call: Ca
           lse2 = load_block(lse_smem.at[slot], cols, interpret)
           bias2 = None
           if bias_smem is not None:  # read before q's slot (and the bias's) is released
-            tile_ = bias_smem.at[slot] if parts > 1 else bias_smem.at[slot, pl.ds(wg * 64, 64)]
-            bias2 = load_block(tile_, plgpu.Layout.WGMMA,
-                               interpret).astype(jnp.float32) * LOG2E
+            bias2 = bias_tile(bias_smem.at[slot] if parts > 1 else
+                              bias_smem.at[slot, pl.ds(wg * 64, 64)], interpret)
           mask = None
           if positions or call.segments:
             q_seg = None

@@ -22,26 +22,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _mosaic_gpu
 from jaxkernels._mosaic_gpu import accumulators, iota, load_block, mma_wait
-from jaxkernels.ops.attention.common import Call, visible
+from jaxkernels.ops.attention.common import Call, key_blocks, visible
 from jaxkernels.ops.attention.mosaic_gpu.config import (DBIAS_BLOCK_KV, PRODUCER_REGISTERS,
                                                         dbias_stages)
-from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LOG2E, grad_logits,
+from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, bias_tile, grad_logits,
                                                           is_consumer, is_producer, itemsize,
                                                           mma_t, named, probabilities,
                                                           produce)
-
-
-def _tile_seen(r0, k0, call: Call, block_kv: int):
-  """Whether any query of the rows [r0, r0 + 128) sees any key of [k0, k0 + block_kv) by
-  position (the window, and both ends)."""
-  r_end = jnp.minimum(r0 + 128, call.q_len)
-  k_end = jnp.minimum(k0 + block_kv, call.kv_len)
-  seen = (r0 < call.q_len) & (k0 < call.kv_len)
-  if call.window.right is not None:  # some key j <= i + right
-    seen &= k0 - (r_end - 1) <= call.window.right
-  if call.window.left is not None:  # some key j >= i - left
-    seen &= (k_end - 1) - r0 >= -call.window.left
-  return seen
 
 
 def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, *refs, call: Call,
@@ -86,15 +73,19 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, *re
       **extra)
   def _scope(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, bias_full, full,
              free, q_seg_smem=None, kv_seg_smem=None, scratch=None):
-    k0 = lax.axis_index("kv") * bk
-    r0 = lax.axis_index("q") * 128
+    kt = lax.axis_index("kv")
+    k0, r0 = kt * bk, lax.axis_index("q") * 128
     bias_index = lax.axis_index("bias")
     b0, n0 = lax.div(bias_index, jnp.int32(nb)), lax.rem(bias_index, jnp.int32(nb))
     wg = lax.axis_index("wg")
     # The pairs' (batch, head): b0 and n0 where the bias has the dimension (then it sums over
     # one), else each in turn (b0, n0 are 0 there).
     pair = lambda m: (b0 + lax.div(m, jnp.int32(heads)), n0 + lax.rem(m, jnp.int32(heads)))
-    n_pairs = jnp.where(_tile_seen(r0, k0, call, bk), pairs, 0)
+    # The tile is seen by position (the window, both ends) where its key block is one of those
+    # its rows visit.
+    rows = jnp.clip(call.q_len - r0, 0, 128)
+    first, _, _, end = key_blocks(r0, rows, bk, call.kv_len, call.window)
+    n_pairs = jnp.where((rows > 0) & (first <= kt) & (kt < end), pairs, 0)
     slot_of = lambda step: lax.rem(step, jnp.int32(stages))
     keys = pl.ds(k0, bk)
 
@@ -128,7 +119,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, *re
       tile = bias_smem.at[wg]
       plgpu.copy_gmem_to_smem(bias_ref.at[b0, n0, rows, keys], tile, bias_full.at[wg])
       plgpu.barrier_wait(bias_full.at[wg])
-      bias2 = load_block(tile, plgpu.Layout.WGMMA, interpret).astype(jnp.float32) * LOG2E
+      bias2 = bias_tile(tile, interpret)
       shape = (64, bk)
       q_pos = row0 + iota(shape, 0, interpret)
       k_pos = k0 + iota(shape, 1, interpret)

@@ -17,7 +17,8 @@ from jaxkernels._tiling import cdiv, pad_to, round_up
 from jaxkernels.ops.attention.common import Call, Window, visible
 from jaxkernels.ops.attention.mosaic_gpu.config import PRODUCER_REGISTERS, Config, bias_in_ring
 from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LN2, LOG2E, WARPGROUPS, Walk,
-                                                          bias_at, is_consumer, is_producer,
+                                                          bias_at, bias_tile, is_consumer,
+                                                          is_producer,
                                                           meeting_blocks, named, ring)
 
 
@@ -170,7 +171,7 @@ def _body(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, meet_ref, o_ref,
       else:
         tile_ = bias_smem.at[wg]
         plgpu.barrier_wait(bias_full.at[wg])
-      bias = load_block(tile_, plgpu.Layout.WGMMA, interpret).astype(jnp.float32) * LOG2E
+      bias = bias_tile(tile_, interpret)
       if bias_full is not None:
         # Every thread of the warpgroup has read the buffer (a warpgroup barrier, with the
         # fence that orders its reads before the bulk copy's writes) before it is refilled.

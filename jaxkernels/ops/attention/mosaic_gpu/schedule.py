@@ -154,6 +154,12 @@ def capped(p, th):
   return p if th is None else p * (1.0 - th * th)
 
 
+def bias_tile(ref, interpret):
+  """A (rows, keys) block of the bias from shared memory, in registers in the WGMMA layout and
+  in base 2 (float32), as every kernel adds it to its logits."""
+  return _mosaic_gpu.load_block(ref, plgpu.Layout.WGMMA, interpret).astype(jnp.float32) * LOG2E
+
+
 def itemsize(ref) -> int:
   """Bytes of an element of ``ref`` (0 for None: no bias)."""
   return 0 if ref is None else jnp.dtype(ref.dtype).itemsize
