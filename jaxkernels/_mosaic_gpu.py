@@ -254,10 +254,15 @@ class RowConfig:
   bwd_ctas_per_sm: int
   rows: int = 1  # rows a block (a pipeline step), where they divide the rows; else 1
   bwd_rows: int = 1
+  # Blocks a CTA, one CTA a run of them (the hardware hands them out as CTAs finish); 0: a
+  # persistent grid, ``ctas_per_sm`` an SM, each taking every so-many-th block (row_blocks).
+  per_cta: int = 0
+  bwd_per_cta: int = 0
 
   def __post_init__(self):
     check_fields(self, ("stages", "ctas_per_sm", "bwd_stages", "bwd_ctas_per_sm", "rows",
                         "bwd_rows"), lambda v: v >= 1, ">= 1")
+    check_fields(self, ("per_cta", "bwd_per_cta"), lambda v: v >= 0, ">= 0")
 
   def error(self, most_stages, problem, chip: hardware.Chip) -> str | None:
     """Why this config's rings do not fit a CTA's shared memory for ``problem``, or None;
@@ -408,33 +413,52 @@ def copy_vectors(pairs, barrier) -> None:
   plgpu.barrier_wait(barrier)
 
 
-def row_ctas(n_blocks: int, per_sm: int) -> int:
-  """CTAs of a persistent row kernel: ``per_sm`` an SM, no more than there are blocks."""
+def row_ctas(n_blocks: int, per_sm: int, per_cta: int = 0) -> int:
+  """CTAs of a row kernel: ``per_sm`` an SM, no more than there are blocks (a persistent
+  grid); with ``per_cta``, one CTA a run of that many blocks (the hardware's scheduler starts
+  each as an earlier one ends: :func:`row_blocks`)."""
+  if per_cta:
+    return -(-n_blocks // per_cta)
   return max(1, min(n_blocks, per_sm * num_sms()))
 
 
-def row_blocks(cta, ctas: int, n_blocks: int, rows: int, row: Row):
-  """Row blocks CTA ``cta`` takes (cta, cta + ctas, ...): how many, and their BlockSpec over
-  the rows' (M, pieces, piece) view."""
-  count = (n_blocks - cta + ctas - 1) // ctas
-  return count, pl.BlockSpec((rows, row.n_cols // row.piece, row.piece),
-                             lambda i: (cta + i * ctas, 0, 0))
+def _blocks(program, programs: int, n_blocks: int, per_cta: int):
+  """A program's blocks: ``(count, block(i))``. ``per_cta`` 0: every ``programs``-th from
+  ``program`` (a persistent grid); else that many consecutive ones, the last run shorter."""
+  if per_cta:
+    first = program * per_cta
+    return jnp.minimum(per_cta, n_blocks - first), lambda i: first + i
+  return (n_blocks - program + programs - 1) // programs, lambda i: program + i * programs
 
 
-def tile_blocks(cta, row_programs: int, n_row_blocks: int, rows: int, row: Row):
+def row_blocks(cta, ctas: int, n_blocks: int, rows: int, row: Row, per_cta: int = 0):
+  """Row blocks CTA ``cta`` takes (:func:`_blocks`): how many, ``block(i)`` (the i-th one's
+  index), and their BlockSpec over the rows' (M, pieces, piece) view.
+
+  A persistent grid (``per_cta`` 0) fixes each CTA's share at launch: where SMs stream at
+  unequal rates, the kernel ends with its slowest. Runs of ``per_cta`` blocks, more CTAs than
+  fit at once, are handed out by the hardware as CTAs finish (bench/NOTES.md mgpu-rows-2)."""
+  count, block = _blocks(cta, ctas, n_blocks, per_cta)
+  return count, block, pl.BlockSpec((rows, row.n_cols // row.piece, row.piece),
+                                    lambda i: (block(i), 0, 0))
+
+
+def tile_blocks(cta, row_programs: int, n_row_blocks: int, rows: int, row: Row,
+                per_cta: int = 0):
   """An elementwise kernel's CTA of a (row_programs, chunks) grid: its column chunk (cta %
-  chunks, fixed: a bias's gradient accumulates over its rows) and its row blocks (cta //
-  chunks, then every ``row_programs``-th). Returns how many blocks, the chunk, the first row
-  block, and ``spec(shift)``: the BlockSpec of a (rows, chunk) tile over the (M, pieces, piece)
-  view, ``shift`` chunks to the right (a packed [gate | up] row's up half)."""
+  chunks, fixed: a bias's gradient accumulates over its rows) and its row blocks (program cta
+  // chunks of ``row_programs``, :func:`_blocks`). Returns how many blocks, the chunk, the
+  program, ``block(i)`` (the i-th row block's index) and ``spec(shift)``: the BlockSpec of a
+  (rows, chunk) tile over the (M, pieces, piece) view, ``shift`` chunks to the right (a packed
+  [gate | up] row's up half)."""
   chunks = len(row.chunks)
-  chunk, start = cta % chunks, cta // chunks
-  count = (n_row_blocks - start + row_programs - 1) // row_programs
+  chunk, program = cta % chunks, cta // chunks
+  count, block = _blocks(program, row_programs, n_row_blocks, per_cta)
 
   def spec(shift: int = 0):
     return pl.BlockSpec((rows, row.chunk // row.piece, row.piece),
-                        lambda i: (start + i * row_programs, chunk + shift, 0))
-  return count, chunk, start, spec
+                        lambda i: (block(i), chunk + shift, 0))
+  return count, chunk, program, block, spec
 
 
 def row_kernel(kernel, out_type, scratch, ctas: int, *, name: str, interpret,

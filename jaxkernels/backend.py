@@ -136,9 +136,10 @@ class Local:
     """The kernel dispatch would take for this call as it is, asked quietly: None where it
     would fall back to the reference or refuse (the call that then runs warns or raises)."""
     target = dispatch.target_of(*self.args.values())
-    reasons = dispatch.kernel_reasons(self.op.problem(self.args), target, self.op.kernels)
+    problem = self.op.problem(self.args)
+    reasons = dispatch.kernel_reasons(problem, target, self.op.kernels)
     return dispatch.choice(self.implementation, target, reasons,
-                           dispatch.on_request(self.op.kernels))
+                           dispatch.on_request(self.op.kernels, problem))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -167,15 +167,17 @@ class Kernels:
   forward: Callable[..., Any]
   backward: Callable[..., Any] | None = None  # None where the op's backward is not a kernel
   config_error: Callable[[Any, Any, hardware.Chip], str | None] = _no_error
-  # Whether dispatch prefers these kernels on its own (implementation=None). False for kernels
-  # slower than the ones they would replace (or not yet timed on their hardware): they serve
-  # a call that names them, and, where no other kernel serves the call (a JAX without Pallas
-  # Triton), one that names none, before the XLA reference.
-  auto: bool = True
+  # Whether dispatch prefers these kernels on its own (implementation=None): a bool, or a
+  # predicate of the problem where that depends on the call (an activation measured slower).
+  # False for kernels slower than the ones they would replace (or not yet timed on their
+  # hardware): they serve a call that names them, and, where no other kernel serves the call
+  # (a JAX without Pallas Triton), one that names none, before the XLA reference.
+  auto: bool | Callable[[Any], bool] = True
 
   @classmethod
   def of(cls, op: str, implementation: str, module: Any, *, forward: Callable[..., Any],
-         backward: Callable[..., Any] | None = None, auto: bool = True) -> Kernels:
+         backward: Callable[..., Any] | None = None,
+         auto: bool | Callable[[Any], bool] = True) -> Kernels:
     """The kernels of ``module`` (a backend file: its Config, heuristic, unsupported and, where
     it has one, config_error), with the entry points the caller names."""
     return cls(op=op, implementation=implementation, Config=module.Config,
@@ -194,9 +196,14 @@ def triton_kernels(op: str, module: str, **entry_points: str) -> dict[str, Kerne
       name: getattr(found, attribute) for name, attribute in entry_points.items()})}
 
 
-def on_request(table: Mapping[str, Kernels]) -> frozenset[str]:
-  """The implementations of ``table`` that dispatch does not pick on its own."""
-  return frozenset(name for name, k in table.items() if not k.auto)
+def on_request(table: Mapping[str, Kernels], problem: Any = None) -> frozenset[str]:
+  """The implementations of ``table`` that dispatch does not pick on its own for ``problem``
+  (None: those it never picks on its own, whatever the call)."""
+  def passed_over(k: Kernels) -> bool:
+    if callable(k.auto):
+      return problem is not None and not k.auto(problem)
+    return not k.auto
+  return frozenset(name for name, k in table.items() if passed_over(k))
 
 
 def kernel_reasons(problem: Any, target: Target,
@@ -451,7 +458,7 @@ def plan(op: str, implementation: str | None, target: Target, problem: Any,
     options: static keyword arguments for every kernel of the call.
   """
   chosen = select(op, implementation, target, kernel_reasons(problem, target, table),
-                  on_request(table))
+                  on_request(table, problem))
   k = table.get(chosen)
   _checks.config_type(op, chosen, config, k.Config if k else None)
   if k is None or empty:

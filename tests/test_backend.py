@@ -73,8 +73,14 @@ def test_a_kernel_on_request_is_the_second_choice():
   neither = {"mosaic_gpu": "rows too odd", "triton": "this JAX has no Pallas triton"}
   with pytest.warns(jk.FallbackWarning, match="mosaic_gpu: rows too odd"):
     assert dispatch.select("op", None, H200, neither, {"mosaic_gpu"}) == "xla"
-  assert dispatch.on_request(backend.registered()["softmax"].kernels) == {"mosaic_gpu"}
   assert dispatch.on_request(backend.registered()["rms_norm"].kernels) == frozenset()
+  # A predicate of the call: glu's Mosaic GPU kernels serve erf's gelu on request only.
+  glu = backend.registered()["glu"]
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+  for activation, want in (("gelu", {"mosaic_gpu"}), ("silu", frozenset())):
+    problem = glu.problem(glu.validate(x, x, activation=activation))
+    assert dispatch.on_request(glu.kernels, problem) == want, activation
+  assert dispatch.on_request(glu.kernels) == frozenset()  # no call: none never picked
 
 
 def test_explicit_implementation_that_cannot_serve_raises():

@@ -9,9 +9,11 @@ import pytest
 
 import jaxkernels as jk
 from bench import shapes
-from jaxkernels import _activations, _mosaic_gpu, _triton
+from jaxkernels import _activations, _mosaic_gpu, _triton, hardware
+from jaxkernels.ops.elementwise import mosaic_gpu as elementwise_mosaic_gpu
 from jaxkernels.ops.elementwise import reference
 from jaxkernels.ops.elementwise import triton as elementwise_triton
+from jaxkernels.ops.elementwise.api import Problem
 from tests import cases, numerics
 from tests.conftest import aot_compile, cuda_lowering
 
@@ -210,6 +212,29 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
   @pytest.mark.parametrize("activation", ["gelu", "silu"])
   def test_glu_packed_float32(self, shape, activation):
     self.check_glu_packed(shape, jnp.float32, activation)
+
+  @pytest.mark.parametrize("per_cta", [0, 3])
+  def test_both_walks(self, per_cta):
+    """A persistent grid (per_cta 0: each CTA a fixed share, d(bias) summed over its row
+    blocks) and runs of three row blocks a CTA, the last one shorter, at an odd row count
+    (one row a tile)."""
+    config = elementwise_mosaic_gpu.Config(rows=2, stages=2, ctas_per_sm=1, bwd_stages=2,
+                                           per_cta=per_cta, bwd_per_cta=per_cta)
+    self.check_bias_activation((37, 384), jnp.float32, "silu", "walk", config=config)
+
+  def test_heuristic_walks(self):
+    """Runs of RUN tiles a CTA (hardware-scheduled), d(bias)'s backward in longer runs; erf's
+    gelu keeps the persistent walk and is dispatched on request only (bench/NOTES.md
+    mgpu-rows-2)."""
+    chip = hardware.chip("H200")
+    x = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
+    for op, activation, want in (("bias_activation", "silu", (2, 32)), ("glu", "silu", (2, 2)),
+                                 ("bias_activation", "gelu", (0, 0)), ("glu", "gelu", (0, 0))):
+      problem = Problem(x, (("x", x),), op, activation)
+      config = elementwise_mosaic_gpu.heuristic(problem, chip)
+      assert (config.per_cta, config.bwd_per_cta) == want, (op, activation, config)
+      assert elementwise_mosaic_gpu.config_error(problem, config, chip) is None
+      assert elementwise_mosaic_gpu.on_auto(problem) == (activation != "gelu")
 
   def test_lowers_for_cuda_packed_in_place(self):
     """[gate | up] read and d[gate | up] written in place by one kernel each, no Triton."""

@@ -202,13 +202,16 @@ class TestNormsMosaicGpu(NormTest):
     primals, ct = self.inputs((6, 8192), jnp.bfloat16, True, True)
     self.check(True, primals, ct, jnp.bfloat16)
 
-  @pytest.mark.parametrize("rows,bwd_rows", [(2, 2), (2, 1)])
-  def test_row_blocks(self, rows, bwd_rows):
-    """Two rows a pipeline step; an odd row count takes one a step instead."""
+  @pytest.mark.parametrize("rows,bwd_rows,per_cta", [(2, 2, 0), (2, 1, 0), (2, 1, 3)])
+  def test_row_blocks(self, rows, bwd_rows, per_cta):
+    """Two rows a pipeline step; an odd row count takes one a step instead. Persistent grids
+    (per_cta 0), and runs of three blocks a CTA, the last run shorter (forward and backward:
+    the backward's partials then one a run)."""
     for n in (10, 9):
       primals, ct = self.inputs((n, 256), jnp.float32, True, True)
       config = norms_mosaic_gpu.Config(stages=2, ctas_per_sm=1, bwd_stages=3,
-                                       bwd_ctas_per_sm=1, rows=rows, bwd_rows=bwd_rows)
+                                       bwd_ctas_per_sm=1, rows=rows, bwd_rows=bwd_rows,
+                                       per_cta=per_cta, bwd_per_cta=per_cta)
       self.check(True, primals, ct, jnp.float32, config)
 
   def test_checkpoint_grad(self):

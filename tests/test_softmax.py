@@ -110,11 +110,14 @@ class TestSoftmaxMosaicGpu(SoftmaxTest):
   def test_float32(self, shape):
     self.check(*self.inputs(shape, jnp.float32), jnp.float32)
 
-  def test_two_rows_a_step(self):
+  @pytest.mark.parametrize("per_cta", [0, 3])
+  def test_two_rows_a_step(self, per_cta):
     """rows=2: two rows' statistics in flight, outputs side by side; at 37 rows (odd) the
-    kernel takes one a step."""
+    kernel takes one a step. A persistent grid (per_cta 0; the heuristic's for rows too wide
+    for several CTAs an SM) and runs of three blocks a CTA, the last one shorter."""
     config = softmax_mosaic_gpu.Config(stages=2, ctas_per_sm=1, rows=2, bwd_stages=2,
-                                       bwd_ctas_per_sm=1, bwd_rows=2)
+                                       bwd_ctas_per_sm=1, bwd_rows=2, per_cta=per_cta,
+                                       bwd_per_cta=per_cta)
     for shape in ((6, 512), (37, 256)):
       self.check(*self.inputs(shape, jnp.float32), jnp.float32, config=config)
 

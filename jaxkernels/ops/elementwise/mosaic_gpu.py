@@ -26,12 +26,25 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkernels import _activations, _mosaic_gpu, hardware
 from jaxkernels._tiling import cdiv, check_fields
 
-# Bytes of one input's tile: rows a tile = TILE_BYTES // (chunk x itemsize), at least one and
-# at most MOST_ROWS (a tile's rows are unrolled in the kernel).
+# The persistent walk's tiles: rows a tile = TILE_BYTES // (chunk x itemsize), at least one
+# and at most MOST_ROWS (a tile's rows are unrolled in the kernel).
 TILE_BYTES = 16384
 MOST_ROWS = 8
 # Most tiles a CTA keeps in flight; fewer where shared memory holds fewer.
 MOST_STAGES = 6
+# Row blocks a CTA where the hardware hands out runs of them (``Config.per_cta``), and the
+# CTAs an SM whose shared memory must fit for that to pay (else the persistent walk).
+RUN = 2
+RUN_CTAS_PER_SM = 4
+# bias_activation's backward writes one float32 row of d(bias) partials a program: longer
+# runs there, so that those stay a few MiB.
+BIAS_BWD_RUN = 32
+
+
+def on_auto(problem) -> bool:
+  """Whether dispatch prefers these kernels for ``problem``: all but erf's gelu, whose
+  forward stayed 2% (bias) behind Triton's in every walk tried (bench/NOTES.md mgpu-rows-2)."""
+  return problem.activation != "gelu"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,10 +53,15 @@ class Config:
   stages: int  # tiles in shared memory a CTA: the one computed and those in flight
   ctas_per_sm: int
   bwd_stages: int
+  # Row blocks a CTA, one CTA a run of them (the hardware hands them out as CTAs finish); 0: a
+  # persistent grid, ``ctas_per_sm`` an SM (``_mosaic_gpu.tile_blocks``).
+  per_cta: int = 0
+  bwd_per_cta: int = 0
 
   def __post_init__(self):
     check_fields(self, ("rows", "stages", "ctas_per_sm", "bwd_stages"), lambda v: v >= 1,
                  ">= 1")
+    check_fields(self, ("per_cta", "bwd_per_cta"), lambda v: v >= 0, ">= 0")
 
 
 def _walk(problem):
@@ -68,12 +86,21 @@ def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """problem: the call's ``elementwise.api.Problem``. 16 KiB tiles of each input, one CTA an
-  SM, as many tiles in flight as fit, up to MOST_STAGES: with the activations' reciprocal in
-  one instruction, the best of one to four CTAs an SM and two or four rows a tile, forward
-  and backward (bench/NOTES.md mgpu-rows-1)."""
+  """problem: the call's ``elementwise.api.Problem``. Runs of RUN one-row tiles a CTA, the
+  hardware handing them out as CTAs end, where RUN_CTAS_PER_SM CTAs' rings fit an SM: on an
+  H200 that beat a persistent grid by 5-15% (a static share per CTA ends with the slowest SM)
+  and matched or beat Triton's forwards and backwards for silu (bench/NOTES.md mgpu-rows-2).
+  erf's gelu, issue-bound on its polynomial, keeps the persistent walk (16 KiB tiles, one CTA
+  an SM, up to MOST_STAGES in flight), where rows unrolled side by side overlap its chains:
+  shorter runs cost it 5-10%."""
   _, geometry = _walk(problem)
   chunk = geometry[1] if geometry is not None else _mosaic_gpu.MAX_CHUNK
+  fwd, bwd = (most_stages(problem, chip, backward=b, rows=1, ctas_per_sm=RUN_CTAS_PER_SM)
+              for b in (False, True))
+  if problem.activation != "gelu" and min(fwd, bwd) >= RUN:
+    bwd_run = BIAS_BWD_RUN if problem.op == "bias_activation" else RUN
+    return Config(rows=1, stages=min(MOST_STAGES, fwd), ctas_per_sm=RUN_CTAS_PER_SM,
+                  bwd_stages=min(MOST_STAGES, bwd), per_cta=RUN, bwd_per_cta=bwd_run)
   rows = max(1, min(MOST_ROWS, TILE_BYTES // (chunk * jnp.dtype(problem.x.dtype).itemsize)))
   fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=1)
   bwd = most_stages(problem, chip, backward=True, rows=rows, ctas_per_sm=1)
@@ -110,35 +137,39 @@ def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class _Grid:
   """A launch's walk: the row walk (its chunks are the grid's columns), rows a tile, row
-  blocks, CTAs a column chunk, stages."""
+  blocks, programs a column chunk (each a CTA), row blocks a program (0: a persistent grid),
+  stages."""
 
   row: _mosaic_gpu.Row
   rows: int
   n_row_blocks: int
   row_programs: int
+  per_cta: int
   stages: int
 
   @classmethod
-  def of(cls, n_rows: int, n_cols: int, config: Config, stages: int, interpret, *arrays):
+  def of(cls, n_rows: int, n_cols: int, config: Config, stages: int, per_cta: int, interpret,
+         *arrays):
     row = _mosaic_gpu.Row.of(n_cols, interpret, *arrays)
     rows = config.rows if n_rows % config.rows == 0 else 1
     n_row_blocks = n_rows // rows
-    per_chunk = config.ctas_per_sm * _mosaic_gpu.num_sms() // len(row.chunks)
-    row_programs = max(1, min(n_row_blocks, per_chunk))
-    return cls(row, rows, n_row_blocks, row_programs,
-               min(stages, cdiv(n_row_blocks, row_programs)))
+    per_cta = min(per_cta, n_row_blocks)
+    if per_cta:
+      row_programs = cdiv(n_row_blocks, per_cta)
+    else:
+      per_chunk = config.ctas_per_sm * _mosaic_gpu.num_sms() // len(row.chunks)
+      row_programs = max(1, min(n_row_blocks, per_chunk))
+    return cls(row, rows, n_row_blocks, row_programs, per_cta,
+               min(stages, per_cta or cdiv(n_row_blocks, row_programs)))
 
   @property
   def ctas(self) -> int:
     return self.row_programs * len(self.row.chunks)
 
   def walk(self):
-    """This CTA's (count, chunk, start, spec) (``_mosaic_gpu.tile_blocks``)."""
+    """This CTA's (count, chunk, program, block, spec) (``_mosaic_gpu.tile_blocks``)."""
     return _mosaic_gpu.tile_blocks(lax.axis_index("cta"), self.row_programs, self.n_row_blocks,
-                                   self.rows, self.row)
-
-  def first_row(self, start, i):
-    return (start + i * self.row_programs) * self.rows
+                                   self.rows, self.row, self.per_cta)
 
   def pipeline(self, body, specs, count, *gmem):
     plgpu.emit_pipeline(body, grid=(count,), in_specs=specs,
@@ -151,11 +182,11 @@ class _Grid:
 
 def _bias_act_fwd_kernel(x_g, b_g, y_g, b_smem, barrier, *, activation, grid):
   row = grid.row
-  count, chunk, start, spec = grid.walk()
+  count, chunk, program, block, spec = grid.walk()
   _mosaic_gpu.copy_vectors([(b_g.at[0, row.cols(chunk)], b_smem)], barrier.at[0])
 
   def body(indices, x_tile):
-    first = grid.first_row(start, indices[0])
+    first = block(indices[0]) * grid.rows
     bias = row.load(b_smem, 0)
     for j in range(grid.rows):
       y = _activations.apply(activation, row.load(x_tile.at[j], 0) + bias, row.math())
@@ -168,12 +199,12 @@ def _bias_act_fwd_kernel(x_g, b_g, y_g, b_smem, barrier, *, activation, grid):
 def _bias_act_bwd_kernel(x_g, b_g, dy_g, dx_g, db_g, b_smem, db_smem, barrier, *, activation,
                          grid):
   row = grid.row
-  count, chunk, start, spec = grid.walk()
+  count, chunk, program, block, spec = grid.walk()
   _mosaic_gpu.copy_vectors([(b_g.at[0, row.cols(chunk)], b_smem)], barrier.at[0])
   db_smem[...] = row.zeros()  # each thread zeroes, updates and writes out what it owns
 
   def body(indices, x_tile, dy_tile):
-    first = grid.first_row(start, indices[0])
+    first = block(indices[0]) * grid.rows
     bias = row.load(b_smem, 0)
     d_bias = None
     for j in range(grid.rows):
@@ -186,7 +217,7 @@ def _bias_act_bwd_kernel(x_g, b_g, dy_g, dx_g, db_g, b_smem, db_smem, barrier, *
     plgpu.commit_smem()
 
   grid.pipeline(body, [spec(), spec()], count, x_g, dy_g)
-  db_g.at[start, row.cols(chunk)][...] = row.load(db_smem, 0)
+  db_g.at[program, row.cols(chunk)][...] = row.load(db_smem, 0)
 
 
 def _glu_fwd_kernel(*refs, activation, packed, grid):
@@ -195,10 +226,10 @@ def _glu_fwd_kernel(*refs, activation, packed, grid):
   u_g = g_g if packed else refs.pop(0)
   y_g = refs.pop(0)
   row = grid.row
-  count, chunk, start, spec = grid.walk()
+  count, chunk, program, block, spec = grid.walk()
 
   def body(indices, g_tile, u_tile):
-    first = grid.first_row(start, indices[0])
+    first = block(indices[0]) * grid.rows
     for j in range(grid.rows):
       y = (_activations.apply(activation, row.load(g_tile.at[j], 0), row.math())
            * row.load(u_tile.at[j], 0))
@@ -216,11 +247,11 @@ def _glu_bwd_kernel(*refs, activation, packed, grid):
   dy_g, dg_g = refs.pop(0), refs.pop(0)
   du_g = dg_g if packed else refs.pop(0)
   row = grid.row
-  count, chunk, start, spec = grid.walk()
+  count, chunk, program, block, spec = grid.walk()
   up_shift = len(row.chunks) if packed else 0
 
   def body(indices, g_tile, u_tile, dy_tile):
-    first = grid.first_row(start, indices[0])
+    first = block(indices[0]) * grid.rows
     for j in range(grid.rows):
       value, slope = _activations.value_and_grad(activation, row.load(g_tile.at[j], 0),
                                                         row.math())
@@ -249,30 +280,42 @@ def _run(kernel, grid: _Grid, operands, out_type, scratch=(), *, name, interpret
   return [o.reshape(o.shape[0], -1) for o in outs]
 
 
-def _bias_scratch(grid: _Grid, accumulators: int):
+def _bias_vector(x, bias):
+  """The bias as the kernels copy it, one (1, N) row: in its own dtype where the row walk's
+  loads take it (x's, or float32: converted in registers, no XLA launch before the kernel),
+  else as float32."""
+  if bias.dtype not in (x.dtype, jnp.dtype(jnp.float32)):
+    bias = bias.astype(jnp.float32)
+  return bias[None]
+
+
+def _bias_scratch(grid: _Grid, bias, accumulators: int):
   chunk = (grid.row.chunk // grid.row.piece, grid.row.piece)
-  return ([plgpu.SMEM(chunk, jnp.float32) for _ in range(1 + accumulators)]
+  return ([plgpu.SMEM(chunk, bias.dtype)]
+          + [plgpu.SMEM(chunk, jnp.float32) for _ in range(accumulators)]
           + [plgpu.Barrier(num_arrivals=1, num_barriers=1)])
 
 
 def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False):
   n_rows, n_cols = x.shape
-  grid = _Grid.of(n_rows, n_cols, config, config.stages, interpret, x)
+  grid = _Grid.of(n_rows, n_cols, config, config.stages, config.per_cta, interpret, x)
+  bias = _bias_vector(x, bias)
   (y,) = _run(functools.partial(_bias_act_fwd_kernel, activation=activation), grid,
-              (x, bias.astype(jnp.float32)[None]), [grid.out(n_rows, n_cols, x.dtype)],
-              _bias_scratch(grid, 0), name=f"jk_bias_{activation}_fwd_mgpu",
-              interpret=interpret)
+              (x, bias), [grid.out(n_rows, n_cols, x.dtype)], _bias_scratch(grid, bias, 0),
+              name=f"jk_bias_{activation}_fwd_mgpu", interpret=interpret)
   return y
 
 
 def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=False):
   n_rows, n_cols = x.shape
-  grid = _Grid.of(n_rows, n_cols, config, config.bwd_stages, interpret, x, dy)
+  grid = _Grid.of(n_rows, n_cols, config, config.bwd_stages, config.bwd_per_cta, interpret, x,
+                  dy)
+  vector = _bias_vector(x, bias)
   dx, partials = _run(
-      functools.partial(_bias_act_bwd_kernel, activation=activation), grid,
-      (x, bias.astype(jnp.float32)[None], dy),
+      functools.partial(_bias_act_bwd_kernel, activation=activation), grid, (x, vector, dy),
       [grid.out(n_rows, n_cols, dy.dtype), grid.out(grid.row_programs, n_cols, jnp.float32)],
-      _bias_scratch(grid, 1), name=f"jk_bias_{activation}_bwd_mgpu", interpret=interpret)
+      _bias_scratch(grid, vector, 1), name=f"jk_bias_{activation}_bwd_mgpu",
+      interpret=interpret)
   return dx, partials.sum(axis=0).astype(bias.dtype)
 
 
@@ -281,7 +324,7 @@ def glu_fwd(gate, up, *, activation, config: Config, interpret=False):
   place."""
   packed = up is None
   n_rows, n_cols = gate.shape[0], gate.shape[1] // (2 if packed else 1)
-  grid = _Grid.of(n_rows, n_cols, config, config.stages, interpret, gate)
+  grid = _Grid.of(n_rows, n_cols, config, config.stages, config.per_cta, interpret, gate)
   operands = (gate,) if packed else (gate, up)
   (y,) = _run(functools.partial(_glu_fwd_kernel, activation=activation, packed=packed), grid,
               operands, [grid.out(n_rows, n_cols, gate.dtype)],
@@ -293,7 +336,8 @@ def glu_bwd(gate, up, dy, *, activation, config: Config, interpret=False):
   """(d gate, d up); ``up=None``: (d[gate | up], None), written side by side as one array."""
   packed = up is None
   n_rows, n_cols = gate.shape[0], gate.shape[1] // (2 if packed else 1)
-  grid = _Grid.of(n_rows, n_cols, config, config.bwd_stages, interpret, gate, dy)
+  grid = _Grid.of(n_rows, n_cols, config, config.bwd_stages, config.bwd_per_cta, interpret,
+                  gate, dy)
   if packed:
     (dx,) = _run(functools.partial(_glu_bwd_kernel, activation=activation, packed=True), grid,
                  (gate, dy), [grid.out(n_rows, 2 * n_cols, gate.dtype)],

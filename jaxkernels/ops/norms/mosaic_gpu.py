@@ -61,13 +61,21 @@ def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -
                                  _vectors(problem, backward))
 
 
+# Blocks a forward CTA where the hardware hands out runs of them (``Config.per_cta``), and
+# the CTAs an SM whose shared memory must fit for that to pay (else a persistent grid).
+RUN = 2
+RUN_CTAS_PER_SM = 4
+
+
 def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``norms.api.Problem``. Measured on an H200 at (16384, 4096) bf16 and
   at the model's (16384, 1024) with a float32 residual (bench/NOTES.md, mgpu-norms-3):
   layer_norm takes its rows two to a step (two rows' statistics in flight: forward 0.074 ms
   against 0.087 for one), rms_norm one; rms_norm's backward without a residual (two streams
   in, one out) runs three CTAs an SM (0.175 ms against 0.192 for one); the rest one CTA an SM,
-  with as many steps in flight as shared memory holds, up to 8."""
+  with as many steps in flight as shared memory holds, up to 8. The forward goes in runs of
+  RUN blocks a CTA where they fit: rms+residual's 0.134 ms against 0.146 on a persistent grid
+  (Triton's 0.132), layer_norm's 0.069 against 0.080 (mgpu-rows-2)."""
   rows = 2 if problem.layer else 1
   fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=1)
   if fwd < 2:
@@ -79,8 +87,14 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   if bwd < 2:
     bwd_rows, bwd_per_sm = 1, 1
     bwd = most_stages(problem, chip, backward=True, rows=1, ctas_per_sm=1)
+  # The forward in runs of RUN blocks a CTA, the hardware handing them out as CTAs end, where
+  # RUN_CTAS_PER_SM CTAs fit an SM (the backward's d(scale) partials are one float32 row a
+  # CTA: it keeps its persistent grid).
+  run = RUN if most_stages(problem, chip, backward=False, rows=rows,
+                           ctas_per_sm=RUN_CTAS_PER_SM) >= RUN else 0
   return Config(stages=max(1, min(8, fwd)), ctas_per_sm=1, rows=rows,
-                bwd_stages=max(1, min(8, bwd)), bwd_ctas_per_sm=bwd_per_sm, bwd_rows=bwd_rows)
+                bwd_stages=max(1, min(8, bwd)), bwd_ctas_per_sm=bwd_per_sm, bwd_rows=bwd_rows,
+                per_cta=run)
 
 
 def unsupported(problem, chip) -> str | None:
@@ -144,8 +158,8 @@ def _moments(row: _mosaic_gpu.Row, h_of, pivot, *, layer: bool, eps: float, g_of
   return mean, rstd, rstd * (sums[2] - mean_d * sums[3]) / n, sums[3] / n
 
 
-def _fwd_kernel(*refs, layer, has_residual, has_bias, n_blocks, rows, row, stages, ctas, eps,
-                auto_barriers):
+def _fwd_kernel(*refs, layer, has_residual, has_bias, n_blocks, rows, row, stages, ctas,
+                per_cta, eps, auto_barriers):
   refs = list(refs)
   x_g = refs.pop(0)
   r_g = refs.pop(0) if has_residual else None
@@ -159,11 +173,11 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_blocks, rows, row, stage
 
   cta = lax.axis_index("cta")
   _mosaic_gpu.copy_vectors([(s_g, s_smem)] + ([(b_g, b_smem)] if has_bias else []), barrier.at[0])
-  count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
+  count, block, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row, per_cta)
 
   def body(indices, x_block, *rest):
     (i,) = indices
-    first = (cta + i * ctas) * rows
+    first = block(i) * rows
 
     def h_of(j):
       def h(c):
@@ -198,7 +212,7 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_blocks, rows, row, stage
 
 
 def _bwd_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_blocks, rows, row, stages, ctas,
-                eps, auto_barriers):
+                per_cta, eps, auto_barriers):
   refs = list(refs)
   h_g, s_g, dy_g = refs.pop(0), refs.pop(0), refs.pop(0)
   dh_g = refs.pop(0) if has_dh else None
@@ -216,11 +230,11 @@ def _bwd_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_blocks, rows, row, st
   for acc in sums:  # each thread zeroes, updates and writes out the elements it owns
     for c in row.chunks:
       acc.at[row.cols(c)][...] = row.zeros()
-  count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
+  count, block, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row, per_cta)
 
   def body(indices, h_block, dy_block, *rest):
     (i,) = indices
-    first = (cta + i * ctas) * rows
+    first = block(i) * rows
 
     def h_of(j):
       return lambda c: row.load(h_block.at[j], c)
@@ -273,11 +287,13 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
   n_rows, n_cols = x.shape
   row = _mosaic_gpu.Row.of(n_cols, interpret, x, residual)
   rows = config.rows if n_rows % config.rows == 0 else 1
-  ctas = _mosaic_gpu.row_ctas(n_rows // rows, config.ctas_per_sm)
+  per_cta = min(config.per_cta, n_rows // rows)
+  ctas = _mosaic_gpu.row_ctas(n_rows // rows, config.ctas_per_sm, per_cta)
   kernel = functools.partial(
       _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
       n_blocks=n_rows // rows, rows=rows, row=row,
-      stages=min(config.stages, cdiv(n_rows // rows, ctas)), ctas=ctas, eps=eps,
+      stages=min(config.stages, per_cta or cdiv(n_rows // rows, ctas)), ctas=ctas,
+      per_cta=per_cta, eps=eps,
       auto_barriers=config.auto_barriers)
   shape = row.pieces(x).shape
   out_type = [jax.ShapeDtypeStruct(shape, x.dtype)]
@@ -304,11 +320,13 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
   dual_dx = residual_dtype is not None and jnp.dtype(residual_dtype) != dy.dtype
   row = _mosaic_gpu.Row.of(n_cols, interpret, h, dy, dh)
   rows = config.bwd_rows if n_rows % config.bwd_rows == 0 else 1
-  ctas = _mosaic_gpu.row_ctas(n_rows // rows, config.bwd_ctas_per_sm)
+  per_cta = min(config.bwd_per_cta, n_rows // rows)
+  ctas = _mosaic_gpu.row_ctas(n_rows // rows, config.bwd_ctas_per_sm, per_cta)
   kernel = functools.partial(
       _bwd_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
       dual_dx=dual_dx, n_blocks=n_rows // rows, rows=rows, row=row,
-      stages=min(config.bwd_stages, cdiv(n_rows // rows, ctas)), ctas=ctas, eps=eps,
+      stages=min(config.bwd_stages, per_cta or cdiv(n_rows // rows, ctas)), ctas=ctas,
+      per_cta=per_cta, eps=eps,
       auto_barriers=config.auto_barriers)
   shape = row.pieces(h).shape
   out_type = [jax.ShapeDtypeStruct(shape, dy.dtype)]

@@ -93,10 +93,9 @@ def softmax(x, *, axis: int = -1, implementation=None, config=None):
 _OP = backend.register(backend.Op(
     name=OP,
     kernels={
-        # Right, but 6-13% behind Triton on an H200 (bench/NOTES.md mgpu-rows-1): on request.
         "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
                                          forward=mosaic_gpu.forward,
-                                         backward=mosaic_gpu.backward, auto=False),
+                                         backward=mosaic_gpu.backward),
         **dispatch.triton_kernels(OP, "jaxkernels.ops.softmax.triton", forward="forward",
                                   backward="backward"),
         "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,

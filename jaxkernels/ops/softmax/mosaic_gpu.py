@@ -35,22 +35,33 @@ def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -
   return _mosaic_gpu.ring_stages(chip, ctas_per_sm, [block] * (2 if backward else 1), [])
 
 
+# Rows a CTA where the hardware hands out runs of them (``Config.per_cta``), and the CTAs an
+# SM whose shared memory must fit for that to pay (else a persistent grid).
+RUN = 2
+RUN_CTAS_PER_SM = 4
+
+
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """problem: the call's ``softmax.api.Problem``. One row a step, three CTAs an SM, as many
-  blocks in flight as shared memory holds, up to 8. A row's chain of two reductions and an
-  exp leaves one warp a scheduler mostly waiting (ncu: 3.7 cycles an instruction, 60% of DRAM
-  bandwidth at one CTA an SM); three CTAs an SM overlap three rows' (bench/NOTES.md
-  mgpu-rows-1)."""
+  """problem: the call's ``softmax.api.Problem``. One row a step. Runs of RUN rows a CTA, the
+  hardware handing them out as CTAs end, where RUN_CTAS_PER_SM CTAs' rings fit an SM: on an
+  H200 at (16384, 4096) bf16 the forward 0.067 ms against 0.078 on a persistent grid and
+  Triton's 0.069 (bench/NOTES.md mgpu-rows-2). Rows too wide for that (one or two CTAs an SM)
+  take a persistent grid at the most CTAs an SM that fit two blocks, up to three, as many
+  blocks in flight as fit, up to 8: a row's chain of two reductions and an exp leaves one warp
+  a scheduler mostly waiting, and more CTAs overlap more rows' (mgpu-rows-1)."""
   def walk(backward):
+    most = most_stages(problem, chip, backward=backward, rows=1, ctas_per_sm=RUN_CTAS_PER_SM)
+    if most >= RUN:
+      return RUN_CTAS_PER_SM, min(8, most), RUN
     for per_sm in (3, 2, 1):
       most = most_stages(problem, chip, backward=backward, rows=1, ctas_per_sm=per_sm)
       if most >= 2:
-        return per_sm, min(8, most)
-    return 1, 1
-  per_sm, stages = walk(False)
-  bwd_per_sm, bwd_stages = walk(True)
+        return per_sm, min(8, most), 0
+    return 1, 1, 0
+  per_sm, stages, run = walk(False)
+  bwd_per_sm, bwd_stages, bwd_run = walk(True)
   return Config(stages=stages, ctas_per_sm=per_sm, rows=1, bwd_stages=bwd_stages,
-                bwd_ctas_per_sm=bwd_per_sm, bwd_rows=1)
+                bwd_ctas_per_sm=bwd_per_sm, bwd_rows=1, per_cta=run, bwd_per_cta=bwd_run)
 
 
 def unsupported(problem, chip) -> str | None:
@@ -77,14 +88,14 @@ def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
 # --------------------------------------------------------------------------- #
 
 
-def _fwd_kernel(x_g, y_g, *, n_blocks, rows, row, stages, ctas):
+def _fwd_kernel(x_g, y_g, *, n_blocks, rows, row, stages, ctas, per_cta):
   cta = lax.axis_index("cta")
-  count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
+  count, block, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row, per_cta)
   resident = row.fits_registers(rows)  # each row read and exponentiated once
 
   def body(indices, x_block):
     (i,) = indices
-    first = (cta + i * ctas) * rows
+    first = block(i) * rows
     stats = []
     for j in range(rows):  # every row's statistics, then the outputs, the rows side by side
       x = row.held(lambda c, j=j: row.load(x_block.at[j], c), resident)
@@ -101,14 +112,14 @@ def _fwd_kernel(x_g, y_g, *, n_blocks, rows, row, stages, ctas):
   plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec], max_concurrent_steps=stages)(x_g)
 
 
-def _bwd_kernel(y_g, dy_g, dx_g, *, n_blocks, rows, row, stages, ctas):
+def _bwd_kernel(y_g, dy_g, dx_g, *, n_blocks, rows, row, stages, ctas, per_cta):
   cta = lax.axis_index("cta")
-  count, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row)
+  count, block, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row, per_cta)
   resident = row.fits_registers(2 * rows)
 
   def body(indices, y_block, dy_block):
     (i,) = indices
-    first = (cta + i * ctas) * rows
+    first = block(i) * rows
     ys = [row.held(lambda c, j=j: row.load(y_block.at[j], c), resident) for j in range(rows)]
     dys = [row.held(lambda c, j=j: row.load(dy_block.at[j], c), resident) for j in range(rows)]
     inner = [row.sums(lambda c, y=y, dy=dy: (y(c) * dy(c),))[0] for y, dy in zip(ys, dys)]
@@ -122,14 +133,16 @@ def _bwd_kernel(y_g, dy_g, dx_g, *, n_blocks, rows, row, stages, ctas):
                       max_concurrent_steps=stages)(y_g, dy_g)
 
 
-def _call(kernel, operands, out_dtype, *, stages, ctas_per_sm, rows, name, interpret):
+def _call(kernel, operands, out_dtype, *, stages, ctas_per_sm, rows, per_cta, name, interpret):
   n_rows, n_cols = operands[0].shape
   row = _mosaic_gpu.Row.of(n_cols, interpret, *operands)
   rows = rows if n_rows % rows == 0 else 1
   n_blocks = n_rows // rows
-  ctas = _mosaic_gpu.row_ctas(n_blocks, ctas_per_sm)
+  per_cta = min(per_cta, n_blocks)
+  ctas = _mosaic_gpu.row_ctas(n_blocks, ctas_per_sm, per_cta)
   body = functools.partial(kernel, n_blocks=n_blocks, rows=rows, row=row,
-                           stages=min(stages, cdiv(n_blocks, ctas)), ctas=ctas)
+                           stages=min(stages, per_cta or cdiv(n_blocks, ctas)), ctas=ctas,
+                           per_cta=per_cta)
   out_type = jax.ShapeDtypeStruct(row.pieces(operands[0]).shape, out_dtype)
   out = _mosaic_gpu.row_kernel(body, out_type, [], ctas, name=name, interpret=interpret,
                                approx_math=not interpret)(*[row.pieces(a) for a in operands])
@@ -138,11 +151,11 @@ def _call(kernel, operands, out_dtype, *, stages, ctas_per_sm, rows, name, inter
 
 def forward(x, *, config: Config, interpret=False):
   return _call(_fwd_kernel, (x,), x.dtype, stages=config.stages,
-               ctas_per_sm=config.ctas_per_sm, rows=config.rows, name="jk_softmax_fwd_mgpu",
-               interpret=interpret)
+               ctas_per_sm=config.ctas_per_sm, rows=config.rows, per_cta=config.per_cta,
+               name="jk_softmax_fwd_mgpu", interpret=interpret)
 
 
 def backward(y, dy, *, config: Config, interpret=False):
   return _call(_bwd_kernel, (y, dy), dy.dtype, stages=config.bwd_stages,
                ctas_per_sm=config.bwd_ctas_per_sm, rows=config.bwd_rows,
-               name="jk_softmax_bwd_mgpu", interpret=interpret)
+               per_cta=config.bwd_per_cta, name="jk_softmax_bwd_mgpu", interpret=interpret)
