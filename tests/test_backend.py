@@ -74,12 +74,16 @@ def test_a_kernel_on_request_is_the_second_choice():
   with pytest.warns(jk.FallbackWarning, match="mosaic_gpu: rows too odd"):
     assert dispatch.select("op", None, H200, neither, {"mosaic_gpu"}) == "xla"
   assert dispatch.on_request(backend.registered()["rms_norm"].kernels) == frozenset()
-  # A predicate of the call: glu's Mosaic GPU kernels serve erf's gelu on request only.
-  glu = backend.registered()["glu"]
+  # A predicate of the call: glu's Mosaic GPU kernels are preferred for silu only (the one
+  # measured at Triton's time), bias_activation's for none.
+  glu, bias = backend.registered()["glu"], backend.registered()["bias_activation"]
   x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
   for activation, want in (("gelu", {"mosaic_gpu"}), ("silu", frozenset())):
     problem = glu.problem(glu.validate(x, x, activation=activation))
     assert dispatch.on_request(glu.kernels, problem) == want, activation
+    problem = bias.problem(bias.validate(x, jax.ShapeDtypeStruct((512,), jnp.float32),
+                                         activation=activation))
+    assert dispatch.on_request(bias.kernels, problem) == {"mosaic_gpu"}, activation
   assert dispatch.on_request(glu.kernels) == frozenset()  # no call: none never picked
 
 

@@ -41,10 +41,16 @@ RUN_CTAS_PER_SM = 4
 BIAS_BWD_RUN = 32
 
 
+# Where dispatch prefers these kernels (op, activation): measured at Triton's time or better,
+# forward and backward, on an H200 (bench/NOTES.md mgpu-rows-2). bias_activation's backward
+# stayed 6-12% behind Triton's for silu and gelu_tanh (its forward+backward 2-4%), glu's gelu
+# 10-16%; those, and what was not timed (glu's gelu_tanh, relu), serve a call naming them.
+AT_PARITY = frozenset({("glu", "silu")})
+
+
 def on_auto(problem) -> bool:
-  """Whether dispatch prefers these kernels for ``problem``: all but erf's gelu, whose
-  forward stayed 2% (bias) behind Triton's in every walk tried (bench/NOTES.md mgpu-rows-2)."""
-  return problem.activation != "gelu"
+  """Whether dispatch prefers these kernels for ``problem`` (``AT_PARITY``)."""
+  return (problem.op, problem.activation) in AT_PARITY
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -62,9 +62,10 @@ def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -
 
 
 # Blocks a forward CTA where the hardware hands out runs of them (``Config.per_cta``), and
-# the CTAs an SM whose shared memory must fit for that to pay (else a persistent grid).
+# the CTAs an SM whose rings of RUN blocks must fit for that to pay (else a persistent grid):
+# layer_norm's two-row blocks beside its float32 scale and bias fit two at (16384, 4096).
 RUN = 2
-RUN_CTAS_PER_SM = 4
+RUN_CTAS_PER_SM = 2
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
@@ -75,7 +76,8 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   in, one out) runs three CTAs an SM (0.175 ms against 0.192 for one); the rest one CTA an SM,
   with as many steps in flight as shared memory holds, up to 8. The forward goes in runs of
   RUN blocks a CTA where they fit: rms+residual's 0.134 ms against 0.146 on a persistent grid
-  (Triton's 0.132), layer_norm's 0.069 against 0.080 (mgpu-rows-2)."""
+  (Triton's 0.132), layer+residual's 0.134 against 0.147 (0.140), layer_norm's 0.069 against
+  0.080 (0.072) (mgpu-rows-2)."""
   rows = 2 if problem.layer else 1
   fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=1)
   if fwd < 2:
