@@ -221,10 +221,12 @@ def mma_wait(in_flight: int, interpret):
 # --------------------------------------------------------------------------- #
 # Row kernels: the memory-bound ops' walk over whole rows (norms, softmax)
 # --------------------------------------------------------------------------- #
-# A persistent grid of CTAs of one warpgroup, CTA c taking row blocks c, c + ctas, ... Each
-# block of whole rows comes into shared memory by one tiled bulk copy, several blocks ahead of
-# the one computed (``plgpu.emit_pipeline``); a row is read from there in chunks, each a
-# warpgroup-strided vector, and outputs go from registers straight to global memory.
+# CTAs of one warpgroup, each taking a run of consecutive row blocks (as many CTAs as runs, the
+# hardware starting each as an earlier one ends), or a persistent grid, CTA c taking row
+# blocks c, c + ctas, ... (``row_blocks``). Each block of whole rows comes into shared memory
+# by one tiled bulk copy, several blocks ahead of the one computed (``plgpu.emit_pipeline``);
+# a row is read from there in chunks, each a warpgroup-strided vector, and outputs go from
+# registers straight to global memory.
 
 WARPGROUP = 128  # threads: one warpgroup a CTA
 # Bytes a thread moves per shared-memory load: a 16-byte vector (ld.shared.v4).
@@ -463,8 +465,8 @@ def tile_blocks(cta, row_programs: int, n_row_blocks: int, rows: int, row: Row,
 
 def row_kernel(kernel, out_type, scratch, ctas: int, *, name: str, interpret,
                auto_barriers: bool = False, approx_math: bool = False):
-  """``kernel`` (refs: inputs, outputs, scratch) as a persistent Mosaic GPU kernel of ``ctas``
-  CTAs on the grid axis "cta", named ``name`` (profiles show it). Without ``auto_barriers``
+  """``kernel`` (refs: inputs, outputs, scratch) as a Mosaic GPU kernel of ``ctas`` CTAs on
+  the grid axis "cta", named ``name`` (profiles show it). Without ``auto_barriers``
   the kernel places its own: a row kernel needs one a pipeline step, before its shared-memory
   slots are refilled."""
   def body(*refs):

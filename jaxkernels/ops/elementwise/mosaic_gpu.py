@@ -1,16 +1,17 @@
 """Pallas Mosaic GPU kernels for bias_activation and glu (two inputs, or [gate | up] packed),
 forward and backward (Hopper).
 
-A persistent grid of one-warpgroup CTAs, each fixed on one column chunk of the rows (``chunk``
-columns, the row walk's: ``_mosaic_gpu.Row``) and walking every ``row_programs``-th block of
-``rows`` rows in it: each (rows, chunk) tile comes into shared memory by a bulk copy, up to
-``stages`` tiles ahead of the one computed (``plgpu.emit_pipeline``), and the results go from
-registers straight to global memory. bias_activation's backward sums d(bias) over a CTA's
-rows in its shared memory (each element owned by the thread that updates it), one float32 row
-a CTA, summed by XLA afterwards. The activations are ``_activations``' formulas; compiled,
-their exp2 and reciprocal take the hardware's approximate forms (approx_math), as the Triton
-kernels' do. Packed glu reads both halves of each row in place and writes d[gate | up] side
-by side, as one array.
+One-warpgroup CTAs, each fixed on one column chunk of the rows (``chunk`` columns, the row
+walk's: ``_mosaic_gpu.Row``) and taking a run of ``per_cta`` consecutive blocks of ``rows``
+rows in it (as many CTAs as runs, the hardware starting each as an earlier one ends), or, on
+a persistent grid, every ``row_programs``-th block: each (rows, chunk) tile comes into shared
+memory by a bulk copy, up to ``stages`` tiles ahead of the one computed
+(``plgpu.emit_pipeline``), and the results go from registers straight to global memory.
+bias_activation's backward sums d(bias) over a CTA's rows in its shared memory (each element
+owned by the thread that updates it), one float32 row a program, summed by XLA afterwards.
+The activations are ``_activations``' formulas; compiled, their exp2 and reciprocal take the
+hardware's approximate forms (approx_math), as the Triton kernels' do. Packed glu reads both
+halves of each row in place and writes d[gate | up] side by side, as one array.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Pallas Mosaic GPU kernels for rms_norm and layer_norm, forward and backward (Hopper).
 
-Both are persistent: ``ctas`` CTAs of one warpgroup, CTA c taking row blocks c, c + ctas, ...
+``ctas`` CTAs of one warpgroup: in the forward each takes a run of ``per_cta`` consecutive row
+blocks, the hardware starting CTAs as earlier ones end; the backward (and a forward whose
+rows are too wide for two CTAs an SM) is persistent, CTA c taking row blocks c, c + ctas, ...
 Each block of ``rows`` whole rows comes into shared memory by one tiled bulk copy (a row seen
 as (N / piece, piece): a copy moves at most 256 elements along a dimension), ``stages`` blocks
 ahead of the one being computed (``plgpu.emit_pipeline``), so the copy engine, not threads,

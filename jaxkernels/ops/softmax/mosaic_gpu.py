@@ -1,6 +1,7 @@
 """Pallas Mosaic GPU kernels for softmax, forward and backward (Hopper): the norms' walk over
-whole rows (``_mosaic_gpu.Row``), a persistent grid of one-warpgroup CTAs, each row block
-brought into shared memory by a bulk copy ahead of its use and written out from registers.
+whole rows (``_mosaic_gpu.Row``), one-warpgroup CTAs each taking a run of rows (or, where
+rows are too wide for several CTAs an SM, a persistent grid), each row block brought into
+shared memory by a bulk copy ahead of its use and written out from registers.
 
 The forward takes the row's maximum, then its exponentials and their sum, then writes
 exp(x - max) / sum; a row that fits registers (``Row.fits_registers``) is read from shared
