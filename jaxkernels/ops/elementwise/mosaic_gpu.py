@@ -191,10 +191,10 @@ def _bias_act_fwd_kernel(x_g, b_g, y_g, b_smem, barrier, *, activation, grid):
   row = grid.row
   count, chunk, program, block, spec = grid.walk()
   _mosaic_gpu.copy_vectors([(b_g.at[0, row.cols(chunk)], b_smem)], barrier.at[0])
+  bias = row.load(b_smem, 0)  # in registers for every step: no shared-memory reads a row
 
   def body(indices, x_tile):
     first = block(indices[0]) * grid.rows
-    bias = row.load(b_smem, 0)
     for j in range(grid.rows):
       y = _activations.apply(activation, row.load(x_tile.at[j], 0) + bias, row.math())
       y_g.at[first + j, row.cols(chunk)][...] = y.astype(y_g.dtype)
@@ -209,10 +209,10 @@ def _bias_act_bwd_kernel(x_g, b_g, dy_g, dx_g, db_g, b_smem, db_smem, barrier, *
   count, chunk, program, block, spec = grid.walk()
   _mosaic_gpu.copy_vectors([(b_g.at[0, row.cols(chunk)], b_smem)], barrier.at[0])
   db_smem[...] = row.zeros()  # each thread zeroes, updates and writes out what it owns
+  bias = row.load(b_smem, 0)  # in registers for every step
 
   def body(indices, x_tile, dy_tile):
     first = block(indices[0]) * grid.rows
-    bias = row.load(b_smem, 0)
     d_bias = None
     for j in range(grid.rows):
       _, slope = _activations.value_and_grad(activation, row.load(x_tile.at[j], 0) + bias,
