@@ -9,7 +9,7 @@ import pytest
 
 import jaxkernels as jk
 from bench import shapes
-from jaxkernels import _mosaic_gpu, _triton
+from jaxkernels import _mosaic_gpu, _triton, hardware
 from jaxkernels.ops.softmax import reference
 from jaxkernels.ops.softmax import mosaic_gpu as softmax_mosaic_gpu
 from jaxkernels.ops.softmax import triton as softmax_triton
@@ -126,6 +126,16 @@ class TestSoftmaxMosaicGpu(SoftmaxTest):
     exponentiated twice): the walk for 8192-column rows and wider."""
     monkeypatch.setattr(_mosaic_gpu, "RESIDENT_FLOATS", 1)
     self.check(*self.inputs((2, 3, 1024), jnp.float32), jnp.float32)
+
+  def test_heuristic_walks(self):
+    """Runs of RUN rows a CTA (hardware-scheduled) where four CTAs' rings fit an SM; rows too
+    wide for that take a persistent grid (bench/NOTES.md mgpu-rows-2). Both fit the chip."""
+    chip = hardware.chip("H200")
+    for cols, want in ((4096, softmax_mosaic_gpu.RUN), (16384, 0)):
+      problem = Problem.of(jax.ShapeDtypeStruct((16384, cols), jnp.bfloat16), -1)
+      config = softmax_mosaic_gpu.heuristic(problem, chip)
+      assert (config.per_cta, config.bwd_per_cta) == (want, want), (cols, config)
+      assert softmax_mosaic_gpu.config_error(problem, config, chip) is None
 
   def test_too_wide_rows_name_why(self):
     x = jnp.ones((2, 65536), jnp.bfloat16)
