@@ -7,8 +7,8 @@ rows in it (as many CTAs as runs, the hardware starting each as an earlier one e
 a persistent grid, every ``row_programs``-th block: each (rows, chunk) tile comes into shared
 memory by a bulk copy, up to ``stages`` tiles ahead of the one computed
 (``plgpu.emit_pipeline``), and the results go from registers straight to global memory.
-bias_activation's backward sums d(bias) over a CTA's rows in its shared memory (each element
-owned by the thread that updates it), one float32 row a program, summed by XLA afterwards.
+bias_activation's backward sums d(bias) over a CTA's rows in registers, carried from step to
+step, one float32 row a program, summed by XLA afterwards.
 The activations are ``_activations``' formulas; compiled, their exp2 and reciprocal take the
 hardware's approximate forms (approx_math), as the Triton kernels' do. Packed glu reads both
 halves of each row in place and writes d[gate | up] side by side, as one array.
@@ -80,7 +80,7 @@ def _walk(problem):
 
 def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
   """Tiles a CTA's rings hold (inputs only: outputs leave from registers), beside the bias
-  chunk and the d(bias) accumulator, ``ctas_per_sm`` CTAs sharing an SM
+  chunk (counted as float32), ``ctas_per_sm`` CTAs sharing an SM
   (``_mosaic_gpu.ring_stages``)."""
   _, geometry = _walk(problem)
   if geometry is None:
@@ -88,7 +88,7 @@ def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -
   chunk = geometry[1]
   streams = (1 if problem.op == "bias_activation" else 2) + (1 if backward else 0)  # dy too
   tile = rows * chunk * jnp.dtype(problem.x.dtype).itemsize
-  vectors = [4 * chunk] * ((2 if backward else 1) if problem.op == "bias_activation" else 0)
+  vectors = [4 * chunk] if problem.op == "bias_activation" else []
   return _mosaic_gpu.ring_stages(chip, ctas_per_sm, [tile] * streams, vectors)
 
 
@@ -178,9 +178,11 @@ class _Grid:
     return _mosaic_gpu.tile_blocks(lax.axis_index("cta"), self.row_programs, self.n_row_blocks,
                                    self.rows, self.row, self.per_cta)
 
-  def pipeline(self, body, specs, count, *gmem):
-    plgpu.emit_pipeline(body, grid=(count,), in_specs=specs,
-                        max_concurrent_steps=self.stages)(*gmem)
+  def pipeline(self, body, specs, count, *gmem, init_carry=None):
+    """Runs ``body`` over this CTA's tiles; with ``init_carry``, body takes and returns a
+    carry (registers kept across steps), and this returns the last one."""
+    return plgpu.emit_pipeline(body, grid=(count,), in_specs=specs,
+                               max_concurrent_steps=self.stages, init_carry=init_carry)(*gmem)
 
   def out(self, n_rows: int, n_cols: int, dtype):
     """An (n_rows, n_cols) output as the kernel writes it: (n_rows, pieces, piece)."""
@@ -203,28 +205,26 @@ def _bias_act_fwd_kernel(x_g, b_g, y_g, b_smem, barrier, *, activation, grid):
   grid.pipeline(body, [spec()], count, x_g)
 
 
-def _bias_act_bwd_kernel(x_g, b_g, dy_g, dx_g, db_g, b_smem, db_smem, barrier, *, activation,
-                         grid):
+def _bias_act_bwd_kernel(x_g, b_g, dy_g, dx_g, db_g, b_smem, barrier, *, activation, grid):
   row = grid.row
   count, chunk, program, block, spec = grid.walk()
   _mosaic_gpu.copy_vectors([(b_g.at[0, row.cols(chunk)], b_smem)], barrier.at[0])
-  db_smem[...] = row.zeros()  # each thread zeroes, updates and writes out what it owns
   bias = row.load(b_smem, 0)  # in registers for every step
 
-  def body(indices, x_tile, dy_tile):
+  def body(indices, x_tile, dy_tile, d_bias):
     first = block(indices[0]) * grid.rows
-    d_bias = None
     for j in range(grid.rows):
       _, slope = _activations.value_and_grad(activation, row.load(x_tile.at[j], 0) + bias,
                                                   row.math())
       dx = row.load(dy_tile.at[j], 0) * slope
       dx_g.at[first + j, row.cols(chunk)][...] = dx.astype(dx_g.dtype)
-      d_bias = dx if d_bias is None else d_bias + dx
-    db_smem[...] = row.load(db_smem, 0) + d_bias
+      d_bias = d_bias + dx
     plgpu.commit_smem()
+    return d_bias
 
-  grid.pipeline(body, [spec(), spec()], count, x_g, dy_g)
-  db_g.at[program, row.cols(chunk)][...] = row.load(db_smem, 0)
+  # d(bias) over the CTA's rows in registers, carried from step to step, written once.
+  d_bias = grid.pipeline(body, [spec(), spec()], count, x_g, dy_g, init_carry=row.zeros())
+  db_g.at[program, row.cols(chunk)][...] = d_bias
 
 
 def _glu_fwd_kernel(*refs, activation, packed, grid):
@@ -296,11 +296,9 @@ def _bias_vector(x, bias):
   return bias[None]
 
 
-def _bias_scratch(grid: _Grid, bias, accumulators: int):
+def _bias_scratch(grid: _Grid, bias):
   chunk = (grid.row.chunk // grid.row.piece, grid.row.piece)
-  return ([plgpu.SMEM(chunk, bias.dtype)]
-          + [plgpu.SMEM(chunk, jnp.float32) for _ in range(accumulators)]
-          + [plgpu.Barrier(num_arrivals=1, num_barriers=1)])
+  return [plgpu.SMEM(chunk, bias.dtype), plgpu.Barrier(num_arrivals=1, num_barriers=1)]
 
 
 def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False):
@@ -308,7 +306,7 @@ def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False)
   grid = _Grid.of(n_rows, n_cols, config, config.stages, config.per_cta, interpret, x)
   bias = _bias_vector(x, bias)
   (y,) = _run(functools.partial(_bias_act_fwd_kernel, activation=activation), grid,
-              (x, bias), [grid.out(n_rows, n_cols, x.dtype)], _bias_scratch(grid, bias, 0),
+              (x, bias), [grid.out(n_rows, n_cols, x.dtype)], _bias_scratch(grid, bias),
               name=f"jk_bias_{activation}_fwd_mgpu", interpret=interpret)
   return y
 
@@ -321,7 +319,7 @@ def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=Fa
   dx, partials = _run(
       functools.partial(_bias_act_bwd_kernel, activation=activation), grid, (x, vector, dy),
       [grid.out(n_rows, n_cols, dy.dtype), grid.out(grid.row_programs, n_cols, jnp.float32)],
-      _bias_scratch(grid, vector, 1), name=f"jk_bias_{activation}_bwd_mgpu",
+      _bias_scratch(grid, vector), name=f"jk_bias_{activation}_bwd_mgpu",
       interpret=interpret)
   return dx, partials.sum(axis=0).astype(bias.dtype)
 
