@@ -109,8 +109,9 @@ def _gated_fwd(plan, p, a, b):
 def _gated_bwd(plan, p, saved, dy):
   a, b, z = saved
   # glu's backward on a GPU kernel beside the product's (only Mosaic GPU fuses the gate):
-  # Triton's, the faster today (bench/NOTES.md mgpu-rows-1), where it serves; else (a JAX
-  # without Pallas Triton) the Mosaic GPU one; else dispatch's choice, the XLA reference.
+  # Triton's where it serves (for silu 1% faster than Mosaic GPU's on an H200, for gelu 10%:
+  # bench/NOTES.md mgpu-rows-2); else (a JAX without Pallas Triton) the Mosaic GPU one; else
+  # dispatch's choice, the XLA reference.
   serving = [implementation for implementation in ("triton", plan.implementation)
              if backend.supports(elementwise.GLU.name, implementation, z,
                                  activation=p.activation)]
@@ -257,7 +258,8 @@ def _gate(z, args: Args, implementation):
 
 def _glu_implementation(implementation):
   """The implementation glu takes after a product on ``implementation``: the same, but for
-  mosaic_gpu, whose glu kernel is on request (slower than Triton's): dispatch picks glu's."""
+  mosaic_gpu, whose glu kernels dispatch prefers only where measured at Triton's time (silu):
+  dispatch picks glu's."""
   return None if implementation == "mosaic_gpu" else implementation
 
 
