@@ -415,6 +415,12 @@ def copy_vectors(pairs, barrier) -> None:
   plgpu.barrier_wait(barrier)
 
 
+def run_length(n_blocks: int, run: int, chip: hardware.Chip | None = None) -> int:
+  """Blocks a CTA for a heuristic that hands out runs of ``run``: fewer where runs that long
+  would leave SMs of ``chip`` (None: the stand-in Hopper) without a CTA, at least one."""
+  return max(1, min(run, n_blocks // (chip or hardware.DEFAULT_GPU).cores))
+
+
 def row_ctas(n_blocks: int, per_sm: int, per_cta: int = 0) -> int:
   """CTAs of a row kernel: ``per_sm`` an SM, no more than there are blocks (a persistent
   grid); with ``per_cta``, one CTA a run of that many blocks (the hardware's scheduler starts

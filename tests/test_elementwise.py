@@ -223,13 +223,16 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
     self.check_bias_activation((37, 384), jnp.float32, "silu", "walk", config=config)
 
   def test_heuristic_walks(self):
-    """Runs of RUN tiles a CTA (hardware-scheduled), d(bias)'s backward in longer runs; erf's
-    gelu keeps the persistent walk. Dispatch prefers the kernels only where measured at
+    """Runs of RUN tiles a CTA (hardware-scheduled), d(bias)'s backward in longer runs, one
+    tile a CTA where runs would leave SMs idle; erf's gelu keeps the persistent walk. Dispatch prefers the kernels only where measured at
     Triton's time (glu's silu: bench/NOTES.md mgpu-rows-2)."""
     chip = hardware.chip("H200")
     x = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
-    for op, activation, want in (("bias_activation", "silu", (2, 32)), ("glu", "silu", (2, 2)),
-                                 ("bias_activation", "gelu", (0, 0)), ("glu", "gelu", (0, 0))):
+    small = jax.ShapeDtypeStruct((96, 4096), jnp.bfloat16)  # 192 tiles: one a CTA
+    for x, op, activation, want in (
+        (x, "bias_activation", "silu", (2, 32)), (x, "glu", "silu", (2, 2)),
+        (small, "bias_activation", "silu", (1, 1)), (x, "bias_activation", "gelu", (0, 0)),
+        (x, "glu", "gelu", (0, 0))):
       problem = Problem(x, (("x", x),), op, activation)
       config = elementwise_mosaic_gpu.heuristic(problem, chip)
       assert (config.per_cta, config.bwd_per_cta) == want, (op, activation, config)

@@ -215,17 +215,19 @@ class TestNormsMosaicGpu(NormTest):
       self.check(True, primals, ct, jnp.float32, config)
 
   def test_heuristic_walks(self):
-    """The forward in runs of RUN blocks a CTA where two CTAs' rings fit an SM, a persistent
-    grid where they do not (layer_norm's two-row blocks beside a float32 residual); the
+    """The forward in runs of RUN blocks a CTA where two CTAs' rings fit an SM (one block a CTA
+    where runs would leave SMs idle), a persistent grid where they do not (layer_norm's two-row blocks beside a float32 residual); the
     backward, with its partials a CTA, always persistent (bench/NOTES.md mgpu-rows-2)."""
     chip = hardware.chip("H200")
     x = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((4096,), jnp.float32)
     f32 = jax.ShapeDtypeStruct((16384, 4096), jnp.float32)
-    for layer, residual, want in ((False, None, norms_mosaic_gpu.RUN),
-                                  (False, f32, norms_mosaic_gpu.RUN),
-                                  (True, x, norms_mosaic_gpu.RUN), (True, f32, 0)):
-      problem = Problem(x, s, s if layer else None, residual, layer)
+    small = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)  # fewer rows than SMs: one a CTA
+    run = norms_mosaic_gpu.RUN
+    for rows, layer, residual, want in ((x, False, None, run), (x, False, f32, run),
+                                        (x, True, x, run), (x, True, f32, 0),
+                                        (small, False, small, 1)):
+      problem = Problem(rows, s, s if layer else None, residual, layer)
       config = norms_mosaic_gpu.heuristic(problem, chip)
       assert (config.per_cta, config.bwd_per_cta) == (want, 0), (layer, residual, config)
       assert norms_mosaic_gpu.config_error(problem, config, chip) is None

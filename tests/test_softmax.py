@@ -128,11 +128,13 @@ class TestSoftmaxMosaicGpu(SoftmaxTest):
     self.check(*self.inputs((2, 3, 1024), jnp.float32), jnp.float32)
 
   def test_heuristic_walks(self):
-    """Runs of RUN rows a CTA (hardware-scheduled) where four CTAs' rings fit an SM; rows too
-    wide for that take a persistent grid (bench/NOTES.md mgpu-rows-2). Both fit the chip."""
+    """Runs of RUN rows a CTA (hardware-scheduled) where four CTAs' rings fit an SM, one row a
+    CTA where runs would leave SMs idle; rows too wide for that take a persistent grid
+    (bench/NOTES.md mgpu-rows-2). Each fits the chip."""
     chip = hardware.chip("H200")
-    for cols, want in ((4096, softmax_mosaic_gpu.RUN), (16384, 0)):
-      problem = Problem.of(jax.ShapeDtypeStruct((16384, cols), jnp.bfloat16), -1)
+    for rows, cols, want in ((16384, 4096, softmax_mosaic_gpu.RUN), (200, 4096, 1),
+                             (16384, 16384, 0)):
+      problem = Problem.of(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16), 1)
       config = softmax_mosaic_gpu.heuristic(problem, chip)
       assert (config.per_cta, config.bwd_per_cta) == (want, want), (cols, config)
       assert softmax_mosaic_gpu.config_error(problem, config, chip) is None
@@ -192,7 +194,7 @@ class TestSoftmaxTriton(SoftmaxTest):
   def test_online_heuristic(self):
     """Past _triton.ONE_PASS_COLS the heuristic takes one row a program, unrolled chunks."""
     x = jax.ShapeDtypeStruct((1024, 65536), jnp.bfloat16)
-    config = softmax_triton.heuristic(Problem.of(x, -1), None)
+    config = softmax_triton.heuristic(Problem.of(x, 1), None)  # axis as validated: >= 0
     assert config.block_cols < 65536 and config.block_rows == config.bwd_block_rows == 1
     assert config.unroll > 1 and config.bwd_unroll > 1
 

@@ -105,9 +105,12 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   fwd, bwd = (most_stages(problem, chip, backward=b, rows=1, ctas_per_sm=RUN_CTAS_PER_SM)
               for b in (False, True))
   if problem.activation != "gelu" and min(fwd, bwd) >= RUN:
+    tiles = problem.x.shape[0] * (problem.x.shape[1] // chunk)  # one-row tiles: CTAs x runs
     bwd_run = BIAS_BWD_RUN if problem.op == "bias_activation" else RUN
     return Config(rows=1, stages=min(MOST_STAGES, fwd), ctas_per_sm=RUN_CTAS_PER_SM,
-                  bwd_stages=min(MOST_STAGES, bwd), per_cta=RUN, bwd_per_cta=bwd_run)
+                  bwd_stages=min(MOST_STAGES, bwd),
+                  per_cta=_mosaic_gpu.run_length(tiles, RUN, chip),
+                  bwd_per_cta=_mosaic_gpu.run_length(tiles, bwd_run, chip))
   rows = max(1, min(MOST_ROWS, TILE_BYTES // (chunk * jnp.dtype(problem.x.dtype).itemsize)))
   fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=1)
   bwd = most_stages(problem, chip, backward=True, rows=rows, ctas_per_sm=1)

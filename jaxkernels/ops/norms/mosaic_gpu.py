@@ -94,8 +94,9 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   # The forward in runs of RUN blocks a CTA, the hardware handing them out as CTAs end, where
   # RUN_CTAS_PER_SM CTAs fit an SM (the backward's d(scale) partials are one float32 row a
   # CTA: it keeps its persistent grid).
-  run = RUN if most_stages(problem, chip, backward=False, rows=rows,
-                           ctas_per_sm=RUN_CTAS_PER_SM) >= RUN else 0
+  run = 0
+  if most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=RUN_CTAS_PER_SM) >= RUN:
+    run = _mosaic_gpu.run_length(problem.x.shape[0] // rows, RUN, chip)
   return Config(stages=max(1, min(8, fwd)), ctas_per_sm=1, rows=rows,
                 bwd_stages=max(1, min(8, bwd)), bwd_ctas_per_sm=bwd_per_sm, bwd_rows=bwd_rows,
                 per_cta=run)

@@ -53,7 +53,8 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   def walk(backward):
     most = most_stages(problem, chip, backward=backward, rows=1, ctas_per_sm=RUN_CTAS_PER_SM)
     if most >= RUN:
-      return RUN_CTAS_PER_SM, min(8, most), RUN
+      return RUN_CTAS_PER_SM, min(8, most), _mosaic_gpu.run_length(problem.x.shape[0], RUN,
+                                                                   chip)
     for per_sm in (3, 2, 1):
       most = most_stages(problem, chip, backward=backward, rows=1, ctas_per_sm=per_sm)
       if most >= 2:
