@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import _activations, hardware
-from jaxkernels._tiling import check_fields
+from jaxkernels._tiling import cdiv, check_fields
 
 
 def interpret_params() -> Any:
@@ -428,6 +428,15 @@ def row_ctas(n_blocks: int, per_sm: int, per_cta: int = 0) -> int:
   if per_cta:
     return -(-n_blocks // per_cta)
   return max(1, min(n_blocks, per_sm * num_sms()))
+
+
+def row_launch(n_blocks: int, per_sm: int, per_cta: int, stages: int) -> tuple[int, int, int]:
+  """A row kernel's launch over ``n_blocks`` blocks: ``(per_cta, ctas, stages)``, the run no
+  longer than the blocks (0: a persistent grid), the CTAs (:func:`row_ctas`), and no more
+  blocks in flight than a CTA takes."""
+  per_cta = min(per_cta, n_blocks)
+  ctas = row_ctas(n_blocks, per_sm, per_cta)
+  return per_cta, ctas, min(stages, per_cta or cdiv(n_blocks, ctas))
 
 
 def _blocks(program, programs: int, n_blocks: int, per_cta: int):

@@ -29,7 +29,6 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _mosaic_gpu, hardware
-from jaxkernels._tiling import cdiv
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -292,13 +291,12 @@ def forward(x, scale, bias, residual, *, layer: bool, eps: float, config: Config
   n_rows, n_cols = x.shape
   row = _mosaic_gpu.Row.of(n_cols, interpret, x, residual)
   rows = config.rows if n_rows % config.rows == 0 else 1
-  per_cta = min(config.per_cta, n_rows // rows)
-  ctas = _mosaic_gpu.row_ctas(n_rows // rows, config.ctas_per_sm, per_cta)
+  per_cta, ctas, stages = _mosaic_gpu.row_launch(n_rows // rows, config.ctas_per_sm,
+                                                 config.per_cta, config.stages)
   kernel = functools.partial(
       _fwd_kernel, layer=layer, has_residual=residual is not None, has_bias=bias is not None,
-      n_blocks=n_rows // rows, rows=rows, row=row,
-      stages=min(config.stages, per_cta or cdiv(n_rows // rows, ctas)), ctas=ctas,
-      per_cta=per_cta, eps=eps,
+      n_blocks=n_rows // rows, rows=rows, row=row, stages=stages, ctas=ctas, per_cta=per_cta,
+      eps=eps,
       auto_barriers=config.auto_barriers)
   shape = row.pieces(x).shape
   out_type = [jax.ShapeDtypeStruct(shape, x.dtype)]
@@ -325,12 +323,11 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
   dual_dx = residual_dtype is not None and jnp.dtype(residual_dtype) != dy.dtype
   row = _mosaic_gpu.Row.of(n_cols, interpret, h, dy, dh)
   rows = config.bwd_rows if n_rows % config.bwd_rows == 0 else 1
-  per_cta = min(config.bwd_per_cta, n_rows // rows)
-  ctas = _mosaic_gpu.row_ctas(n_rows // rows, config.bwd_ctas_per_sm, per_cta)
+  per_cta, ctas, stages = _mosaic_gpu.row_launch(n_rows // rows, config.bwd_ctas_per_sm,
+                                                 config.bwd_per_cta, config.bwd_stages)
   kernel = functools.partial(
       _bwd_kernel, layer=layer, has_dh=dh is not None, has_bias=bias is not None,
-      dual_dx=dual_dx, n_blocks=n_rows // rows, rows=rows, row=row,
-      stages=min(config.bwd_stages, per_cta or cdiv(n_rows // rows, ctas)), ctas=ctas,
+      dual_dx=dual_dx, n_blocks=n_rows // rows, rows=rows, row=row, stages=stages, ctas=ctas,
       per_cta=per_cta, eps=eps,
       auto_barriers=config.auto_barriers)
   shape = row.pieces(h).shape

@@ -22,7 +22,6 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _activations, _mosaic_gpu, hardware
-from jaxkernels._tiling import cdiv
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config(_mosaic_gpu.RowConfig):
@@ -140,11 +139,9 @@ def _call(kernel, operands, out_dtype, *, stages, ctas_per_sm, rows, per_cta, na
   row = _mosaic_gpu.Row.of(n_cols, interpret, *operands)
   rows = rows if n_rows % rows == 0 else 1
   n_blocks = n_rows // rows
-  per_cta = min(per_cta, n_blocks)
-  ctas = _mosaic_gpu.row_ctas(n_blocks, ctas_per_sm, per_cta)
-  body = functools.partial(kernel, n_blocks=n_blocks, rows=rows, row=row,
-                           stages=min(stages, per_cta or cdiv(n_blocks, ctas)), ctas=ctas,
-                           per_cta=per_cta)
+  per_cta, ctas, stages = _mosaic_gpu.row_launch(n_blocks, ctas_per_sm, per_cta, stages)
+  body = functools.partial(kernel, n_blocks=n_blocks, rows=rows, row=row, stages=stages,
+                           ctas=ctas, per_cta=per_cta)
   out_type = jax.ShapeDtypeStruct(row.pieces(operands[0]).shape, out_dtype)
   out = _mosaic_gpu.row_kernel(body, out_type, [], ctas, name=name, interpret=interpret,
                                approx_math=not interpret)(*[row.pieces(a) for a in operands])
