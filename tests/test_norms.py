@@ -217,19 +217,24 @@ class TestNormsMosaicGpu(NormTest):
   def test_heuristic_walks(self):
     """The forward in runs of RUN blocks a CTA where two CTAs' rings fit an SM (one block a CTA
     where runs would leave SMs idle), a persistent grid where they do not (layer_norm's two-row blocks beside a float32 residual); the
-    backward, with its partials a CTA, always persistent (bench/NOTES.md mgpu-rows-2)."""
+    backward, with its partials a CTA, always persistent; without a residual, one-row blocks
+    three CTAs an SM where they fit (not beside layer_norm's float32 scale, bias and their
+    gradients at 4096 columns: its two-row blocks) (bench/NOTES.md mgpu-rows-2, mgpu-rows-3)."""
     chip = hardware.chip("H200")
     x = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((4096,), jnp.float32)
     f32 = jax.ShapeDtypeStruct((16384, 4096), jnp.float32)
     small = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)  # fewer rows than SMs: one a CTA
     run = norms_mosaic_gpu.RUN
-    for rows, layer, residual, want in ((x, False, None, run), (x, False, f32, run),
-                                        (x, True, x, run), (x, True, f32, 0),
-                                        (small, False, small, 1)):
-      problem = Problem(rows, s, s if layer else None, residual, layer)
+    for rows, layer, bias, residual, want, bwd in (
+        (x, False, None, None, run, (1, 3)), (x, False, None, f32, run, None),
+        (x, True, s, x, run, None), (x, True, s, f32, 0, None), (x, True, None, None, run, (1, 3)),
+        (x, True, s, None, run, (2, 1)), (small, False, None, small, 1, None)):
+      problem = Problem(rows, s, bias, residual, layer)
       config = norms_mosaic_gpu.heuristic(problem, chip)
       assert (config.per_cta, config.bwd_per_cta) == (want, 0), (layer, residual, config)
+      if bwd is not None:
+        assert (config.bwd_rows, config.bwd_ctas_per_sm) == bwd, (layer, bias, config)
       assert norms_mosaic_gpu.config_error(problem, config, chip) is None
 
   def test_checkpoint_grad(self):

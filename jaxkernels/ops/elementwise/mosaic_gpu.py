@@ -96,15 +96,16 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``elementwise.api.Problem``. Runs of RUN one-row tiles a CTA, the
   hardware handing them out as CTAs end, where RUN_CTAS_PER_SM CTAs' rings fit an SM: on an
   H200 that beat a persistent grid by 5-15% (a static share per CTA ends with the slowest SM)
-  and matched or beat Triton's forwards and backwards for silu (bench/NOTES.md mgpu-rows-2).
-  erf's gelu, issue-bound on its polynomial, keeps the persistent walk (16 KiB tiles, one CTA
-  an SM, up to MOST_STAGES in flight), where rows unrolled side by side overlap its chains:
-  shorter runs cost it 5-10%."""
+  and matched or beat Triton's forwards and backwards for silu (bench/NOTES.md mgpu-rows-2);
+  erf's gelu too since the bias is held in registers (glu's gelu 0.096 / 0.160 ms forward /
+  backward against 0.114 / 0.178 persistent, bias+gelu's backward 0.105 against 0.115,
+  mgpu-rows-3). Where runs do not fit, the persistent walk: 16 KiB tiles, one CTA an SM, up
+  to MOST_STAGES in flight."""
   _, geometry = _walk(problem)
   chunk = geometry[1] if geometry is not None else _mosaic_gpu.MAX_CHUNK
   fwd, bwd = (most_stages(problem, chip, backward=b, rows=1, ctas_per_sm=RUN_CTAS_PER_SM)
               for b in (False, True))
-  if problem.activation != "gelu" and min(fwd, bwd) >= RUN:
+  if min(fwd, bwd) >= RUN:
     tiles = problem.x.shape[0] * (problem.x.shape[1] // chunk)  # one-row tiles: CTAs x runs
     bwd_run = BIAS_BWD_RUN if problem.op == "bias_activation" else RUN
     return Config(rows=1, stages=min(MOST_STAGES, fwd), ctas_per_sm=RUN_CTAS_PER_SM,

@@ -73,9 +73,11 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``norms.api.Problem``. Measured on an H200 at (16384, 4096) bf16 and
   at the model's (16384, 1024) with a float32 residual (bench/NOTES.md, mgpu-norms-3):
   layer_norm takes its rows two to a step (two rows' statistics in flight: forward 0.074 ms
-  against 0.087 for one), rms_norm one; rms_norm's backward without a residual (two streams
-  in, one out) runs three CTAs an SM (0.175 ms against 0.192 for one); the rest one CTA an SM,
-  with as many steps in flight as shared memory holds, up to 8. The forward goes in runs of
+  against 0.087 for one), rms_norm one; a backward without a residual (two streams in, one
+  out) runs one-row blocks three CTAs an SM where two steps of them fit (rms_norm's 0.175 ms
+  against 0.192 for one; layer_norm's backward kernel without a bias 0.105 ms against 0.111
+  for two-row blocks one CTA an SM, mgpu-rows-3); the rest one CTA an SM, with as many steps
+  in flight as shared memory holds, up to 8. The forward goes in runs of
   RUN blocks a CTA where they fit: rms+residual's 0.134 ms against 0.146 on a persistent grid
   (Triton's 0.132), layer+residual's 0.134 against 0.147 (0.140), layer_norm's 0.069 against
   0.080 (0.072) (mgpu-rows-2)."""
@@ -84,8 +86,9 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   if fwd < 2:
     rows, fwd = 1, most_stages(problem, chip, backward=False, rows=1, ctas_per_sm=1)
   bwd_rows, bwd_per_sm = rows, 1
-  if not problem.layer and problem.residual is None:
-    bwd_per_sm = 3
+  if problem.residual is None and most_stages(problem, chip, backward=True, rows=1,
+                                              ctas_per_sm=3) >= 2:
+    bwd_rows, bwd_per_sm = 1, 3
   bwd = most_stages(problem, chip, backward=True, rows=bwd_rows, ctas_per_sm=bwd_per_sm)
   if bwd < 2:
     bwd_rows, bwd_per_sm = 1, 1
