@@ -213,31 +213,39 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
   def test_glu_packed_float32(self, shape, activation):
     self.check_glu_packed(shape, jnp.float32, activation)
 
-  @pytest.mark.parametrize("per_cta", [0, 3])
-  def test_both_walks(self, per_cta):
+  @pytest.mark.parametrize("per_cta,bwd_per_cta,bwd_rows", [(0, 0, 0), (3, 3, 0), (0, 3, 1)])
+  def test_both_walks(self, per_cta, bwd_per_cta, bwd_rows):
     """A persistent grid (per_cta 0: each CTA a fixed share, d(bias) summed over its row
-    blocks) and runs of three row blocks a CTA, the last one shorter, at an odd row count
-    (one row a tile)."""
+    blocks), runs of three row blocks a CTA, the last one shorter, at an odd row count (one
+    row a tile), and a persistent forward beside a backward in runs of its own one-row tiles
+    (bias + erf's gelu's walk) at an even one."""
     config = elementwise_mosaic_gpu.Config(rows=2, stages=2, ctas_per_sm=1, bwd_stages=2,
-                                           per_cta=per_cta, bwd_per_cta=per_cta)
-    self.check_bias_activation((37, 384), jnp.float32, "silu", "walk", config=config)
+                                           per_cta=per_cta, bwd_per_cta=bwd_per_cta,
+                                           bwd_rows=bwd_rows)
+    shape = (37, 384) if not bwd_rows else (38, 384)
+    self.check_bias_activation(shape, jnp.float32, "gelu" if bwd_rows else "silu", "walk",
+                               config=config)
 
   def test_heuristic_walks(self):
     """Runs of RUN tiles a CTA (hardware-scheduled), d(bias)'s backward in longer runs, one
-    tile a CTA where runs would leave SMs idle, erf's gelu too. Dispatch prefers the kernels
-    only where measured at Triton's time (bench/NOTES.md mgpu-rows-2, mgpu-rows-3)."""
+    tile a CTA where runs would leave SMs idle; bias + erf's gelu's forward persistent, its
+    backward in runs. Dispatch prefers the kernels only where measured at Triton's time
+    (bench/NOTES.md mgpu-rows-2, mgpu-rows-3)."""
     chip = hardware.chip("H200")
     x = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
     small = jax.ShapeDtypeStruct((96, 4096), jnp.bfloat16)  # 192 tiles: one a CTA
     for x, op, activation, want in (
         (x, "bias_activation", "silu", (2, 32)), (x, "glu", "silu", (2, 2)),
-        (small, "bias_activation", "silu", (1, 1)), (x, "bias_activation", "gelu", (2, 32)),
+        (small, "bias_activation", "silu", (1, 1)), (x, "bias_activation", "gelu", (0, 32)),
         (x, "glu", "gelu", (2, 2))):
       problem = Problem(x, (("x", x),), op, activation)
       config = elementwise_mosaic_gpu.heuristic(problem, chip)
       assert (config.per_cta, config.bwd_per_cta) == want, (op, activation, config)
       assert elementwise_mosaic_gpu.config_error(problem, config, chip) is None
-      assert elementwise_mosaic_gpu.on_auto(problem) == ((op, activation) == ("glu", "silu"))
+      assert elementwise_mosaic_gpu.on_auto(problem) == (
+          (op, activation) in {("glu", "silu"), ("glu", "gelu"), ("bias_activation", "silu")})
+      if (op, activation) == ("bias_activation", "gelu") and x.shape[0] > 96:
+        assert (config.rows, config.walk(True)[0]) == (4, 1), config
 
   def test_lowers_for_cuda_packed_in_place(self):
     """[gate | up] read and d[gate | up] written in place by one kernel each, no Triton."""

@@ -40,13 +40,18 @@ RUN_CTAS_PER_SM = 4
 # bias_activation's backward writes one float32 row of d(bias) partials a program: longer
 # runs there, so that those stay a few MiB.
 BIAS_BWD_RUN = 32
+# Forwards that keep the persistent walk, its tiles of several rows side by side overlapping
+# their chains: bias + erf's gelu, issue-bound on its polynomial (0.070 ms against 0.081 in
+# runs on an H200, Triton's 0.070; mgpu-rows-3). Its backward still goes in runs.
+PERSISTENT_FORWARD = frozenset({("bias_activation", "gelu")})
 
 
-# Where dispatch prefers these kernels (op, activation): measured at Triton's time or better,
-# forward and backward, on an H200 (bench/NOTES.md mgpu-rows-2). bias_activation's backward
-# stayed 6-12% behind Triton's for silu and gelu_tanh (its forward+backward 2-4%), glu's gelu
-# 10-16%; those, and what was not timed (glu's gelu_tanh, relu), serve a call naming them.
-AT_PARITY = frozenset({("glu", "silu")})
+# Where dispatch prefers these kernels (op, activation): forward+backward measured at
+# Triton's time, within 1%, on an H200 (bench/NOTES.md mgpu-rows-3: glu silu 0.995x, glu gelu
+# 1.004x, bias+silu 0.999x). bias+gelu_tanh (0.974x) and bias+gelu (0.921x before its
+# persistent forward), their backwards 4-7% behind, and what was not timed (glu's gelu_tanh,
+# relu) serve a call naming them.
+AT_PARITY = frozenset({("glu", "silu"), ("glu", "gelu"), ("bias_activation", "silu")})
 
 
 def on_auto(problem) -> bool:
@@ -64,11 +69,18 @@ class Config:
   # persistent grid, ``ctas_per_sm`` an SM (``_mosaic_gpu.tile_blocks``).
   per_cta: int = 0
   bwd_per_cta: int = 0
+  bwd_rows: int = 0  # the backward's rows a tile; 0: ``rows``
 
   def __post_init__(self):
     check_fields(self, ("rows", "stages", "ctas_per_sm", "bwd_stages"), lambda v: v >= 1,
                  ">= 1")
-    check_fields(self, ("per_cta", "bwd_per_cta"), lambda v: v >= 0, ">= 0")
+    check_fields(self, ("per_cta", "bwd_per_cta", "bwd_rows"), lambda v: v >= 0, ">= 0")
+
+  def walk(self, backward: bool) -> tuple[int, int, int]:
+    """(rows, stages, per_cta) of the forward's or the backward's walk."""
+    if backward:
+      return self.bwd_rows or self.rows, self.bwd_stages, self.bwd_per_cta
+    return self.rows, self.stages, self.per_cta
 
 
 def _walk(problem):
@@ -99,24 +111,29 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   and matched or beat Triton's forwards and backwards for silu (bench/NOTES.md mgpu-rows-2);
   erf's gelu too since the bias is held in registers (glu's gelu 0.096 / 0.160 ms forward /
   backward against 0.114 / 0.178 persistent, bias+gelu's backward 0.105 against 0.115,
-  mgpu-rows-3). Where runs do not fit, the persistent walk: 16 KiB tiles, one CTA an SM, up
-  to MOST_STAGES in flight."""
+  mgpu-rows-3), but for PERSISTENT_FORWARD's forwards. Where runs do not fit, the persistent
+  walk: 16 KiB tiles, one CTA an SM, up to MOST_STAGES in flight."""
   _, geometry = _walk(problem)
   chunk = geometry[1] if geometry is not None else _mosaic_gpu.MAX_CHUNK
   fwd, bwd = (most_stages(problem, chip, backward=b, rows=1, ctas_per_sm=RUN_CTAS_PER_SM)
               for b in (False, True))
-  if min(fwd, bwd) >= RUN:
-    tiles = problem.x.shape[0] * (problem.x.shape[1] // chunk)  # one-row tiles: CTAs x runs
-    bwd_run = BIAS_BWD_RUN if problem.op == "bias_activation" else RUN
-    return Config(rows=1, stages=min(MOST_STAGES, fwd), ctas_per_sm=RUN_CTAS_PER_SM,
-                  bwd_stages=min(MOST_STAGES, bwd),
-                  per_cta=_mosaic_gpu.run_length(tiles, RUN, chip),
-                  bwd_per_cta=_mosaic_gpu.run_length(tiles, bwd_run, chip))
   rows = max(1, min(MOST_ROWS, TILE_BYTES // (chunk * jnp.dtype(problem.x.dtype).itemsize)))
-  fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=1)
-  bwd = most_stages(problem, chip, backward=True, rows=rows, ctas_per_sm=1)
-  return Config(rows=rows, stages=max(1, min(MOST_STAGES, fwd)), ctas_per_sm=1,
-                bwd_stages=max(1, min(MOST_STAGES, bwd)))
+  persistent = Config(
+      rows=rows, ctas_per_sm=1,
+      stages=max(1, min(MOST_STAGES, most_stages(problem, chip, backward=False, rows=rows,
+                                                  ctas_per_sm=1))),
+      bwd_stages=max(1, min(MOST_STAGES, most_stages(problem, chip, backward=True, rows=rows,
+                                                     ctas_per_sm=1))))
+  if min(fwd, bwd) < RUN:
+    return persistent
+  tiles = problem.x.shape[0] * (problem.x.shape[1] // chunk)  # one-row tiles: CTAs x runs
+  bwd_run = BIAS_BWD_RUN if problem.op == "bias_activation" else RUN
+  runs = dict(bwd_rows=1, bwd_stages=min(MOST_STAGES, bwd),
+              bwd_per_cta=_mosaic_gpu.run_length(tiles, bwd_run, chip))
+  if (problem.op, problem.activation) in PERSISTENT_FORWARD:
+    return dataclasses.replace(persistent, **runs)
+  return Config(rows=1, stages=min(MOST_STAGES, fwd), ctas_per_sm=RUN_CTAS_PER_SM,
+                per_cta=_mosaic_gpu.run_length(tiles, RUN, chip), **runs)
 
 
 def unsupported(problem, chip) -> str | None:
@@ -130,12 +147,13 @@ def unsupported(problem, chip) -> str | None:
 
 
 def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
-  for backward, stages in ((False, config.stages), (True, config.bwd_stages)):
-    most = most_stages(problem, chip, backward=backward, rows=config.rows,
+  for backward in (False, True):
+    rows, stages, _ = config.walk(backward)
+    most = most_stages(problem, chip, backward=backward, rows=rows,
                        ctas_per_sm=config.ctas_per_sm)
     if stages > most:
       prefix = "bwd_" if backward else ""
-      return (f"{prefix}stages={stages} tiles of rows={config.rows} do not fit a CTA's shared "
+      return (f"{prefix}stages={stages} tiles of rows={rows} do not fit a CTA's shared "
               f"memory at ctas_per_sm={config.ctas_per_sm} (at most {max(most, 0)})")
   return None
 
@@ -159,10 +177,10 @@ class _Grid:
   stages: int
 
   @classmethod
-  def of(cls, n_rows: int, n_cols: int, config: Config, stages: int, per_cta: int, interpret,
-         *arrays):
+  def of(cls, n_rows: int, n_cols: int, config: Config, backward: bool, interpret, *arrays):
     row = _mosaic_gpu.Row.of(n_cols, interpret, *arrays)
-    rows = config.rows if n_rows % config.rows == 0 else 1
+    rows, stages, per_cta = config.walk(backward)
+    rows = rows if n_rows % rows == 0 else 1
     n_row_blocks = n_rows // rows
     per_cta = min(per_cta, n_row_blocks)
     if per_cta:
@@ -307,7 +325,7 @@ def _bias_scratch(grid: _Grid, bias):
 
 def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False):
   n_rows, n_cols = x.shape
-  grid = _Grid.of(n_rows, n_cols, config, config.stages, config.per_cta, interpret, x)
+  grid = _Grid.of(n_rows, n_cols, config, False, interpret, x)
   bias = _bias_vector(x, bias)
   (y,) = _run(functools.partial(_bias_act_fwd_kernel, activation=activation), grid,
               (x, bias), [grid.out(n_rows, n_cols, x.dtype)], _bias_scratch(grid, bias),
@@ -317,7 +335,7 @@ def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False)
 
 def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=False):
   n_rows, n_cols = x.shape
-  grid = _Grid.of(n_rows, n_cols, config, config.bwd_stages, config.bwd_per_cta, interpret, x,
+  grid = _Grid.of(n_rows, n_cols, config, True, interpret, x,
                   dy)
   vector = _bias_vector(x, bias)
   dx, partials = _run(
@@ -333,7 +351,7 @@ def glu_fwd(gate, up, *, activation, config: Config, interpret=False):
   place."""
   packed = up is None
   n_rows, n_cols = gate.shape[0], gate.shape[1] // (2 if packed else 1)
-  grid = _Grid.of(n_rows, n_cols, config, config.stages, config.per_cta, interpret, gate)
+  grid = _Grid.of(n_rows, n_cols, config, False, interpret, gate)
   operands = (gate,) if packed else (gate, up)
   (y,) = _run(functools.partial(_glu_fwd_kernel, activation=activation, packed=packed), grid,
               operands, [grid.out(n_rows, n_cols, gate.dtype)],
@@ -345,7 +363,7 @@ def glu_bwd(gate, up, dy, *, activation, config: Config, interpret=False):
   """(d gate, d up); ``up=None``: (d[gate | up], None), written side by side as one array."""
   packed = up is None
   n_rows, n_cols = gate.shape[0], gate.shape[1] // (2 if packed else 1)
-  grid = _Grid.of(n_rows, n_cols, config, config.bwd_stages, config.bwd_per_cta, interpret,
+  grid = _Grid.of(n_rows, n_cols, config, True, interpret,
                   gate, dy)
   if packed:
     (dx,) = _run(functools.partial(_glu_bwd_kernel, activation=activation, packed=True), grid,

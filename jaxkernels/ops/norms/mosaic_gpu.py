@@ -10,8 +10,9 @@ keeps bytes in flight. A row is read from shared memory in ``chunk``-wide pieces
 warpgroup-strided vector each (16 contiguous bytes a thread, 128 threads side by side), and
 the outputs go from registers straight to global memory: plain vector stores, nothing waits
 on them. The backward recomputes the row's statistics from h (already in shared memory), so
-the forward writes none. d(scale) and d(bias) accumulate in each CTA's shared memory, each
-element owned by the thread that updates it, one float32 row a CTA, summed by XLA afterwards.
+the forward writes none. d(scale) and d(bias) accumulate over a CTA's rows in its threads'
+registers, carried from step to step (in shared memory where the rows are too wide for
+registers: ``_sums_in_registers``), and leave as one float32 row a CTA, summed by XLA.
 
 Nothing here is Hopper-only but the bulk copy, which Blackwell has too: the kernels take no
 wgmma, no cluster and no warpgroup register moves. Dispatch still offers them on sm90 alone
@@ -47,12 +48,19 @@ def _rings(problem, backward: bool, rows: int) -> list[int]:
   return [rows * x.shape[1] * jnp.dtype(a.dtype).itemsize for a in arrays if a is not None]
 
 
+def _sums_in_registers(n_cols: int, has_bias: bool) -> bool:
+  """Whether the backward's d(scale) (and d(bias)) sums fit a thread's registers: 64 float32
+  a thread, a 4096-wide row's two sums. Wider rows keep them in shared memory."""
+  return (2 if has_bias else 1) * n_cols <= _mosaic_gpu.RESIDENT_FLOATS * _mosaic_gpu.WARPGROUP
+
+
 def _vectors(problem, backward: bool) -> list[int]:
-  """The float32 rows beside the rings: scale (and bias) forward; scale and the d(scale)
-  (and d(bias)) accumulators backward."""
-  count = (3 if problem.bias is not None else 2) if backward else (
-      2 if problem.bias is not None else 1)
-  return [4 * problem.x.shape[1]] * count
+  """The float32 rows beside the rings: scale (and bias) forward; scale backward, and the
+  d(scale) (and d(bias)) sums where they are not in registers."""
+  has_bias, n_cols = problem.bias is not None, problem.x.shape[1]
+  count = (2 if has_bias else 1) if not backward else (
+      1 if _sums_in_registers(n_cols, has_bias) else 2 + has_bias)
+  return [4 * n_cols] * count
 
 
 def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
@@ -227,14 +235,16 @@ def _bwd_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_blocks, rows, row, st
   dr_g = refs.pop(0) if dual_dx else None
   ds_g = refs.pop(0)
   db_g = refs.pop(0) if has_bias else None
-  s_smem, ds_smem = refs.pop(0), refs.pop(0)
-  db_smem = refs.pop(0) if has_bias else None
-  barrier = refs.pop(0)
+  s_smem = refs.pop(0)
+  # The sums: (d(scale), d(bias)) chunks carried in registers from step to step, or rows in
+  # shared memory, each element owned by the thread that updates it.
+  sums_smem = refs[:-1]
+  barrier = refs[-1]
+  n_sums = 2 if has_bias else 1
 
   cta = lax.axis_index("cta")
   _mosaic_gpu.copy_vectors([(s_g, s_smem)], barrier.at[0])
-  sums = [ds_smem] + ([db_smem] if has_bias else [])
-  for acc in sums:  # each thread zeroes, updates and writes out the elements it owns
+  for acc in sums_smem:
     for c in row.chunks:
       acc.at[row.cols(c)][...] = row.zeros()
   count, block, spec = _mosaic_gpu.row_blocks(cta, ctas, n_blocks, rows, row, per_cta)
@@ -242,6 +252,9 @@ def _bwd_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_blocks, rows, row, st
   def body(indices, h_block, dy_block, *rest):
     (i,) = indices
     first = block(i) * rows
+    if not sums_smem:
+      *rest, carry = rest
+      carry = [list(chunks) for chunks in carry]
 
     def h_of(j):
       return lambda c: row.load(h_block.at[j], c)
@@ -269,18 +282,26 @@ def _bwd_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_blocks, rows, row, st
         d_scale = dy * n if d_scale is None else d_scale + dy * n
         if has_bias:
           d_bias = dy if d_bias is None else d_bias + dy
-      ds_smem.at[row.cols(c)][...] = row.load(ds_smem, c) + d_scale
-      if has_bias:
-        db_smem.at[row.cols(c)][...] = row.load(db_smem, c) + d_bias
+      for k, term in enumerate([d_scale, d_bias][:n_sums]):
+        if sums_smem:
+          sums_smem[k].at[row.cols(c)][...] = row.load(sums_smem[k], c) + term
+        else:
+          carry[k][c] = carry[k][c] + term
     if not auto_barriers:
       plgpu.commit_smem()
+    if not sums_smem:
+      return tuple(tuple(chunks) for chunks in carry)
+    return None
 
   inputs = [h_g, dy_g] + ([dh_g] if has_dh else [])
-  plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec] * len(inputs),
-                      max_concurrent_steps=stages)(*inputs)
-  for acc, out in zip(sums, [ds_g] + ([db_g] if has_bias else [])):
+  init = (None if sums_smem else
+          tuple(tuple(row.zeros() for _ in row.chunks) for _ in range(n_sums)))
+  carry = plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec] * len(inputs),
+                              max_concurrent_steps=stages, init_carry=init)(*inputs)
+  for k, out in enumerate([ds_g] + ([db_g] if has_bias else [])):
     for c in row.chunks:
-      out.at[cta, row.cols(c)][...] = row.load(acc, c)
+      out.at[cta, row.cols(c)][...] = (row.load(sums_smem[k], c) if sums_smem
+                                       else carry[k][c])
 
 
 # --------------------------------------------------------------------------- #
@@ -339,8 +360,9 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
     out_type.append(jax.ShapeDtypeStruct(shape, residual_dtype))
   partials = jax.ShapeDtypeStruct((ctas, *shape[1:]), jnp.float32)
   out_type += [partials] * (2 if bias is not None else 1)
-  scratch = [plgpu.SMEM(shape[1:], jnp.float32)
-             for _ in range(2 + (1 if bias is not None else 0))]
+  n_smem = 1 + (0 if _sums_in_registers(n_cols, bias is not None) else
+                 (2 if bias is not None else 1))
+  scratch = [plgpu.SMEM(shape[1:], jnp.float32) for _ in range(n_smem)]
   scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=1))
   inputs = [row.pieces(h), row.pieces(scale.astype(jnp.float32)), row.pieces(dy)]
   if dh is not None:
