@@ -27,10 +27,13 @@ def _x(*shape, tag="x"):
 def _grads(module, fn, *args):
   """(output, the gradient of sum(output * ct) by the module's parameters), each one program
   (as a train step runs them; op by op, each of the module's primitives compiled on its own,
-  took twice the time)."""
-  out = nnx.jit(fn)(module, *args)
-  ct = numerics.normal(numerics.rng("flax ct", out.shape), out.shape, jnp.float32)
-  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(fn(m, *args) * ct)))(module)
+  took twice the time). In float32 products ("highest"): the GPU's default, tf32, rounds
+  each side's operands apart where they differ in their last bits (a gradient's glu pass
+  against XLA's), 1e-3 apart after the next product (H200, jax 0.12, seed 895108070)."""
+  with jax.default_matmul_precision("highest"):
+    out = nnx.jit(fn)(module, *args)
+    ct = numerics.normal(numerics.rng("flax ct", out.shape), out.shape, jnp.float32)
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(fn(m, *args) * ct)))(module)
   return out, grads
 
 

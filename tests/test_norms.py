@@ -202,40 +202,49 @@ class TestNormsMosaicGpu(NormTest):
     primals, ct = self.inputs((6, 8192), jnp.bfloat16, True, True)
     self.check(True, primals, ct, jnp.bfloat16)
 
-  @pytest.mark.parametrize("rows,bwd_rows,per_cta", [(2, 2, 0), (2, 1, 0), (2, 1, 3)])
-  def test_row_blocks(self, rows, bwd_rows, per_cta):
+  @pytest.mark.parametrize("rows,bwd_rows,per_cta,in_registers",
+                           [(2, 2, 0, False), (2, 1, 0, True), (2, 1, 3, False), (2, 2, 3, True)])
+  def test_row_blocks(self, rows, bwd_rows, per_cta, in_registers):
     """Two rows a pipeline step; an odd row count takes one a step instead. Persistent grids
     (per_cta 0), and runs of three blocks a CTA, the last run shorter (forward and backward:
-    the backward's partials then one a run)."""
+    the backward's partials then one a run). The backward's sums in shared memory and in
+    registers."""
     for n in (10, 9):
       primals, ct = self.inputs((n, 256), jnp.float32, True, True)
       config = norms_mosaic_gpu.Config(stages=2, ctas_per_sm=1, bwd_stages=3,
                                        bwd_ctas_per_sm=1, rows=rows, bwd_rows=bwd_rows,
-                                       per_cta=per_cta, bwd_per_cta=per_cta)
+                                       per_cta=per_cta, bwd_per_cta=per_cta,
+                                       bwd_sums_in_registers=in_registers)
       self.check(True, primals, ct, jnp.float32, config)
 
   def test_heuristic_walks(self):
     """The forward in runs of RUN blocks a CTA where two CTAs' rings fit an SM (one block a CTA
     where runs would leave SMs idle), a persistent grid where they do not (layer_norm's two-row blocks beside a float32 residual); the
-    backward, with its partials a CTA, always persistent; without a residual, one-row blocks
-    three CTAs an SM where they fit (their d(scale) and d(bias) sums in registers)
-    (bench/NOTES.md mgpu-rows-2, mgpu-rows-3)."""
+    backward, with its partials a CTA, always persistent: rms_norm's without a residual
+    three CTAs an SM, its sums in shared memory; layer_norm's sums in registers where they
+    fit (bench/NOTES.md mgpu-rows-2, mgpu-rows-3)."""
     chip = hardware.chip("H200")
     x = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((4096,), jnp.float32)
     f32 = jax.ShapeDtypeStruct((16384, 4096), jnp.float32)
     small = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)  # fewer rows than SMs: one a CTA
     run = norms_mosaic_gpu.RUN
-    for rows, layer, bias, residual, want, bwd in (
-        (x, False, None, None, run, (1, 3)), (x, False, None, f32, run, None),
-        (x, True, s, x, run, None), (x, True, s, f32, 0, None), (x, True, None, None, run, (1, 3)),
-        (x, True, s, None, run, (1, 3)), (small, False, None, small, 1, None)):
-      problem = Problem(rows, s, bias, residual, layer)
+    wide = jax.ShapeDtypeStruct((1024, 8192), jnp.bfloat16)
+    s8 = jax.ShapeDtypeStruct((8192,), jnp.float32)
+    for rows, scale, layer, bias, residual, want, bwd in (
+        (x, s, False, None, None, run, (1, 3, False)), (x, s, False, None, f32, run, None),
+        (x, s, True, s, x, run, (2, 1, True)), (x, s, True, s, f32, 0, None),
+        (x, s, True, s, None, run, (2, 1, True)), (small, s, False, None, small, 1, None),
+        (wide, s8, True, s8, None, 0, (2, 1, False))):
+      problem = Problem(rows, scale, bias, residual, layer)
       config = norms_mosaic_gpu.heuristic(problem, chip)
       assert (config.per_cta, config.bwd_per_cta) == (want, 0), (layer, residual, config)
       if bwd is not None:
-        assert (config.bwd_rows, config.bwd_ctas_per_sm) == bwd, (layer, bias, config)
+        got = (config.bwd_rows, config.bwd_ctas_per_sm, config.bwd_sums_in_registers)
+        assert got == bwd, (layer, bias, config)
       assert norms_mosaic_gpu.config_error(problem, config, chip) is None
+    too_wide = norms_mosaic_gpu.Config(**{**config.__dict__, "bwd_sums_in_registers": True})
+    assert "bwd_sums_in_registers=True" in norms_mosaic_gpu.config_error(problem, too_wide, chip)
 
   def test_checkpoint_grad(self):
     """Compiled, the numerics under remat; interpreted (the interpreter's callbacks cannot pass

@@ -12,7 +12,8 @@ the outputs go from registers straight to global memory: plain vector stores, no
 on them. The backward recomputes the row's statistics from h (already in shared memory), so
 the forward writes none. d(scale) and d(bias) accumulate over a CTA's rows in its threads'
 registers, carried from step to step (in shared memory where the rows are too wide for
-registers: ``_sums_in_registers``), and leave as one float32 row a CTA, summed by XLA.
+registers: ``Config.bwd_sums_in_registers``), and leave as one float32 row a CTA, summed by
+XLA.
 
 Nothing here is Hopper-only but the bulk copy, which Blackwell has too: the kernels take no
 wgmma, no cluster and no warpgroup register moves. Dispatch still offers them on sm90 alone
@@ -37,6 +38,9 @@ class Config(_mosaic_gpu.RowConfig):
   # Pallas' automatic barriers (a warpgroup barrier around every store), or only the one a
   # row needs: all reads of its shared-memory slot done before the next copy refills it.
   auto_barriers: bool = False
+  # The backward's d(scale) (and d(bias)) sums in registers, carried from step to step, or in
+  # shared memory (``_sums_in_registers`` says where registers hold them).
+  bwd_sums_in_registers: bool = False
 
 
 def _rings(problem, backward: bool, rows: int) -> list[int]:
@@ -54,20 +58,21 @@ def _sums_in_registers(n_cols: int, has_bias: bool) -> bool:
   return (2 if has_bias else 1) * n_cols <= _mosaic_gpu.RESIDENT_FLOATS * _mosaic_gpu.WARPGROUP
 
 
-def _vectors(problem, backward: bool) -> list[int]:
+def _vectors(problem, backward: bool, sums_in_registers: bool) -> list[int]:
   """The float32 rows beside the rings: scale (and bias) forward; scale backward, and the
   d(scale) (and d(bias)) sums where they are not in registers."""
   has_bias, n_cols = problem.bias is not None, problem.x.shape[1]
   count = (2 if has_bias else 1) if not backward else (
-      1 if _sums_in_registers(n_cols, has_bias) else 2 + has_bias)
+      1 if sums_in_registers else 2 + has_bias)
   return [4 * n_cols] * count
 
 
-def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
+def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int,
+                sums_in_registers: bool = False) -> int:
   """Blocks of ``rows`` rows a CTA's rings hold beside its vectors
   (``_mosaic_gpu.ring_stages``), ``ctas_per_sm`` CTAs sharing an SM's shared memory."""
   return _mosaic_gpu.ring_stages(chip, ctas_per_sm, _rings(problem, backward, rows),
-                                 _vectors(problem, backward))
+                                 _vectors(problem, backward, sums_in_registers))
 
 
 # Blocks a forward CTA where the hardware hands out runs of them (``Config.per_cta``), and
@@ -81,11 +86,12 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``norms.api.Problem``. Measured on an H200 at (16384, 4096) bf16 and
   at the model's (16384, 1024) with a float32 residual (bench/NOTES.md, mgpu-norms-3):
   layer_norm takes its rows two to a step (two rows' statistics in flight: forward 0.074 ms
-  against 0.087 for one), rms_norm one; a backward without a residual (two streams in, one
-  out) runs one-row blocks three CTAs an SM where two steps of them fit (rms_norm's 0.175 ms
-  against 0.192 for one; layer_norm's backward kernel without a bias 0.105 ms against 0.111
-  for two-row blocks one CTA an SM, mgpu-rows-3); the rest one CTA an SM, with as many steps
-  in flight as shared memory holds, up to 8. The forward goes in runs of
+  against 0.087 for one), rms_norm one; rms_norm's backward without a residual (two streams
+  in, one out) runs three CTAs an SM (0.175 ms against 0.192 for one), its sums in shared
+  memory (in registers its kernel took 0.110 ms against 0.098); the rest one CTA an SM, with as
+  many steps in flight as shared memory holds, up to 8. layer_norm's backward carries its
+  sums in registers where they fit: its kernel with a bias 0.105 ms against 0.125 in shared
+  memory (Triton's 0.118), with a residual no different (mgpu-rows-3). The forward goes in runs of
   RUN blocks a CTA where they fit: rms+residual's 0.134 ms against 0.146 on a persistent grid
   (Triton's 0.132), layer+residual's 0.134 against 0.147 (0.140), layer_norm's 0.069 against
   0.080 (0.072) (mgpu-rows-2)."""
@@ -93,14 +99,16 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   fwd = most_stages(problem, chip, backward=False, rows=rows, ctas_per_sm=1)
   if fwd < 2:
     rows, fwd = 1, most_stages(problem, chip, backward=False, rows=1, ctas_per_sm=1)
+  sums = problem.layer and _sums_in_registers(problem.x.shape[1], problem.bias is not None)
   bwd_rows, bwd_per_sm = rows, 1
-  if problem.residual is None and most_stages(problem, chip, backward=True, rows=1,
-                                              ctas_per_sm=3) >= 2:
-    bwd_rows, bwd_per_sm = 1, 3
-  bwd = most_stages(problem, chip, backward=True, rows=bwd_rows, ctas_per_sm=bwd_per_sm)
+  if not problem.layer and problem.residual is None:
+    bwd_per_sm = 3
+  bwd = most_stages(problem, chip, backward=True, rows=bwd_rows, ctas_per_sm=bwd_per_sm,
+                    sums_in_registers=sums)
   if bwd < 2:
     bwd_rows, bwd_per_sm = 1, 1
-    bwd = most_stages(problem, chip, backward=True, rows=1, ctas_per_sm=1)
+    bwd = most_stages(problem, chip, backward=True, rows=1, ctas_per_sm=1,
+                      sums_in_registers=sums)
   # The forward in runs of RUN blocks a CTA, the hardware handing them out as CTAs end, where
   # RUN_CTAS_PER_SM CTAs fit an SM (the backward's d(scale) partials are one float32 row a
   # CTA: it keeps its persistent grid).
@@ -109,7 +117,7 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
     run = _mosaic_gpu.run_length(problem.x.shape[0] // rows, RUN, chip)
   return Config(stages=max(1, min(8, fwd)), ctas_per_sm=1, rows=rows,
                 bwd_stages=max(1, min(8, bwd)), bwd_ctas_per_sm=bwd_per_sm, bwd_rows=bwd_rows,
-                per_cta=run)
+                per_cta=run, bwd_sums_in_registers=sums)
 
 
 def unsupported(problem, chip) -> str | None:
@@ -131,7 +139,14 @@ def unsupported(problem, chip) -> str | None:
 
 
 def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
-  return config.error(most_stages, problem, chip)
+  n_cols, has_bias = problem.x.shape[1], problem.bias is not None
+  if config.bwd_sums_in_registers and not _sums_in_registers(n_cols, has_bias):
+    return (f"bwd_sums_in_registers=True holds {2 if has_bias else 1} float32 rows of "
+            f"{n_cols} a warpgroup in registers, more than "
+            f"{_mosaic_gpu.RESIDENT_FLOATS} a thread; it takes False at this width")
+  return config.error(functools.partial(most_stages,
+                                        sums_in_registers=config.bwd_sums_in_registers),
+                      problem, chip)
 
 
 # --------------------------------------------------------------------------- #
@@ -360,8 +375,7 @@ def backward(h, scale, bias, stats, dy, dh, *, layer: bool, eps: float, config: 
     out_type.append(jax.ShapeDtypeStruct(shape, residual_dtype))
   partials = jax.ShapeDtypeStruct((ctas, *shape[1:]), jnp.float32)
   out_type += [partials] * (2 if bias is not None else 1)
-  n_smem = 1 + (0 if _sums_in_registers(n_cols, bias is not None) else
-                 (2 if bias is not None else 1))
+  n_smem = 1 + (0 if config.bwd_sums_in_registers else (2 if bias is not None else 1))
   scratch = [plgpu.SMEM(shape[1:], jnp.float32) for _ in range(n_smem)]
   scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=1))
   inputs = [row.pieces(h), row.pieces(scale.astype(jnp.float32)), row.pieces(dy)]
