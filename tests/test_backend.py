@@ -74,16 +74,19 @@ def test_a_kernel_on_request_is_the_second_choice():
   with pytest.warns(jk.FallbackWarning, match="mosaic_gpu: rows too odd"):
     assert dispatch.select("op", None, H200, neither, {"mosaic_gpu"}) == "xla"
   assert dispatch.on_request(backend.registered()["rms_norm"].kernels) == frozenset()
-  # A predicate of the call: glu's Mosaic GPU kernels are preferred for silu only (the one
-  # measured at Triton's time), bias_activation's for none.
+  # A predicate of the call: glu's Mosaic GPU kernels are preferred for silu and gelu,
+  # bias_activation's for silu (forward+backward measured at Triton's time), on request else.
   glu, bias = backend.registered()["glu"], backend.registered()["bias_activation"]
   x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
-  for activation, want in (("gelu", {"mosaic_gpu"}), ("silu", frozenset())):
+  for activation, want in (("gelu", frozenset()), ("silu", frozenset()),
+                           ("gelu_tanh", {"mosaic_gpu"})):
     problem = glu.problem(glu.validate(x, x, activation=activation))
     assert dispatch.on_request(glu.kernels, problem) == want, activation
+  for activation, want in (("gelu", {"mosaic_gpu"}), ("silu", frozenset()),
+                           ("gelu_tanh", {"mosaic_gpu"})):
     problem = bias.problem(bias.validate(x, jax.ShapeDtypeStruct((512,), jnp.float32),
                                          activation=activation))
-    assert dispatch.on_request(bias.kernels, problem) == {"mosaic_gpu"}, activation
+    assert dispatch.on_request(bias.kernels, problem) == want, activation
   assert dispatch.on_request(glu.kernels) == frozenset()  # no call: none never picked
 
 
