@@ -109,10 +109,10 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   hardware handing them out as CTAs end, where RUN_CTAS_PER_SM CTAs' rings fit an SM: on an
   H200 that beat a persistent grid by 5-15% (a static share per CTA ends with the slowest SM)
   and matched or beat Triton's forwards and backwards for silu (bench/NOTES.md mgpu-rows-2);
-  erf's gelu too since the bias is held in registers (glu's gelu 0.096 / 0.160 ms forward /
-  backward against 0.114 / 0.178 persistent, bias+gelu's backward 0.105 against 0.115,
-  mgpu-rows-3), but for PERSISTENT_FORWARD's forwards. Where runs do not fit, the persistent
-  walk: 16 KiB tiles, one CTA an SM, up to MOST_STAGES in flight."""
+  for erf's gelu too (glu's 0.096 / 0.160 ms forward / backward against 0.114 / 0.178
+  persistent; bias+gelu's backward 0.105 against 0.115, mgpu-rows-3), but for
+  PERSISTENT_FORWARD's forwards. Where runs do not fit, the persistent walk: 16 KiB tiles, one
+  CTA an SM, up to MOST_STAGES in flight."""
   _, geometry = _walk(problem)
   chunk = geometry[1] if geometry is not None else _mosaic_gpu.MAX_CHUNK
   fwd, bwd = (most_stages(problem, chip, backward=b, rows=1, ctas_per_sm=RUN_CTAS_PER_SM)
@@ -335,8 +335,7 @@ def bias_activation_fwd(x, bias, *, activation, config: Config, interpret=False)
 
 def bias_activation_bwd(x, bias, dy, *, activation, config: Config, interpret=False):
   n_rows, n_cols = x.shape
-  grid = _Grid.of(n_rows, n_cols, config, True, interpret, x,
-                  dy)
+  grid = _Grid.of(n_rows, n_cols, config, True, interpret, x, dy)
   vector = _bias_vector(x, bias)
   dx, partials = _run(
       functools.partial(_bias_act_bwd_kernel, activation=activation), grid, (x, vector, dy),
@@ -363,8 +362,7 @@ def glu_bwd(gate, up, dy, *, activation, config: Config, interpret=False):
   """(d gate, d up); ``up=None``: (d[gate | up], None), written side by side as one array."""
   packed = up is None
   n_rows, n_cols = gate.shape[0], gate.shape[1] // (2 if packed else 1)
-  grid = _Grid.of(n_rows, n_cols, config, True, interpret,
-                  gate, dy)
+  grid = _Grid.of(n_rows, n_cols, config, True, interpret, gate, dy)
   if packed:
     (dx,) = _run(functools.partial(_glu_bwd_kernel, activation=activation, packed=True), grid,
                  (gate, dy), [grid.out(n_rows, 2 * n_cols, gate.dtype)],

@@ -11,9 +11,9 @@ warpgroup-strided vector each (16 contiguous bytes a thread, 128 threads side by
 the outputs go from registers straight to global memory: plain vector stores, nothing waits
 on them. The backward recomputes the row's statistics from h (already in shared memory), so
 the forward writes none. d(scale) and d(bias) accumulate over a CTA's rows in its threads'
-registers, carried from step to step (in shared memory where the rows are too wide for
-registers: ``Config.bwd_sums_in_registers``), and leave as one float32 row a CTA, summed by
-XLA.
+registers, carried from step to step, or in shared memory, each element owned by the thread
+that updates it (``Config.bwd_sums_in_registers``: layer_norm's in registers where they fit,
+rms_norm's in shared memory, as measured), and leave as one float32 row a CTA, summed by XLA.
 
 Nothing here is Hopper-only but the bulk copy, which Blackwell has too: the kernels take no
 wgmma, no cluster and no warpgroup register moves. Dispatch still offers them on sm90 alone
@@ -39,7 +39,7 @@ class Config(_mosaic_gpu.RowConfig):
   # row needs: all reads of its shared-memory slot done before the next copy refills it.
   auto_barriers: bool = False
   # The backward's d(scale) (and d(bias)) sums in registers, carried from step to step, or in
-  # shared memory (``_sums_in_registers`` says where registers hold them).
+  # shared memory (``_sums_in_registers``: the widths whose sums registers hold).
   bwd_sums_in_registers: bool = False
 
 
