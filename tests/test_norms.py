@@ -290,6 +290,28 @@ class TestNormsMosaicGpu(NormTest):
     cuda_lowering(bwd, p.x if p.residual is None else p.residual, p.scale, p.bias, p.x,
                   p.residual)
 
+  @pytest.mark.parametrize("bias", [False, True])
+  @pytest.mark.parametrize("residual", [None, jnp.float32])
+  def test_sums_in_registers_lower_for_cuda(self, bias, residual):
+    """layer_norm's backward at the widest rows whose sums its registers hold (4096 with a
+    bias, 8192 without): the heuristic asks for them there, and the kernel lowers for CUDA
+    beside as many steps as its shared memory then holds."""
+    chip = hardware.chip("H200")
+    n = 4096 if bias else 8192
+    x = jax.ShapeDtypeStruct((2048, n), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((n,), jnp.float32)
+    r = None if residual is None else jax.ShapeDtypeStruct((2048, n), residual)
+    p = Problem(x, s, s if bias else None, r, True)
+    config = norms_mosaic_gpu.heuristic(p, chip)
+    assert config.bwd_sums_in_registers, config
+    wider = Problem(jax.ShapeDtypeStruct((2048, n + 128), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((n + 128,), jnp.float32),
+                    jax.ShapeDtypeStruct((n + 128,), jnp.float32) if bias else None, None, True)
+    assert not norms_mosaic_gpu.heuristic(wider, chip).bwd_sums_in_registers
+    bwd = lambda h, s, b, dy, dh: norms_mosaic_gpu.backward(
+        h, s, b, (), dy, dh, layer=True, eps=EPS, config=config, residual_dtype=residual)
+    cuda_lowering(bwd, x if r is None else r, s, p.bias, x, r)
+
   @pytest.mark.parametrize("cols", [200, 129, 1])
   def test_unsupported_width_names_why(self, cols):
     x = jnp.ones((4, cols), jnp.bfloat16)
