@@ -421,21 +421,23 @@ def run_length(n_blocks: int, run: int, chip: hardware.Chip | None = None) -> in
   return max(1, min(run, n_blocks // (chip or hardware.DEFAULT_GPU).cores))
 
 
-def row_ctas(n_blocks: int, per_sm: int, per_cta: int = 0) -> int:
-  """CTAs of a row kernel: ``per_sm`` an SM, no more than there are blocks (a persistent
-  grid); with ``per_cta``, one CTA a run of that many blocks (the hardware's scheduler starts
-  each as an earlier one ends: :func:`row_blocks`)."""
+def row_ctas(n_blocks: int, per_sm: int, per_cta: int = 0, walks: int = 1) -> int:
+  """CTAs of a row kernel's walk over ``n_blocks`` blocks: ``per_sm`` an SM, shared by
+  ``walks`` such walks side by side (an elementwise kernel's column chunks), no more than
+  there are blocks (a persistent grid); with ``per_cta``, one CTA a run of that many blocks
+  (the hardware's scheduler starts each as an earlier one ends: :func:`row_blocks`)."""
   if per_cta:
-    return -(-n_blocks // per_cta)
-  return max(1, min(n_blocks, per_sm * num_sms()))
+    return cdiv(n_blocks, per_cta)
+  return max(1, min(n_blocks, per_sm * num_sms() // walks))
 
 
-def row_launch(n_blocks: int, per_sm: int, per_cta: int, stages: int) -> tuple[int, int, int]:
+def row_launch(n_blocks: int, per_sm: int, per_cta: int, stages: int,
+               walks: int = 1) -> tuple[int, int, int]:
   """A row kernel's launch over ``n_blocks`` blocks: ``(per_cta, ctas, stages)``, the run no
-  longer than the blocks (0: a persistent grid), the CTAs (:func:`row_ctas`), and no more
-  blocks in flight than a CTA takes."""
+  longer than the blocks (0: a persistent grid), the CTAs of the walk (:func:`row_ctas`), and
+  no more blocks in flight than a CTA takes."""
   per_cta = min(per_cta, n_blocks)
-  ctas = row_ctas(n_blocks, per_sm, per_cta)
+  ctas = row_ctas(n_blocks, per_sm, per_cta, walks)
   return per_cta, ctas, min(stages, per_cta or cdiv(n_blocks, ctas))
 
 

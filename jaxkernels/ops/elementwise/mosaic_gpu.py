@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _activations, _mosaic_gpu, hardware
-from jaxkernels._tiling import cdiv, check_fields
+from jaxkernels._tiling import check_fields
 
 # The persistent walk's tiles: rows a tile = TILE_BYTES // (chunk x itemsize), at least one
 # and at most MOST_ROWS (a tile's rows are unrolled in the kernel).
@@ -182,14 +182,10 @@ class _Grid:
     rows, stages, per_cta = config.walk(backward)
     rows = rows if n_rows % rows == 0 else 1
     n_row_blocks = n_rows // rows
-    per_cta = min(per_cta, n_row_blocks)
-    if per_cta:
-      row_programs = cdiv(n_row_blocks, per_cta)
-    else:
-      per_chunk = config.ctas_per_sm * _mosaic_gpu.num_sms() // len(row.chunks)
-      row_programs = max(1, min(n_row_blocks, per_chunk))
-    return cls(row, rows, n_row_blocks, row_programs, per_cta,
-               min(stages, per_cta or cdiv(n_row_blocks, row_programs)))
+    # Each column chunk's rows are a walk of their own, its programs a share of the SMs'.
+    per_cta, row_programs, stages = _mosaic_gpu.row_launch(
+        n_row_blocks, config.ctas_per_sm, per_cta, stages, walks=len(row.chunks))
+    return cls(row, rows, n_row_blocks, row_programs, per_cta, stages)
 
   @property
   def ctas(self) -> int:

@@ -109,9 +109,9 @@ def _gated_fwd(plan, p, a, b):
 def _gated_bwd(plan, p, saved, dy):
   a, b, z = saved
   # glu's backward on a GPU kernel beside the product's (only Mosaic GPU fuses the gate):
-  # Triton's where it serves (for silu 1% faster than Mosaic GPU's on an H200, for gelu 10%:
-  # bench/NOTES.md mgpu-rows-2); else (a JAX without Pallas Triton) the Mosaic GPU one; else
-  # dispatch's choice, the XLA reference.
+  # Triton's where it serves (as measured when this was written: bench/NOTES.md mgpu-rows-2;
+  # the two are level for silu and gelu since mgpu-rows-3); else (a JAX without Pallas Triton)
+  # the Mosaic GPU one; else dispatch's choice, the XLA reference.
   serving = [implementation for implementation in ("triton", plan.implementation)
              if backend.supports(elementwise.GLU.name, implementation, z,
                                  activation=p.activation)]
@@ -258,8 +258,8 @@ def _gate(z, args: Args, implementation):
 
 def _glu_implementation(implementation):
   """The implementation glu takes after a product on ``implementation``: the same, but for
-  mosaic_gpu, whose glu kernels dispatch prefers only where measured at Triton's time (silu):
-  dispatch picks glu's."""
+  mosaic_gpu, whose glu kernels dispatch prefers only where measured at Triton's time
+  (``elementwise.mosaic_gpu.AT_PARITY``): dispatch picks glu's."""
   return None if implementation == "mosaic_gpu" else implementation
 
 
