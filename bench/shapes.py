@@ -16,6 +16,8 @@ from jaxkernels import roofline
 HEADLINE_ROWS = (16384, 4096)
 # Small enough for interpret mode on a CPU, odd enough to exercise partial blocks.
 SMOKE_ROWS = (300, 1000)
+# Llama 2 7B's MLP width (11008 = 43 x 256): Mosaic GPU walks its rows in 256-column chunks.
+MLP_ROWS = (8192, 11008)
 
 # The tests' grid for every dtype: one element, odd widths under one block, a partial row block.
 SMALL_ROWS = ((1, 1), (3, 7), (37, 200), (130, 129))

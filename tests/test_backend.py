@@ -74,16 +74,16 @@ def test_a_kernel_on_request_is_the_second_choice():
   with pytest.warns(jk.FallbackWarning, match="mosaic_gpu: rows too odd"):
     assert dispatch.select("op", None, H200, neither, {"mosaic_gpu"}) == "xla"
   assert dispatch.on_request(backend.registered()["rms_norm"].kernels) == frozenset()
-  # A predicate of the call: glu's Mosaic GPU kernels are preferred for silu and gelu,
-  # bias_activation's for silu (forward+backward measured at Triton's time), on request else.
+  # A predicate of the call: glu's Mosaic GPU kernels are preferred for every activation,
+  # bias_activation's for silu and relu (forward+backward measured at Triton's time), on
+  # request for gelu and gelu_tanh.
   glu, bias = backend.registered()["glu"], backend.registered()["bias_activation"]
   x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
-  for activation, want in (("gelu", frozenset()), ("silu", frozenset()),
-                           ("gelu_tanh", {"mosaic_gpu"})):
+  for activation in ("gelu", "silu", "gelu_tanh", "relu"):
     problem = glu.problem(glu.validate(x, x, activation=activation))
-    assert dispatch.on_request(glu.kernels, problem) == want, activation
+    assert dispatch.on_request(glu.kernels, problem) == frozenset(), activation
   for activation, want in (("gelu", {"mosaic_gpu"}), ("silu", frozenset()),
-                           ("gelu_tanh", {"mosaic_gpu"})):
+                           ("gelu_tanh", {"mosaic_gpu"}), ("relu", frozenset())):
     problem = bias.problem(bias.validate(x, jax.ShapeDtypeStruct((512,), jnp.float32),
                                          activation=activation))
     assert dispatch.on_request(bias.kernels, problem) == want, activation

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,6 +228,20 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
     self.check_bias_activation(shape, jnp.float32, "gelu" if bwd_rows else "silu", "walk",
                                config=config)
 
+  def test_narrow_chunks(self):
+    """The heuristic's runs of several-row tiles (16 rows of 2816 bfloat16 columns: eleven
+    256-wide chunks, 2 or 4 rows a tile): bias_activation and packed glu; glu's two inputs
+    under SLOW."""
+    x = jax.ShapeDtypeStruct((16, 2816), jnp.bfloat16)
+    for op in ("bias_activation", "glu"):
+      config = elementwise_mosaic_gpu.heuristic(Problem(x, (("x", x),), op, "silu"),
+                                                hardware.chip("H200"))
+      assert config.per_cta >= 1 and min(config.rows, config.walk(True)[0]) >= 2, config
+    self.check_bias_activation(x.shape, x.dtype, "silu")
+    self.check_glu_packed(x.shape, x.dtype, "silu")
+    if numerics.SLOW or numerics.COMPILED:  # the same walk as packed's, two inputs
+      self.check_glu(x.shape, x.dtype, "silu")
+
   def test_heuristic_walks(self):
     """Runs of RUN tiles a CTA (hardware-scheduled), d(bias)'s backward in longer runs, one
     tile a CTA where runs would leave SMs idle; bias + erf's gelu's forward persistent, its
@@ -243,9 +259,32 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
       assert (config.per_cta, config.bwd_per_cta) == want, (op, activation, config)
       assert elementwise_mosaic_gpu.config_error(problem, config, chip) is None
       assert elementwise_mosaic_gpu.on_auto(problem) == (
-          (op, activation) in {("glu", "silu"), ("glu", "gelu"), ("bias_activation", "silu")})
+          op == "glu" or activation in ("silu", "relu"))
       if (op, activation) == ("bias_activation", "gelu") and x.shape[0] > 96:
         assert (config.rows, config.walk(True)[0]) == (4, 1), config
+      elif x.shape[0] > 96:
+        assert (config.rows, config.walk(True)[0]) == (1, 1), config
+
+  def test_heuristic_narrow_chunks(self):
+    """Rows whose chunks are narrow (2816 and 11008 columns: 256-wide chunks; 5504: 128) take
+    runs of tiles of several rows, each step's inputs RUN_STEP_BYTES (forward, backward);
+    one-row tiles of them ran at 1.3-3.3x Triton's time (bench/NOTES.md mgpu-rows-4). An odd
+    row count keeps one row a tile. bias_activation's backward keeps about BIAS_BWD_RUN rows
+    a CTA."""
+    chip = hardware.chip("H200")
+    for (cols, glu_rows, bias_rows), rows in itertools.product(
+        [(2816, (2, 2), (4, 2)), (11008, (2, 2), (4, 2)), (5504, (4, 4), (8, 4)),
+         (5632, (1, 1), (2, 1)), (1408, (1, 1), (1, 1))], (16384, 16383)):
+      x = jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16)
+      for op, want in (("glu", glu_rows), ("bias_activation", bias_rows)):
+        problem = Problem(x, (("x", x),), op, "silu")
+        config = elementwise_mosaic_gpu.heuristic(problem, chip)
+        got = (config.rows, config.walk(True)[0])
+        assert got == (want if rows % 2 == 0 else (1, 1)), (cols, rows, op, config)
+        assert config.per_cta >= 1 and config.bwd_per_cta >= 1, config
+        assert elementwise_mosaic_gpu.config_error(problem, config, chip) is None
+        if op == "bias_activation" and rows % 2 == 0:
+          assert config.bwd_per_cta * got[1] == elementwise_mosaic_gpu.BIAS_BWD_RUN, config
 
   def test_lowers_for_cuda_packed_in_place(self):
     """[gate | up] read and d[gate | up] written in place by one kernel each, no Triton."""

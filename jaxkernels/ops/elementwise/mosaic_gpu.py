@@ -37,6 +37,12 @@ MOST_STAGES = 6
 # CTAs an SM whose shared memory must fit for that to pay (else the persistent walk).
 RUN = 2
 RUN_CTAS_PER_SM = 4
+# A run's tiles take rows enough that one step's tiles (every input's) are this many bytes:
+# one row a tile where the row's chunk is wide (4096 bf16 columns: 2048-column chunks), more
+# where it is narrow (2816 or 11008 columns, whose chunks are 256 wide; 5504's 128). One-row
+# tiles of those moved 256-1024 bytes a copy: glu silu's forward 1.3-2.5x Triton's time,
+# bias+silu's 1.7-3.3x; with these, at or under Triton's (bench/NOTES.md mgpu-rows-4).
+RUN_STEP_BYTES = 2048
 # bias_activation's backward writes one float32 row of d(bias) partials a program: longer
 # runs there, so that those stay a few MiB.
 BIAS_BWD_RUN = 32
@@ -48,10 +54,11 @@ PERSISTENT_FORWARD = frozenset({("bias_activation", "gelu")})
 
 # Where dispatch prefers these kernels (op, activation): forward+backward measured at
 # Triton's time, within 1%, on an H200 (bench/NOTES.md mgpu-rows-3: glu silu 0.995x, glu gelu
-# 1.004x, bias+silu 0.999x). bias+gelu_tanh (0.974x) and bias+gelu (0.921x before its
-# persistent forward), their backwards 4-7% behind, and what was not timed (glu's gelu_tanh,
-# relu) serve a call naming them.
-AT_PARITY = frozenset({("glu", "silu"), ("glu", "gelu"), ("bias_activation", "silu")})
+# 1.004x, bias+silu 0.999x; mgpu-rows-4: glu gelu_tanh and relu 1.00x, bias+relu 1.006x).
+# bias+gelu_tanh (0.98x) and bias+gelu (0.97x), their backwards 5-7% behind, serve a call
+# naming them.
+AT_PARITY = frozenset({("glu", "silu"), ("glu", "gelu"), ("glu", "gelu_tanh"), ("glu", "relu"),
+                       ("bias_activation", "silu"), ("bias_activation", "relu")})
 
 
 def on_auto(problem) -> bool:
@@ -98,15 +105,31 @@ def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -
   if geometry is None:
     return 0
   chunk = geometry[1]
-  streams = (1 if problem.op == "bias_activation" else 2) + (1 if backward else 0)  # dy too
+  streams = _streams(problem, backward)
   tile = rows * chunk * jnp.dtype(problem.x.dtype).itemsize
   vectors = [4 * chunk] if problem.op == "bias_activation" else []
   return _mosaic_gpu.ring_stages(chip, ctas_per_sm, [tile] * streams, vectors)
 
 
+def _streams(problem, backward: bool) -> int:
+  """Inputs a step brings into shared memory: x (gate and up for glu), and dy backward."""
+  return (1 if problem.op == "bias_activation" else 2) + (1 if backward else 0)
+
+
+def run_rows(problem, chunk: int, backward: bool) -> int:
+  """Rows a run's tile (RUN_STEP_BYTES a step): the fewest, a power of two that divides the
+  rows, at most MOST_ROWS."""
+  step = _streams(problem, backward) * chunk * jnp.dtype(problem.x.dtype).itemsize
+  rows = 1
+  while (rows * step < RUN_STEP_BYTES and 2 * rows <= MOST_ROWS
+         and problem.x.shape[0] % (2 * rows) == 0):
+    rows *= 2
+  return rows
+
+
 def heuristic(problem, chip: hardware.Chip) -> Config:
-  """problem: the call's ``elementwise.api.Problem``. Runs of RUN one-row tiles a CTA, the
-  hardware handing them out as CTAs end, where RUN_CTAS_PER_SM CTAs' rings fit an SM: on an
+  """problem: the call's ``elementwise.api.Problem``. Runs of RUN tiles a CTA (one row, or
+  ``run_rows`` where chunks are narrow), the hardware handing them out as CTAs end, where RUN_CTAS_PER_SM CTAs' rings fit an SM: on an
   H200 that beat a persistent grid by 5-15% (a static share per CTA ends with the slowest SM)
   and matched or beat Triton's forwards and backwards for silu (bench/NOTES.md mgpu-rows-2);
   for erf's gelu too (glu's 0.096 / 0.160 ms forward / backward against 0.114 / 0.178
@@ -115,8 +138,9 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   CTA an SM, up to MOST_STAGES in flight."""
   _, geometry = _walk(problem)
   chunk = geometry[1] if geometry is not None else _mosaic_gpu.MAX_CHUNK
-  fwd, bwd = (most_stages(problem, chip, backward=b, rows=1, ctas_per_sm=RUN_CTAS_PER_SM)
-              for b in (False, True))
+  fwd_rows, bwd_rows = (run_rows(problem, chunk, b) for b in (False, True))
+  fwd, bwd = (most_stages(problem, chip, backward=b, rows=r, ctas_per_sm=RUN_CTAS_PER_SM)
+              for b, r in ((False, fwd_rows), (True, bwd_rows)))
   rows = max(1, min(MOST_ROWS, TILE_BYTES // (chunk * jnp.dtype(problem.x.dtype).itemsize)))
   persistent = Config(
       rows=rows, ctas_per_sm=1,
@@ -126,14 +150,16 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
                                                      ctas_per_sm=1))))
   if min(fwd, bwd) < RUN:
     return persistent
-  tiles = problem.x.shape[0] * (problem.x.shape[1] // chunk)  # one-row tiles: CTAs x runs
-  bwd_run = BIAS_BWD_RUN if problem.op == "bias_activation" else RUN
-  runs = dict(bwd_rows=1, bwd_stages=min(MOST_STAGES, bwd),
-              bwd_per_cta=_mosaic_gpu.run_length(tiles, bwd_run, chip))
+  chunks = problem.x.shape[1] // chunk
+  tiles = lambda rows: problem.x.shape[0] // rows * chunks  # a direction's: CTAs x runs
+  # bias_activation's backward: about BIAS_BWD_RUN rows a CTA, whatever its tiles' rows.
+  bwd_run = max(RUN, BIAS_BWD_RUN // bwd_rows) if problem.op == "bias_activation" else RUN
+  runs = dict(bwd_rows=bwd_rows, bwd_stages=min(MOST_STAGES, bwd),
+              bwd_per_cta=_mosaic_gpu.run_length(tiles(bwd_rows), bwd_run, chip))
   if (problem.op, problem.activation) in PERSISTENT_FORWARD:
     return dataclasses.replace(persistent, **runs)
-  return Config(rows=1, stages=min(MOST_STAGES, fwd), ctas_per_sm=RUN_CTAS_PER_SM,
-                per_cta=_mosaic_gpu.run_length(tiles, RUN, chip), **runs)
+  return Config(rows=fwd_rows, stages=min(MOST_STAGES, fwd), ctas_per_sm=RUN_CTAS_PER_SM,
+                per_cta=_mosaic_gpu.run_length(tiles(fwd_rows), RUN, chip), **runs)
 
 
 def unsupported(problem, chip) -> str | None:

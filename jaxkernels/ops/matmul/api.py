@@ -108,11 +108,11 @@ def _gated_fwd(plan, p, a, b):
 
 def _gated_bwd(plan, p, saved, dy):
   a, b, z = saved
-  # glu's backward on a GPU kernel beside the product's (only Mosaic GPU fuses the gate):
-  # Triton's where it serves (as measured when this was written: bench/NOTES.md mgpu-rows-2;
-  # the two are level for silu and gelu since mgpu-rows-3); else (a JAX without Pallas Triton)
-  # the Mosaic GPU one; else dispatch's choice, the XLA reference.
-  serving = [implementation for implementation in ("triton", plan.implementation)
+  # glu's backward on a GPU kernel beside the product's (only Mosaic GPU fuses the gate): the
+  # product's own backend's; else Triton's; else dispatch's choice, the XLA reference. At
+  # the model steps' [gate | up] Mosaic GPU's took 0.90-1.13x Triton's time, before the
+  # narrow chunks' walk (bench/NOTES.md mgpu-rows-4).
+  serving = [implementation for implementation in (plan.implementation, "triton")
              if backend.supports(elementwise.GLU.name, implementation, z,
                                  activation=p.activation)]
   dz = elementwise.packed_glu_grad(z, dy, activation=p.activation,
