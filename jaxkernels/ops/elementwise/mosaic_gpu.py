@@ -130,12 +130,12 @@ def run_rows(problem, chunk: int, backward: bool) -> int:
 def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``elementwise.api.Problem``. Runs of RUN tiles a CTA (one row, or
   ``run_rows`` where chunks are narrow), the hardware handing them out as CTAs end, where
-  RUN_CTAS_PER_SM CTAs' rings fit an SM: on an H200 that beat a persistent grid by 5-15% (a static share per CTA ends with the slowest SM)
-  and matched or beat Triton's forwards and backwards for silu (bench/NOTES.md mgpu-rows-2);
-  for erf's gelu too (glu's 0.096 / 0.160 ms forward / backward against 0.114 / 0.178
-  persistent; bias+gelu's backward 0.105 against 0.115, mgpu-rows-3), but for
-  PERSISTENT_FORWARD's forwards. Where runs do not fit, the persistent walk: 16 KiB tiles, one
-  CTA an SM, up to MOST_STAGES in flight."""
+  RUN_CTAS_PER_SM CTAs' rings fit an SM: on an H200 that beat a persistent grid by 5-15% (a
+  static share per CTA ends with the slowest SM) and matched or beat Triton's forwards and
+  backwards for silu (bench/NOTES.md mgpu-rows-2); for erf's gelu too (glu's 0.096 / 0.160 ms
+  forward / backward against 0.114 / 0.178 persistent; bias+gelu's backward 0.105 against
+  0.115, mgpu-rows-3), but for PERSISTENT_FORWARD's forwards. Where runs do not fit, the
+  persistent walk: 16 KiB tiles, one CTA an SM, up to MOST_STAGES in flight."""
   _, geometry = _walk(problem)
   chunk = geometry[1] if geometry is not None else _mosaic_gpu.MAX_CHUNK
   fwd_rows, bwd_rows = (run_rows(problem, chunk, b) for b in (False, True))
