@@ -333,8 +333,9 @@ class TestAttentionTriton(AttentionTest):
 
 
 class TestAttentionMosaicGpu(AttentionTest):
-  """The Hopper kernels: 16-bit inputs, head dims of multiples of 64; the backward is the Mosaic
-  GPU dq and dk/dv kernels', with a bias and the d(bias) kernel's. Interpreted on the CPU the
+  """The Hopper kernels: 16-bit inputs, head dims of multiples of 64 (others zero-padded to
+  one); the backward is the Mosaic GPU dq and dk/dv kernels', with a bias and the d(bias)
+  kernel's. Interpreted on the CPU the
   products are plain dots and the accumulators float32 shared memory (the interpreter has no
   wgmma from registers); the schedule, barriers, rings and masks are the kernels' own."""
 
@@ -343,7 +344,7 @@ class TestAttentionMosaicGpu(AttentionTest):
   HEAD_DIMS = (64,)
   SMALL_HEAD_DIM = 64
   FEATURE_DTYPE = jnp.bfloat16
-  test_head_dims = None  # every drawn case is head dim 64 here, and 96 is Triton's
+  test_head_dims = None  # float32 is Triton's; test_padded_head_dims below
 
   # One drawn example interpreted (two took 204 s on CI's 2 cores); the GPU check draws two.
   @settings(max_examples=2 if numerics.COMPILED or numerics.SLOW else 1, deadline=None,
@@ -403,17 +404,29 @@ class TestAttentionMosaicGpu(AttentionTest):
     self.check(Case(batch=2, q_len=70, kv_len=130, kv_heads=2, group=1, head_dim=128,
                     dtype=jnp.bfloat16, bias=(2, 2), bias_dtype=jnp.float32), None)
 
+  @pytest.mark.parametrize("head_dim", [96, 32])
+  def test_padded_head_dims(self, head_dim):
+    """Head dims that are not whole 64-column tiles (96: a model's, 32: under one tile) run on
+    q, k and v zero-padded to the next multiple of 64, the outputs and gradients cropped:
+    causal GQA with a partial block at both ends, forward and backward; with a bias too at
+    96. (CI lowers them: test_lowers_for_cuda.)"""
+    numerics.slow_when_interpreted(28)
+    case = Case(batch=1, q_len=40, kv_len=33, kv_heads=1, group=2, head_dim=head_dim,
+                dtype=jnp.bfloat16, causal=True)
+    self.check(case)
+    if head_dim == 96:
+      self.check(case.replace(causal=False, bias=(1, 2), bias_dtype=jnp.float32))
+
   def test_unsupported_calls_say_why(self):
-    q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)
+    q = jnp.ones((1, 8, 2, 64), jnp.float32)
     with numerics.kernel_mode():
-      assert "multiple of 64" in jk.supports("flash_attention", self.IMPL, q, q, q).reason
-      q = jnp.ones((1, 8, 2, 64), jnp.float32)
       assert "16-bit" in jk.supports("flash_attention", self.IMPL, q, q, q).reason
 
   def test_lowers_for_cuda(self):
     """Forward, dq and dk/dv are Mosaic GPU kernels, and with a bias d(bias) too; with a
-    float32 bias and segments at head dims 128 and 192, and a float32 bias at 256, every kernel
-    fits a CTA's shared memory (the lowering counts it)."""
+    float32 bias and segments at head dims 128 and 192, and a float32 bias at 256 (and 96 and
+    200, zero-padded to 128 and 256), every kernel fits a CTA's shared memory (the lowering
+    counts it)."""
     q = jax.ShapeDtypeStruct((2, 200, 8, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
@@ -434,6 +447,11 @@ class TestAttentionMosaicGpu(AttentionTest):
       text = cuda_lowering(_every_feature_vjp("mosaic_gpu"), q, k, k, bias, *segments, q)
       calls = text.count("custom_call @mosaic_gpu")
       assert calls == 4, (h, calls)
+    # Head dims not whole 64-column tiles: q, k, v padded (XLA pads), the same four kernels.
+    for h in (96, 200):
+      q, k = (jax.ShapeDtypeStruct(a.shape[:3] + (h,), a.dtype) for a in (q, k))
+      text = cuda_lowering(_every_feature_vjp("mosaic_gpu"), q, k, k, bias, None, None, q)
+      assert text.count("custom_call @mosaic_gpu") == 4 and "triton" not in text, h
 
 
 class TestAttentionVariants(chex.TestCase):

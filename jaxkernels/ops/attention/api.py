@@ -432,7 +432,8 @@ _OP = backend.register(backend.Op(
     kernels={
         "mosaic_gpu": dispatch.Kernels.of(OP, "mosaic_gpu", mosaic_gpu,
                                          forward=mosaic_gpu.forward,
-                                         backward=mosaic_gpu.backward),
+                                         backward=mosaic_gpu.backward,
+                                         auto=mosaic_gpu.on_auto),
         **dispatch.triton_kernels(OP, "jaxkernels.ops.attention.triton", forward="forward",
                                   backward="backward"),
         "mosaic_tpu": dispatch.Kernels.of(OP, "mosaic_tpu", mosaic_tpu,

@@ -42,6 +42,7 @@ from jaxkernels.ops.attention.mosaic_gpu.config import (Config as Config,
                                                         config_error as config_error,
                                                         head_parts as head_parts,
                                                         heuristic as heuristic,
+                                                        on_auto as on_auto,
                                                         smem_bytes as smem_bytes,
                                                         unsupported as unsupported)
 from jaxkernels.ops.attention.mosaic_gpu.forward import forward as forward

@@ -8,7 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxkernels import _mosaic_gpu, hardware
-from jaxkernels._tiling import check_fields, round_up
+from jaxkernels._tiling import check_fields, pad_to, round_up
 
 PRODUCER_REGISTERS = 40
 # The backward kernels past head dim 128: a producer of 24 registers leaves 240 to each compute
@@ -18,6 +18,11 @@ WIDE_PRODUCER_REGISTERS = 24
 # The d(bias) kernel's keys a CTA (beside 2 x 64 queries): its four float32 tiles of 64 x 64
 # (S, dP, the bias and the sum) take 128 registers a thread.
 DBIAS_BLOCK_KV = 64
+# The head dim's unit: TMA's 128-byte swizzle of 16-bit elements. Other head dims (80, 96, 112,
+# 32) are zero-padded to the next multiple, which costs a copy of q, k and v and their
+# products' share of the padding; Triton's kernels, which round H up in registers only, are
+# preferred for them where Pallas Triton imports (``on_auto``: untimed).
+HEAD_TILE = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +45,18 @@ class Config:
     check_fields(self, ("stages", "bwd_stages"), lambda v: v >= 2, ">= 2")
 
 
+def head_dim(problem) -> int:
+  """The head dim the kernels walk: H, or H zero-padded to whole 64-column tiles (TMA's
+  128-byte swizzle) where it is not (``pad_head``)."""
+  return round_up(problem.head_dim, HEAD_TILE)
+
+
+def pad_head(x, h: int):
+  """x (..., H) zero-padded to ``h`` columns: a padded q and k column adds 0 to q k^T, a
+  padded v column gives an output column of 0, cropped; their gradients are cropped too."""
+  return pad_to(x, (*x.shape[:-1], h))
+
+
 def heuristic(problem, chip: hardware.Chip) -> Config:
   """FlashAttention-3's blocks: 2 x 64 queries against 128 keys at head dim 128 (64 keys at
   128 with 3 stages: 0.53 against 0.43 ms), 256 keys at 64 (0.604 against 0.621 ms for 128),
@@ -50,7 +67,7 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   straddles the diagonal and computes masked products, up to a whole block's, and 256-key
   blocks waste twice 128's. At the 350m model's shape (8 x 2048, 16/4 heads, causal; H100)
   128 keys ran 0.191 ms against 256's 0.213 and cuDNN's 0.194 (bench/NOTES.md model-4)."""
-  h = problem.head_dim
+  h = head_dim(problem)
   block_kv = 256 if h <= 64 else 128 if h <= 128 else 64
   if h <= 64 and problem.window.plain_causal and problem.kv_len <= 4096:
     block_kv = 128
@@ -64,9 +81,6 @@ def unsupported(problem, chip) -> str | None:
     return reason
   if jnp.dtype(problem.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"{problem.dtype} inputs: the kernel's wgmma takes 16-bit operands (Triton serves them)"
-  if problem.head_dim % 64:
-    return (f"head dim {problem.head_dim} is not a multiple of 64 (TMA's 128-byte swizzle; "
-            "Triton serves it)")
   if problem.bias is not None:
     need, limit = smem_bytes(problem, heuristic(problem, chip)), _mosaic_gpu.cta_smem_bytes(chip)
     if need > limit:  # head dim 256 with segments: q, k, v, the ids and a bias tile
@@ -75,6 +89,11 @@ def unsupported(problem, chip) -> str | None:
               f"stages of k and v and a bias tile (counted at 4 bytes an element) need {need} "
               f"bytes of shared memory, over a CTA's {limit} (Triton serves it)")
   return None
+
+
+def on_auto(problem) -> bool:
+  """Whether dispatch prefers these kernels: where no head-dim padding is needed."""
+  return problem.head_dim % HEAD_TILE == 0
 
 
 def bias_in_ring(head_dim: int) -> bool:
@@ -89,7 +108,7 @@ def smem_bytes(problem, config: Config) -> int:
   """The forward's shared memory (each buffer in whole KiB, as Mosaic GPU places them); a bias
   is counted at 4 bytes an element (its dtype is not the problem's: at most 4)."""
   itemsize = jnp.dtype(problem.dtype).itemsize
-  h, bq, bk, stages = problem.head_dim, config.block_q, config.block_kv, config.stages
+  h, bq, bk, stages = head_dim(problem), config.block_q, config.block_kv, config.stages
   buffers = [2 * bq * h * itemsize, stages * bk * h * itemsize, stages * bk * h * itemsize,
              2 * bq * 4]  # q, k, v, lse
   if problem.segments:
@@ -104,7 +123,7 @@ def backward_smem_bytes(problem, config: Config) -> tuple[int, int]:
   """Shared memory of the (dq, dk/dv) kernels: each holds two blocks of 64 rows (queries with
   their dO; keys with their v, or one block's two head-dim halves) and rings of the other
   side's blocks, with a bias its tiles (counted at 4 bytes)."""
-  h, itemsize = problem.head_dim, jnp.dtype(problem.dtype).itemsize
+  h, itemsize = head_dim(problem), jnp.dtype(problem.dtype).itemsize
   segments, bias = bool(problem.segments), 4 if problem.bias is not None else 0
   return (_dq_bytes(h, itemsize, segments, config.bwd_block_kv,
                     dq_stages(h, itemsize, segments, config, bias), bias),
@@ -117,7 +136,7 @@ def config_error(problem, config: Config, chip) -> str | None:
   need = smem_bytes(problem, config)
   if need > limit:
     return f"it needs {need} bytes of shared memory, over a CTA's {limit}"
-  if problem.head_dim > 128 and config.block_kv > 64:
+  if head_dim(problem) > 128 and config.block_kv > 64:
     return f"block_kv {config.block_kv} at head dim {problem.head_dim} spills registers: use 64"
   for kernel, need in zip(("dq", "dk/dv"), backward_smem_bytes(problem, config)):
     if need > limit:

@@ -15,7 +15,8 @@ from jaxkernels._mosaic_gpu import iota, layout_cast, load_block
 from jaxkernels._online_softmax import finite
 from jaxkernels._tiling import cdiv, pad_to, round_up
 from jaxkernels.ops.attention.common import Call, Window, visible
-from jaxkernels.ops.attention.mosaic_gpu.config import PRODUCER_REGISTERS, Config, bias_in_ring
+from jaxkernels.ops.attention.mosaic_gpu.config import (HEAD_TILE, PRODUCER_REGISTERS, Config,
+                                                        bias_in_ring, pad_head)
 from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LN2, LOG2E, WARPGROUPS, Walk,
                                                           bias_at, bias_tile, is_consumer,
                                                           is_producer,
@@ -343,6 +344,8 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
             soft_cap: float | None, config: Config, interpret=False):
   """(out (B, T, N, H) in q's dtype, lse (B, T, N) float32, natural log; -inf for a query
   that sees no key)."""
+  head = q.shape[-1]
+  q, k, v = (pad_head(x, round_up(head, HEAD_TILE)) for x in (q, k, v))
   call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
   c = config
   b, t, n, h = q.shape
@@ -373,4 +376,4 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
       compiler_params=plgpu.CompilerParams(approx_math=True, **_reduction_scratch(call)),
       **({"interpret": interpret} if interpret else {}),
   )(*operands)
-  return out[:, :t], jnp.swapaxes(lse[:, :, :t], 1, 2)
+  return out[:, :t, :, :head], jnp.swapaxes(lse[:, :, :t], 1, 2)
