@@ -294,7 +294,7 @@ def ring_stages(chip: hardware.Chip | None, ctas_per_sm: int, ring_bytes, buffer
   return 0
 
 
-def row_geometry(n_cols: int, *dtypes) -> tuple[int, int, int] | None:
+def row_geometry(n_cols: int, *dtypes, max_chunk: int = MAX_CHUNK) -> tuple[int, int, int] | None:
   """(piece, chunk, vec) for rows of ``n_cols`` of ``dtypes`` (None entries skipped), or None
   where no such walk exists (rows not a whole number of 128-element vectors).
 
@@ -302,7 +302,7 @@ def row_geometry(n_cols: int, *dtypes) -> tuple[int, int, int] | None:
   elements along a dimension, and each piece must be whole 16-byte units of every dtype.
   vec: elements a thread loads at once, 16 bytes of the narrowest dtype where the row allows.
   chunk: columns a thread's registers hold at once, whole pieces and whole warpgroup vectors,
-  the widest up to MAX_CHUNK.
+  the widest up to ``max_chunk``.
   """
   sizes = [jnp.dtype(d).itemsize for d in dtypes if d is not None]
   unit = VECTOR_BYTES // min(sizes)
@@ -314,7 +314,7 @@ def row_geometry(n_cols: int, *dtypes) -> tuple[int, int, int] | None:
   while vec >= 1:
     chunks = [k * width for k in range(1, n_cols // width + 1)
               if (n_cols // width) % k == 0 and (k * width) % (WARPGROUP * vec) == 0
-              and k * width <= max(MAX_CHUNK, WARPGROUP * vec)]
+              and k * width <= max(max_chunk, WARPGROUP * vec)]
     if chunks:
       return width, max(chunks), vec
     vec //= 2
@@ -341,11 +341,11 @@ class Row:
   interpret: Any
 
   @classmethod
-  def of(cls, n_cols: int, interpret, *arrays) -> Row:
+  def of(cls, n_cols: int, interpret, *arrays, max_chunk: int = MAX_CHUNK) -> Row:
     """The walk of rows of ``n_cols`` for ``arrays`` (None entries skipped) and float32 rows
-    beside them."""
+    beside them, its chunks at most ``max_chunk`` wide where the row allows."""
     dtypes = [jnp.float32, *(a.dtype for a in arrays if a is not None)]
-    return cls(n_cols, *row_geometry(n_cols, *dtypes), interpret)
+    return cls(n_cols, *row_geometry(n_cols, *dtypes, max_chunk=max_chunk), interpret)
 
   @property
   def chunks(self) -> range:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -227,6 +228,25 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
     shape = (37, 384) if not bwd_rows else (38, 384)
     self.check_bias_activation(shape, jnp.float32, "gelu" if bwd_rows else "silu", "walk",
                                config=config)
+
+  def test_backward_chunk(self):
+    """Config.bwd_chunk: the backward walks 512-column chunks of a 2048-wide float32 row (the
+    forward 2048), d(bias) summed per chunk; a chunk narrower than the row allows is refused
+    by name."""
+    config = elementwise_mosaic_gpu.Config(rows=1, stages=2, ctas_per_sm=1, bwd_stages=2,
+                                           per_cta=2, bwd_per_cta=2, bwd_chunk=512)
+    x = jnp.zeros((16, 2048), jnp.float32)
+    grids = [elementwise_mosaic_gpu._Grid.of(16, 2048, config, backward, True, x)
+             for backward in (False, True)]
+    assert [g.row.chunk for g in grids] == [2048, 512], grids
+    self.check_bias_activation((16, 2048), jnp.float32, "silu", "chunk", config=config)
+    problem = Problem(jax.ShapeDtypeStruct((8, 384), jnp.float32), (), "bias_activation",
+                      "silu")
+    too_narrow = dataclasses.replace(config, bwd_chunk=128)
+    assert "bwd_chunk=128" in elementwise_mosaic_gpu.config_error(problem, too_narrow,
+                                                                   hardware.chip("H200"))
+    with pytest.raises(ValueError, match="bwd_chunk"):
+      dataclasses.replace(config, bwd_chunk=100)
 
   def test_narrow_chunks(self):
     """The heuristic's runs of several-row tiles (16 rows of 2816 bfloat16 columns: eleven

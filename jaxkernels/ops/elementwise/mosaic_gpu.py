@@ -77,11 +77,21 @@ class Config:
   per_cta: int = 0
   bwd_per_cta: int = 0
   bwd_rows: int = 0  # the backward's rows a tile; 0: ``rows``
+  # The backward's widest column chunk (fewer elements a thread an input: fewer registers, more
+  # CTAs an SM), no narrower than the row walk allows (``_mosaic_gpu.row_geometry``: a 4096
+  # bf16 row's 1024, a warpgroup vector of 16 bytes a thread); 0: up to MAX_CHUNK.
+  bwd_chunk: int = 0
 
   def __post_init__(self):
     check_fields(self, ("rows", "stages", "ctas_per_sm", "bwd_stages"), lambda v: v >= 1,
                  ">= 1")
     check_fields(self, ("per_cta", "bwd_per_cta", "bwd_rows"), lambda v: v >= 0, ">= 0")
+    check_fields(self, ("bwd_chunk",), lambda v: v == 0 or v % _mosaic_gpu.WARPGROUP == 0,
+                 f"0 or a multiple of {_mosaic_gpu.WARPGROUP}")
+
+  def max_chunk(self, backward: bool) -> int:
+    """The widest column chunk of the forward's or the backward's walk."""
+    return (self.bwd_chunk if backward else 0) or _mosaic_gpu.MAX_CHUNK
 
   def walk(self, backward: bool) -> tuple[int, int, int]:
     """(rows, stages, per_cta) of the forward's or the backward's walk."""
@@ -90,18 +100,20 @@ class Config:
     return self.rows, self.stages, self.per_cta
 
 
-def _walk(problem):
+def _walk(problem, max_chunk: int = _mosaic_gpu.MAX_CHUNK):
   """(n_cols, geometry) of the rows walked: x's (for glu, gate's; a packed [gate | up] is
   walked half by half, and its problem's x is one half)."""
   n_cols = problem.x.shape[1]
-  return n_cols, _mosaic_gpu.row_geometry(n_cols, problem.x.dtype, jnp.float32)
+  return n_cols, _mosaic_gpu.row_geometry(n_cols, problem.x.dtype, jnp.float32,
+                                          max_chunk=max_chunk)
 
 
-def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int) -> int:
+def most_stages(problem, chip, *, backward: bool, rows: int, ctas_per_sm: int,
+                max_chunk: int = _mosaic_gpu.MAX_CHUNK) -> int:
   """Tiles a CTA's rings hold (inputs only: outputs leave from registers), beside the bias
   chunk (counted as float32), ``ctas_per_sm`` CTAs sharing an SM
   (``_mosaic_gpu.ring_stages``)."""
-  _, geometry = _walk(problem)
+  _, geometry = _walk(problem, max_chunk)
   if geometry is None:
     return 0
   chunk = geometry[1]
@@ -173,10 +185,13 @@ def unsupported(problem, chip) -> str | None:
 
 
 def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
+  if _walk(problem, config.max_chunk(True))[1] is None:
+    return (f"bwd_chunk={config.bwd_chunk}: rows of {problem.x.shape[1]} columns have no "
+            "walk in chunks that narrow")
   for backward in (False, True):
     rows, stages, _ = config.walk(backward)
     most = most_stages(problem, chip, backward=backward, rows=rows,
-                       ctas_per_sm=config.ctas_per_sm)
+                       ctas_per_sm=config.ctas_per_sm, max_chunk=config.max_chunk(backward))
     if stages > most:
       prefix = "bwd_" if backward else ""
       return (f"{prefix}stages={stages} tiles of rows={rows} do not fit a CTA's shared "
@@ -204,7 +219,7 @@ class _Grid:
 
   @classmethod
   def of(cls, n_rows: int, n_cols: int, config: Config, backward: bool, interpret, *arrays):
-    row = _mosaic_gpu.Row.of(n_cols, interpret, *arrays)
+    row = _mosaic_gpu.Row.of(n_cols, interpret, *arrays, max_chunk=config.max_chunk(backward))
     rows, stages, per_cta = config.walk(backward)
     rows = rows if n_rows % rows == 0 else 1
     n_row_blocks = n_rows // rows
