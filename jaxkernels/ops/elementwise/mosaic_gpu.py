@@ -185,7 +185,7 @@ def unsupported(problem, chip) -> str | None:
 
 
 def config_error(problem, config: Config, chip: hardware.Chip) -> str | None:
-  if _walk(problem, config.max_chunk(True))[1] is None:
+  if config.bwd_chunk and _walk(problem, config.bwd_chunk)[1] is None:
     return (f"bwd_chunk={config.bwd_chunk}: rows of {problem.x.shape[1]} columns have no "
             "walk in chunks that narrow")
   for backward in (False, True):
