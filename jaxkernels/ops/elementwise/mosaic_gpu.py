@@ -55,7 +55,7 @@ PERSISTENT_FORWARD = frozenset({("bias_activation", "gelu")})
 # Where dispatch prefers these kernels (op, activation): forward+backward measured at
 # Triton's time, within 1%, on an H200 (bench/NOTES.md mgpu-rows-3: glu silu 0.995x, glu gelu
 # 1.004x, bias+silu 0.999x; mgpu-rows-4: glu gelu_tanh and relu 1.00x, bias+relu 1.006x).
-# bias+gelu_tanh (0.98x) and bias+gelu (0.97x), their backwards 5-7% behind, serve a call
+# bias+gelu_tanh (0.98x) and bias+gelu (0.97x), their backwards 4-7% behind, serve a call
 # naming them.
 AT_PARITY = frozenset({("glu", "silu"), ("glu", "gelu"), ("glu", "gelu_tanh"), ("glu", "relu"),
                        ("bias_activation", "silu"), ("bias_activation", "relu")})
