@@ -34,8 +34,7 @@ from jaxkernels._mosaic_gpu import accumulators, iota, load_block, mma, mma_wait
 from jaxkernels._tiling import pad_to, round_up
 from jaxkernels.ops.attention.common import Call, Window, visible
 from jaxkernels.ops.attention.mosaic_gpu import dbias as dbias_kernel
-from jaxkernels.ops.attention.mosaic_gpu.config import (HEAD_TILE, Config,
-                                                        backward_producer_registers,
+from jaxkernels.ops.attention.mosaic_gpu.config import (Config, backward_producer_registers,
                                                         dkv_stages, dq_stages, head_parts,
                                                         pad_head)
 from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LOG2E, WARPGROUPS, Walk,
@@ -453,7 +452,7 @@ def backward(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse, *, window: Wind
   kernels, and with a bias the d(bias) kernel (its own launch, so that XLA drops it where
   nothing asks for the bias's gradient: a mask given as a bias)."""
   head = q.shape[-1]  # padded to whole tiles as the forward's (zero columns, cropped)
-  q, k, v, out, dout = (pad_head(x, round_up(head, HEAD_TILE)) for x in (q, k, v, out, dout))
+  q, k, v, out, dout = (pad_head(x) for x in (q, k, v, out, dout))
   call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
   c = config
   b, t, n, h = q.shape

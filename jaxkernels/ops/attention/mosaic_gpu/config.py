@@ -51,10 +51,11 @@ def head_dim(problem) -> int:
   return round_up(problem.head_dim, HEAD_TILE)
 
 
-def pad_head(x, h: int):
-  """x (..., H) zero-padded to ``h`` columns: a padded q and k column adds 0 to q k^T, a
-  padded v column gives an output column of 0, cropped; their gradients are cropped too."""
-  return pad_to(x, (*x.shape[:-1], h))
+def pad_head(x):
+  """x (..., H) zero-padded to the head dim the kernels walk (:func:`head_dim`'s): a padded q
+  and k column adds 0 to q k^T, a padded v column gives an output column of 0, cropped; their
+  gradients are cropped too. x itself where H is whole tiles."""
+  return pad_to(x, (*x.shape[:-1], round_up(x.shape[-1], HEAD_TILE)))
 
 
 def heuristic(problem, chip: hardware.Chip) -> Config:

@@ -15,7 +15,7 @@ from jaxkernels._mosaic_gpu import iota, layout_cast, load_block
 from jaxkernels._online_softmax import finite
 from jaxkernels._tiling import cdiv, pad_to, round_up
 from jaxkernels.ops.attention.common import Call, Window, visible
-from jaxkernels.ops.attention.mosaic_gpu.config import (HEAD_TILE, PRODUCER_REGISTERS, Config,
+from jaxkernels.ops.attention.mosaic_gpu.config import (PRODUCER_REGISTERS, Config,
                                                         bias_in_ring, pad_head)
 from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LN2, LOG2E, WARPGROUPS, Walk,
                                                           bias_at, bias_tile, is_consumer,
@@ -345,7 +345,7 @@ def forward(q, k, v, bias, q_seg, kv_seg, *, window: Window, scale: float,
   """(out (B, T, N, H) in q's dtype, lse (B, T, N) float32, natural log; -inf for a query
   that sees no key)."""
   head = q.shape[-1]
-  q, k, v = (pad_head(x, round_up(head, HEAD_TILE)) for x in (q, k, v))
+  q, k, v = (pad_head(x) for x in (q, k, v))
   call = Call.of(q, k, bias, q_seg, window=window, scale=scale, soft_cap=soft_cap)
   c = config
   b, t, n, h = q.shape
