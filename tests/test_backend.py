@@ -88,10 +88,12 @@ def test_a_kernel_on_request_is_the_second_choice():
                                          activation=activation))
     assert dispatch.on_request(bias.kernels, problem) == want, activation
   assert dispatch.on_request(glu.kernels) == frozenset()  # no call: none never picked
-  # flash_attention's Mosaic GPU kernels: on request where the head dim is zero-padded.
+  # flash_attention's Mosaic GPU kernels: on request only where the zero-padding is wider
+  # than Triton's power-of-two tiles (head dims up to 32).
   attention = backend.registered()["flash_attention"]
-  for h, want in ((64, frozenset()), (128, frozenset()), (96, {"mosaic_gpu"}),
-                  (32, {"mosaic_gpu"})):
+  for h, want in ((64, frozenset()), (128, frozenset()), (96, frozenset()), (80, frozenset()),
+                  (200, frozenset()), (48, frozenset()), (32, {"mosaic_gpu"}),
+                  (16, {"mosaic_gpu"})):
     q = jax.ShapeDtypeStruct((1, 128, 2, h), jnp.bfloat16)
     problem = attention.problem(attention.validate(
         q, q, q, causal=True, scale=None, bias=None, segment_ids=None, kv_segment_ids=None,
@@ -463,8 +465,8 @@ def test_a_jax_without_pallas_triton():
       assert "triton: this JAX" in warned[0] and "has no Pallas triton" in warned[0], warned
       assert chosen("matmul", H200, x, jnp.ones((128, 256), jnp.bfloat16))[0] == "mosaic_gpu"
       assert chosen("flash_attention", H200, q, q, q)[0] == "mosaic_gpu"
-      q96 = jnp.ones((1, 128, 2, 96), jnp.bfloat16)  # zero-padded to 128: on request
-      assert chosen("flash_attention", H200, q96, q96, q96) == ("mosaic_gpu", []), q96.shape
+      q32 = jnp.ones((1, 128, 2, 32), jnp.bfloat16)  # zero-padded to 64: on request
+      assert chosen("flash_attention", H200, q32, q32, q32) == ("mosaic_gpu", []), q32.shape
       # Every row op and decode keeps a Hopper kernel: the norms', the loss's and decode's
       # preferred there, softmax's and the activations' (slower than Triton's where it
       # imports) as the second choice, before XLA.

@@ -20,8 +20,12 @@ WIDE_PRODUCER_REGISTERS = 24
 DBIAS_BLOCK_KV = 64
 # The head dim's unit: TMA's 128-byte swizzle of 16-bit elements. Other head dims (80, 96, 112,
 # 32) are zero-padded to the next multiple, which costs a copy of q, k and v and their
-# products' share of the padding; Triton's kernels, which round H up in registers only, are
-# preferred for them where Pallas Triton imports (``on_auto``: untimed).
+# products' share of the padding. Triton's kernels round H up to a power of two in registers,
+# as wide as this padding or wider past 32: at h80 and h96 (padded to 128; B2 T=S=2048 N16/K4
+# causal bf16, H200) these ran 0.106 / 0.420 ms forward / forward+backward, the copies
+# counted, against Triton's 0.122 / 0.523 and cuDNN's 0.082 / 0.329 (bench/NOTES.md
+# attention-8). Up to 32 Triton's tiles are the narrower (16 or 32 against 64): it is
+# preferred there (``on_auto``; untimed).
 HEAD_TILE = 64
 
 
@@ -93,8 +97,9 @@ def unsupported(problem, chip) -> str | None:
 
 
 def on_auto(problem) -> bool:
-  """Whether dispatch prefers these kernels: where no head-dim padding is needed."""
-  return problem.head_dim % HEAD_TILE == 0
+  """Whether dispatch prefers these kernels: head dims of whole 64-column tiles, and padded
+  ones past 32, where Triton's power-of-two tiles are as wide as the padding (``HEAD_TILE``)."""
+  return problem.head_dim % HEAD_TILE == 0 or problem.head_dim > HEAD_TILE // 2
 
 
 def bias_in_ring(head_dim: int) -> bool:
