@@ -46,10 +46,6 @@ RUN_STEP_BYTES = 2048
 # bias_activation's backward writes one float32 row of d(bias) partials a program: longer
 # runs there, so that those stay a few MiB.
 BIAS_BWD_RUN = 32
-# bias_activation's backward walks chunks of at most this many columns (a 4096 bf16 row: 1024
-# for 2048, 8 elements a thread an input): on an H200 at (16384, 4096) bf16 its kernel ran 2.6%
-# faster for erf's gelu, 1.0% for gelu_tanh, 0.5% for silu (bench/NOTES.md mgpu-rows-5).
-BIAS_BWD_CHUNK = 1024
 # Forwards that keep the persistent walk, its tiles of several rows side by side overlapping
 # their chains: bias + erf's gelu, issue-bound on its polynomial (0.070 ms against 0.081 in
 # runs on an H200, Triton's 0.070; mgpu-rows-3). Its backward still goes in runs.
@@ -166,32 +162,16 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
                                                      ctas_per_sm=1))))
   if min(fwd, bwd) < RUN:
     return persistent
-  tiles = lambda rows, chunk: problem.x.shape[0] // rows * (problem.x.shape[1] // chunk)
+  chunks = problem.x.shape[1] // chunk
+  tiles = lambda rows: problem.x.shape[0] // rows * chunks  # a direction's: CTAs x runs
+  # bias_activation's backward: about BIAS_BWD_RUN rows a CTA, whatever its tiles' rows.
+  bwd_run = max(RUN, BIAS_BWD_RUN // bwd_rows) if problem.op == "bias_activation" else RUN
   runs = dict(bwd_rows=bwd_rows, bwd_stages=min(MOST_STAGES, bwd),
-              bwd_per_cta=_mosaic_gpu.run_length(tiles(bwd_rows, chunk), RUN, chip))
-  if problem.op == "bias_activation":
-    runs = _bias_backward(problem, chip, chunk, tiles) or runs
+              bwd_per_cta=_mosaic_gpu.run_length(tiles(bwd_rows), bwd_run, chip))
   if (problem.op, problem.activation) in PERSISTENT_FORWARD:
     return dataclasses.replace(persistent, **runs)
   return Config(rows=fwd_rows, stages=min(MOST_STAGES, fwd), ctas_per_sm=RUN_CTAS_PER_SM,
-                per_cta=_mosaic_gpu.run_length(tiles(fwd_rows, chunk), RUN, chip), **runs)
-
-
-def _bias_backward(problem, chip, chunk: int, tiles) -> dict | None:
-  """bias_activation's backward runs: chunks of at most BIAS_BWD_CHUNK columns where they are
-  narrower than ``chunk`` (the walk's), about BIAS_BWD_RUN rows a CTA whatever its tiles'
-  rows; None where their rings do not fit RUN_CTAS_PER_SM CTAs an SM."""
-  geometry = _walk(problem, BIAS_BWD_CHUNK)[1]
-  narrow = geometry is not None and geometry[1] < chunk
-  bwd_chunk, chunk = (BIAS_BWD_CHUNK, geometry[1]) if narrow else (0, chunk)
-  rows = run_rows(problem, chunk, True)
-  stages = most_stages(problem, chip, backward=True, rows=rows, ctas_per_sm=RUN_CTAS_PER_SM,
-                       max_chunk=bwd_chunk or _mosaic_gpu.MAX_CHUNK)
-  if stages < RUN:
-    return None
-  run = max(RUN, BIAS_BWD_RUN // rows)
-  return dict(bwd_rows=rows, bwd_stages=min(MOST_STAGES, stages), bwd_chunk=bwd_chunk,
-              bwd_per_cta=_mosaic_gpu.run_length(tiles(rows, chunk), run, chip))
+                per_cta=_mosaic_gpu.run_length(tiles(fwd_rows), RUN, chip), **runs)
 
 
 def unsupported(problem, chip) -> str | None:
