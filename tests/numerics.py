@@ -117,6 +117,8 @@ def normal(gen, shape, dtype, scale=1.0, shift=0.0, bound=None):
 evaluate, errors = testing.evaluate, testing.errors
 
 
-def assert_matches(got, reference, primals, cotangent=None, **kwargs):
-  """:func:`jaxkernels.testing.assert_matches`, its failures naming the session's seed."""
-  testing.assert_matches(got, reference, primals, cotangent, note=f"(seed {SEED})", **kwargs)
+def assert_matches(got, reference, primals, cotangent=None, *, note: str = "", **kwargs):
+  """:func:`jaxkernels.testing.assert_matches`, its failures naming the session's seed (after
+  ``note``, what was checked)."""
+  testing.assert_matches(got, reference, primals, cotangent,
+                         note=f"{note} (seed {SEED})".lstrip(), **kwargs)

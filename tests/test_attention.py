@@ -417,6 +417,44 @@ class TestAttentionMosaicGpu(AttentionTest):
     if head_dim == 96:
       self.check(case.replace(causal=False, bias=(1, 2), bias_dtype=jnp.float32))
 
+  @pytest.mark.parametrize("head_dim", [64, 96])
+  def test_under_transformations(self, head_dim):
+    """The contract on these kernels (64: whole tiles; 96: zero-padded to 128), each against
+    the reference by the numerics rule, forward and gradient: eager, jit, jax.checkpoint, and
+    vmap over the only batch dim of unbatched (T, N, H) inputs; jax.jvp's tangent (forward
+    mode runs the reference). Compiled, jax.checkpoint too, and under jax.debug_nans and
+    jax.debug_infs, giving what they give without (interpreted, the kernel's body runs op by
+    op, its -inf initial maxima would trip them, and its ordered callbacks do not remat)."""
+    numerics.slow_when_interpreted(120)
+    case = Case(batch=2, q_len=70, kv_len=66, kv_heads=1, group=2, head_dim=head_dim,
+                dtype=jnp.bfloat16, causal=True, return_lse=False)
+    (q, k, v, _), _, (do, _) = _draw(case, "transformations")
+    reference_ = _reference(case, None, None)
+    rule = dict(dtype=case.dtype, reduction=max(case.kv_len, case.q_len, head_dim))
+    call = functools.partial(jk.flash_attention, causal=True, implementation=self.IMPL)
+
+    def value_and_grads(f):
+      out, back = jax.vjp(f, q, k, v)
+      return out, back(do)
+
+    variants = [("eager", call), ("jit", jax.jit(call)), ("vmap of unbatched", jax.vmap(call))]
+    if numerics.COMPILED:  # the interpreter's ordered callbacks cannot be rematerialized
+      variants.append(("checkpoint", jax.checkpoint(call)))
+    with numerics.kernel_mode():
+      runs = {name: value_and_grads(f) for name, f in variants}
+      tangents = tuple(x[::-1] for x in (do, k, v))  # fresh directions, the primals' shapes
+      forward = jax.jvp(call, (q, k, v), tangents)
+      if numerics.COMPILED:
+        with jax.debug_nans(True), jax.debug_infs(True):
+          flagged = value_and_grads(call)
+        chex.assert_trees_all_equal(flagged, runs["eager"])
+    for name, got in runs.items():
+      numerics.assert_matches(got, reference_, (q, k, v), do, note=name, **rule)
+    assert runs["vmap of unbatched"][0].shape == q.shape
+    numerics.assert_matches(forward, lambda cd: lambda q, k, v: jax.jvp(
+        reference_(cd), (q, k, v), tuple(t.astype(q.dtype) for t in tangents)), (q, k, v),
+        note="jvp", **rule)
+
   def test_unsupported_calls_say_why(self):
     q = jnp.ones((1, 8, 2, 64), jnp.float32)
     with numerics.kernel_mode():
