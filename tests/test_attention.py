@@ -420,11 +420,11 @@ class TestAttentionMosaicGpu(AttentionTest):
   @pytest.mark.parametrize("head_dim", [64, 96])
   def test_under_transformations(self, head_dim):
     """The contract on these kernels (64: whole tiles; 96: zero-padded to 128), each against
-    the reference by the numerics rule, forward and gradient: eager, jit, jax.checkpoint, and
-    vmap over the only batch dim of unbatched (T, N, H) inputs; jax.jvp's tangent (forward
-    mode runs the reference). Compiled, jax.checkpoint too, and under jax.debug_nans and
-    jax.debug_infs, giving what they give without (interpreted, the kernel's body runs op by
-    op, its -inf initial maxima would trip them, and its ordered callbacks do not remat)."""
+    the reference by the numerics rule, forward and gradient: eager, jit, and vmap over the
+    only batch dim of unbatched (T, N, H) inputs; jax.jvp's tangent (forward mode runs the
+    reference). Compiled, jax.checkpoint too, and under jax.debug_nans and jax.debug_infs,
+    giving what they give without (interpreted, the kernel's body runs op by op, its -inf
+    initial maxima would trip them, and its ordered callbacks do not remat)."""
     numerics.slow_when_interpreted(120)
     case = Case(batch=2, q_len=70, kv_len=66, kv_heads=1, group=2, head_dim=head_dim,
                 dtype=jnp.bfloat16, causal=True, return_lse=False)
