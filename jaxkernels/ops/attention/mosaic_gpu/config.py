@@ -97,9 +97,9 @@ def unsupported(problem, chip) -> str | None:
 
 
 def on_auto(problem) -> bool:
-  """Whether dispatch prefers these kernels: head dims of whole 64-column tiles, and padded
-  ones past 32, where Triton's power-of-two tiles are as wide as the padding (``HEAD_TILE``)."""
-  return problem.head_dim % HEAD_TILE == 0 or problem.head_dim > HEAD_TILE // 2
+  """Whether dispatch prefers these kernels: head dims past 32, whole 64-column tiles or
+  zero-padded to them, where Triton's power-of-two tiles are as wide (``HEAD_TILE``)."""
+  return problem.head_dim > HEAD_TILE // 2
 
 
 def bias_in_ring(head_dim: int) -> bool:
