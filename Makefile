@@ -31,7 +31,7 @@ bench: $(VENV)/.bench-$(ACCEL)
 	$(PY) -m bench $(ARGS)
 
 test: $(TEST_VENV)/.test
-	JAX_PLATFORMS=cpu $(TEST_PY) -m pytest -q -n auto --maxprocesses=4 --dist worksteal $(ARGS)
+	JAX_PLATFORMS=cpu $(TEST_PY) -m pytest -q -rs -n auto --maxprocesses=4 --dist worksteal $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(TEST_VENV)

@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 TEST_FILES = ("test_models.py", "test_one_device_mesh.py", "test_flax.py", "test_attention.py",
               "test_matmul.py", "test_cross_entropy.py", "test_norms.py", "test_elementwise.py",
               "test_softmax.py", "test_cases.py", "test_testing.py", "test_forward_mode.py",
-              "test_debug_flags.py")
+              "test_debug_flags.py", "test_fp8.py")
 
 
 # No deprecated JAX API in any call the compiled tests make (a DeprecationWarning fails its
@@ -159,11 +159,12 @@ def tests(log: Log, limit: float) -> Outcome:
   # A worker per core, up to 16: compiling the kernels (Triton, Mosaic GPU) is the CPU's work
   # and most of the time; the GPU is shared, each process allocating as it goes (one process
   # ran half the cases in 270 s on an H100; eight ran 85% in 250 s). -v: each case's name and
-  # verdict in the log as it ends, so a step cut off by its limit still names its failures.
+  # verdict in the log as it ends, so a step cut off by its limit still names its failures;
+  # -rs: every skip's reason in the summary, which the committed log keeps.
   workers = str(max(1, min(16, os.cpu_count() or 1)))
   code, out, seconds = _run(
-      log, "tests", [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", workers,
-                     "--dist", "worksteal", "-p", "no:benchmark", *NO_DEPRECATED_API,
+      log, "tests", [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider",
+                     "-n", workers, "--dist", "worksteal", "-p", "no:benchmark", *NO_DEPRECATED_API,
                      "--durations=15", *[f"tests/{f}" for f in TEST_FILES]], limit,
       JAXKERNELS_TEST_COMPILED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false",
       XLA_FLAGS=NO_AUTOTUNING)

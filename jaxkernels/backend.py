@@ -10,9 +10,11 @@ on a shard get a :class:`Local`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from jax._src import core  # the trace stack (forward_mode)
@@ -123,8 +125,10 @@ class Local:
 
   def plan(self, **changed: Any) -> Plan | None:
     """The plan (None: the reference) of the call with some arguments changed: for an op that
-    runs its kernels more than once a shard (ring attention's blocks)."""
-    return _plan(self.op, self.implementation, self.config, self.args.replace(**changed))
+    runs its kernels more than once a shard (ring attention's blocks), which run on it."""
+    chosen = _plan(self.op, self.implementation, self.config, self.args.replace(**changed))
+    _record(self.op.name, chosen)
+    return chosen
 
   def unsplit(self) -> bool:
     """Whether the call runs unsplit: no array of it laid out over a mesh, and no mesh of Auto
@@ -197,7 +201,9 @@ def _local(op: Op, implementation: str | None, config: Any, args: Args) -> Any:
   ``jax.custom_vjp``, which JAX cannot differentiate forward."""
   chosen = _plan(op, implementation, config, args)
   if forward_mode():
+    _record(op.name, None)
     return (op.forward or op.reference)(args)
+  _record(op.name, chosen)
   return op.reference(args) if chosen is None else op.kernel(chosen, args)
 
 
@@ -205,7 +211,41 @@ def plan_call(op: Op, implementation: str | None, /, **arguments: Any) -> Plan |
   """The plan (None: the reference) that a call of ``op`` with these arguments, unsplit,
   would take: for an op that runs another op's kernels inside its own custom_vjp (matmul's
   gated product runs glu's backward), through the same validation and dispatch as a call."""
-  return _plan(op, implementation, None, _validated(op, arguments))
+  chosen = _plan(op, implementation, None, _validated(op, arguments))
+  _record(op.name, chosen)
+  return chosen
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+  """One op call as it was traced: the op, and the implementation whose code ran it ("xla":
+  the reference, by choice, by fallback or under forward mode)."""
+
+  op: str
+  implementation: str
+
+
+_SERVED: contextvars.ContextVar[tuple[list[Served], ...]] = contextvars.ContextVar(
+    "jaxkernels_served", default=())
+
+
+@contextlib.contextmanager
+def served() -> Iterator[list[Served]]:
+  """Records what served each op call traced inside: a list of :class:`Served`, filled as the
+  calls are traced (a jitted function that is not traced again, its program cached, adds
+  nothing). For tests that must know a kernel ran, not the fallback that computes the same
+  numbers: ``with jk.testing.served() as calls: ...``, then assert on ``calls``."""
+  calls: list[Served] = []
+  token = _SERVED.set((*_SERVED.get(), calls))
+  try:
+    yield calls
+  finally:
+    _SERVED.reset(token)
+
+
+def _record(op: str, chosen: Plan | None) -> None:
+  for calls in _SERVED.get():
+    calls.append(Served(op, "xla" if chosen is None else chosen.implementation))
 
 
 def forward_mode() -> bool:

@@ -32,18 +32,23 @@ largest magnitude among the primals and the cotangent.
 ``reference(dtype)`` must return a function of the primals computing every step in ``dtype``.
 The check is a ``chex.assert_trees_all_close`` per leaf with ``atol`` = the derived tolerance
 times the leaf's largest magnitude.
+
+A kernel's test must also know that the kernel ran, not the XLA reference it falls back to
+(which passes the rule by construction): :func:`served` records what served each op call.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxkernels.backend import Served as Served, served as served
 
 F32_EPS = float(np.finfo(np.float32).eps)
 
@@ -169,23 +174,39 @@ def errors(got, want, zero_scale: float = 0.0) -> list[float]:
 
 
 def tolerances(reference, primals, cotangent=None, *, dtype, reduction: int,
-               pointwise_rtol: float = 0.0):
+               pointwise_rtol: float | Sequence[float] = 0.0):
   """(oracle, per-leaf tolerances): the float64 answer, and for each of its floating leaves
   the largest error the rule allows (relative to the leaf's largest magnitude)."""
   return _tolerances(reference, primals, cotangent, dtype, reduction, pointwise_rtol,
                      input_scale(primals, cotangent))
 
 
-def allowed(baseline, oracle, *, reduction: int, pointwise_rtol: float = 0.0,
+def _per_leaf(pointwise_rtol: float | Sequence[float], leaves: int) -> list[float]:
+  """``pointwise_rtol`` for each of ``leaves`` floating leaves: one number for them all, or one
+  a leaf (a loosening derived for some leaves is theirs alone)."""
+  if isinstance(pointwise_rtol, (int, float)):
+    return [float(pointwise_rtol)] * leaves
+  values = [float(v) for v in pointwise_rtol]
+  if len(values) != leaves:
+    raise ValueError(f"pointwise_rtol: {len(values)} values for {leaves} floating leaves; give "
+                     "one number, or one a leaf in the tree's order")
+  return values
+
+
+def allowed(baseline, oracle, *, reduction: int,
+            pointwise_rtol: float | Sequence[float] = 0.0,
             zero_scale: float = 0.0) -> list[float]:
   """The rule itself: each floating leaf's largest allowed error (relative to the leaf's largest
   magnitude), given the naive low-precision computation's result ``baseline`` and the float64
-  ``oracle``. ``baseline=None``: no naive computation to measure (a format whose accuracy is
-  documented instead, fp8 on tensor cores say): the floor alone."""
-  floor = max(4 * F32_EPS * math.sqrt(max(reduction, 1)), pointwise_rtol)
+  ``oracle``: twice the baseline's error, plus the float32 floor (or the leaf's
+  ``pointwise_rtol``, where larger). ``baseline=None``: no naive computation to measure (a
+  format whose accuracy is documented instead, fp8 on tensor cores say): the floor alone."""
+  base = 4 * F32_EPS * math.sqrt(max(reduction, 1))
+  floors = [max(base, p) for p in _per_leaf(pointwise_rtol, len(_floating_leaves(oracle)))]
   if baseline is None:
-    return [floor for _ in _floating_leaves(oracle)]
-  return [2 * b + floor for b in errors(baseline, oracle, zero_scale)]
+    return floors
+  return [2 * b + floor for b, floor in zip(errors(baseline, oracle, zero_scale), floors,
+                                            strict=True)]
 
 
 def _tolerances(reference, primals, cotangent, dtype, reduction, pointwise_rtol, zero_scale):
@@ -196,7 +217,7 @@ def _tolerances(reference, primals, cotangent, dtype, reduction, pointwise_rtol,
 
 
 def assert_matches(got, reference, primals, cotangent=None, *, dtype, reduction: int,
-                   pointwise_rtol: float = 0.0, note: str = "") -> None:
+                   pointwise_rtol: float | Sequence[float] = 0.0, note: str = "") -> None:
   """``got`` (outputs, or (outputs, grads) where ``cotangent`` is given) is within the rule's
   tolerance of the oracle, leaf by leaf.
 
@@ -206,7 +227,9 @@ def assert_matches(got, reference, primals, cotangent=None, *, dtype, reduction:
     reduction: the longest reduction in the computation (the float32 floor's n).
     pointwise_rtol: the documented accuracy of transcendental work done per element (an
       approximate exp, say): on a tiny array the max-norm error is one element's, and one
-      rounding of the naive baseline is no bound on it.
+      rounding of the naive baseline is no bound on it. One number for every leaf, or one a
+      floating leaf (outputs, then gradients, in the tree's order) where it was derived for
+      some leaves alone.
     note: appended to a failure's message (the seed that drew the inputs, say).
   """
   zero_scale = input_scale(primals, cotangent)

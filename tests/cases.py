@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
+from jaxkernels import testing
 from jaxkernels.ops.attention import reference as attention_reference
 from jaxkernels.ops.attention.common import Window
 from jaxkernels.ops.cross_entropy import reference as cross_entropy_reference
@@ -27,28 +28,42 @@ from jaxkernels.ops.softmax import reference as softmax_reference
 from tests import numerics
 
 EPS = 1e-6
+# Words of a refusal by design (check's ``refused``): TPUs have no float16.
+NO_TPU_FLOAT16 = "float16 is not a TPU dtype"
 
 
 def check(op: str, implementation: str, fn: Callable[..., Any], reference, primals, ct, *,
           dtype, reduction: int, pointwise_rtol=None, support=None, grads: bool = True,
-          judge_grads: bool = True):
+          judge_grads: bool = True, refused: str | None = None):
   """``fn(*primals)`` and, with ``grads``, its gradient for the cotangent ``ct``, where the
-  kernels run (interpreted on the CPU, compiled under JAXKERNELS_TEST_COMPILED), skipped with
-  ``jk.supports``' reason where ``implementation`` cannot serve ``op`` (asked with
-  ``support``, (args, kwargs); default: the primals), then judged against the float64 oracle
-  of ``reference`` (compute dtype -> function) by the numerics rule. ``judge_grads=False``:
-  the gradient runs but is not judged (ill-conditioned by the math, as a one-element row's
-  norm). Returns what ran: (out, grads), or out."""
+  kernels run (interpreted on the CPU, compiled under JAXKERNELS_TEST_COMPILED), judged
+  against the float64 oracle of ``reference`` (compute dtype -> function) by the numerics
+  rule; every op call inside must have run on ``implementation`` (a fallback, or a path that
+  skips dispatch, fails), ``op`` among them. ``judge_grads=False``: the gradient runs but is
+  not judged (ill-conditioned by the math, as a one-element row's norm). Returns what ran:
+  (out, grads), or out.
+
+  ``implementation`` must serve the call (``jk.supports``, asked with ``support``, (args,
+  kwargs); default: the primals): a refusal fails the test, unless the caller lists it,
+  ``refused`` naming words of the reason it expects; then the test skips with that reason
+  (and fails where the kernel serves the call after all: the listing is stale)."""
   args, kwargs = support if support is not None else (primals, {})
   with numerics.kernel_mode():
     supported = jk.supports(op, implementation, *args, **kwargs)
+    if refused is not None:
+      assert not supported, (f"{implementation} serves this {op} call, listed as refused "
+                             f"({refused!r}): the listing is stale")
+      assert refused in supported.reason, (refused, supported.reason)
+      pytest.skip(f"{implementation} refuses it, as listed: {supported.reason}")
     if not supported:
-      pytest.skip(supported.reason)
-    if grads:
-      out, vjp = jax.vjp(fn, *primals)
-      got = (out, vjp(ct))
-    else:
-      got = fn(*primals)
+      pytest.fail(f"{implementation} refuses a call of {op} it must serve: {supported.reason} "
+                  "(a refusal by design is listed: check's refused)", pytrace=False)
+    with numerics.served_by(implementation, ops=(op,)):
+      if grads:
+        out, vjp = jax.vjp(fn, *primals)
+        got = (out, vjp(ct))
+      else:
+        got = fn(*primals)
   judged, judged_ct = (got, ct) if grads and judge_grads else (got[0] if grads else got, None)
   rtol = {} if pointwise_rtol is None else {"pointwise_rtol": pointwise_rtol}
   numerics.assert_matches(judged, reference, primals, judged_ct, dtype=dtype,
@@ -58,13 +73,15 @@ def check(op: str, implementation: str, fn: Callable[..., Any], reference, prima
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One op (or a variant of one) as the table's tests call it on float32 arrays.
+  """One op (or a variant of one) as the table's tests call it, on arrays drawn in float32 and
+  rounded to the case's dtype.
 
   Fields:
     op: the registered op's name.
     call: ``implementation -> fn(*arrays)``.
     reference: ``compute dtype -> fn(*arrays)``: the spec, for the numerics rule.
-    arrays: ``(generator, shape) -> arrays``, float32, x's ``shape``.
+    arrays: ``(generator, shape) -> arrays``, float32, x's ``shape`` (the vocabulary of the
+      fused loss 3/2 of its width, so that x's whole 128-element vectors make the logits').
     support: ``(*arrays) -> (args, kwargs)``: the call as ``jk.supports`` asks it.
     kinds: for each array, how a sharded layout of x splits it (:meth:`check_sharded`): "rows"
       (as x), "vector" (along x's last axis), or None (an absent array); None for an op whose
@@ -78,22 +95,25 @@ class Case:
   support: Callable[..., tuple[tuple, dict]]
   kinds: tuple[str | None, ...] | None = None
 
-  def check(self, implementation: str, shape, *labels):
-    """The call on fresh arrays of x's ``shape``, forward and gradient, by :func:`check`."""
-    gen = numerics.rng("case", self.op, implementation, shape, *labels)
-    primals = self.arrays(gen, shape)
-    out_shapes = jax.eval_shape(self.reference(jnp.float32), *primals)
+  def check(self, implementation: str, shape, *labels, dtype=jnp.float32, grads=True):
+    """The call on fresh arrays of x's ``shape`` in ``dtype`` (integer arrays kept), forward
+    and (with ``grads``) gradient, by :func:`check`."""
+    gen = numerics.rng("case", self.op, implementation, shape, jnp.dtype(dtype).name, *labels)
+    primals = tuple(a if a is None or not jnp.issubdtype(a.dtype, jnp.floating)
+                    else a.astype(dtype) for a in self.arrays(gen, shape))
+    out_shapes = jax.eval_shape(self.call("xla"), *primals)  # the op's dtypes, not the spec's
     ct = jax.tree.map(lambda o: numerics.normal(gen, o.shape, o.dtype), out_shapes)
     return check(self.op, implementation, self.call(implementation), self.reference, primals,
-                 ct, dtype=jnp.float32, reduction=max(shape[-1], math.prod(shape[:-1])),
-                 support=self.support(*primals))
+                 ct, dtype=dtype, reduction=max(shape[-1], math.prod(shape[:-1])),
+                 support=self.support(*primals), grads=grads)
 
   def check_sharded(self, implementation: str | None, mesh, spec: P, shape, *labels,
                     gathered: bool = False):
     """The call on arrays laid out on ``mesh`` as ``spec`` says for x (the rows; a vector
-    along x's last axis follows its split), forward and gradient under jit, against the
-    oracle by the numerics rule; warned of a gather exactly where ``gathered``; the output
-    split as x where nothing is gathered."""
+    along x's last axis follows its split), forward and gradient under jit, on the kernels of
+    ``implementation`` (interpreted: a call that names none picks them; None, the first that
+    serves), against the oracle by the numerics rule; warned of a gather exactly where
+    ``gathered``; the output split as x where nothing is gathered."""
     assert self.kinds is not None, f"{self.op}: its layouts are its own tests'"
     gen = numerics.rng("sharding", self.op, *labels)
     args = self.arrays(gen, shape)
@@ -102,12 +122,17 @@ class Case:
                for a, s in zip(args, specs)]
     out_shapes = jax.eval_shape(self.reference(jnp.float32), *args)
     ct = jax.tree.map(lambda o: numerics.normal(gen, o.shape, o.dtype), out_shapes)
-    with jk.interpret_mode(implementation), warnings.catch_warnings(record=True) as caught:
+    with jk.interpret_mode(implementation), warnings.catch_warnings(record=True) as caught, \
+         testing.served() as calls:
       warnings.simplefilter("always")
       out, vjp = jax.vjp(jax.jit(self.call(None)), *sharded)
       got = (out, vjp(ct))
     warned = [str(w.message) for w in caught if issubclass(w.category, jk.ShardingWarning)]
     assert bool(warned) == gathered, warned
+    # Each shard's call on the kernels interpret mode picks, none falling back to XLA's path.
+    assert not [w for w in caught if issubclass(w.category, jk.FallbackWarning)], [
+        str(w.message) for w in caught]
+    numerics.assert_served(calls, implementation, ops=(self.op,))
     numerics.assert_matches(got, self.reference, args, ct, dtype=jnp.float32,
                             reduction=max(shape[-1], math.prod(shape[:-1])))
     if not gathered:
@@ -212,7 +237,7 @@ CASES: dict[str, Case] = {
         "matmul",
         lambda impl: lambda a, b: jk.matmul(a, b, implementation=impl),
         lambda cd: lambda a, b: matmul_reference.in_dtype(cd, a, b),
-        lambda gen, shape: (_rows(gen, shape), _rows(gen, (shape[-1], 48), 0.1)),
+        lambda gen, shape: (_rows(gen, shape), _rows(gen, (shape[-1], 3 * shape[-1] // 4), 0.1)),
         lambda a, b: ((a, b), {})),
     "softmax_cross_entropy": Case(
         "softmax_cross_entropy",
@@ -228,7 +253,7 @@ CASES: dict[str, Case] = {
             x, w, _linear_labels(x, w), reduction="none", chunk_size=16, implementation=impl),
         lambda cd: lambda x, w: cross_entropy_reference.linear_softmax_cross_entropy(
             x, w, _linear_labels(x, w), compute_dtype=cd)[0],
-        lambda gen, shape: (_rows(gen, shape), _rows(gen, (shape[-1], 96), 0.3)),
+        lambda gen, shape: (_rows(gen, shape), _rows(gen, (shape[-1], 3 * shape[-1] // 2), 0.3)),
         lambda x, w: ((x, w, _linear_labels(x, w)), {"reduction": "none", "chunk_size": 16})),
     "flash_attention": Case(
         "flash_attention",

@@ -162,17 +162,29 @@ def pytest_collection_modifyitems(config, items):
           reason=f"{implementation} compiles for {platform}; {jax.devices()[0].device_kind} here"))
 
 
+def tpu_topology(name: str):
+  """The devices of a TPU topology (``"v5e:2x2"``, say) for AOT compiles by the real TPU
+  compiler, libtpu's. Where it cannot be had (libtpu missing or broken) the test fails: the
+  suite's `test` extra installs it, and a skip there hid every TPU compile. Compiled on a GPU
+  (the GPU check, on a machine without libtpu) it skips, saying so: TPU compiles are CI's."""
+  from jax.experimental import topologies
+
+  try:
+    return topologies.get_topology_desc(platform="tpu", topology_name=name)
+  except Exception as e:  # noqa: BLE001 - whatever libtpu raised, said whole
+    message = f"no TPU compiler here ({type(e).__name__}: {e})"
+    if numerics.COMPILED:
+      pytest.skip(f"{message}: the GPU check leaves the TPU compiles to CI")
+    pytest.fail(f"{message}: the tests' `test` extra installs libtpu (pip install -e "
+                "'.[test]', as `make test` does)", pytrace=False)
+
+
 @pytest.fixture(scope="session", params=sorted(TPU_TOPOLOGIES))
 def tpu_mesh(request):
   """A one-device mesh of a real TPU generation's topology: compiles run the TPU compiler."""
   import jax
-  from jax.experimental import topologies
 
-  try:
-    topology = topologies.get_topology_desc(platform="tpu",
-                                            topology_name=TPU_TOPOLOGIES[request.param])
-  except Exception as e:  # noqa: BLE001 - no libtpu: the `test` extra brings it
-    pytest.skip(f"no TPU compiler here ({type(e).__name__}: {e}); pip install '.[test]'")
+  topology = tpu_topology(TPU_TOPOLOGIES[request.param])
   return jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
 
 
@@ -258,12 +270,8 @@ def fresh_warnings(monkeypatch):
 def tpu4(request):
   """Four chips of a TPU topology on one Explicit axis, "data": compiles run the TPU compiler."""
   import jax
-  from jax.experimental import topologies
   from jax.sharding import AxisType
 
-  try:
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=request.param)
-  except Exception as e:  # noqa: BLE001 - no libtpu: the `test` extra brings it
-    pytest.skip(f"no TPU compiler here ({type(e).__name__}: {e})")
+  topology = tpu_topology(request.param)
   return jax.sharding.Mesh(np.array(topology.devices[:4]), ("data",),
                            axis_types=(AxisType.Explicit,))

@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import warnings
 import zlib
+from collections.abc import Collection, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -92,10 +94,53 @@ def some(params, keep) -> list:
   return out
 
 
-def kernel_mode():
-  """Where a test runs the kernels it checks: interpreted on the CPU (CI), or compiled
-  (``COMPILED``)."""
-  return contextlib.nullcontext() if COMPILED else jk.interpret_mode()
+@contextlib.contextmanager
+def kernel_mode(implementation: str | None = None) -> Iterator[None]:
+  """Where a test runs the kernels it checks: interpreted on the CPU (CI; ``implementation``:
+  the kernel that a call naming none picks there, default Mosaic TPU's, then Triton's), or
+  compiled (``COMPILED``). A FallbackWarning inside is an error: a kernel test whose call fell
+  back to the XLA reference would compare the reference with itself, and pass."""
+  interpreted = contextlib.nullcontext() if COMPILED else jk.interpret_mode(implementation)
+  with interpreted, warnings.catch_warnings():
+    warnings.filterwarnings("error", category=jk.FallbackWarning)
+    yield
+
+
+def must_serve(support) -> None:
+  """A call a kernel must serve (``jk.supports``' answer): a refusal fails the test with the
+  kernel's reason, but where the reason is the device itself (a GPU before Hopper, which
+  Mosaic GPU's kernels need), it skips saying so."""
+  if support:
+    return
+  if "needs a Hopper GPU" in support.reason:
+    pytest.skip(support.reason)
+  pytest.fail(f"a call its kernel must serve was refused: {support.reason}", pytrace=False)
+
+
+def assert_served(calls: Collection[testing.Served], implementation: str | None,
+                  ops: Collection[str] = ()) -> None:
+  """Each op call recorded in ``calls`` (:func:`jaxkernels.testing.served`) ran on
+  ``implementation`` (None: on some kernel, none on the XLA reference), there was at least
+  one, and each op of ``ops`` made one."""
+  ran = sorted({(c.op, c.implementation) for c in calls})
+  assert ran, ("no op call was traced inside (a program cached from an earlier trace, or no "
+               "op at all): nothing shows which implementation ran")
+  wrong = [r for r in ran if (r[1] != implementation if implementation is not None
+                              else r[1] == "xla")]
+  assert not wrong, (f"op calls served by other than {implementation or 'a kernel'}: {wrong} "
+                     f"(all: {ran})")
+  missing = sorted(set(ops) - {op for op, _ in ran})
+  assert not missing, f"no call of {missing} was traced (all: {ran})"
+
+
+@contextlib.contextmanager
+def served_by(implementation: str | None, ops: Collection[str] = ()
+              ) -> Iterator[list[testing.Served]]:
+  """Records the op calls traced inside (:func:`jaxkernels.testing.served`) and, on leaving,
+  asserts them with :func:`assert_served`."""
+  with testing.served() as calls:
+    yield calls
+  assert_served(calls, implementation, ops)
 
 SEED = int(os.environ.get("JAXKERNELS_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 

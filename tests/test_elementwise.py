@@ -44,6 +44,7 @@ def _pointwise_rtol(activation, z, weight):
 
 class ElementwiseTest:
   IMPL = "xla"
+  REFUSES = {}  # dtype -> words of this backend's reason for refusing it (cases.check's refused)
   VMAP_SHAPE = (4, 6, 40)  # a kernel class of restricted widths draws its own
 
   def bias_activation(self, activation, config=None):
@@ -58,7 +59,8 @@ class ElementwiseTest:
     return cases.check(op_name, self.IMPL, fn, reference_fn, primals, ct, dtype=dtype,
                        reduction=primals[0].size // primals[0].shape[-1],
                        pointwise_rtol=pointwise_rtol,
-                       support=(primals, {"activation": activation}))
+                       support=(primals, {"activation": activation}),
+                       refused=self.REFUSES.get(jnp.dtype(primals[0].dtype)))
 
   def check_bias_activation(self, shape, dtype, activation, *labels, config=None):
     """Draws inputs (labelled ``labels``, else the activation) and checks one call."""
@@ -335,6 +337,7 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
 
 class TestElementwiseMosaicTpu(ElementwiseTest):
   IMPL = "mosaic_tpu"
+  REFUSES = {jnp.dtype(jnp.float16): cases.NO_TPU_FLOAT16}
 
   def test_aot_compiles(self, tpu_mesh):
     """Both ops' backward at a large bfloat16 and a small float32 shape: each activation at

@@ -1,8 +1,15 @@
 """fp8_matmul: the training product in fp8 against its spec (each of the three products built
 from ``jk.quantize`` and a float32 product of the dequantized operands), forward and
-gradients, under jit and jax.checkpoint; its errors; the model's and the CLI's fp8 switch."""
+gradients, under jit and jax.checkpoint; its errors; the model's and the CLI's fp8 switch.
+
+On both paths its products take: XLA's reference, and Mosaic GPU's block-scaled kernel, which
+every product call is asserted to have run on; compiled on a Hopper GPU (the GPU check), and on
+the CPU lowered for CUDA (its interpreter hangs on fp8 on jax 0.10.2)."""
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import chex
 import hypothesis
@@ -15,8 +22,22 @@ from hypothesis import strategies as st
 import jaxkernels as jk
 from jaxkernels.ops.matmul import reference as matmul_reference
 from tests import numerics
+from tests.conftest import cuda_lowering
 
 E4M3 = jnp.float8_e4m3fn
+PATHS = ("xla", "mosaic_gpu")
+
+
+def _on(path) -> contextlib.ExitStack:
+  """Where ``path``'s products run, each of them asserted to have (a skip for the kernel on the
+  CPU: test_lowers_for_cuda_on_its_kernels)."""
+  if path == "mosaic_gpu" and not numerics.COMPILED:
+    pytest.skip("Mosaic GPU's fp8 kernels: compiled in the GPU check (the interpreter hangs on "
+                "fp8 on jax 0.10.2); lowered for CUDA on the CPU")
+  stack = contextlib.ExitStack()
+  stack.enter_context(numerics.kernel_mode())
+  stack.enter_context(numerics.served_by(path, ["matmul"]))
+  return stack
 
 
 def dequantized(x, block):
@@ -48,17 +69,20 @@ def assert_close_to_spec(got, want, k, dtype):
   np.testing.assert_array_less(np.abs(got - want), 2 * bound + 1e-6 * np.max(np.abs(want)))
 
 
-@hypothesis.settings(max_examples=numerics.draws(8), deadline=None)
+@pytest.mark.parametrize("path", PATHS)
+@hypothesis.settings(max_examples=numerics.draws(8), deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.differing_executors])
 @hypothesis.given(lead=st.sampled_from([(), (2,), (2, 3)]), m=st.integers(1, 300),
                   k=st.sampled_from([128, 256, 384]), n=st.sampled_from([128, 256]),
                   dtype=st.sampled_from([jnp.bfloat16, jnp.float32]))
-def test_forward_and_gradients_are_the_spec(lead, m, k, n, dtype):
+def test_forward_and_gradients_are_the_spec(path, lead, m, k, n, dtype):
   gen = numerics.rng("fp8", lead, m, k, n, jnp.dtype(dtype).name)
   x = numerics.normal(gen, (*lead, m, k), dtype)
   w = numerics.normal(gen, (k, n), dtype, k ** -0.5)
   dy = numerics.normal(gen, (*lead, m, n), dtype)
-  y, vjp = jax.vjp(jax.jit(jk.fp8_matmul), x, w)
-  dx, dw = vjp(dy)
+  with _on(path):
+    y, vjp = jax.vjp(jax.jit(functools.partial(jk.fp8_matmul, implementation=path)), x, w)
+    dx, dw = vjp(dy)
   chex.assert_shape(y, (*lead, m, n))
   chex.assert_type((y, dx, dw), dtype)
   rows = int(np.prod(lead, dtype=int)) * m
@@ -70,7 +94,8 @@ def test_forward_and_gradients_are_the_spec(lead, m, k, n, dtype):
   assert_close_to_spec(dw, want_dw, rows + pad, dtype)
 
 
-def test_it_is_near_the_exact_product():
+@pytest.mark.parametrize("path", PATHS)
+def test_it_is_near_the_exact_product(path):
   """fp8's 3 mantissa bits: each operand within 2^-4 of itself (relative), so the product's
   error stays a few percent of its size; a block scale applied to the wrong rows or columns
   would miss by O(1)."""
@@ -78,25 +103,28 @@ def test_it_is_near_the_exact_product():
   x = numerics.normal(gen, (256, 384), jnp.float32) * jnp.logspace(-3, 3, 256)[:, None]
   w = numerics.normal(gen, (384, 256), jnp.float32, 384 ** -0.5)
   dy = numerics.normal(gen, (256, 256), jnp.float32) * jnp.logspace(2, -2, 256)[:, None]
-  y, vjp = jax.vjp(jk.fp8_matmul, x, w)
-  dx, dw = vjp(dy)
+  with _on(path):
+    y, vjp = jax.vjp(functools.partial(jk.fp8_matmul, implementation=path), x, w)
+    dx, dw = vjp(dy)
   for got, want in ((y, x @ w), (dx, dy @ w.T), (dw, x.T @ dy)):
     rows = jnp.linalg.norm(got - want, axis=-1) / jnp.linalg.norm(want, axis=-1)
     assert float(jnp.max(rows)) < 2 ** -3, float(jnp.max(rows))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("policy", ["everything_saveable", "nothing_saveable",
                                     "dots_saveable"])
-def test_under_checkpoint_the_saved_fp8_copies_keep_their_values(policy):
+def test_under_checkpoint_the_saved_fp8_copies_keep_their_values(policy, path):
   """jax.checkpoint rounds each floating residual with reduce_precision, which takes e4m3fn's
   entries over 240 to NaN (JAX 0.10): the saved copies travel as their bits."""
   gen = numerics.rng("fp8 remat", policy)
   x = numerics.normal(gen, (128, 256), jnp.bfloat16)
   w = numerics.normal(gen, (256, 256), jnp.bfloat16, 0.05)
-  f = lambda x, w: jnp.sum(jk.fp8_matmul(x, w).astype(jnp.float32) ** 2)
-  want = jax.value_and_grad(f, argnums=(0, 1))(x, w)
-  got = jax.value_and_grad(jax.checkpoint(f, policy=getattr(jax.checkpoint_policies, policy)),
-                           argnums=(0, 1))(x, w)
+  f = lambda x, w: jnp.sum(jk.fp8_matmul(x, w, implementation=path).astype(jnp.float32) ** 2)
+  with _on(path):
+    want = jax.value_and_grad(f, argnums=(0, 1))(x, w)
+    got = jax.value_and_grad(jax.checkpoint(f, policy=getattr(jax.checkpoint_policies, policy)),
+                             argnums=(0, 1))(x, w)
   chex.assert_tree_all_finite(got)
   chex.assert_trees_all_close(got, want, rtol=1e-6, atol=0)
 
@@ -153,7 +181,8 @@ def test_the_config_and_the_cli_say_what_fp8_needs(capsys):
   assert "blocks of 128" in capsys.readouterr().err
 
 
-def test_on_the_one_device_mesh_the_cli_builds():
+@pytest.mark.parametrize("path", PATHS)
+def test_on_the_one_device_mesh_the_cli_builds(path):
   """The train CLI lays everything out on a mesh of Explicit axes, of size 1 on one device:
   the batch is typed as split over (data, fsdp) though nothing is, and the blocks' reshapes
   refused it. The operands are taken whole there (free), forward and backward."""
@@ -163,11 +192,25 @@ def test_on_the_one_device_mesh_the_cli_builds():
   gen = numerics.rng("fp8 mesh")
   x = numerics.normal(gen, (2, 128, 256), jnp.bfloat16)
   w = numerics.normal(gen, (256, 128), jnp.bfloat16, 0.05)
-  loss = jax.value_and_grad(lambda x, w: jnp.sum(jk.fp8_matmul(x, w).astype(jnp.float32)),
-                            argnums=(0, 1))
-  want = jax.jit(loss)(x, w)  # compiled both: see spec
-  with jax.set_mesh(mesh):
+  loss = jax.value_and_grad(lambda x, w: jnp.sum(jk.fp8_matmul(
+      x, w, implementation=path).astype(jnp.float32)), argnums=(0, 1))
+  with _on(path):
+    want = jax.jit(loss)(x, w)  # compiled both: see spec
+  with jax.set_mesh(mesh), _on(path):
     xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
         ("data", "fsdp"))))
     got = jax.jit(loss)(xs, w)
   chex.assert_trees_all_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_lowers_for_cuda_on_its_kernels():
+  """Forward and both gradients, lowered for CUDA with no GPU: each of the three products a
+  Mosaic GPU kernel in the program (its custom call), and every product call on them."""
+  x = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((384, 128), jnp.bfloat16)
+  loss = lambda x, w: jnp.sum(jk.fp8_matmul(x, w, implementation="mosaic_gpu").astype(
+      jnp.float32))
+  with numerics.served_by("mosaic_gpu", ["matmul"]) as calls:
+    text = cuda_lowering(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+  assert len(calls) == 3, calls  # y = x w, dx = dy wT, dw = xT dy
+  assert text.count("custom_call @mosaic_gpu") == 3, text.count("custom_call @mosaic_gpu")

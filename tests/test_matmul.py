@@ -93,8 +93,7 @@ class MatmulTest:
   def test_out_dtype(self):
     primals, _ = inputs((40, 50, 60), jnp.bfloat16, False, False)
     with numerics.kernel_mode():
-      if not jk.supports("matmul", self.IMPL, *primals, out_dtype=jnp.float32):
-        pytest.skip("not served")
+      numerics.must_serve(jk.supports("matmul", self.IMPL, *primals, out_dtype=jnp.float32))
       y = jk.matmul(*primals, out_dtype=jnp.float32, implementation=self.IMPL,
                     config=self.CONFIG)
     assert y.dtype == jnp.float32
@@ -561,8 +560,7 @@ def test_stream_k(monkeypatch, m, k, n):
   b = numerics.normal(gen, (k, n), jnp.bfloat16)
   config = mosaic_gpu.Config(tile_m=64, tile_n=64, tile_k=64, stages=3, stream_k=True)
   with numerics.kernel_mode():
-    if not jk.supports("matmul", "mosaic_gpu", a, b):
-      pytest.skip("no Mosaic GPU here")
+    numerics.must_serve(jk.supports("matmul", "mosaic_gpu", a, b))
     y = jk.matmul(a, b, implementation="mosaic_gpu", config=config)
   want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
   assert np.abs(np.asarray(y, np.float64) - want).max() <= 2 ** -8 * np.abs(want).max()
@@ -581,8 +579,8 @@ def test_mosaic_gpu_fp8(dtype, shape):
   b = numerics.normal(gen, (k, n), dtype)
   a_scale = jnp.asarray(gen.uniform(0.5, 2, (*lead, m)), jnp.float32)
   b_scale = jnp.asarray(gen.uniform(0.5, 2, n), jnp.float32)
-  if not jk.supports("matmul", "mosaic_gpu", a, b, a_scale=a_scale, b_scale=b_scale):
-    pytest.skip("no Mosaic GPU here")
+  numerics.must_serve(jk.supports("matmul", "mosaic_gpu", a, b, a_scale=a_scale,
+                                  b_scale=b_scale))
   y = jk.matmul(a, b, a_scale=a_scale, b_scale=b_scale, implementation="mosaic_gpu")
   want = (np.asarray(a, np.float64) @ np.asarray(b, np.float64)
           * np.asarray(a_scale, np.float64)[..., None] * np.asarray(b_scale, np.float64))
@@ -696,8 +694,8 @@ def test_block_scales_on_mosaic_gpu(scheme):
     pytest.skip("the Mosaic GPU interpreter hangs on fp8 (jax 0.10.2): compiled only")
   gen = numerics.rng("block-scales-mgpu", scheme)
   a, b, a_scale, b_scale, want = _block_scaled_case(gen, (), 1000, 1024, 768, scheme)
-  if not jk.supports("matmul", "mosaic_gpu", a, b, a_scale=a_scale, b_scale=b_scale):
-    pytest.skip("no Mosaic GPU here")
+  numerics.must_serve(jk.supports("matmul", "mosaic_gpu", a, b, a_scale=a_scale,
+                                  b_scale=b_scale))
   y = jk.matmul(a, b, a_scale=a_scale, b_scale=b_scale, implementation="mosaic_gpu")
   _assert_fp8_product(y, want, 1024)
 

@@ -20,6 +20,8 @@ from models import llama
 from tests import numerics
 
 TINY = llama.preset("tiny", max_len=32, depth=1)  # one layer: a step compiles sooner
+# The ops a Llama step calls (and glu, where the product's gated epilogue runs apart).
+MODEL_OPS = ("flash_attention", "linear_softmax_cross_entropy", "matmul", "rms_norm")
 
 
 def _tokens(cfg, batch=4, seed_label="tokens"):
@@ -53,9 +55,10 @@ def test_kernels_match_the_xla_path():
   # sqrt(n) for its longest reduction (the vocabulary's or the width's); they pass through.
   tolerance = 4 * numerics.F32_EPS * TINY.vocab**0.5 * (4 * TINY.depth + 2)
   model, _ = llama.make(TINY, seed=3)
-  # Compiled on a GPU, the device's best kernels; on the CPU, Triton's interpreted.
-  context = contextlib.nullcontext() if numerics.COMPILED else jk.interpret_mode("triton")
-  with context, jax.default_matmul_precision("highest"):
+  # Compiled on a GPU, the device's best kernels; on the CPU, Triton's interpreted. Every op
+  # call on them (none falling back: XLA's reference would match XLA's path by construction).
+  with numerics.kernel_mode("triton"), jax.default_matmul_precision("highest"), \
+       numerics.served_by(None if numerics.COMPILED else "triton", MODEL_OPS):
     loss, grads = loss_and_grads(model, tokens)
   assert abs(float(loss) - float(want_loss)) <= tolerance * abs(float(want_loss))
   errors = numerics.errors(jax.tree.leaves(nnx.state(grads)),

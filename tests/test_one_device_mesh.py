@@ -56,10 +56,13 @@ def test_one_device_mesh_matches_plain_arrays(op):
 
   mesh = jax.make_mesh((1, 1), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2,
                        devices=jax.devices()[:1])
-  with numerics.kernel_mode():
-    want = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(floats)))))(
-        *[args[i] for i in floats])
-    with jax.set_mesh(mesh):
+  # Both on the kernels (interpreted: Triton's; compiled: the device's best), neither falling
+  # back to XLA's reference.
+  with numerics.kernel_mode("triton"):
+    with numerics.served_by(None if numerics.COMPILED else "triton"):
+      want = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(floats)))))(
+          *[args[i] for i in floats])
+    with jax.set_mesh(mesh), numerics.served_by(None if numerics.COMPILED else "triton"):
       placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
       args[:] = placed
       got = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(floats)))))(

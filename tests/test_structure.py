@@ -475,3 +475,43 @@ def test_the_triton_files_are_behind_one_boundary():
   outside = {name: sorted(GRAPH[name] & named) for name in MODULES
              if name not in named and GRAPH[name] & named}
   assert not outside, outside
+
+
+def _returns_through_the_pipeline(fn) -> list[str]:
+  """The returns of the public op ``fn`` whose value does not come from ``backend.call``: one
+  that calls it, or names only values assigned from a call of it in the function (unpacked or
+  indexed after)."""
+  import textwrap
+
+  body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+  calls = lambda node: any(isinstance(n, ast.Call) and ast.unparse(n.func) == "backend.call"
+                           for n in ast.walk(node))
+  piped = set()
+  for node in ast.walk(body):
+    if isinstance(node, ast.Assign) and calls(node.value):
+      piped |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+  for node in ast.walk(body):  # names taken apart from a piped value: out, lse = out
+    if isinstance(node, ast.Assign) and {n.id for n in ast.walk(node.value)
+                                         if isinstance(n, ast.Name)} & piped:
+      piped |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+  off = []
+  for node in ast.walk(body):
+    if isinstance(node, ast.Return) and node.value is not None and not calls(node.value):
+      names = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)
+               and isinstance(n.ctx, ast.Load)}
+      if not names & piped:
+        off.append(ast.unparse(node))
+  return off
+
+
+def test_every_public_op_returns_through_the_pipeline():
+  """Each registered op's public function returns only what ``backend.call`` computed: a
+  return before it (softmax_cross_entropy's class-wise mask once returned XLA's answer there)
+  would skip dispatch, so an explicit implementation would be neither honoured nor refused."""
+  off = {name: _returns_through_the_pipeline(getattr(jk, name)) for name in backend.ops()}
+  assert not any(off.values()), {name: rets for name, rets in off.items() if rets}
+  def early(x, implementation=None):
+    if x is None:
+      return 0
+    return backend.call(None, implementation, None, x=x)
+  assert _returns_through_the_pipeline(early) == ["return 0"]  # what it catches

@@ -2,7 +2,8 @@
 
 The row kernels take the loss and log-sum-exp in one read of the logits, and their gradient in
 one more read and one write (``rows``). optax's ``axis`` and ``where`` are put in the kernels'
-form first; a class-wise ``where`` runs XLA's path.
+form first; a class-wise ``where`` runs XLA's path (no kernel takes it: dispatch falls back,
+or refuses a kernel named).
 """
 
 from __future__ import annotations
@@ -42,12 +43,14 @@ _rows.defvjp(_rows_fwd, _rows_bwd)
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Args(backend.Args):
-  """A call's validated arguments: logits (..., V) with the classes last, int32 labels (...)."""
+  """A call's validated arguments: logits (..., V) with the classes last, int32 labels (...),
+  and optax's class-wise ``where`` shaped like the logits (or None)."""
 
   logits: jax.Array
   labels: jax.Array
   options: Options
   reduction: str
+  where: jax.Array | None = None
 
 
 def _validate(logits, labels, *, label_smoothing, z_loss, ignore_index, reduction, axis=-1,
@@ -57,18 +60,19 @@ def _validate(logits, labels, *, label_smoothing, z_loss, ignore_index, reductio
   as given."""
   del labels_checked  # the public op's to act on
   logits, labels, where, ignore_index = _optax_form(logits, labels, axis, where, ignore_index)
-  if where is not None:
-    raise ValueError(f"{OP}: a where shaped like logits (a mask of classes) runs on XLA's path "
-                     "alone: the kernels read whole rows")
   if logits.shape[-1] == 0:
     raise ValueError(f"{OP}: logits must have at least one class (a last axis > 0), got shape "
                      f"{tuple(logits.shape)}")
+  if where is not None and label_smoothing:
+    raise ValueError(f"{OP}: a where shaped like logits (a mask of classes) takes no "
+                     f"label_smoothing (the smoothed target's classes would be ambiguous), got "
+                     f"{label_smoothing}")
   return Args(logits=logits,
               labels=rows.check_labels(OP, labels, logits.shape[:-1],
                                        "logits without its last axis"),
               options=rows.check_options(OP, label_smoothing, z_loss, ignore_index,
                                          reduction),
-              reduction=reduction)
+              reduction=reduction, where=where)
 
 
 def _kernel(plan: dispatch.Plan, args: Args):
@@ -78,22 +82,33 @@ def _kernel(plan: dispatch.Plan, args: Args):
 
 
 def _reference(args: Args):
+  if args.where is not None:
+    return _class_masked(args)
   loss = reference.softmax_cross_entropy(args.logits, args.labels, **args.options.kwargs())[0]
   return rows.reduce_loss(loss, args.labels, args.options, args.reduction)
 
 
 def _rule(args: Args) -> partitioning.Rule:
-  """The tokens split freely (the labels' with the logits'); the classes are reduced over."""
+  """The tokens split freely (the labels' and a class-wise where's with the logits'); the
+  classes are reduced over."""
   tokens = partitioning.row_dims(args.logits.ndim, "vocab")
-  return {"logits": (*tokens, Whole("vocab")), "labels": tokens}
+  rule = {"logits": (*tokens, Whole("vocab")), "labels": tokens}
+  return rule if args.where is None else {**rule, "where": rule["logits"]}
 
 
-def _across(where: partitioning.Split, rule: partitioning.Rule, local: backend.Local,
+def _valid(args: Args):
+  """The tokens a class-wise where lets take in some class (the others are left out of the
+  mean), or None."""
+  return None if args.where is None else jnp.any(args.where, axis=-1)
+
+
+def _across(split: partitioning.Split, rule: partitioning.Rule, local: backend.Local,
             args: Args):
   """Each shard's per-token loss, then reduced over them all (XLA's sum across shards)."""
-  loss = where.run(lambda **shards: local(**shards, reduction="none"),
-                   {"logits": args.logits, "labels": args.labels}, rule, rule["labels"])
-  return rows.reduce_loss(loss, args.labels, args.options, args.reduction)
+  arrays = {name: getattr(args, name) for name in rule}
+  loss = split.run(lambda **shards: local(**shards, reduction="none"), arrays, rule,
+                   rule["labels"])
+  return rows.reduce_loss(loss, args.labels, args.options, args.reduction, valid=_valid(args))
 
 
 def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
@@ -136,12 +151,9 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
   logits, labels, where, ignore_index = _optax_form(logits, labels, axis, where, ignore_index)
   if labels_checked:
     rows.check_range(OP, labels, logits.shape[-1], ignore_index)
-  if where is not None:  # class-wise: XLA's path
-    return _class_masked(logits, labels, where, label_smoothing=label_smoothing,
-                         z_loss=z_loss, ignore_index=ignore_index, reduction=reduction)
   return backend.call(_OP, implementation, config, logits=logits, labels=labels,
                       label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
-                      reduction=reduction)
+                      reduction=reduction, where=where)
 
 
 
@@ -189,31 +201,26 @@ def _optax_form(logits, labels, axis, where, ignore_index):
   return logits, labels, where, ignore_index
 
 
-def _class_masked(logits, labels, where, *, label_smoothing, z_loss, ignore_index, reduction):
+def _class_masked(args: Args):
   """optax's class-wise ``where``: each token's log-sum-exp over the classes it takes in, its
   label's logit subtracted; 0 (and left out of the mean) for a token that takes in none."""
-  labels = rows.check_labels(OP, labels, logits.shape[:-1], "logits without its class axes")
-  options = rows.check_options(OP, label_smoothing, z_loss, ignore_index, reduction)
-  if options.label_smoothing:
-    raise ValueError(f"{OP}: a where shaped like logits (a mask of classes) takes no "
-                     f"label_smoothing (the smoothed target's classes would be ambiguous), got "
-                     f"{label_smoothing}")
+  logits, labels, where, options = args.logits, args.labels, args.where, args.options
   z = logits.astype(jnp.float32)
   vocab = z.shape[-1]
   lse = jax.nn.logsumexp(z, axis=-1, where=where)
   picked = jnp.take_along_axis(z, jnp.clip(labels, 0, vocab - 1)[..., None], axis=-1)[..., 0]
   loss = lse - picked + options.z_loss * lse * lse
-  takes_in = jnp.any(where, axis=-1)
+  takes_in = _valid(args)
   kept = takes_in & rows.kept_tokens(labels, options)
   loss = reference.nan_where(kept & ((labels < 0) | (labels >= vocab)), loss)
   loss = jnp.where(kept, loss, 0.0)
-  return rows.reduce_loss(loss, labels, options, reduction, valid=takes_in)
+  return rows.reduce_loss(loss, labels, options, args.reduction, valid=takes_in)
 
 
 
 _OP = backend.register(backend.Op(
     name=OP, kernels=rows.KERNELS, validate=_validate,
-    problem=lambda args: rows.Problem.of(args.logits),
+    problem=lambda args: rows.Problem.of(args.logits, class_mask=args.where is not None),
     reference=_reference, kernel=_kernel,
     options=lambda args: args.options.kwargs(),
     rule=_rule, across=_across,

@@ -28,17 +28,21 @@ class Problem:
   """One call as the row kernels see it: the logits as (M, V) rows."""
 
   logits: jax.ShapeDtypeStruct
+  class_mask: bool = False  # optax's where shaped like the logits: XLA's path alone
 
   @classmethod
-  def of(cls, logits) -> Problem:
+  def of(cls, logits, class_mask: bool = False) -> Problem:
     rows = math.prod(logits.shape[:-1])
-    return cls(jax.ShapeDtypeStruct((rows, logits.shape[-1]), logits.dtype))
+    return cls(jax.ShapeDtypeStruct((rows, logits.shape[-1]), logits.dtype), class_mask)
 
   def key(self) -> str:
     rows, cols = self.logits.shape
     return f"{self.logits.dtype}|{bucket(rows)}x{cols}"
 
   def reason(self) -> str | None:
+    if self.class_mask:
+      return ("a where shaped like logits (a mask of classes) runs on XLA's path alone: the "
+              "kernels read whole rows")
     return _checks.kernel_dtype_reason(logits=self.logits)
 
   def __str__(self) -> str:
