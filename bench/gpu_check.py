@@ -290,7 +290,7 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None, help="directory for the log (default: "
                       "bench/results/<device>/)")
   parser.add_argument("--only", default=None, help=f"steps, comma-separated: {', '.join(STEPS)}")
-  parser.add_argument("--tests-limit", type=float, default=250,
+  parser.add_argument("--tests-limit", type=float, default=400,
                       help="seconds for the compiled tests")
   parser.add_argument("--budget", type=float, default=540,
                       help="seconds for the whole check: a step still running at its end is "

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
-from jaxkernels import testing
+from jaxkernels import dispatch, testing
 from jaxkernels.ops.attention import reference as attention_reference
 from jaxkernels.ops.attention.common import Window
 from jaxkernels.ops.cross_entropy import reference as cross_entropy_reference
@@ -48,6 +48,10 @@ def check(op: str, implementation: str, fn: Callable[..., Any], reference, prima
   ``refused`` naming words of the reason it expects; then the test skips with that reason
   (and fails where the kernel serves the call after all: the listing is stale)."""
   args, kwargs = support if support is not None else (primals, {})
+  platform = dispatch.KERNEL_PLATFORM.get(implementation)
+  here = dispatch.target_of().platform
+  if numerics.COMPILED and platform not in (None, here):
+    pytest.skip(f"{implementation} compiles for {platform}; {here} here")
   with numerics.kernel_mode():
     supported = jk.supports(op, implementation, *args, **kwargs)
     if refused is not None:
