@@ -160,8 +160,7 @@ def test_report_from_the_committed_results(tmp_path):
     assert f"](plots/{name})" in text
 
 
-@pytest.mark.slow  # 27 s on CI's cores; JAXKERNELS_TEST_SLOW=1 runs it
-def test_lessons_smoke(tmp_path):
+def test_lessons_smoke(tmp_path):  # 8 s on CI's 2 cores (2026-12-06)
   """Every lesson runs on the CPU at its smoke size (kernels interpreted), each case checked
   against its reference where it has one; none fails."""
   assert bench_main.main(["lessons", "--smoke", "--rounds", "1", "--calls", "1", "--out",

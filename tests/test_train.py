@@ -53,8 +53,7 @@ def _curve(metrics) -> dict[int, float]:
 
 
 # The GPU check's train-125m and interrupt steps run this one and the SIGINT one on the
-# device, at the README's sizes; CI leaves them to SLOW (24 s each on its cores).
-@pytest.mark.slow
+# device, at the README's sizes; CI runs both at the tiny preset (14 s and 10 s on its cores).
 def test_killed_run_resumes_to_the_same_curve(tmp_path):
   whole, whole_metrics = _launch(tmp_path, "whole")
   assert whole.wait(timeout=300) == 0, whole.stdout.read()
@@ -273,7 +272,7 @@ def test_sequence_parallel_step_matches_one_device():
 
 
 @pytest.mark.cpu_only
-@pytest.mark.slow  # 100 s on CI's 2 cores: two jax processes compiling the step
+# 47 s on CI's 2 cores (2026-12-06): two jax processes compiling the step.
 def test_two_processes_train_as_one(tmp_path):
   """Two processes of 4 host devices each (jax.distributed, gloo), the mesh fsdp 4 x data 2
   over all 8, each process loading only its rows and orbax saving each one's shards: the same
@@ -392,8 +391,7 @@ def test_the_kernels_train_step_matches_xla_on_explicit_meshes():
     np.testing.assert_allclose(losses[key], losses["xla", 1], rtol=1e-5, err_msg=str(key))
 
 
-@pytest.mark.slow  # 70 s on 2 cores; tests/test_readme.py runs --remat auto through the CLI
-def test_auto_remat_fits_its_budget_and_says_so():
+def test_auto_remat_fits_its_budget_and_says_so():  # 13 s on CI's 2 cores (2026-12-06)
   cfg = llama.preset("tiny", max_len=32, depth=2)
   tc = hparams.TrainConfig(steps=10, warmup=2, batch=8, seq_len=32)
   peaks = {policy: train_step.compiled_peak(dataclasses.replace(cfg, remat=policy), tc)
@@ -616,7 +614,6 @@ def test_throughput_is_timed_from_ready_to_ready(monkeypatch):
   assert meter.step_rate == 100 / 1.5 and meter.interval() == 200 / 2.5
 
 
-@pytest.mark.slow
 def test_sigint_saves_and_the_same_command_resumes(tmp_path):
   checkpoints = tmp_path / "checkpoints"
   process, metrics = _launch(tmp_path, "interrupted", "--checkpoint-dir", str(checkpoints),
