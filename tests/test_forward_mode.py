@@ -79,23 +79,23 @@ OPS = ("rms_norm", "rms_norm+residual", "layer_norm", "softmax", "softmax_cross_
 # binds that).
 _KERNEL = re.compile(r"\b(pallas_call|mpmd_map|core_map)\[")
 
-# Where each case runs: (the implementation its calls name, what must serve them, whether
-# compiled, the inputs). Interpreted on the CPU: Triton's and Mosaic TPU's kernels on float32,
+# Where each case runs: (the implementation its calls name, which must serve them (None: the
+# device's best, some kernel); whether compiled (None: either); the wide inputs or not). Interpreted on the CPU: Triton's and Mosaic TPU's kernels on float32,
 # Mosaic GPU's on its bfloat16 widths (SLOW: the interpreter takes minutes for them all).
 # Compiled on the GPU: the device's best on float32 (Triton's on Hopper), and Mosaic GPU's
 # named on its widths, compiled.
 PATHS = {
-    "triton": ("triton", "triton", False, False),
-    "mosaic_tpu": ("mosaic_tpu", "mosaic_tpu", False, False),
-    "mosaic_gpu": ("mosaic_gpu", "mosaic_gpu", None, True),
-    "compiled": (None, None, True, False),
+    "triton": ("triton", False, False),
+    "mosaic_tpu": ("mosaic_tpu", False, False),
+    "mosaic_gpu": ("mosaic_gpu", None, True),
+    "compiled": (None, True, False),
 }
 
 
 def _path(path, name):
-  """(implementation named, implementation that must serve, context, wide) for ``path``, or a
-  skip where it runs on the other machine."""
-  named, serving, compiled, wide = PATHS[path]
+  """(implementation named, context, wide) for ``path``, or a skip where it runs on the other
+  machine."""
+  named, compiled, wide = PATHS[path]
   if compiled is not None and compiled != numerics.COMPILED:
     pytest.skip("interpreted on the CPU, compiled on the GPU")
   if path == "mosaic_gpu" and not (numerics.COMPILED or numerics.SLOW):
@@ -104,7 +104,7 @@ def _path(path, name):
   if path == "mosaic_gpu" and "matmul" in name and not numerics.COMPILED:
     pytest.skip("the Mosaic GPU interpreter hangs on the product's heuristic schedule and has "
                 "no TransposeTransform for its backward (tests/test_cases.py): compiled only")
-  return named, serving, numerics.kernel_mode(named), wide
+  return named, numerics.kernel_mode(named), wide
 
 
 def _vdot(a, b) -> float:
@@ -124,7 +124,7 @@ def test_forward_mode_agrees_with_the_kernels_reverse_mode(name, path):
   kernels compute fails (a planted 5% error in what forward mode runs did not fail the test
   this replaces, which compared the reference with itself). The plain call and the gradient
   ran on the kernels (none fell back), and forward mode's program holds no kernel call."""
-  named, serving, context, wide = _path(path, name)
+  named, context, wide = _path(path, name)
   op, a = _case(name, wide)
   gen = numerics.rng("tangent", name, wide)
   t = numerics.normal(gen, a.shape, a.dtype)
@@ -135,7 +135,7 @@ def test_forward_mode_agrees_with_the_kernels_reverse_mode(name, path):
     with testing.served() as forward_calls:
       primal, tangent = jax.jvp(ours, (a,), (t,))
       forward = str(jax.make_jaxpr(lambda a, t: jax.jvp(ours, (a,), (t,)))(a, t))
-    with numerics.served_by(serving):
+    with numerics.served_by(named):
       plain = ours(a)
       out, vjp = jax.vjp(ours, a)
       c = numerics.normal(gen, out.shape, out.dtype)
