@@ -127,3 +127,30 @@ def test_tpu_compile_vocabulary_parallel_loss(tpu4):
   assert "all-gather" not in text and "all-to-all" not in text
   assert "jk_cross_entropy_fwd" in text and "jk_cross_entropy_bwd" in text
   assert "all-reduce" in text
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_class_mask_on_split_tokens_matches_unsplit(mesh, reduction):
+  """optax's class-wise ``where`` (XLA's path: no kernel takes it, so the call names no kernel)
+  on logits, labels and mask split over the tokens (Explicit axes): the mask split with the
+  logits, the loss and its gradient the unsplit call's, the mean over the tokens that take in
+  a class."""
+  gen = numerics.rng("sharding", "class mask", reduction)
+  logits = numerics.normal(gen, (16, 40), jnp.float32, 2.0)
+  labels = jnp.asarray(gen.integers(0, 40, 16), jnp.int32)
+  mask = jnp.asarray(gen.random((16, 40)) < 0.6).at[3].set(False)  # token 3 takes in none
+
+  def loss(z, y, m):
+    out = jk.softmax_cross_entropy(z, y, where=m, reduction=reduction, implementation="xla")
+    return out if reduction == "mean" else jnp.sum(out * out)
+
+  want = jax.value_and_grad(loss)(logits, labels, mask)
+  spec = P(("data", "model"))
+  got = jax.jit(jax.value_and_grad(loss))(put(mesh, logits, spec), put(mesh, labels, spec),
+                                           put(mesh, mask, spec))
+  # The same float32 reference both ways; only the sums' order differs (the classes', 40, and
+  # the mean's over the shards): the rule's float32 floor, 4 eps sqrt(n), relative to each
+  # leaf's largest element.
+  floor = 4 * numerics.F32_EPS * np.sqrt(40)
+  assert max(numerics.errors(got, want)) <= floor, (numerics.errors(got, want), floor)
+  assert got[1].sharding.spec[0] == ("data", "model")  # the gradient split as the logits
