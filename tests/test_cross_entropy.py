@@ -422,8 +422,8 @@ def test_sharded_linear(reduction):
   spec = P(("data", "model"), None)
   fn = lambda x, w, y: jnp.sum(jk.linear_softmax_cross_entropy(
       x, w, y, reduction=reduction, ignore_index=IGNORE, chunk_size=8))
-  want = jax.value_and_grad(fn, argnums=(0, 1))(x, w, labels)
-  with jk.interpret_mode("triton"):
+  want = jax.value_and_grad(fn, argnums=(0, 1))(x, w, labels)  # one device, XLA's path
+  with numerics.kernel_mode("triton"), numerics.served_by("triton"):
     got = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(
         jax.device_put(x, NamedSharding(mesh, P(*spec, None))),
         jax.device_put(w, NamedSharding(mesh, P())),

@@ -48,6 +48,8 @@ def test_auto_mesh_splits_matmul_attention_and_the_fused_loss(mesh):
       "fused loss": (lambda x, w, y: jk.linear_softmax_cross_entropy(x, w, y), (a, b, labels),
                      None, "8x16x64", "2x16x64"),
   }
+  fn_op = {"matmul data parallel": "matmul", "matmul row parallel": "matmul",
+           "attention heads": "flash_attention", "fused loss": "linear_softmax_cross_entropy"}
   for name, (fn, args, rules, whole, local) in cases.items():
     shardings = tuple(NamedSharding(auto, P("data") if x.ndim > 2 else P()) for x in args)
     floats = [i for i, x in enumerate(args) if x.dtype == jnp.float32]
@@ -56,14 +58,16 @@ def test_auto_mesh_splits_matmul_attention_and_the_fused_loss(mesh):
                                 for i, x in enumerate(args)]) ** 2),
         argnums=tuple(range(len(floats))))(*[args[i] for i in floats])
     with jax.default_matmul_precision("highest"):
-      want = jax.jit(value_and_grads)(*args)  # one device: the kernels' own numbers
+      want = jax.jit(value_and_grads)(*args)  # one device, XLA's path (the CPU's fallback)
       with jk.interpret_mode("triton"), jax.set_mesh(auto), jk.sharding_rules(rules), \
-           warnings.catch_warnings(record=True) as caught:
+           warnings.catch_warnings(record=True) as caught, \
+           numerics.served_by("triton", [fn_op[name]]):
         warnings.simplefilter("always")
         step = jax.jit(value_and_grads, in_shardings=shardings)
         got = step(*args)
         text = step.lower(*args).as_text()
-    assert not [w for w in caught if issubclass(w.category, jk.ShardingWarning)], (
+    assert not [w for w in caught if issubclass(w.category, (jk.ShardingWarning,
+                                                             jk.FallbackWarning))], (
         name, [str(w.message) for w in caught])
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-5 * float(jnp.abs(want[0])))
     assert f"tensor<{local}xf32>" in text, (name, local)
