@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxkernels as jk
-from jaxkernels import dispatch, testing
+from jaxkernels import testing
 from jaxkernels.ops.attention import reference as attention_reference
 from jaxkernels.ops.attention.common import Window
 from jaxkernels.ops.cross_entropy import reference as cross_entropy_reference
@@ -48,10 +48,8 @@ def check(op: str, implementation: str, fn: Callable[..., Any], reference, prima
   ``refused`` naming words of the reason it expects; then the test skips with that reason
   (and fails where the kernel serves the call after all: the listing is stale)."""
   args, kwargs = support if support is not None else (primals, {})
-  platform = dispatch.KERNEL_PLATFORM.get(implementation)
-  here = dispatch.target_of().platform
-  if numerics.COMPILED and platform not in (None, here):
-    pytest.skip(f"{implementation} compiles for {platform}; {here} here")
+  if (reason := numerics.elsewhere(implementation)) is not None:
+    pytest.skip(reason)
   with numerics.kernel_mode():
     supported = jk.supports(op, implementation, *args, **kwargs)
     if refused is not None:
@@ -84,8 +82,9 @@ class Case:
     op: the registered op's name.
     call: ``implementation -> fn(*arrays)``.
     reference: ``compute dtype -> fn(*arrays)``: the spec, for the numerics rule.
-    arrays: ``(generator, shape) -> arrays``, float32, x's ``shape`` (the vocabulary of the
-      fused loss 3/2 of its width, so that x's whole 128-element vectors make the logits').
+    arrays: ``(generator, shape) -> arrays``, float32, x's ``shape`` (the product's N 3/4 of
+      x's width and the fused loss's vocabulary 3/2 of it, so that x's whole 64-row tiles and
+      128-element vectors make theirs).
     support: ``(*arrays) -> (args, kwargs)``: the call as ``jk.supports`` asks it.
     kinds: for each array, how a sharded layout of x splits it (:meth:`check_sharded`): "rows"
       (as x), "vector" (along x's last axis), or None (an absent array); None for an op whose

@@ -146,20 +146,13 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(slow)
   if not numerics.COMPILED:
     return
-  import jax
-
-  from jaxkernels import dispatch
-
-  here = dispatch.target_of().platform
   cpu_only = pytest.mark.skip(reason="cpu_only: the arrays live on an accelerator here")
   for item in items:
-    implementation = getattr(item.cls, "IMPL", None)
-    platform = dispatch.KERNEL_PLATFORM.get(implementation)
+    elsewhere = numerics.elsewhere(getattr(item.cls, "IMPL", None))
     if "cpu_only" in item.keywords:
       item.add_marker(cpu_only)
-    elif platform not in (None, here) and "tpu_mesh" not in item.fixturenames:
-      item.add_marker(pytest.mark.skip(
-          reason=f"{implementation} compiles for {platform}; {jax.devices()[0].device_kind} here"))
+    elif elsewhere is not None and "tpu_mesh" not in item.fixturenames:
+      item.add_marker(pytest.mark.skip(reason=elsewhere))
 
 
 def tpu_topology(name: str):

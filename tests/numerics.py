@@ -106,6 +106,18 @@ def kernel_mode(implementation: str | None = None) -> Iterator[None]:
     yield
 
 
+def elsewhere(implementation: str | None) -> str | None:
+  """Compiled (``COMPILED``): why ``implementation``'s kernels cannot run on this machine's
+  device (a kernel of another platform, Mosaic TPU's on a GPU), else None; interpreted, None."""
+  from jaxkernels import dispatch
+
+  platform = dispatch.KERNEL_PLATFORM.get(implementation)
+  if not COMPILED or platform in (None, dispatch.target_of().platform):
+    return None
+  import jax
+  return f"{implementation} compiles for {platform}; {jax.devices()[0].device_kind} here"
+
+
 def must_serve(support) -> None:
   """A call a kernel must serve (``jk.supports``' answer): a refusal fails the test with the
   kernel's reason, but where the reason is the device itself (a GPU before Hopper, which

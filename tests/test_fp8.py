@@ -28,16 +28,15 @@ E4M3 = jnp.float8_e4m3fn
 PATHS = ("xla", "mosaic_gpu")
 
 
-def _on(path) -> contextlib.ExitStack:
+@contextlib.contextmanager
+def _on(path):
   """Where ``path``'s products run, each of them asserted to have (a skip for the kernel on the
   CPU: test_lowers_for_cuda_on_its_kernels)."""
   if path == "mosaic_gpu" and not numerics.COMPILED:
     pytest.skip("Mosaic GPU's fp8 kernels: compiled in the GPU check (the interpreter hangs on "
                 "fp8 on jax 0.10.2); lowered for CUDA on the CPU")
-  stack = contextlib.ExitStack()
-  stack.enter_context(numerics.kernel_mode())
-  stack.enter_context(numerics.served_by(path, ["matmul"]))
-  return stack
+  with numerics.kernel_mode(), numerics.served_by(path, ["matmul"]):
+    yield
 
 
 def dequantized(x, block):
