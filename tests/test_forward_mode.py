@@ -130,8 +130,11 @@ def test_forward_mode_agrees_with_the_kernels_reverse_mode(name, path):
   t = numerics.normal(gen, a.shape, a.dtype)
   ours = lambda a: op(a, named)
   # float32 products in float32 (a GPU's default takes them in TF32, 10 bits: the fused loss's
-  # reference under forward mode was 1.3e-3 off the kernels' on an H100).
-  with context, jax.default_matmul_precision("highest"):
+  # reference under forward mode was 1.3e-3 off the kernels' on an H100); 16-bit operands'
+  # products are exact in their float32 sums already (and Mosaic GPU's refuses a precision).
+  precise = (jax.default_matmul_precision("highest") if a.dtype == jnp.float32
+             else contextlib.nullcontext())
+  with context, precise:
     with testing.served() as forward_calls:
       primal, tangent = jax.jvp(ours, (a,), (t,))
       forward = str(jax.make_jaxpr(lambda a, t: jax.jvp(ours, (a,), (t,)))(a, t))

@@ -1,5 +1,5 @@
 """fp8_matmul: the training product in fp8 against its spec (each of the three products built
-from ``jk.quantize`` and a float32 product of the dequantized operands), forward and
+from ``jk.quantize`` and a float64 product of the dequantized operands), forward and
 gradients, under jit and jax.checkpoint; its errors; the model's and the CLI's fp8 switch.
 
 On both paths its products take: XLA's reference, and Mosaic GPU's block-scaled kernel, which
@@ -39,17 +39,23 @@ def _on(path):
     yield
 
 
+@functools.partial(jax.jit, static_argnums=1)  # compiled as the op's quantizations are
+def _quantized(x, block):
+  return jk.quantize(x, dtype=E4M3, block=block)
+
+
 def dequantized(x, block):
-  q, scale = jk.quantize(x, dtype=E4M3, block=block)
+  """``x`` through fp8 and back, in float64 on the host. The fp8 array leaves the program that
+  made it: inside one program XLA's GPU compiler drops an f32 -> fp8 -> f32 round trip as
+  excess precision (its SimplifyFPConversions), and a spec jitted whole was the exact product
+  there."""
+  q, scale = (np.asarray(a, np.float64) for a in _quantized(x, block))
   rows, cols = block
-  full = jnp.repeat(jnp.repeat(scale, rows, axis=-2), cols, axis=-1)
-  return q.astype(jnp.float32) * full
+  return q * np.repeat(np.repeat(scale, rows, axis=-2), cols, axis=-1)
 
 
-@jax.jit  # compiled as the op is: XLA takes x / scale as x * (1 / scale), and an entry on an
-# fp8 rounding boundary goes the other way op by op (a rank-1 dw then differs by its ulp, 6%)
 def spec(x, w, dy):
-  """(y, dx, dw) as the module docstring defines them, in float32 (x (M, K), M a multiple of
+  """(y, dx, dw) as the module docstring defines them, in float64 (x (M, K), M a multiple of
   128)."""
   y = dequantized(x, (1, 128)) @ dequantized(w, (128, 128))
   dx = dequantized(dy, (1, 128)) @ dequantized(w, (128, 128)).T
@@ -194,7 +200,9 @@ def test_on_the_one_device_mesh_the_cli_builds(path):
   loss = jax.value_and_grad(lambda x, w: jnp.sum(jk.fp8_matmul(
       x, w, implementation=path).astype(jnp.float32)), argnums=(0, 1))
   with _on(path):
-    want = jax.jit(loss)(x, w)  # compiled both: see spec
+    want = jax.jit(loss)(x, w)  # compiled both: op by op, XLA:CPU takes x / scale as
+    # x * (1 / scale) in one program and not the other, and an entry on an fp8 rounding boundary
+    # goes the other way (a rank-1 dw then differs by its ulp, 6%)
   with jax.set_mesh(mesh), _on(path):
     xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
         ("data", "fsdp"))))
