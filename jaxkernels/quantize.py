@@ -39,6 +39,13 @@ def quantize(x, *, dtype=jnp.float8_e4m3fn, block=None, power_of_two=False):
 
   Each scale is its block's largest magnitude over the dtype's largest value (1 for an all-zero
   block, float32's least normal at the smallest), float32; q is x / scale rounded to nearest (int8: rounded, then clipped to +-127).
+
+  ``q.astype(jnp.float32)`` in the same jitted program may not be fp8's values on a GPU: XLA
+  drops an f32 -> fp8 -> f32 round trip there as excess precision (its flag
+  ``--xla_allow_excess_precision``, on by default). ``matmul``'s kernels read q itself; its
+  XLA path dequantizes in float32 and so may take x's own values where quantize ran in the same
+  program (``fp8_matmul`` keeps its fp8 copies behind a barrier). To see fp8's rounding,
+  dequantize outside the program that quantized.
   """
   x = _checks.array(OP, "x", x, min_rank=0 if block is None else 2)
   dtype = jnp.dtype(dtype)
