@@ -1,4 +1,5 @@
-# Two commands: `make bench` (the main job) and `make test`. Both install into .venv on first use.
+# Two commands: `make bench` (the main job) and `make test`; each installs its environment on first
+# use (.venv, .venv-test). `make setup` makes .venv alone, for `.venv/bin/python -m models.train`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ ACCEL := $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 COMMA := ,
 BENCH_EXTRAS := bench$(if $(filter-out cpu,$(ACCEL)),$(COMMA)$(ACCEL))
 
-.PHONY: bench test clean
+.PHONY: setup bench test clean
 
 $(VENV)/.bench-$(ACCEL): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +27,8 @@ $(TEST_VENV)/.test: pyproject.toml
 	$(TEST_PY) -m pip install -q --upgrade pip
 	$(TEST_PY) -m pip install -q -e ".[test]"
 	touch $@
+
+setup: $(VENV)/.bench-$(ACCEL)
 
 bench: $(VENV)/.bench-$(ACCEL)
 	$(PY) -m bench $(ARGS)

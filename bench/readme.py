@@ -1,7 +1,8 @@
 """The commands the README shows, found in it, and each sized for where it runs.
 
-Every command in a fenced block of README.md that starts with ``make``, ``python -m
-models.train`` or ``python -m bench`` is one the README promises runs. The CPU tests run each
+Every command in a fenced block of README.md that starts with ``make``, or runs
+``models.train`` or ``bench`` with ``-m`` under ``python`` or the set-up's ``.venv/bin/python``,
+is one the README promises runs. The CPU tests run each
 one (``tests/test_readme.py``) at the smallest size that keeps its flags meaningful: the tiny
 preset, a few steps, the kernels interpreted. The GPU check (``bench/gpu_check.py``) runs each
 one at the README's own sizes for a few steps. A command of a kind this module cannot size is
@@ -17,8 +18,11 @@ import shlex
 ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / "README.md"
 
-# What ``make bench`` runs; ``make test`` is CI's own command (.ci/run), not run again here.
-MAKE = {"make bench": ("python", "-m", "bench"), "make test": None}
+# What ``make bench`` runs; ``make test`` is CI's own command (.ci/run), not run again here,
+# and ``make setup`` the install ``make bench`` begins with (its target's prerequisite: a test
+# holds the Makefile to it).
+MAKE = {"make bench": ("python", "-m", "bench"), "make test": None, "make setup": None}
+PYTHONS = ("python", ".venv/bin/python")  # the interpreters a README command may name
 KINDS = {"models.train": "train", "bench": "bench"}  # python -m X: what this module sizes
 
 
@@ -36,7 +40,7 @@ class Command:
 
   @property
   def kind(self) -> str:
-    """"train", "bench" or "make test"."""
+    """"train", "bench", or the make command's text."""
     argv = self.argv
     return KINDS[argv[2]] if argv else self.text
 
@@ -56,13 +60,14 @@ def commands(path: pathlib.Path = README) -> list[Command]:
   found = []
   for number, line in fenced_lines(path, numbered=True):
     text = line.split(" #")[0].strip()
-    if not text.startswith(("make ", "python -m ")):
+    if not text.startswith(("make ", *(f"{python} -m " for python in PYTHONS))):
       continue
     words = text.split()
     known = text in MAKE or (len(words) > 2 and words[2] in KINDS)
     if not known:  # shown to users, so it must run: this module must learn to size it
       raise ValueError(f"README.md:{number}: {text!r}: a command this module does not run; "
-                       f"known: {', '.join(MAKE)}, python -m {{{', '.join(KINDS)}}}")
+                       f"known: {', '.join(MAKE)}, {{{', '.join(PYTHONS)}}} -m "
+                       f"{{{', '.join(KINDS)}}}")
     found.append(Command(text, number))
   return found
 

@@ -365,9 +365,13 @@ def select(
   chosen, why_not = _first_serving(target, kernel_reasons, requested_only)
   if chosen is not None:
     return chosen
-  if not why_not:
-    why_not.append(f"no Pallas kernel runs on {target.platform} outside interpret mode")
-  message = f"jaxkernels.{op}: using the XLA reference ({'; '.join(why_not)})"
+  if not why_not:  # no kernel for the platform at all (a CPU): one line for every op
+    op, message = "*", (
+        f"jaxkernels: no Pallas kernel runs on {target.platform}: every op runs its XLA "
+        f"reference. {interpret.ENV}=triton (or mosaic_gpu, mosaic_tpu) runs the kernels "
+        "under Pallas' interpreter there, to check them, not to time them")
+  else:
+    message = f"jaxkernels.{op}: using the XLA reference ({'; '.join(why_not)})"
   if (op, message) not in _WARNED:
     _WARNED.add((op, message))
     warnings.warn(message, FallbackWarning, stacklevel=_user_stacklevel())

@@ -24,7 +24,7 @@ KERNELS: tuple[str, ...] = ("triton", "mosaic_gpu", "mosaic_tpu")
 _INTERPRET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "jaxkernels_interpret", default=None
 )
-_ENV = "JAXKERNELS_INTERPRET"
+ENV = "JAXKERNELS_INTERPRET"
 _ENV_VALUES = ("", "0", "1", *KERNELS)
 
 
@@ -33,10 +33,10 @@ def setting() -> str | None:
   value = _INTERPRET.get()
   if value is not None:
     return value or None
-  env = os.environ.get(_ENV, "").strip().lower()
+  env = os.environ.get(ENV, "").strip().lower()
   if env not in _ENV_VALUES:
     raise ValueError(
-        f"{_ENV}={env!r} is not understood; use 1, 0 or one of {KERNELS}."
+        f"{ENV}={env!r} is not understood; use 1, 0 or one of {KERNELS}."
     )
   return None if env in ("", "0") else env
 

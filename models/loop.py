@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import os
+import queue
 import signal
 import sys
 import threading
@@ -53,14 +54,29 @@ def peak_flops(devices) -> float | None:
   return None if chip is None else chip.peak_flops["bfloat16"] * len(devices)
 
 
+class Interrupted(KeyboardInterrupt):
+  """A second SIGINT or SIGTERM while training: the run stops at once, unsaved."""
+
+  def __init__(self, number: int):
+    super().__init__(signal.Signals(number).name)
+    self.number = number
+
+
 class Stopper:
-  """SIGINT (Ctrl-C) and SIGTERM while training: the step in flight finishes, the run saves a
-  checkpoint (where it has a directory) and returns, instead of dying mid-step."""
+  """SIGINT (Ctrl-C) and SIGTERM while training: the first says at once that the run stops
+  after the step in flight (and saves it, with a checkpoint directory); the loop then
+  finishes that step, saves and returns instead of dying mid-step. A second raises
+  :class:`Interrupted` at once (unless a save is being written: then as it ends, so that a
+  checkpoint is never left half-written). The loop waits for the device through
+  :func:`waited`, so that a signal is handled as it arrives, not when the wait returns."""
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-  def __init__(self):
+  def __init__(self, stream=sys.stderr, saves: bool = False):
+    self.stream, self.saves = stream, saves
     self.received: int | None = None
+    self.again: int | None = None  # a second signal that arrived during a save
+    self.saving = False
     self._before = {}
 
   def __enter__(self):
@@ -71,13 +87,76 @@ class Stopper:
 
   def _receive(self, number, frame):
     del frame
-    if self.received is not None:  # a second one: stop now, as the first would have
-      raise KeyboardInterrupt
-    self.received = number
+    name = signal.Signals(number).name
+    if self.received is None:
+      self.received = number
+      then = ("then saves it" if self.saves else "and saves nothing (no --checkpoint-dir)")
+      print(f"\n{name}: the run stops once the step in flight ends, {then}; {name} again "
+            "stops it at once, unsaved", file=self.stream, flush=True)
+    elif self.saving:
+      self.again = number
+      print(f"\n{name} again: a checkpoint is being written; the run stops as it ends",
+            file=self.stream, flush=True)
+    else:
+      raise Interrupted(number)
+
+  @contextlib.contextmanager
+  def save(self):
+    """A checkpoint's save: a second signal waits for it to end."""
+    self.saving = True
+    try:
+      yield
+    finally:
+      self.saving = False
+    if self.again is not None:
+      raise Interrupted(self.again)
 
   def __exit__(self, *exc):
     for number, handler in self._before.items():
       signal.signal(number, handler)
+
+
+def waited(fn, *args):
+  """``fn(*args)`` (a wait for the device, a compile) on a worker thread, waited for here: the
+  main thread then handles a signal as it arrives (a lock's wait is interrupted by one), not
+  when a call into XLA returns, seconds later on a slow step. One worker for the process,
+  fed by a queue (a thread started a call cost ~100 us, 3% of a tiny step)."""
+  if threading.current_thread() is not threading.main_thread():
+    return fn(*args)
+  global _jobs
+  if _jobs is None:
+    _jobs = queue.SimpleQueue()
+    threading.Thread(target=_work, args=(_jobs,), daemon=True, name="jaxkernels-wait").start()
+  done, out = threading.Event(), {}
+  _jobs.put((fn, args, done, out))
+  done.wait()
+  if "error" in out:
+    raise out["error"]
+  return out["value"]
+
+
+_jobs: queue.SimpleQueue | None = None
+_busy = threading.Event()  # the worker is in a call (one a second signal left behind)
+
+
+def abandoned() -> bool:
+  """Whether a call :func:`waited` stopped waiting for (a second signal) is still running: the
+  process must then leave with ``os._exit``, since an interpreter that finalizes while its
+  thread waits inside XLA aborts ("terminate called ... FATAL: exception not rethrown")."""
+  return _busy.is_set()
+
+
+def _work(jobs: queue.SimpleQueue) -> None:
+  while True:
+    fn, args, done, out = jobs.get()
+    _busy.set()
+    try:
+      out["value"] = fn(*args)
+    except BaseException as e:  # noqa: BLE001 - raised again in the waiting thread
+      out["error"] = e
+    finally:
+      _busy.clear()
+      done.set()
 
 
 @dataclasses.dataclass
@@ -90,6 +169,7 @@ class Outcome:
   code: int = 0  # the CLI's exit status: 0, 1 (the loss diverged), 128 + a signal's number
   tokens_per_s: float | None = None  # over the last interval shown
   step: int | None = None  # the last step run
+  saved: int | None = None  # the step of the last checkpoint (None: none in the directory)
 
 
 def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
@@ -168,79 +248,93 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   progress = Progress(tc.steps, log_every, stream)
   peak = peak_flops(list(where.devices.flat))
   report = functools.partial(report_step, cfg=cfg, tc=tc, peak=peak, progress=progress)
-  outcome = Outcome([])
-  saved = start if checkpoints is not None and start else None
+  outcome = Outcome([], saved=start if checkpoints is not None and start else None)
   with contextlib.ExitStack() as stack:
     metrics_file = stack.enter_context(open(metrics_path, "a")) if metrics_path else None
-    stopper = stack.enter_context(Stopper())
+    stopper = stack.enter_context(Stopper(stream, saves=checkpoints is not None))
     stack.enter_context(jax.set_mesh(where))
-    if start < tc.steps:  # compiled here, to say how long it took (the calls below reuse it)
-      began = time.perf_counter()
-      lowered, run, loaded = lower_step(cfg, tc, graphdef, state,
-                                        batch_on(data, start, tc, where), where)
-      lowered_at = time.perf_counter()
-      compiled = lowered.compile()
-      step = run(compiled)
-      how = " (the program kept by an earlier run)" if loaded else ""
-      print(f"train step: traced and lowered in {lowered_at - began:.1f} s{how}, compiled in "
-            f"{time.perf_counter() - lowered_at:.1f} s", file=stream, flush=True)
-      if (memory := compiled.memory_analysis()) is not None:
-        print(f"  a device's step needs {memory.temp_size_in_bytes / 2**20:.1f} MiB beyond its "
-              "arguments (activations and the gradients' buffers, as compiled)", file=stream,
-              flush=True)
-    pending, meter = None, Meter(start, tc.batch * tc.seq_len)
-
-    def flush():
-      """Reports the pending step; False where its numbers are not finite."""
-      nonlocal pending
-      done, metrics = pending
-      loss, grad_norm = report(done, metrics, meter, metrics_file=metrics_file)
-      outcome.losses.append(loss)
-      outcome.tokens_per_s, outcome.step = meter.shown or meter.step_rate, done
-      pending = None
-      if math.isfinite(loss) and math.isfinite(grad_norm):
-        return True
-      kept = (f"the last checkpoint, step {saved}, holds the last good state" if saved
-              else "no checkpoint was written")
-      outcome.stopped = (f"stopped at step {done}: its loss is {loss} and its gradients' norm "
-                         f"{grad_norm}; {kept}. Try a lower --learning-rate or --clip")
-      outcome.code = 1
-      return False
-
-    for s in range(start, tc.steps):
-      state, metrics = step(state, batch_on(data, s, tc, where))
-      if pending is not None and not flush():  # the previous step's, read while this one runs
-        break
-      pending = (s + 1, metrics)
-      # The signal read once a step: one landing between the save's decision and the stop's
-      # (while the step was waited for, say) stopped the run unsaved, saying it had saved (the
-      # GPU check: SIGINT at step 55, resumed from 0). One that lands after this read is the
-      # next step's.
-      received = stopper.received
-      save = checkpoints is not None and (
-          received is not None or s + 1 == tc.steps or (s + 1) % checkpoint_every == 0)
-      # A step that gets a line is waited for here, right after it is dispatched: its clock
-      # is then read as it finishes whether the device or the host is the slower, and each
-      # line's interval holds its own steps (read one step behind, as the others are, a run
-      # whose host is the slower showed the last line at twice the rate: nothing followed it).
-      if save or received is not None or progress.due(s + 1):
-        if not flush():  # never save a state that a non-finite step made
-          break
-        if save:
-          checkpoints.save(s + 1, state)
-          saved, meter.saves = s + 1, meter.saves + 1
-      if received is not None and s + 1 < tc.steps:
-        name = signal.Signals(received).name
-        outcome.stopped = (f"stopped at step {s + 1} by {name}; " + (
-            "saved: the same command resumes" if checkpoints is not None else
-            "nothing saved (no --checkpoint-dir)"))
-        outcome.code = 128 + received
-        break
-    if pending is not None:
-      flush()
+    try:
+      run_steps(outcome, stopper, start, cfg, tc, graphdef, state, data, where, checkpoints,
+                checkpoint_every, report, progress, metrics_file, stream)
+    except Interrupted as e:
+      kept = (f"the last checkpoint, step {outcome.saved}: the same command resumes there"
+              if outcome.saved is not None else "nothing saved")
+      outcome.stopped = (f"stopped during step {(outcome.step or start) + 1} by a second "
+                         f"{signal.Signals(e.number).name}; {kept}")
+      outcome.code = 128 + e.number
   if checkpoints is not None:
     checkpoints.close()
   return outcome
+
+
+def run_steps(outcome, stopper, start, cfg, tc, graphdef, state, data, where, checkpoints,
+              checkpoint_every, report, progress, metrics_file, stream) -> None:
+  """Compiles the step and runs it from ``start`` to ``tc.steps``, into ``outcome``."""
+  if start < tc.steps:  # compiled here, to say how long it took (the calls below reuse it)
+    began = time.perf_counter()
+    lowered, run, loaded = lower_step(cfg, tc, graphdef, state,
+                                      batch_on(data, start, tc, where), where)
+    lowered_at = time.perf_counter()
+    compiled = waited(lowered.compile)
+    step = run(compiled)
+    how = " (the program kept by an earlier run)" if loaded else ""
+    print(f"train step: traced and lowered in {lowered_at - began:.1f} s{how}, compiled in "
+          f"{time.perf_counter() - lowered_at:.1f} s", file=stream, flush=True)
+    if (memory := compiled.memory_analysis()) is not None:
+      print(f"  a device's step needs {memory.temp_size_in_bytes / 2**20:.1f} MiB beyond its "
+            "arguments (activations and the gradients' buffers, as compiled)", file=stream,
+            flush=True)
+  pending, meter = None, Meter(start, tc.batch * tc.seq_len)
+
+  def flush():
+    """Reports the pending step; False where its numbers are not finite."""
+    nonlocal pending
+    done, metrics = pending
+    loss, grad_norm = report(done, metrics, meter, metrics_file=metrics_file)
+    outcome.losses.append(loss)
+    outcome.tokens_per_s, outcome.step = meter.shown or meter.step_rate, done
+    pending = None
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+      return True
+    kept = (f"the last checkpoint, step {outcome.saved}, holds the last good state"
+            if outcome.saved else "no checkpoint was written")
+    outcome.stopped = (f"stopped at step {done}: its loss is {loss} and its gradients' norm "
+                       f"{grad_norm}; {kept}. Try a lower --learning-rate or --clip")
+    outcome.code = 1
+    return False
+
+  for s in range(start, tc.steps):
+    state, metrics = step(state, batch_on(data, s, tc, where))
+    if pending is not None and not flush():  # the previous step's, read while this one runs
+      return
+    pending = (s + 1, metrics)
+    # The signal read once a step: one landing between the save's decision and the stop's
+    # (while the step was waited for, say) stopped the run unsaved, saying it had saved (the
+    # GPU check: SIGINT at step 55, resumed from 0). One that lands after this read is the
+    # next step's.
+    received = stopper.received
+    save = checkpoints is not None and (
+        received is not None or s + 1 == tc.steps or (s + 1) % checkpoint_every == 0)
+    # A step that gets a line is waited for here, right after it is dispatched: its clock
+    # is then read as it finishes whether the device or the host is the slower, and each
+    # line's interval holds its own steps (read one step behind, as the others are, a run
+    # whose host is the slower showed the last line at twice the rate: nothing followed it).
+    if save or received is not None or progress.due(s + 1):
+      if not flush():  # never save a state that a non-finite step made
+        return
+      if save:
+        with stopper.save():
+          checkpoints.save(s + 1, state)
+          outcome.saved, meter.saves = s + 1, meter.saves + 1
+    if received is not None and s + 1 < tc.steps:
+      name = signal.Signals(received).name
+      outcome.stopped = (f"stopped at step {s + 1} by {name}; " + (
+          "saved: the same command resumes" if checkpoints is not None else
+          "nothing saved (no --checkpoint-dir)"))
+      outcome.code = 128 + received
+      return
+  if pending is not None:
+    flush()
 
 
 class Meter:
@@ -276,7 +370,7 @@ class Meter:
 
 
 def report_step(step, metrics, meter, *, cfg, tc, peak, progress, metrics_file):
-  metrics = jax.device_get(metrics)  # waits for the step
+  metrics = waited(jax.device_get, metrics)  # waits for the step
   meter.ready(step)
   loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
   if progress.due(step):

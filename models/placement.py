@@ -35,13 +35,15 @@ def distributed(coordinator: str | None = None, num_processes: int | None = None
 
 def parse_mesh(text: str) -> dict[str, int]:
   """``--mesh``'s value, "data=2,fsdp=2,tensor=2": each named axis' size (one of
-  ``llama.MESH_AXES``, a whole number >= 1)."""
+  ``llama.MESH_AXES``, a whole number >= 1). "" is no axis named; an empty part between or
+  after commas is refused (a typo that would leave an axis out)."""
   sizes: dict[str, int] = {}
-  for part in filter(None, (p.strip() for p in text.split(","))):
+  for part in (p.strip() for p in text.split(",") if text.strip()):
     name, sep, value = part.partition("=")
     name = name.strip()
     if not sep or name not in llama.MESH_AXES or name in sizes:
-      what = ("is not of the form axis=size" if not sep else
+      what = ("has an empty part (two commas, or one at an end)" if not part else
+              "is not of the form axis=size" if not sep else
               f"names axis {name!r} twice" if name in sizes else f"has an unknown axis {name!r}")
       raise UsageError(f"--mesh {text!r} {what}; the axes are {', '.join(llama.MESH_AXES)}, "
                        "e.g. --mesh data=2,fsdp=2,tensor=2")

@@ -27,14 +27,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import signal
 import sys
+import warnings
 
 import jax
 
-from jaxkernels import remat
+from jaxkernels import FallbackWarning, ShardingWarning, remat
 from models import llama
 from models.hparams import TrainConfig, UsageError, flag
-from models.loop import Outcome, train
+from models.loop import Outcome, abandoned, train
 from models.placement import distributed, parse_mesh
 from models.train_step import default_compilation_cache
 
@@ -58,6 +61,42 @@ _FLAG_HELP = {
     "seed": "of the parameters and the batches"}
 
 
+class _Parser(argparse.ArgumentParser):
+  """A bad flag is one line on stderr and exit status 2, as every other usage error of the
+  CLI is (argparse's own prints the whole usage first: 20 lines to find one)."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+
+
+def _at_least_1(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
+  return value
+
+
+def _gib(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not 0 < value < math.inf:
+    raise argparse.ArgumentTypeError(f"{text!r} must be a number of GiB > 0")
+  return value
+
+
+def _reference_ops(text: str) -> tuple[str, ...]:
+  ops = tuple(op.strip() for op in text.split(",") if op.strip())
+  if unknown := [op for op in ops if op not in llama.OPS]:
+    raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(map(repr, unknown))} is not one "
+                                     f"of {', '.join(llama.OPS)}")
+  return ops
+
+
 def train_flags():
   """TrainConfig's fields that the CLI sets, one flag each."""
   return [f for f in dataclasses.fields(TrainConfig) if f.init]
@@ -65,23 +104,28 @@ def train_flags():
 
 def parser() -> argparse.ArgumentParser:
   """The CLI's flags."""
-  parser = argparse.ArgumentParser(prog="python -m models.train", description=__doc__,
-                                   formatter_class=_Formatter)
-  parser.add_argument("--preset", default="tiny", help=f"one of {', '.join(llama.PRESETS)}")
-  parser.add_argument("--kernels", default="jaxkernels", help=f"one of {llama.KERNELS}")
-  parser.add_argument("--reference-ops", default=None, help="with the kernels: these op "
+  parser = _Parser(prog="python -m models.train", description=__doc__,
+                   formatter_class=_Formatter)
+  parser.add_argument("--preset", default="tiny", choices=llama.PRESETS,
+                      help=f"one of {', '.join(llama.PRESETS)}")
+  parser.add_argument("--kernels", default="jaxkernels", choices=llama.KERNELS,
+                      help=f"one of {', '.join(llama.KERNELS)}")
+  parser.add_argument("--reference-ops", default=None, type=_reference_ops, help="with the "
+                      "kernels: these op "
                       f"groups (comma-separated, of {', '.join(llama.OPS)}) run as --kernels xla "
                       "runs them, to find which kernel a difference comes from (default: none "
                       f"on a GPU; on a TPU {','.join(llama.TPU_REFERENCE_OPS)}, which XLA:TPU "
                       "fuses into its dots)")
-  parser.add_argument("--remat", default=None, help=f"one of {remat.POLICIES}, or auto "
-                      "(default: the preset's, none)")
-  parser.add_argument("--stream", default="float32", help=f"the residual stream's dtype, one "
+  parser.add_argument("--remat", default=None, choices=(*remat.POLICIES, "auto"),
+                      help=f"one of {', '.join(remat.POLICIES)}, or auto (default: the "
+                      "preset's, none)")
+  parser.add_argument("--stream", default="float32", choices=llama.STREAMS,
+                      help=f"the residual stream's dtype, one "
                       f"of {', '.join(llama.STREAMS)} (a 16-bit one, as plain-JAX Llamas keep "
                       "it, halves its traffic; float32 keeps every layer's sum exact to f32)")
   parser.add_argument("--fp8", action="store_true", help="the blocks' products in fp8, "
                       "forward and backward (e4m3, DeepSeek-V3's block scales; one device)")
-  parser.add_argument("--remat-budget", type=float, default=None, help="GiB a device for "
+  parser.add_argument("--remat-budget", type=_gib, default=None, help="GiB a device for "
                       "--remat auto (default: 95%% of the device's memory)")
   for field in train_flags():
     kind = int if field.name == "warmup" else type(field.default)
@@ -90,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
   parser.add_argument("--corpus", default=None, help="a text file or directory (default: the "
                       "Python standard library's modules)")
   parser.add_argument("--checkpoint-dir", default=None, help="resume from it, save into it")
-  parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between "
+  parser.add_argument("--checkpoint-every", type=_at_least_1, default=100, help="steps between "
                       "checkpoints (and at the end, and on SIGINT/SIGTERM)")
   parser.add_argument("--mesh", default="", help="devices on each mesh axis, e.g. "
                       "data=2,fsdp=2,tensor=2,sequence=1: the axes are "
@@ -105,7 +149,7 @@ def parser() -> argparse.ArgumentParser:
   parser.add_argument("--process-id", type=int, default=None, help="with --coordinator")
   parser.add_argument("--metrics", default=None, help="append each step's numbers here (JSON "
                       "lines)")
-  parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines "
+  parser.add_argument("--log-every", type=_at_least_1, default=10, help="steps between progress lines "
                       "(redrawn in place on a terminal)")
   parser.add_argument("--compilation-cache", default=default_compilation_cache(),
                       help="JAX's persistent compilation cache: a second run of the same "
@@ -115,53 +159,115 @@ def parser() -> argparse.ArgumentParser:
   return parser
 
 
+def writable(flag: str, path: str, *, directory: bool) -> None:
+  """Raises a UsageError naming ``flag`` where ``path`` (a directory, or a file appended to)
+  cannot be created or written, so that a run finds out before it compiles, not at its first
+  save. A directory, or a file's directory, is created where missing."""
+  try:
+    if directory:
+      if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a file, not a directory")
+      os.makedirs(path, exist_ok=True)
+      if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(13, "Permission denied")
+    else:
+      if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory, not a file")
+      if not os.path.exists(parent := os.path.dirname(path) or "."):
+        os.makedirs(parent)
+      with open(path, "a"):
+        pass
+  except OSError as e:
+    raise UsageError(f"{flag} {path}: cannot be written ({e.strerror or e}); pass a path "
+                     "this user can create") from e
+
+
+def configured(args) -> tuple[llama.Config, TrainConfig]:
+  """The model's and the run's configuration from the flags, every flag checked and every
+  path it writes tried, before anything is traced: a UsageError names the flag."""
+  changes = {"kernels": args.kernels, "stream": args.stream,
+             "reference_ops": args.reference_ops or None}
+  if args.remat is not None:
+    changes["remat"] = args.remat
+  if args.fp8:
+    changes["fp8"] = True
+  cfg = llama.preset(args.preset, **changes)  # each value a choice argparse checked
+  tc = TrainConfig(**{f.name: getattr(args, f.name) for f in train_flags()})
+  if tc.seq_len > cfg.max_len:
+    raise UsageError(f"--seq-len {tc.seq_len} is longer than the preset's max_len "
+                     f"{cfg.max_len}")
+  if args.remat_budget is not None and cfg.remat != "auto":
+    raise UsageError(f"--remat-budget {args.remat_budget:g}: only --remat auto reads it "
+                     f"(this run's remat is {cfg.remat})")
+  if args.checkpoint_dir is not None:
+    writable("--checkpoint-dir", args.checkpoint_dir, directory=True)
+  if args.metrics is not None and jax.process_index() == 0:  # process 0 writes them
+    writable("--metrics", args.metrics, directory=False)
+  if not args.no_compilation_cache:
+    writable("--compilation-cache", args.compilation_cache, directory=True)
+  return cfg, tc
+
+
+def _said(message, category, filename, lineno, file=None, line=None):
+  """How the run shows a warning: the library's (which kernel serves, how a split is read)
+  as their one line, with no source path; anything else as Python shows it."""
+  if issubclass(category, (FallbackWarning, ShardingWarning)):
+    print(str(message), file=file or sys.stderr, flush=True)
+  else:
+    _show(message, category, filename, lineno, file, line)
+
+
+_show = warnings.showwarning
+
+
 def main(argv=None) -> int:
-  args = parser().parse_args(argv)
+  try:
+    args = parser().parse_args(argv)
+  except SystemExit as e:  # --help (0), or a bad flag (2: its one line is on stderr)
+    return e.code
   if args.coordinator is not None or args.num_processes is not None or (
       args.process_id is not None):
     args.distributed = True
-  if args.distributed:
-    try:
-      distributed(args.coordinator, args.num_processes, args.process_id)
-    except UsageError as e:
-      print(f"python -m models.train: error: {e}", file=sys.stderr)
-      return 2
-  if not args.no_compilation_cache:
-    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   try:
-    changes = {"kernels": args.kernels, "stream": args.stream,
-               "reference_ops": (None if args.reference_ops is None else
-                                 tuple(op for op in args.reference_ops.split(",") if op))}
-    if args.remat is not None:
-      changes["remat"] = args.remat
-    if args.fp8:
-      changes["fp8"] = True
-    try:
-      cfg = llama.preset(args.preset, **changes)
-    except ValueError as e:  # the preset's name, --kernels, --stream, --reference-ops, --remat
-      raise UsageError(str(e)) from e
-    tc = TrainConfig(**{f.name: getattr(args, f.name) for f in train_flags()})
-    if tc.seq_len > cfg.max_len:
-      raise UsageError(f"--seq-len {tc.seq_len} is longer than the preset's max_len "
-                       f"{cfg.max_len}")
-    outcome = train(cfg, tc, corpus_path=args.corpus, checkpoint_dir=args.checkpoint_dir,
-                    checkpoint_every=args.checkpoint_every, mesh_sizes=parse_mesh(args.mesh),
-                    metrics_path=args.metrics, log_every=args.log_every,
-                    remat_budget=None if args.remat_budget is None else
-                    int(args.remat_budget * 2**30))
+    if args.distributed:
+      distributed(args.coordinator, args.num_processes, args.process_id)
+    mesh_sizes = parse_mesh(args.mesh)
+    cfg, tc = configured(args)
+    if not args.no_compilation_cache:
+      jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+    with warnings.catch_warnings():
+      warnings.showwarning = _said
+      outcome = train(cfg, tc, corpus_path=args.corpus, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every, mesh_sizes=mesh_sizes,
+                      metrics_path=args.metrics, log_every=args.log_every,
+                      remat_budget=None if args.remat_budget is None else
+                      int(args.remat_budget * 2**30))
   except UsageError as e:
     print(f"python -m models.train: error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:  # before the loop's own handler was in place: nothing ran yet
+    print("python -m models.train: interrupted before the first step; nothing saved",
+          file=sys.stderr)
+    if jax.process_index() == 0:
+      print("interrupted before the first step; nothing saved", flush=True)
+    return 128 + signal.SIGINT
   if outcome.stopped:
     print(f"python -m models.train: {outcome.stopped}", file=sys.stderr)
-  if outcome.losses and outcome.code != 1 and jax.process_index() == 0:
+  if outcome.code != 1 and jax.process_index() == 0 and (outcome.losses or outcome.code):
     print(summary(outcome), flush=True)
   return outcome.code
 
 
 def summary(outcome: Outcome) -> str:
-  """The run's one line on stdout, for scripts: ``final loss L at step S`` first, then the
-  perplexity a byte and the last interval's tokens/s."""
+  """The run's one line on stdout, for scripts. A finished run: ``final loss L at step S``,
+  then the perplexity a byte and the last interval's tokens/s. One a signal stopped:
+  ``interrupted at step S by SIGINT``, its last loss, and whether it saved there."""
+  if outcome.code > 1:  # 128 + a signal's number
+    name = signal.Signals(outcome.code - 128).name
+    loss = f": loss {outcome.losses[-1]:.4f}" if outcome.losses else ""
+    return (f"interrupted at step {outcome.step or 0} by {name}{loss}; "
+            + (f"saved at step {outcome.saved}" if outcome.saved is not None else
+               "nothing saved"))
   loss = outcome.losses[-1]
   rate = f", {outcome.tokens_per_s:,.0f} tokens/s" if outcome.tokens_per_s else ""
   return (f"final loss {loss:.4f} at step {outcome.step} ({math.exp(min(loss, 50)):.2f} "
@@ -169,4 +275,9 @@ def summary(outcome: Outcome) -> str:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  status = main()
+  if abandoned():  # a second Ctrl-C left a wait for the device behind: leave without it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  sys.exit(status)

@@ -29,12 +29,18 @@ def _fresh_warnings(monkeypatch):
   monkeypatch.delenv("JAXKERNELS_INTERPRET", raising=False)
 
 
-def test_auto_on_cpu_falls_back_once_with_the_reason():
-  with pytest.warns(jk.FallbackWarning, match="jaxkernels.op: using the XLA reference"):
+def test_auto_on_cpu_falls_back_once_for_every_op_and_says_how_to_interpret():
+  """A CPU has no kernel for any op: one line for the process (a train run on a CPU printed
+  five, one an op), saying how to run the kernels interpreted instead."""
+  with pytest.warns(jk.FallbackWarning) as record:
     assert dispatch.select("op", None, CPU, BOTH) == "xla"
+  [said] = [str(w.message) for w in record]
+  assert said.startswith("jaxkernels: no Pallas kernel runs on cpu: every op runs its XLA "
+                         "reference. JAXKERNELS_INTERPRET=triton"), said
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert dispatch.select("op", None, CPU, BOTH) == "xla"  # one time only
+    assert dispatch.select("other_op", None, CPU, BOTH) == "xla"  # for every op
 
 
 @pytest.mark.cpu_only
@@ -45,6 +51,7 @@ def test_fallback_warning_names_the_callers_line(monkeypatch):
   x = jnp.ones((3, 5), jnp.float32)
   for op in (lambda: jk.softmax(x, axis=0), lambda: jk.rms_norm(x, jnp.ones((5,)), eps=1e-5),
              lambda: jk.glu(x, x), lambda: jk.matmul(x, x.T)):
+    monkeypatch.setattr(dispatch, "_WARNED", set())  # on a CPU, one warning for every op
     with pytest.warns(jk.FallbackWarning) as record:
       op()
     assert record[0].filename == __file__, record[0].filename

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -19,11 +20,34 @@ ROOT = readme.ROOT
 COMMANDS = readme.commands()
 
 
-def _run(argv, timeout=600):
-  argv = [sys.executable, *argv[1:]]  # "python" as this test's interpreter
+def _clone(tmp_path) -> pathlib.Path:
+  """A directory laid out as the README's set-up leaves a clone: the repository's files
+  (linked), and a ``.venv`` that is this test's environment (``make setup``'s is not made on
+  CI: it installs what ``make test``'s does, without the test tools)."""
+  clone = tmp_path / "clone"
+  if clone.exists():
+    return clone
+  clone.mkdir()
+  for entry in ROOT.iterdir():
+    if not entry.name.startswith((".venv", ".git")):
+      (clone / entry.name).symlink_to(entry)
+  (clone / ".venv").symlink_to(pathlib.Path(sys.prefix))
+  assert (clone / ".venv" / "bin" / "python").exists(), sys.prefix
+  return clone
+
+
+def _run(argv, tmp_path, timeout=600):
+  """``argv`` as the README types it: ``.venv/bin/python`` from the clone's root (a bare
+  ``python``, ``make bench``'s, as this test's interpreter)."""
+  cwd = ROOT
+  if argv[0] == ".venv/bin/python":
+    cwd = _clone(tmp_path)
+  else:
+    argv = [sys.executable, *argv[1:]]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKERNELS_INTERPRET": "triton",
-         "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-  done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+         "PYTHONUNBUFFERED": "1"}
+  env.pop("PYTHONPATH", None)  # the clone's root, where the command runs, is on the path
+  done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
                         timeout=timeout)
   return done.returncode, done.stdout, done.stderr
 
@@ -34,8 +58,21 @@ def test_the_readme_shows_the_commands_this_file_runs():
   # drops or renames them, this says so instead of testing nothing.
   assert kinds.count("train") >= 2 and "bench" in kinds and "make test" in kinds, COMMANDS
   for command in COMMANDS:
-    if command.kind != "make test":  # CI's own command (.ci/run)
+    if command.argv:  # not CI's own (.ci/run) nor the set-up
       readme.on_cpu(command, ROOT / "unused")  # raises where no CPU size is known
+
+
+def test_the_set_up_is_the_install_the_commands_run_in():
+  """``make setup`` builds the ``.venv`` the README's train commands name, the same install
+  ``make bench`` begins with (so the GPU check's run of ``make bench`` proves it there)."""
+  assert "make setup" in [c.text for c in COMMANDS]
+  named = {c.argv[0] for c in COMMANDS if c.kind == "train"}
+  assert named == {".venv/bin/python"}, named
+  dry = lambda target: subprocess.run(  # noqa: E731
+      ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+  setup = dry("setup")
+  assert "-m venv .venv" in setup and 'pip install -q -e ".[bench' in setup, setup
+  assert dry("bench").startswith(setup), (setup, dry("bench"))
 
 
 def test_a_command_of_an_unknown_kind_is_refused(tmp_path):
@@ -63,7 +100,7 @@ def test_commands_are_sized_and_keep_their_own_flags(tmp_path):
                          ids=lambda c: " ".join(c.argv[3:5]))
 def test_train_command_runs(command, tmp_path):
   argv = readme.on_cpu(command, tmp_path)
-  code, out, err = _run(argv)
+  code, out, err = _run(argv, tmp_path)
   assert code == 0, err[-3000:]
   # stdout holds the run's one line, for scripts; everything else is on stderr.
   assert re.fullmatch(r"final loss \d+\.\d{4} at step 3 \([\d.]+ perplexity per byte, "
@@ -76,7 +113,7 @@ def test_train_command_runs(command, tmp_path):
   if "--checkpoint-dir" in argv:
     directory = argv[argv.index("--checkpoint-dir") + 1]
     assert os.path.isdir(os.path.join(directory, "3")), os.listdir(directory)
-    code, out, err = _run(argv)  # the same command again: the run is whole
+    code, out, err = _run(argv, tmp_path)  # the same command again: the run is whole
     assert code == 0 and "nothing to do: the checkpoint is at step 3" in err, err[-3000:]
     assert "remat auto:" not in err, "a finished run probed remat plans it will not train"
     assert os.listdir(os.path.join(os.path.dirname(directory), "xla")), "no compilation cache"
@@ -89,7 +126,7 @@ def test_bench_command_runs_and_reads(command, tmp_path):
   """What a person reads on a CPU: one notice that the rows check correctness, a legend of
   the columns, each row once, paths relative to the repository or the home directory."""
   argv = readme.on_cpu(command, tmp_path)
-  code, out, err = _run(argv, timeout=900)
+  code, out, err = _run(argv, tmp_path, timeout=900)
   assert code == 0, err[-3000:]
   [path] = (tmp_path / "bench").glob("*.json")
   record = json.loads(path.read_text())

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
-import pathlib
 import re
 import signal
 import subprocess
@@ -27,30 +25,7 @@ from jaxkernels import remat
 from models import (batches, checkpointing, hparams, llama, loop, placement, train,
                     train_step)
 from tests import numerics
-
-ROOT = pathlib.Path(__file__).parent.parent
-# Tiny, short and small: 8 sequences (one a device on the test run's 8 host devices).
-ARGS = ["--preset", "tiny", "--steps", "24", "--warmup", "3", "--batch", "8", "--seq-len", "32",
-        "--checkpoint-every", "6", "--log-every", "6"]
-
-
-def _launch(tmp_path, name, *extra):
-  metrics = tmp_path / f"{name}.jsonl"
-  process = subprocess.Popen(
-      [sys.executable, "-m", "models.train", *ARGS, "--metrics", str(metrics), *extra],
-      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
-  return process, metrics
-
-
-def _curve(metrics) -> dict[int, float]:
-  """step -> loss; a step run twice (after a resume) must give the same loss both times."""
-  curve = {}
-  for line in metrics.read_text().splitlines():
-    row = json.loads(line)
-    assert curve.setdefault(row["step"], row["loss"]) == row["loss"], row
-  return curve
-
+from tests.runs import ROOT, curve as _curve, launch as _launch, main_err as _main
 
 # The GPU check's train-125m and interrupt steps run this one and the SIGINT one on the
 # device, at the README's sizes; CI runs both at the tiny preset (14 s and 10 s on its cores).
@@ -420,22 +395,6 @@ def test_auto_steps_layers_down_the_ladder():
     remat.auto(peak, 2, 200, ladder=("none", "most"))
 
 
-def _main(capsys, *argv):
-  code = train.main(list(argv))
-  return code, capsys.readouterr().err
-
-
-def test_bad_input_names_itself(tmp_path, capsys):
-  code, err = _main(capsys, "--preset", "huge")
-  assert code == 2 and "preset 'huge' does not exist; presets: tiny, 125m, 350m, 1b, 8b" in err
-  code, err = _main(capsys, "--remat", "most")
-  assert code == 2 and "remat='most' is not one of" in err
-  short = tmp_path / "short.txt"
-  short.write_text("too short")
-  code, err = _main(capsys, "--corpus", str(short), "--steps", "2", "--warmup", "0")
-  assert code == 2 and "the corpus (9 bytes) is shorter than one batch" in err
-  code, err = _main(capsys, "--corpus", str(tmp_path / "nowhere"))
-  assert code == 2 and "no such file or directory" in err
 
 
 def test_another_configs_checkpoints_are_refused_and_kept(tmp_path, capsys):
@@ -523,39 +482,8 @@ def test_the_step_combines_collectives_on_gpus_and_the_users_xla_flags_win(monke
   assert train_step.compiler_options("gpu") == train_step.GPU_COMBINE_BYTES
 
 
-def test_mesh_flag_names_what_it_takes(capsys, monkeypatch):
-  """--mesh: an unknown axis, an axis twice, a size that is not a whole number, sizes whose
-  product is not the device count: each a usage error saying what is accepted."""
-  monkeypatch.setattr(placement, "all_devices", lambda: jax.devices()[:8])
-  for value, says in (
-      ("data=2,model=4", "has an unknown axis 'model'; the axes are data, fsdp, tensor, "
-       "sequence"),
-      ("data=2,data=4", "names axis 'data' twice"),
-      ("data2", "is not of the form axis=size"),
-      ("tensor=two", "tensor='two' must be a whole number >= 1"),
-      ("data=3", "--mesh data=3,tensor=1,sequence=1 must divide the 8 devices"),
-      ("data=2,fsdp=2,tensor=4", "holds 16 devices; there are 8")):
-    code, err = _main(capsys, "--mesh", value)
-    assert code == 2 and says in err, (value, err)
 
 
-def test_flags_are_checked_and_help_shows_defaults(capsys):
-  for argv, says in ((["--learning-rate", "-1"], "--learning-rate -1.0: must be a finite"),
-                     (["--learning-rate", "nan"], "--learning-rate nan: must be a finite"),
-                     (["--checkpoint-every", "0"], "--checkpoint-every 0"),
-                     (["--checkpoint-every", "-3"], "--checkpoint-every -3"),
-                     (["--steps", "5", "--warmup", "5"], "--warmup 5: must be in [0, --steps 5)"),
-                     (["--clip", "0"], "--clip 0.0: must be"),
-                     (["--seed", "-1"], "--seed -1: must be a whole number in [0, 2**32)"),
-                     (["--seed", str(2**32)], f"--seed {2**32}: must be")):
-    code, err = _main(capsys, *argv)
-    assert code == 2 and says in err, (argv, err)
-  with pytest.raises(SystemExit):
-    train.main(["--help"])
-  out = capsys.readouterr().out
-  assert "(default: 300)" in out and "(default: 0.003)" in out and "(default: 0)" in out
-  # A short run takes a warmup of a tenth of its steps (the fixed 30 refused any run <= 30).
-  assert hparams.TrainConfig(steps=10).warmup == 1 and hparams.TrainConfig().warmup == 30
 
 
 def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, capsys):
@@ -614,55 +542,8 @@ def test_throughput_is_timed_from_ready_to_ready(monkeypatch):
   assert meter.step_rate == 100 / 1.5 and meter.interval() == 200 / 2.5
 
 
-def test_sigint_saves_and_the_same_command_resumes(tmp_path):
-  checkpoints = tmp_path / "checkpoints"
-  process, metrics = _launch(tmp_path, "interrupted", "--checkpoint-dir", str(checkpoints),
-                             "--checkpoint-every", "100", "--no-compilation-cache")
-  deadline = time.monotonic() + 300
-  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-    assert process.poll() is None, process.stdout.read()
-    assert time.monotonic() < deadline
-    time.sleep(0.05)
-  process.send_signal(signal.SIGINT)
-  out = process.communicate(timeout=300)[0]
-  assert process.returncode == 128 + signal.SIGINT, out
-  stopped = int(re.search(r"stopped at step (\d+) by SIGINT; saved: the same command resumes",
-                          out).group(1))
-  assert "Traceback" not in out and 3 <= stopped < 24
-  resumed, _ = _launch(tmp_path, "interrupted", "--checkpoint-dir", str(checkpoints),
-                       "--checkpoint-every", "100", "--no-compilation-cache")
-  out = resumed.communicate(timeout=300)[0]
-  assert resumed.returncode == 0 and f"resumed at step {stopped}" in out, out
-  assert sorted(_curve(metrics)) == list(range(1, 25))
 
 
-def test_a_signal_that_lands_mid_step_is_saved_where_it_stops(tmp_path, capsys, monkeypatch):
-  """SIGINT read between a step's save decision and its stop check (the GPU check's run said
-  "stopped at step 55 ... saved" and its resume began at step 0): the run stops where it
-  saves, and resumes there."""
-
-  class Late(loop.Stopper):
-    reads = 0
-
-    @property
-    def received(self):  # the signal lands right after the first step's first look
-      Late.reads += 1
-      return None if Late.reads == 1 else signal.SIGINT
-
-    @received.setter
-    def received(self, value):
-      pass
-
-  monkeypatch.setattr(loop, "Stopper", Late)
-  directory = tmp_path / "run"
-  common = ["--steps", "3", "--batch", "8", "--seq-len", "32", "--checkpoint-dir",
-            str(directory), "--no-compilation-cache"]
-  code, err = _main(capsys, *common)
-  stopped = int(re.search(r"stopped at step (\d+) by SIGINT; saved", err).group(1))
-  assert code == 128 + signal.SIGINT and sorted(os.listdir(directory)) == [str(stopped)], err
-  monkeypatch.undo()
-  code, err = _main(capsys, *common)
-  assert code == 0 and f"resumed at step {stopped}" in err, err
 
 
 def test_weight_decay_takes_the_matrices_not_the_norms_scales():
