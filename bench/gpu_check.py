@@ -16,9 +16,14 @@ Steps, each a process of its own with a time limit, its output in the log:
                command resumes
 Each step's output reaches the log as it comes; no step runs past the check's budget (--budget,
 540 s: a device command's limit is 600; `--only` splits the check over two calls). A table of
-the steps closes the output. The log goes to bench/results/<device>/ (or --out) as
+the steps closes the output. The log goes to --out (default: a directory under the system's
+temporary one, never into the clone; pass bench/results/<device> to commit it) as
 <time>_gpu_check_jax<version>.log, with this machine's paths taken out (``harness.scrub``) and
 without the tests' per-case lines (the summary names every failure).
+
+Without a GPU it refuses in one line (exit 2). Each step runs in a process group of its own,
+which is killed when the step ends, at its limit, and when the check itself ends however it
+ends (an exception, Ctrl-C, SIGTERM from a timeout): no training run outlives it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import pathlib
@@ -108,6 +114,53 @@ def _within(limit: float) -> float:
   return max(1.0, min(limit, DEADLINE - time.monotonic()))
 
 
+_CHILDREN: set[subprocess.Popen] = set()  # the steps' processes, each leading its group
+
+
+def _die_with_parent() -> None:  # in the child, before exec: Linux's PR_SET_PDEATHSIG
+  try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+  except (OSError, AttributeError):  # not Linux: the group's kill on exit still holds
+    pass
+
+
+def _spawn(argv, **env) -> subprocess.Popen:
+  """``argv`` from the repository's root, in a process group of its own (its own children,
+  pytest's workers say, go with it), stdout and stderr on one pipe; killed with the check."""
+  process = subprocess.Popen(argv, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                             preexec_fn=_die_with_parent)
+  _CHILDREN.add(process)
+  return process
+
+
+def _end(process: subprocess.Popen) -> None:
+  """Kills ``process``'s group (what the step left running, or all of it)."""
+  _CHILDREN.discard(process)
+  try:
+    os.killpg(process.pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+def _end_all(number=None, frame=None) -> None:
+  """Every step's group killed; as a signal's handler, the check then exits 128 + it."""
+  del frame
+  for process in list(_CHILDREN):
+    _end(process)
+  if number is not None:
+    sys.stderr.write(f"\npython -m bench.gpu_check: {signal.Signals(number).name}: the steps' "
+                     "processes were killed\n")
+    os._exit(128 + number)
+
+
+def _ends_its_steps() -> None:
+  """SIGINT, SIGTERM and SIGHUP kill every step's group, then end the check."""
+  for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(number, _end_all)
+
+
 def _run(log: Log, name: str, argv, limit: float, **env) -> tuple[int, str, float]:
   """Runs ``argv`` for at most ``limit`` seconds (or what is left of the budget), its output into the log line by line as it
   comes (a step cut off by the step's limit, or the whole call by the device's, keeps what it
@@ -115,8 +168,7 @@ def _run(log: Log, name: str, argv, limit: float, **env) -> tuple[int, str, floa
   log.write(f"\n==== {name}: {' '.join(argv)}\n")
   limit = _within(limit)
   start = time.perf_counter()
-  process = subprocess.Popen(argv, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  process = _spawn(argv, **env)
   lines = []
 
   def pump():
@@ -129,9 +181,9 @@ def _run(log: Log, name: str, argv, limit: float, **env) -> tuple[int, str, floa
   try:
     code = process.wait(timeout=limit)
   except subprocess.TimeoutExpired:
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
     code = 124
+  _end(process)  # at its limit all of it; else what it left behind
+  process.wait()
   reader.join(timeout=10)
   if code == 124:
     lines.append(f"\n[timed out after {limit:.0f} s]\n")
@@ -182,13 +234,15 @@ def _metrics(path: pathlib.Path) -> dict[int, float]:
 def _signalled(argv, number: int, limit: float, ready) -> tuple[int, str]:
   """Starts ``argv``, sends it signal ``number`` once ``ready()`` holds (or it ended, or
   ``limit`` seconds passed), and returns (its exit code, its output)."""
-  process = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+  process = _spawn(argv)
   deadline = time.monotonic() + _within(limit)
   while not ready() and process.poll() is None and time.monotonic() < deadline:
     time.sleep(0.1)
   process.send_signal(number)
-  out = process.communicate(timeout=120)[0]
+  try:
+    out = process.communicate(timeout=120)[0]
+  finally:
+    _end(process)
   return process.returncode, out
 
 
@@ -288,7 +342,8 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default=None, help="directory for the log (default: "
-                      "bench/results/<device>/)")
+                      "<the system's temporary directory>/jaxkernels-gpu-check/<device>; "
+                      "bench/results/<device> to commit it)")
   parser.add_argument("--only", default=None, help=f"steps, comma-separated: {', '.join(STEPS)}")
   parser.add_argument("--tests-limit", type=float, default=400,
                       help="seconds for the compiled tests")
@@ -303,12 +358,50 @@ def main(argv=None) -> int:
   if unknown:
     parser.error(f"--only: unknown steps {unknown}; steps: {', '.join(STEPS)}")
 
+  if not _on_a_gpu():
+    print("python -m bench.gpu_check: no GPU here (jax finds no CUDA device): the check "
+          "compiles and runs the kernels on a GPU; on this machine `make test` checks them",
+          file=sys.stderr)
+    return 2
   import jax  # here, not at import: the steps run in processes of their own
 
   from bench import harness
+  if "tests" in only and importlib.util.find_spec("pytest") is None:
+    print("python -m bench.gpu_check: the tests step needs pytest (pip install -e "
+          "\".[test]\"), or leave it out with --only", file=sys.stderr)
+    return 2
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
   out_dir = pathlib.Path(args.out) if args.out else (
-      harness.RESULTS / harness.device_slug(jax.devices()[0]))
+      pathlib.Path(tempfile.gettempdir()) / "jaxkernels-gpu-check"
+      / harness.device_slug(jax.devices()[0]))
+  _ends_its_steps()
+  try:
+    return _check(args, only, out_dir, stamp)
+  finally:
+    _end_all()
+
+
+def _on_a_gpu() -> bool:
+  """Whether jax finds a CUDA device, asked of that backend alone (on a machine with libtpu,
+  asking every backend printed TPU's start-up errors before the answer)."""
+  before = os.environ.get("JAX_PLATFORMS")
+  os.environ["JAX_PLATFORMS"] = "cuda"
+  try:
+    import jax
+    return bool(jax.devices())
+  except Exception:  # noqa: BLE001 - no CUDA backend: jax 0.10 raises AssertionError there
+    return False
+  finally:  # the steps' processes pick their own
+    if before is None:
+      os.environ.pop("JAX_PLATFORMS")
+    else:
+      os.environ["JAX_PLATFORMS"] = before
+
+
+def _check(args, only, out_dir: pathlib.Path, stamp: str) -> int:
+  import jax
+
+  from bench import harness
   log = Log(out_dir / f"{stamp}_gpu_check_jax{jax.__version__}.log")
   log.write(f"python -m bench.gpu_check at {harness.git_commit()}, {stamp} UTC\n")
   outcomes = []

@@ -152,3 +152,20 @@ def test_bench_command_runs_and_reads(command, tmp_path):
   assert not re.search(r"(^|\s)/(root|work|home|tmp)/", lines[-1].replace(str(tmp_path), "")), (
       lines[-1])
   assert all(len(line) <= 400 for line in lines), "no line a person cannot read"
+
+
+def test_the_install_line_names_extras_the_package_has():
+  """The "use it in your project" line (not run here: it needs the network) installs as
+  ``make setup`` does, with extras the package declares, and the JAX range the README gives
+  is the one the package requires at its floor."""
+  import tomllib
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  lines = [line for line in readme.fenced_lines(readme.README) if line.startswith("pip ")]
+  assert lines, "the README's install line is gone"
+  for line in lines:
+    [spec] = re.findall(r'pip install -e "path/to/jaxkernels\[(\w+)\]"', line) or [None]
+    assert spec in project["optional-dependencies"], line
+    for extra in re.findall(r"\[(\w+)\]: jax\[(\w+)\]", line):
+      assert any(f"jax[{extra[1]}]" in d for d in project["optional-dependencies"][extra[0]])
+  assert "jax>=0.10.2" in project["dependencies"]
+  assert "jax 0.10.2 to 0.12" in readme.README.read_text()
