@@ -99,3 +99,25 @@ def config_type(op: str, implementation: str, config: Any, expected: type | None
         f"{op}: config for implementation={implementation!r} must be "
         f"{expected.__module__}.{expected.__qualname__}, got {type(config).__name__}"
     )
+
+
+def traced_check(ok, message: str, *, at, debug: bool = False, **values) -> None:
+  """A check of values known only when the computation runs (traced: under jit, vmap, grad),
+  by ``jax.experimental.checkify``, the mechanism JAX gives value checks: run the function as
+  ``err, out = checkify.checkify(f)(...)`` and ``err.throw()`` raises a ValueError
+  (checkify's JaxRuntimeError) whose text is ``message`` first. Under vmap or grad of
+  concrete values it raises at once. ``debug=True``: a check that is dropped where the
+  function is not checkified (the op then does what its docstring says: clip, say); else JAX
+  refuses to compile a jitted function that is not ("a checkify.check which was not
+  functionalized"). ``message`` holds ``{where}`` (the first failing element's index into
+  ``at``, a boolean array of the failures) and ``{name}`` for each of ``values``, each read at
+  that element."""
+  from jax.experimental import checkify  # noqa: PLC0415 - only where a check is traced
+  first = jnp.argmax(at.ravel())
+  index = jnp.unravel_index(first, at.shape) if at.ndim else ()
+  names = {f"i{d}": i for d, i in enumerate(index)}
+  fields = {**names, **{name: v.ravel()[first] if getattr(v, "ndim", 0) else v
+                        for name, v in values.items()}}
+  text = message.replace("{where}", ", ".join("{" + n + "}" for n in names))
+  (checkify.debug_check if debug else checkify.check)(ok, text, **fields)
+

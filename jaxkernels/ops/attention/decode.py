@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkernels import backend, dispatch
+from jaxkernels import _checks, backend, dispatch
 from jaxkernels._tiling import bucket
 from jaxkernels.ops.attention import api, mosaic_tpu_decode, reference
 from jaxkernels.ops.attention.mosaic_gpu import decode as mosaic_gpu_decode
@@ -82,13 +82,18 @@ def _validate_decode(q, k_cache, v_cache, *, lengths, scale, logits_soft_cap,
   if api.shape_of(lengths) != batch:
     raise ValueError(f"{DECODE_OP}: lengths must have shape {batch} (q's batch), got "
                      f"{api.shape_of(lengths)}")
+  cache = args.k.shape[-3]
+  said = f"{DECODE_OP}: lengths must be in [0, {cache}] (the caches' length S), got "
   if not isinstance(lengths, jax.core.Tracer):  # known now (not under jit): checked
-    cache = args.k.shape[-3]
     known = np.asarray(lengths)
     if known.size and (known.max() > cache or known.min() < 0):
       bad = known.max() if known.max() > cache else known.min()
-      raise ValueError(f"{DECODE_OP}: lengths must be in [0, {cache}] (the caches' length S), "
-                       f"got {int(bad)}")
+      raise ValueError(said + f"{int(bad)}")
+  else:  # known when it runs: checked under checkify, else clipped into [0, S]
+    outside = (lengths < 0) | (lengths > cache)
+    _checks.traced_check(~outside.any(), said + "{value} at lengths[{where}]", at=outside,
+                         value=lengths, debug=True)
+    lengths = jnp.clip(lengths, 0, cache)
   window_left = None
   if local_window_size is not None:
     if isinstance(local_window_size, bool) or not isinstance(local_window_size, numbers.Integral):
@@ -140,9 +145,13 @@ def decode_attention(q, k_cache, v_cache, *, lengths, scale: float | None = None
       any leading batch dims, or none (then ``lengths`` is a scalar).
     k_cache, v_cache: (..., S, K, H), N a multiple of K; entries past a sequence's length are
       never read.
-    lengths: (...) integers: the valid entries of each sequence's cache, the new queries' own
-      keys and values included: query t sits at position lengths - Tq + t and sees the keys at
-      positions up to its own.
+    lengths: (...) integers in [0, S]: the valid entries of each sequence's cache, the new
+      queries' own keys and values included: query t sits at position lengths - Tq + t and
+      sees the keys at positions up to its own. A length outside [0, S] raises a ValueError
+      at once where ``lengths`` is concrete; traced (under jit, where decode loops run) it is
+      clipped into [0, S], as JAX clips an out-of-range index, unless the function runs under
+      ``jax.experimental.checkify.checkify``: then ``err.throw()`` raises a ValueError
+      naming the length and where it is.
     scale, logits_soft_cap: as for flash_attention.
     local_window_size: int: each query also sees no key more than this far behind it.
     implementation: None (best available), "xla", "mosaic_gpu" (Hopper), "triton",

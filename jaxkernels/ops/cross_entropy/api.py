@@ -137,9 +137,12 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
       gives 0 and is left out of the mean). The class-wise mask runs XLA's path (the
       kernels read whole rows) and takes no ``label_smoothing``.
     labels_checked: raise a ValueError naming the first label outside [0, V) (other than
-      ``ignore_index``) instead of giving it NaN: at once for labels known now, and for traced
-      ones (under jit) when the computation runs (a host callback: its error reaches the
-      caller as the runtime's, at the next read of a result).
+      ``ignore_index``) instead of giving it NaN: at once for concrete labels (also under vmap
+      or grad of concrete values); for labels traced under jit by
+      ``jax.experimental.checkify``: run the function as ``err, out =
+      checkify.checkify(f)(...)`` and ``err.throw()`` raises it (a ValueError). A jitted
+      function that is not checkified does not compile with it (JAX: "a checkify.check which
+      was not functionalized"): leave it off there, or checkify.
     implementation: None (best available), "xla", "mosaic_gpu" (Hopper), "triton" or
       "mosaic_tpu".
     config: the chosen kernel's Config; None picks one for the shape and device.

@@ -148,27 +148,29 @@ def loss_and_backward(plan, options: Options, logits, labels, g, dtype):
 
 def check_range(op, labels, vocab, ignore_index):
   """labels_checked: a ValueError naming the first label outside [0, vocab) that is not
-  ``ignore_index``, now for concrete labels, when the computation runs for traced ones."""
+  ``ignore_index``: at once for concrete labels; for traced ones a checkify check
+  (:func:`_checks.traced_check`: ``checkify.checkify`` the function to run it)."""
   if not (hasattr(labels, "shape") and hasattr(labels, "dtype")):
     labels = jnp.asarray(labels)
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     return  # check_labels names the dtype
-
-  def check(values):
-    values = np.asarray(values)
-    bad = (values < 0) | (values >= vocab)
-    if ignore_index is not None:
-      bad &= values != ignore_index
-    if bad.any():
-      where = tuple(int(i) for i in np.argwhere(bad)[0])
-      ignored = "" if ignore_index is None else f", or ignore_index {ignore_index}"
-      raise ValueError(f"{op}: labels must be in [0, {vocab}) (the classes{ignored}); "
-                       f"labels{list(where)} is {int(values[where])} ({int(bad.sum())} such)")
-
+  ignored = "" if ignore_index is None else f", or ignore_index {ignore_index}"
+  said = f"{op}: labels must be in [0, {vocab}) (the classes{ignored}); "
   if isinstance(labels, jax.core.Tracer):
-    jax.debug.callback(check, labels)
-  else:
-    check(labels)
+    bad = (labels < 0) | (labels >= vocab)
+    if ignore_index is not None:
+      bad &= labels != ignore_index
+    _checks.traced_check(~bad.any(), said + "labels[{where}] is {value} ({count} such)",
+                         at=bad, value=labels, count=bad.sum())
+    return
+  values = np.asarray(labels)
+  bad = (values < 0) | (values >= vocab)
+  if ignore_index is not None:
+    bad &= values != ignore_index
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(said + f"labels{list(where)} is {int(values[where])} ({int(bad.sum())} "
+                     "such)")
 
 
 # The kernels whose backward, given no lse, computes the loss too in the same launch (Triton's
