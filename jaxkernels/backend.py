@@ -17,6 +17,9 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
+import jax.numpy as jnp
+import numpy as np
+
 from jax._src import core  # the trace stack (forward_mode)
 from jax._src.interpreters import ad
 
@@ -167,6 +170,10 @@ def register(op: Op, public: Callable[..., Any]) -> Op:
 
 
 def _validated(op: Op, arguments: Mapping[str, Any]) -> Args:
+  # NumPy arrays as JAX takes them: a float64 one is float32 where x64 is off (dispatched as
+  # float64, it fell back to XLA with a warning, for a dtype JAX would never compute in).
+  arguments = {name: jnp.asarray(value) if isinstance(value, np.ndarray) else value
+               for name, value in arguments.items()}
   args = op.validate(**arguments)
   if not isinstance(args, Args):
     raise TypeError(f"{op.name}: its validate returned {type(args).__name__}, not its Args")

@@ -372,10 +372,16 @@ def select(
         "under Pallas' interpreter there, to check them, not to time them")
   else:
     message = f"jaxkernels.{op}: using the XLA reference ({'; '.join(why_not)})"
+  warn_fallback(op, message)
+  return "xla"
+
+
+def warn_fallback(op: str, message: str) -> None:
+  """``message`` as a FallbackWarning, once a process for each (``op``, ``message``), at the
+  user's line."""
   if (op, message) not in _WARNED:
     _WARNED.add((op, message))
     warnings.warn(message, FallbackWarning, stacklevel=_user_stacklevel())
-  return "xla"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxkernels as jk
-from jaxkernels import interpret, partitioning, remat
+from jaxkernels import dispatch, interpret, partitioning, remat
 
 Dtype = Any
 
@@ -191,11 +191,7 @@ class _Norm(nnx.Module):
     self.use_fast_variance = use_fast_variance
     self.promote_dtype, self.implementation = promote_dtype, implementation
 
-  def _inputs(self, x, mask, *params):
-    if mask is not None:
-      raise ValueError(f"jaxkernels.flax.{self.owner}: mask is not supported: the kernels "
-                       "normalize whole rows; use flax.nnx." + self.owner + " for masked "
-                       "statistics")
+  def _inputs(self, x, *params):
     for name in ("reduction_axes", "feature_axes"):
       _last_axis(name, self.owner, getattr(self, name), jnp.ndim(x))
     x, *params = self.promote_dtype((x, *params), dtype=self.dtype)
@@ -205,13 +201,73 @@ class _Norm(nnx.Module):
     """The scale, or ones where ``use_scale`` made none (the kernels take one)."""
     return jnp.ones((self.num_features,), x.dtype) if scale is None else scale
 
+  def _apply(self, op, x, residual, mask, scale, bias=()):
+    """``op`` (the public norm, its parameters bound) over x, Flax's output dtype and mask.
+
+    Flax casts its output to ``dtype``, else to x's and the parameters' promoted type: ours
+    too, whatever ``promote_dtype`` did to them (one that does not cast left x float32 and
+    our output float32 where Flax's was ``dtype``'s). A ``mask`` (broadcastable to x) takes
+    the statistics over the elements it keeps, as Flax's: where it is the same along the
+    features (a token's padding mask, its last axis 1), the kernels' whole-row statistics
+    are those, and a row it masks whole is NaN, Flax's mean over no element; a mask that
+    varies within a row runs the statistics in XLA (:func:`_masked_norm`), with a one-time
+    FallbackWarning."""
+    params = (scale, *bias)
+    dtype = self.dtype or jnp.result_type(*(a for a in (x, *params) if a is not None))
+    if (wide := jnp.promote_types(x.dtype, dtype)) != x.dtype:  # rounded once, to dtype
+      x = x.astype(wide)  # (bfloat16 x for a float16 output: through bfloat16 it was twice)
+    if mask is not None:
+      mask = jnp.asarray(mask, bool)
+      try:
+        jnp.broadcast_shapes(mask.shape, jnp.shape(x))
+      except ValueError:
+        raise ValueError(f"jaxkernels.flax.{self.owner}: mask of shape {mask.shape} does not "
+                         f"broadcast to x's {jnp.shape(x)}") from None
+    if mask is not None and mask.shape[-1:] != (1,) and mask.ndim:
+      dispatch.warn_fallback(self.owner, f"jaxkernels.flax.{self.owner}: a mask that varies "
+                             "within a row: its statistics run in XLA (the kernels normalize "
+                             "whole rows); a token's mask, its last axis 1, runs the kernels")
+      h = x if residual is None else x + residual
+      y = _masked_norm(h, mask, scale, bias[0] if bias else None, self.epsilon,
+                       centred=self.owner == "LayerNorm")
+      out = y if residual is None else (y, h)
+    else:
+      out = op(x, self._scale(scale, x), *bias, eps=self.epsilon, residual=residual,
+               implementation=self.implementation)
+      if mask is not None:  # whole rows kept or masked: masked rows are Flax's NaN
+        row = jnp.broadcast_to(mask, jnp.shape(x)[:-1] + (1,))
+        y = out if residual is None else out[0]
+        y = jnp.where(row, y, jnp.asarray(jnp.nan, y.dtype))
+        out = y if residual is None else (y, out[1])
+    if residual is None:
+      out = out.astype(dtype)
+    else:
+      out = (out[0].astype(dtype), out[1])
+    return _tag_norm(out, residual)
+
+
+def _masked_norm(h, mask, scale, bias, eps: float, centred: bool):
+  """Flax's masked statistics (float32, over the elements ``mask`` keeps), every element
+  normalized by them."""
+  h32 = h.astype(jnp.float32)
+  mask = jnp.broadcast_to(mask, h.shape)
+  mean = jnp.mean(h32, axis=-1, keepdims=True, where=mask) if centred else 0.0
+  var = jnp.mean(jnp.square(h32 - mean), axis=-1, keepdims=True, where=mask)
+  y = (h32 - mean) * jax.lax.rsqrt(var + eps)
+  if scale is not None:
+    y = y * scale.astype(jnp.float32)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(h.dtype)
+
 
 class RMSNorm(_Norm):
   """RMSNorm over the last axis; ``norm(x, residual=r)`` returns ``(y, h)`` with h = x + r and
   y = rms_norm(h) from one pass over memory (the pre-norm block's residual add). Takes
-  ``flax.nnx.RMSNorm``'s arguments and its dtype rule (x and the scale promoted together,
-  ``dtype`` forcing one): what cannot apply to a row kernel (statistics across devices, a
-  mask, axes other than the last) is refused by name."""
+  ``flax.nnx.RMSNorm``'s arguments, its dtype rule (x and the scale promoted together,
+  ``dtype`` forcing one, the output cast to it) and its ``mask`` (statistics over the kept
+  elements): what cannot apply to a row kernel (statistics across devices, axes other than
+  the last) is refused by name."""
 
   def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Dtype | None = None,
                param_dtype: Dtype = jnp.float32, use_scale: bool = True,
@@ -225,10 +281,8 @@ class RMSNorm(_Norm):
                 promote_dtype, implementation, rngs, scale_metadata)
 
   def __call__(self, x, residual=None, mask=None):
-    x, (scale,) = self._inputs(x, mask, None if self.scale is None else self.scale[...])
-    out = jk.rms_norm(x, self._scale(scale, x), eps=self.epsilon, residual=residual,
-                      implementation=self.implementation)
-    return _tag_norm(out, residual)
+    x, (scale,) = self._inputs(x, None if self.scale is None else self.scale[...])
+    return self._apply(jk.rms_norm, x, residual, mask, scale)
 
 
 class LayerNorm(_Norm):
@@ -250,11 +304,9 @@ class LayerNorm(_Norm):
                  if use_bias else None)
 
   def __call__(self, x, residual=None, mask=None):
-    x, (scale, bias) = self._inputs(x, mask, None if self.scale is None else self.scale[...],
+    x, (scale, bias) = self._inputs(x, None if self.scale is None else self.scale[...],
                                     None if self.bias is None else self.bias[...])
-    out = jk.layer_norm(x, self._scale(scale, x), bias, eps=self.epsilon,
-                        residual=residual, implementation=self.implementation)
-    return _tag_norm(out, residual)
+    return self._apply(jk.layer_norm, x, residual, mask, scale, (bias,))
 
 
 class GLUMLP(nnx.Module):

@@ -73,9 +73,16 @@ def _all_float32(args, /, *, dtype=None, inexact=True):
   return tuple(None if a is None else jnp.asarray(a, jnp.float32) for a in args)
 
 
+def _as_they_are(args, /, *, dtype=None, inexact=True):
+  """A promote_dtype that casts nothing: Flax still casts its output to ``dtype``."""
+  del dtype, inexact
+  return args
+
+
 FLAX_NORM_ARGS = [  # Flax's constructor arguments, as Flax documents them
     dict(),
     dict(promote_dtype=_all_float32),
+    dict(promote_dtype=_as_they_are, dtype=jnp.float16),
     dict(dtype=jnp.float32, param_dtype=jnp.float32, use_fast_variance=False),
     dict(use_scale=False, reduction_axes=-1, feature_axes=(-1,)),
     dict(epsilon=1e-3, scale_init=nnx.initializers.constant(0.5),
@@ -106,9 +113,9 @@ def test_norms_take_flaxs_arguments(kind, args):
     assert y.dtype == want.dtype, (y.dtype, want.dtype)
     # Each output in its own dtype (cast inside the program, XLA may skip a bfloat16 rounding
     # under its excess precision: on the GPU Flax's bfloat16 output came back float32-exact).
-    # A bfloat16 output (x bfloat16, no float32 parameter to promote it) may round to either
-    # neighbour of the exact value: one bfloat16 ulp, 2^-7 relative.
-    tol = TOL if y.dtype == jnp.float32 else dict(rtol=2.0**-7, atol=0)
+    # A 16-bit output (x bfloat16 with no float32 parameter to promote it, or dtype float16)
+    # may round to either neighbour of the exact value: one ulp of its dtype, relative.
+    tol = TOL if y.dtype == jnp.float32 else dict(rtol=float(jnp.finfo(y.dtype).eps), atol=0)
     chex.assert_trees_all_close(y, want, **tol)
     chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), **TOL)
 
@@ -122,8 +129,49 @@ def test_norms_refuse_what_a_row_kernel_cannot_do(kind):
   with pytest.raises(ValueError, match=r"reduction_axes=\(-2, -1\): the kernels normalize "
                      r"over the last axis alone"):
     norm(jnp.ones((2, 3, 8)))
-  with pytest.raises(ValueError, match="mask is not supported"):
-    getattr(jkf, kind)(8, rngs=nnx.Rngs(0))(jnp.ones((2, 8)), mask=jnp.ones((2, 8), bool))
+  with pytest.raises(ValueError, match=r"mask of shape \(3, 8\) does not broadcast to x's "
+                     r"\(2, 8\)"):
+    getattr(jkf, kind)(8, rngs=nnx.Rngs(0))(jnp.ones((2, 8)), mask=jnp.ones((3, 8), bool))
+
+
+def _pair(kind, n):
+  ours = getattr(jkf, kind)(n, rngs=nnx.Rngs(0))
+  theirs = getattr(nnx, kind)(n, epsilon=1e-6, rngs=nnx.Rngs(0))
+  ours.scale[...] = theirs.scale[...] = _x(n, tag="scale")
+  if kind == "LayerNorm":
+    ours.bias[...] = theirs.bias[...] = _x(n, tag="bias")
+  return ours, theirs
+
+
+@pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
+def test_a_tokens_mask_runs_the_kernels_as_flax_computes_it(kind):
+  """A padding mask, one flag a token (its last axis 1): the kept rows' statistics are their
+  whole rows', on the kernels; a masked row is NaN, as Flax's mean over no element is."""
+  ours, theirs = _pair(kind, 32)
+  x = _x(3, 5, 32)
+  keep = jnp.asarray(numerics.rng("flax mask", kind).random((3, 5, 1)) < 0.6).at[0, 0].set(True)
+  with numerics.kernel_mode(), numerics.served_by(None, [kind.lower().replace("rmsn", "rms_n")
+                                                          .replace("layern", "layer_n")]):
+    y = nnx.jit(lambda m, x: m(x, mask=keep))(ours, x)
+  want = theirs(x, mask=keep)
+  assert np.array_equal(np.isnan(y), np.isnan(want)) and np.isnan(want).any()
+  chex.assert_trees_all_close(jnp.nan_to_num(y), jnp.nan_to_num(want), **TOL)
+
+
+@pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
+def test_a_mask_within_rows_takes_flaxs_statistics(kind):
+  """A mask that varies along the features: the statistics over the elements it keeps (every
+  element normalized by them), forward and gradients as Flax's, from XLA's ops, said once."""
+  ours, theirs = _pair(kind, 24)
+  x = _x(4, 24)
+  keep = jnp.asarray(numerics.rng("flax mask", kind, "within").random((4, 24)) < 0.7)
+  keep = keep.at[:, 0].set(True)  # no row empty: Flax's gradient there is NaN
+  with pytest.warns(jkf.jk.FallbackWarning, match=f"jaxkernels.flax.{kind}: a mask that "
+                    "varies within a row"):
+    y, g = _grads(ours, lambda m, x: m(x, mask=keep), x)
+  want, want_g = _grads(theirs, lambda m, x: m(x, mask=keep), x)
+  chex.assert_trees_all_close(y, want, **TOL)
+  chex.assert_trees_all_close(jax.tree.leaves(g), jax.tree.leaves(want_g), **TOL)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -111,9 +111,9 @@ def _across(split: partitioning.Split, rule: partitioning.Rule, local: backend.L
   return rows.reduce_loss(loss, args.labels, args.options, args.reduction, valid=_valid(args))
 
 
-def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
+def softmax_cross_entropy(logits, labels, axis: int | tuple[int, ...] = -1, where=None, *,
+                          label_smoothing: float = 0.0, z_loss: float = 0.0,
                           ignore_index: int | None = None, reduction: str = "mean",
-                          axis: int | tuple[int, ...] = -1, where=None,
                           labels_checked: bool = False, implementation=None, config=None):
   """Softmax cross-entropy of integer labels, statistics in float32.
 
@@ -129,9 +129,10 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     ignore_index: None, or the label that marks padding (e.g. -100).
     reduction: "mean" (over the tokens not ignored; 0 if none is), "sum" or "none" (float32,
       shaped like ``labels``).
-    axis: the classes' axis, or axes (as optax's: a label is then a flat index into their
-      slice of ``logits``); moved last (a transpose where it is not already).
-    where: as optax's: None, a boolean mask shaped like ``labels`` (the tokens that count: one
+    axis: the classes' axis, or axes (as optax's, third, by name or position: a label is then
+      a flat index into their slice of ``logits``); moved last (a transpose where it is not
+      already).
+    where: as optax's (fourth, by name or position): None, a boolean mask shaped like ``labels`` (the tokens that count: one
       that does not gives 0 and no gradient and is left out of the mean, as an ignored one),
       or shaped like ``logits`` (the classes each token's softmax takes in; a token with none
       gives 0 and is left out of the mean). The class-wise mask runs XLA's path (the
