@@ -191,7 +191,13 @@ def configured(args) -> tuple[llama.Config, TrainConfig]:
     changes["remat"] = args.remat
   if args.fp8:
     changes["fp8"] = True
-  cfg = llama.preset(args.preset, **changes)  # each value a choice argparse checked
+  try:  # each value a choice argparse checked; what the Config checks across them remains
+    cfg = llama.preset(args.preset, **changes)
+  except ValueError as e:  # --fp8 on a preset whose widths are not multiples of 128, say
+    given = " ".join(f"--{flag(k)}" + ("" if v is True else f" {v}") for k, v in changes.items()
+                     if v not in (None, llama.Config.__dataclass_fields__[k].default))
+    raise UsageError(f"--preset {args.preset} {given}: {str(e).removeprefix('Config: ')}"
+                     ) from e
   tc = TrainConfig(**{f.name: getattr(args, f.name) for f in train_flags()})
   if tc.seq_len > cfg.max_len:
     raise UsageError(f"--seq-len {tc.seq_len} is longer than the preset's max_len "

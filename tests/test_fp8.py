@@ -183,7 +183,8 @@ def test_the_config_and_the_cli_say_what_fp8_needs(capsys):
   with pytest.raises(ValueError, match=r"fp8=True quantizes in blocks of 128.*'width': 64"):
     llama.preset("tiny", fp8=True)
   assert train.main(["--preset", "tiny", "--fp8", "--steps", "2"]) == 2
-  assert "blocks of 128" in capsys.readouterr().err
+  assert "error: --preset tiny --fp8: fp8=True quantizes in blocks of 128" in (
+      capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("path", PATHS)
