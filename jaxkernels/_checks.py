@@ -113,11 +113,15 @@ def traced_check(ok, message: str, *, at, debug: bool = False, **values) -> None
   ``at``, a boolean array of the failures) and ``{name}`` for each of ``values``, each read at
   that element."""
   from jax.experimental import checkify  # noqa: PLC0415 - only where a check is traced
-  first = jnp.argmax(at.ravel())
-  index = jnp.unravel_index(first, at.shape) if at.ndim else ()
-  names = {f"i{d}": i for d, i in enumerate(index)}
-  fields = {**names, **{name: v.ravel()[first] if getattr(v, "ndim", 0) else v
-                        for name, v in values.items()}}
+  # Elementwise ops and reductions alone (no ravel, no gather): the arrays may be split over
+  # a mesh of Explicit axes, where a dynamic slice of a split dimension does not lower.
+  strides = [int(np.prod(at.shape[d + 1:])) for d in range(at.ndim)]
+  flat = sum((jax.lax.broadcasted_iota(jnp.int32, at.shape, d) * stride
+              for d, stride in enumerate(strides)), jnp.zeros(at.shape, jnp.int32))
+  first = jnp.min(jnp.where(at, flat, at.size))  # the first failure's flat index
+  names = {f"i{d}": first // stride % n for d, (stride, n) in enumerate(zip(strides, at.shape))}
+  fields = {**names, **{name: jnp.sum(jnp.where(flat == first, v, jnp.zeros((), v.dtype)))
+                        if getattr(v, "ndim", 0) else v for name, v in values.items()}}
   text = message.replace("{where}", ", ".join("{" + n + "}" for n in names))
   (checkify.debug_check if debug else checkify.check)(ok, text, **fields)
 

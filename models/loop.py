@@ -250,6 +250,8 @@ def train(cfg: llama.Config, tc: TrainConfig, *, corpus_path: str | None = None,
   report = functools.partial(report_step, cfg=cfg, tc=tc, peak=peak, progress=progress)
   outcome = Outcome([], saved=start if checkpoints is not None and start else None)
   with contextlib.ExitStack() as stack:
+    if metrics_path:
+      os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
     metrics_file = stack.enter_context(open(metrics_path, "a")) if metrics_path else None
     stopper = stack.enter_context(Stopper(stream, saves=checkpoints is not None))
     stack.enter_context(jax.set_mesh(where))

@@ -161,25 +161,23 @@ def parser() -> argparse.ArgumentParser:
 
 def writable(flag: str, path: str, *, directory: bool) -> None:
   """Raises a UsageError naming ``flag`` where ``path`` (a directory, or a file appended to)
-  cannot be created or written, so that a run finds out before it compiles, not at its first
-  save. A directory, or a file's directory, is created where missing."""
-  try:
-    if directory:
-      if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a file, not a directory")
-      os.makedirs(path, exist_ok=True)
-      if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(13, "Permission denied")
-    else:
-      if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a directory, not a file")
-      if not os.path.exists(parent := os.path.dirname(path) or "."):
-        os.makedirs(parent)
-      with open(path, "a"):
-        pass
-  except OSError as e:
-    raise UsageError(f"{flag} {path}: cannot be written ({e.strerror or e}); pass a path "
-                     "this user can create") from e
+  could not be made or written, so that a run finds out before it compiles, not at its first
+  save; writes nothing (a refused run leaves no directory behind)."""
+  path = os.path.abspath(path)
+  if os.path.exists(path):
+    if directory != os.path.isdir(path):
+      kind = ("a file, not a directory" if directory else "a directory, not a file")
+      raise UsageError(f"{flag} {path}: is {kind}")
+    there = path
+  else:  # the nearest part of it that exists must be a directory this user may write in
+    there = os.path.dirname(path)
+    while not os.path.exists(there):
+      there = os.path.dirname(there)
+    if not os.path.isdir(there):
+      raise UsageError(f"{flag} {path}: cannot be made: {there} is a file, not a directory")
+  if not os.access(there, os.W_OK | (os.X_OK if os.path.isdir(there) else 0)):
+    raise UsageError(f"{flag} {path}: cannot be written: {there} is not writable by this "
+                     "user; pass a path that is")
 
 
 def configured(args) -> tuple[llama.Config, TrainConfig]:

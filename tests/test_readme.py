@@ -68,8 +68,10 @@ def test_the_set_up_is_the_install_the_commands_run_in():
   assert "make setup" in [c.text for c in COMMANDS]
   named = {c.argv[0] for c in COMMANDS if c.kind == "train"}
   assert named == {".venv/bin/python"}, named
-  dry = lambda target: subprocess.run(  # noqa: E731
-      ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "MFLAGS"))}
+  dry = lambda target: subprocess.run(  # noqa: E731 - not make's child's view (make test's)
+      ["make", "-n", "-B", "--no-print-directory", target], cwd=ROOT, env=env,
+      capture_output=True, text=True, check=True).stdout
   setup = dry("setup")
   assert "-m venv .venv" in setup and 'pip install -q -e ".[bench' in setup, setup
   assert dry("bench").startswith(setup), (setup, dry("bench"))

@@ -55,25 +55,23 @@ def test_a_bad_flag_is_one_line_naming_it(argv, says, monkeypatch, capsys):
 def test_a_path_that_cannot_be_written_is_a_usage_error(flag, tmp_path, monkeypatch, capsys):
   """Under a file (no directory can be made there), or a directory where a file is wanted
   and the reverse: the flag named, before anything is traced (at the first save, the
-  checkpoint directory's was a 25-line traceback after the steps had run)."""
+  checkpoint directory's was a 25-line traceback after the steps had run), nothing made."""
   blocker = tmp_path / "a-file"
   blocker.write_text("")
   err = _refused_before_training(monkeypatch, capsys, flag, str(blocker / "under"))
-  assert f"{flag} {blocker / 'under'}: cannot be written (Not a directory)" in err, err
+  assert f"{flag} {blocker / 'under'}: cannot be made: {blocker} is a file" in err, err
   wrong = tmp_path if flag == "--metrics" else blocker
   err = _refused_before_training(monkeypatch, capsys, flag, str(wrong))
   assert f"{flag} {wrong}: is a " in err, err
 
 
-def test_paths_that_do_not_exist_yet_are_made(tmp_path, monkeypatch):
-  seen = {}
-  monkeypatch.setattr(train, "train", lambda cfg, tc, **kw: seen.update(kw) or loop.Outcome(
-      [1.0], step=1))
-  argv = ["--checkpoint-dir", str(tmp_path / "a" / "ckpt"), "--metrics",
-          str(tmp_path / "b" / "m.jsonl"), "--compilation-cache", str(tmp_path / "c" / "xla")]
-  assert train.main(argv) == 0
-  assert (tmp_path / "a" / "ckpt").is_dir() and (tmp_path / "b" / "m.jsonl").is_file()
-  assert (tmp_path / "c" / "xla").is_dir() and seen["metrics_path"] == argv[3]
+def test_paths_that_do_not_exist_yet_are_made_by_the_run(tmp_path, capsys):
+  argv = ["--steps", "1", "--batch", "8", "--seq-len", "32", "--checkpoint-dir",
+          str(tmp_path / "a" / "ckpt"), "--metrics", str(tmp_path / "b" / "c" / "m.jsonl"),
+          "--compilation-cache", str(tmp_path / "d" / "xla")]
+  code, err = main_err(capsys, *argv)
+  assert code == 0, err
+  assert (tmp_path / "a" / "ckpt" / "1").is_dir() and (tmp_path / "b" / "c" / "m.jsonl").is_file()
 
 
 class _Clock(io.StringIO):
