@@ -5,6 +5,7 @@ dtype rule and mask: tests/test_flax.py.)"""
 from __future__ import annotations
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -44,10 +45,10 @@ def test_numpy_float64_inputs_run_as_the_float32_jax_makes_them():
       "softmax_cross_entropy": lambda: jk.softmax_cross_entropy(x, np.arange(16)),
   }
   for op, call in calls.items():
-    with numerics.kernel_mode("triton"), numerics.served_by("triton", [op]):
+    with numerics.kernel_mode(), numerics.served_by(None, [op]):  # whichever kernel serves
       out = call()
     for leaf in jnp.atleast_1d(*out) if isinstance(out, tuple) else [out]:
       assert leaf.dtype == jnp.float32, (op, leaf.dtype)
   want = jk.rms_norm(jnp.asarray(x, jnp.float32), jnp.ones(128), implementation="xla")
-  with numerics.kernel_mode("triton"):
+  with numerics.kernel_mode(), jax.default_matmul_precision("highest"):
     chex.assert_trees_all_close(jk.rms_norm(x, np.ones(128)), want, atol=1e-5, rtol=1e-5)

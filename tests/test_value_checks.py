@@ -76,18 +76,20 @@ def _caches():
 
 def test_traced_decode_lengths_are_clipped_into_the_cache():
   """Under jit, as its docstring says: a length past S is S, a negative one 0 (the query then
-  sees no key: 0), on the XLA path and on a kernel's."""
-  q, k, v = _caches()
+  sees no key: 0), on the XLA path and on the kernel dispatch picks (interpreted on the CPU,
+  compiled on a GPU), in bfloat16 as decoding runs."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in _caches())
   lengths = jnp.array([13, -2], jnp.int32)
-  want = _decode(q, k, v, jnp.array([10, 0], jnp.int32), "xla")
-  chex.assert_trees_all_close(jax.jit(_decode, static_argnums=4)(q, k, v, lengths, "xla"), want)
-  assert not np.asarray(want[1]).any()
-  with numerics.kernel_mode("triton"), numerics.served_by("triton", ["decode_attention"]):
-    got = jax.jit(_decode, static_argnums=4)(q, k, v, lengths, "triton")
   clipped = jnp.array([10, 0], jnp.int32)
+  want = _decode(q, k, v, clipped, "xla")
+  chex.assert_trees_all_close(jax.jit(_decode, static_argnums=4)(q, k, v, lengths, "xla"), want)
+  assert not np.asarray(want[1], np.float32).any()
+  with numerics.kernel_mode(), numerics.served_by(None, ["decode_attention"]):
+    got = jax.jit(_decode)(q, k, v, lengths)
   numerics.assert_matches(
-      got, lambda dtype: lambda q, k, v: reference.decode(q, k, v, clipped, scale=16 ** -0.5),
-      (q, k, v), dtype=jnp.float32, reduction=10)
+      got, lambda dtype: lambda q, k, v: reference.decode(
+          q.astype(dtype), k.astype(dtype), v.astype(dtype), clipped, scale=16 ** -0.5),
+      (q, k, v), dtype=jnp.bfloat16, reduction=10)
 
 
 def test_traced_decode_lengths_are_checked_under_checkify():
