@@ -102,6 +102,10 @@ class Line:
   ours: dict[str, Any]
   anchor: dict[str, Any]
   others: tuple[dict[str, Any], ...]  # every timed row of the key in that run
+  # Our kernels a later run of the suite on the device timed and this line's run did not (a
+  # kernel added since, Mosaic GPU's on Hopper, say): the line measures a library that is gone,
+  # and is marked and left out of the summary.
+  stale: tuple[str, ...] = ()
 
   @property
   def speedup(self) -> float:
@@ -132,10 +136,23 @@ def lines(runs: list[Run]) -> dict[str, list[Line]]:
       best = lambda rs: min(rs, key=lambda r: r["ms"])
       newest[run.device, key] = Line(run, *key, best(ours), best(anchors),
                                      tuple(r for r in rows if _impl(r) in OURS + ANCHORS))
+  kernels = collections.defaultdict(set)  # (device, suite, run's path) -> our impls timed
+  for run in runs:
+    for row in run.rows:
+      if row["ms"] is not None and _impl(row) in OURS:
+        kernels[run.device, row["suite"], run.path].add(_impl(row))
   by_device: dict[str, list[Line]] = collections.defaultdict(list)
   for (device, _), line in sorted(newest.items(), key=lambda kv: kv[0]):
-    by_device[device].append(line)
+    later = set().union(*(impls for (d, suite, path), impls in kernels.items()
+                          if d == device and suite == line.suite
+                          and _date_of(runs, path) > line.run.date))
+    missing = tuple(sorted(later - kernels[device, line.suite, line.run.path]))
+    by_device[device].append(dataclasses.replace(line, stale=missing))
   return dict(by_device)
+
+
+def _date_of(runs: list[Run], path: pathlib.Path) -> str:
+  return next(run.date for run in runs if run.path == path)
 
 
 def _within_tolerance(row) -> bool:
@@ -200,7 +217,8 @@ def _side_by_side(by_device: dict[str, list[Line]]) -> list[str]:
   cells: dict[tuple, dict[str, Line]] = collections.defaultdict(dict)
   for device, device_lines in by_device.items():
     for line in device_lines:
-      cells[line.suite, line.name, line.shape, line.dtype][device] = line
+      if not line.stale:
+        cells[line.suite, line.name, line.shape, line.dtype][device] = line
   shared = [(key, cells[key]) for key in sorted(cells) if len(cells[key]) > 1]
   if not shared:
     return []
@@ -252,17 +270,27 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
          "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
   for device, device_lines in by_device.items():
     for family, suites in FAMILIES:
-      family_lines = [line for line in device_lines if line.suite in suites]
+      family_lines = [line for line in device_lines if line.suite in suites and not line.stale]
       if family_lines:
         out.append(_summary(device, family, family_lines))
+  stale = sum(bool(line.stale) for ls in by_device.values() for line in ls)
+  if stale:
+    out += ["", f"Left out of this summary: {stale} stale lines, each measured before one of "
+            "our kernels that a later run of its suite on that device timed (marked "
+            "**stale** in the tables below, with the kernel it predates)."]
   out.append("")
   out += _side_by_side(by_device)
   for device, device_lines in by_device.items():
-    faster = sum(line.speedup >= 1 for line in device_lines)
+    current = [line for line in device_lines if not line.stale]
+    device_lines = current + [line for line in device_lines if line.stale]
+    faster = sum(line.speedup >= 1 for line in current)
     dates = sorted(line.run.date[:10] for line in device_lines)
+    stale = len(device_lines) - len(current)
     out += [f"## {device}", "",
-            f"{len(device_lines)} shapes; ours at least as fast as the best anchor at "
-            f"{faster}, slower at {len(device_lines) - faster}. Runs dated {dates[0]} to "
+            f"{len(current)} shapes; ours at least as fast as the best anchor at "
+            f"{faster}, slower at {len(current) - faster}"
+            + (f"; {stale} more marked stale (last)" if stale else "")
+            + f". Runs dated {dates[0]} to "
             f"{dates[-1]}: a line is as new as the last run that timed that shape, and a "
             "kernel added since (or a faster version of it) shows only once a run measures "
             "it.", ""]
@@ -276,7 +304,8 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
       for line in family_lines:
         run = line.run
         where = run.path.relative_to(results.parent).as_posix()
-        out.append(f"| {line.name} | {line.shape} | {line.dtype} | {_cell(line.ours)} | "
+        mark = f" **stale**: before {', '.join(line.stale)}" if line.stale else ""
+        out.append(f"| {line.name}{mark} | {line.shape} | {line.dtype} | {_cell(line.ours)} | "
                    f"{_roofline(line.ours)} | {_cell(line.anchor)} | "
                    f"{_roofline(line.anchor)} | {line.speedup:.2f}x | "
                    f"[{run.path.name}]({where}) ({run.short_commit}, jax {run.jax}) |")
