@@ -102,7 +102,7 @@ class Line:
   ours: dict[str, Any]
   anchor: dict[str, Any]
   others: tuple[dict[str, Any], ...]  # every timed row of the key in that run
-  # Our kernels a later run of the suite on the device timed and this line's run did not (a
+  # Our kernels that a run of the suite on the device first timed after this line's run (a
   # kernel added since, Mosaic GPU's on Hopper, say): the line measures a library that is gone,
   # and is marked and left out of the summary.
   stale: tuple[str, ...] = ()
@@ -136,23 +136,17 @@ def lines(runs: list[Run]) -> dict[str, list[Line]]:
       best = lambda rs: min(rs, key=lambda r: r["ms"])
       newest[run.device, key] = Line(run, *key, best(ours), best(anchors),
                                      tuple(r for r in rows if _impl(r) in OURS + ANCHORS))
-  kernels = collections.defaultdict(set)  # (device, suite, run's path) -> our impls timed
-  for run in runs:
+  first = {}  # (device, suite, one of our impls) -> the date a run first timed it
+  for run in runs:  # oldest first
     for row in run.rows:
-      if row["ms"] is not None and _impl(row) in OURS:
-        kernels[run.device, row["suite"], run.path].add(_impl(row))
+      if row["ms"] is not None and _impl(row) in OURS and _within_tolerance(row):
+        first.setdefault((run.device, row["suite"], _impl(row)), run.date)
   by_device: dict[str, list[Line]] = collections.defaultdict(list)
   for (device, _), line in sorted(newest.items(), key=lambda kv: kv[0]):
-    later = set().union(*(impls for (d, suite, path), impls in kernels.items()
-                          if d == device and suite == line.suite
-                          and _date_of(runs, path) > line.run.date))
-    missing = tuple(sorted(later - kernels[device, line.suite, line.run.path]))
-    by_device[device].append(dataclasses.replace(line, stale=missing))
+    added = tuple(sorted(impl for (d, suite, impl), date in first.items()
+                         if d == device and suite == line.suite and date > line.run.date))
+    by_device[device].append(dataclasses.replace(line, stale=added))
   return dict(by_device)
-
-
-def _date_of(runs: list[Run], path: pathlib.Path) -> str:
-  return next(run.date for run in runs if run.path == path)
 
 
 def _within_tolerance(row) -> bool:

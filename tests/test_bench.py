@@ -209,6 +209,32 @@ def test_report_takes_the_newest_run_and_only_right_rows(tmp_path):
   assert "Mosaic GPU beside Triton" not in text  # its Mosaic GPU row was over its tolerance
 
 
+def test_report_marks_a_line_older_than_a_kernel_of_its_suite(tmp_path):
+  """A shape last timed before a later run of its suite timed another of our kernels (Triton's
+  attention rows from before Mosaic GPU's, 0.34x on the H200) is marked stale and left out of
+  the summary; a later run that times fewer kernels stales nothing."""
+  from bench import report
+
+  results = tmp_path / "results"
+  _result(results / "chip/old.json", "2026-01-01",
+          [dict(impl="triton", ms=3.0), dict(impl="xla", ms=1.0),
+           dict(name="softmax fwd", impl="triton", ms=1.0),
+           dict(name="softmax fwd", impl="xla", ms=2.0)])
+  _result(results / "chip/new.json", "2026-02-01",
+          [dict(name="glu fwd", impl="mosaic_gpu", ms=1.0), dict(name="glu fwd", impl="xla",
+                                                                    ms=1.5)])
+  _result(results / "chip/newer.json", "2026-03-01",
+          [dict(name="softmax fwd", impl="triton", ms=1.0),
+           dict(name="softmax fwd", impl="xla", ms=2.0)])
+  by_name = {line.name: line for line in report.lines(report.load(results))["Chip"]}
+  assert by_name["rms_norm fwd"].stale == ("mosaic_gpu",)
+  assert by_name["softmax fwd"].stale == () and by_name["glu fwd"].stale == ()
+  text = report.render(report.lines(report.load(results)), results)
+  assert "| Chip | norms, elementwise, softmax | 2 | 2 | 1.73x | 1.50-2.00x |" in text, text
+  assert "| rms_norm fwd **stale**: before mosaic_gpu |" in text
+  assert "Left out of this summary: 1 stale lines" in text
+
+
 def test_report_shows_the_mosaic_gpu_kernel_beside_the_triton_one(tmp_path):
   """Where a run timed both of our GPU kernels (at their default configs), a table puts the
   Mosaic GPU one beside the Triton one it replaces, with Triton's time over its."""
