@@ -2,7 +2,7 @@
 
 Runs the suites on whatever device JAX sees, with the anchors measured in the
 same run, prints a table, and writes the results as JSON under
-bench/results/<device>/ (or --out), row by row: a run cut off keeps what it measured.
+results/<device>/ (or --out), row by row: a run cut off keeps what it measured.
 Where the tree travelled without its .git, JAXKERNELS_COMMIT names the commit. On a CPU the default is the smoke size and
 the Pallas kernels run in interpret mode: numbers for correctness, not speed.
 """
@@ -82,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
                            "Llama 3.1 8B on v6e): the same step predicted beside the published "
                            "rate")
   parser.add_argument("--out", default=None, help="directory for the JSON (default "
-                      "bench/results/<device>; --smoke: ~/.cache/jaxkernels/bench-smoke/<device>)")
+                      "results/<device>; --smoke: ~/.cache/jaxkernels/bench-smoke/<device>)")
   return parser
 
 
@@ -149,8 +149,8 @@ def main(argv=None) -> int:
   print(f"{len(session.rows)} rows, {len(failed)} over their tolerance; "
         f"results: {harness.shown_path(path)}")
   if not session.smoke:
-    print(f"report: {harness.shown_path(report.ROOT / 'REPORT.md')} (every device, every op "
-          "against its anchors; `python -m bench report` rebuilds it from bench/results/)")
+    print(f"report: {harness.shown_path(harness.RESULTS / 'REPORT.md')} (every device, every op "
+          "against its anchors; `python -m bench report` rebuilds it from results/)")
   return 0
 
 

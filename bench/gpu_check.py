@@ -17,7 +17,7 @@ Steps, each a process of its own with a time limit, its output in the log:
 Each step's output reaches the log as it comes; no step runs past the check's budget (--budget,
 540 s: a device command's limit is 600; `--only` splits the check over two calls). A table of
 the steps closes the output. The log goes to --out (default: a directory under the system's
-temporary one, never into the clone; pass bench/results/<device> to commit it) as
+temporary one, never into the clone; pass results/<device> to commit it) as
 <time>_gpu_check_jax<version>.log, with this machine's paths taken out (``harness.scrub``) and
 without the tests' per-case lines (the summary names every failure).
 
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default=None, help="directory for the log (default: "
                       "<the system's temporary directory>/jaxkernels-gpu-check/<device>; "
-                      "bench/results/<device> to commit it)")
+                      "results/<device> to commit it)")
   parser.add_argument("--only", default=None, help=f"steps, comma-separated: {', '.join(STEPS)}")
   parser.add_argument("--tests-limit", type=float, default=400,
                       help="seconds for the compiled tests")

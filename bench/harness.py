@@ -29,7 +29,7 @@ from jaxkernels import dispatch, hardware, testing, tuning
 from jaxkernels.timing import (block, over_sets, time_call, time_rounds, time_sets,  # noqa: F401
                                time_sets_rounds)
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent.parent / "results"  # the repository's, beside the code
 
 
 @dataclasses.dataclass
@@ -309,7 +309,7 @@ SCRUBBED = (
 
 
 def default_out(session: Session) -> pathlib.Path:
-  """Where a run's JSON goes: bench/results/<device>/ for measurements, to be committed; a
+  """Where a run's JSON goes: results/<device>/ for measurements, to be committed; a
   smoke run's (small shapes, a check that everything runs) to the cache directory, outside the
   clone."""
   if not session.smoke:

@@ -1,13 +1,13 @@
 """python -m bench report [--results DIR] [--out FILE]: the report from the committed results.
 
-Reads every result file under bench/results/<device>/ (no device needed) and writes
-bench/REPORT.md: per device and op family, each shape's kernels beside every anchor timed in the
+Reads every result file under results/<device>/ (no device needed) and writes
+results/REPORT.md: per device and op family, each shape's kernels beside every anchor timed in the
 same run (XLA, cuBLAS, cuDNN, torch, JAX's Pallas examples), as time, rate and % of the
 device's roofline, each number naming its file. For each (device, suite, op, shape, dtype) the
 newest full-size run (not a smoke run, not a config sweep) that timed one of our kernels and an
 anchor at it serves; experiments' variant rows (an impl with a config or a note in its name)
 are left out. Then the lessons (``python -m bench lessons``: each lecture prediction and what
-each device showed, the TPU's compiled), block-scaled fp8, and the plots (bench/report/: a
+each device showed, the TPU's compiled), block-scaled fp8, and the plots (results/plots/: a
 roofline per GPU, the matmul sweep with the wave model) where matplotlib is installed.
 """
 
@@ -242,7 +242,7 @@ def _summary(device: str, family: str, family_lines: list[Line]) -> str:
 def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
   out = ["# Kernels against their anchors, by device",
          "",
-         "Written by `python -m bench report` from the committed results (bench/results/); "
+         "Written by `python -m bench report` from the committed results (results/); "
          "regenerate it, do not edit it. Each line: our best kernel and the best anchor timed in "
          "the same run at that shape (host clock, steady state; see each file's `timing`), "
          "% of the device's roofline where the suite computes one, and the file. "
@@ -297,7 +297,7 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
               "| --- | --- | --- | --- | ---: | --- | ---: | ---: | --- |"]
       for line in family_lines:
         run = line.run
-        where = run.path.relative_to(results.parent).as_posix()
+        where = run.path.relative_to(results).as_posix()
         mark = f" **stale**: before {', '.join(line.stale)}" if line.stale else ""
         out.append(f"| {line.name}{mark} | {line.shape} | {line.dtype} | {_cell(line.ours)} | "
                    f"{_roofline(line.ours)} | {_cell(line.anchor)} | "
@@ -361,7 +361,7 @@ def _newest_rows(results: pathlib.Path, suite: str, keep, since, folder: str = "
 
 
 def _link(run: Run, results: pathlib.Path) -> str:
-  where = run.path.relative_to(results.parent).as_posix()
+  where = run.path.relative_to(results).as_posix()
   return f"[{run.path.name}]({where}) ({run.short_commit}, jax {run.jax})"
 
 
@@ -643,11 +643,13 @@ def _plots(runs: list[Run], by_device: dict[str, list[Line]], results: pathlib.P
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m bench report", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--results", default=str(ROOT / "results"),
-                      help="the results' folder, one subfolder a device (default: bench/results)")
-  parser.add_argument("--out", default=str(ROOT / "REPORT.md"), help="the report to write")
-  parser.add_argument("--plots", default=str(ROOT / "report"),
-                      help="the plots' folder (default: bench/report); the report links them "
+  parser.add_argument("--results", default=str(ROOT.parent / "results"),
+                      help="the results' folder, one subfolder a device (default: results)")
+  parser.add_argument("--out", default=str(ROOT.parent / "results" / "REPORT.md"),
+                      help="the report to write (in --results: it links the runs by their "
+                      "paths from there)")
+  parser.add_argument("--plots", default=str(ROOT.parent / "results" / "plots"),
+                      help="the plots' folder (default: results/plots); the report links them "
                            "relative to itself")
   args = parser.parse_args(argv)
   results = pathlib.Path(args.results)

@@ -10,7 +10,7 @@ A roofline prediction: it cannot see a kernel's pipeline bubbles, its grid's imb
 MXU's tile quantization, so it is a lower bound on the time, and the ratio of two predictions
 is the ratio of the bytes (or FLOPs) they move. Each row also records the compiled program's
 HBM (arguments, outputs, temporaries). Rows are the standard result rows, ``ms`` the predicted
-time and the note saying so; the file goes under bench/results/tpu_compiled/, where
+time and the note saying so; the file goes under results/tpu_compiled/, where
 ``python -m bench report`` shows it as "TPU v5e (predicted)" and so on.
 """
 
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
                       help="TPU generations (default: %(default)s)")
   parser.add_argument("--only", default=None,
                       help="cases whose name contains one of these (comma-separated)")
-  parser.add_argument("--out", default=str(ROOT / "results" / "tpu_compiled"))
+  parser.add_argument("--out", default=str(ROOT.parent / "results" / "tpu_compiled"))
   args = parser.parse_args(argv)
   from jax.experimental import topologies
   stamp = datetime.datetime.now(datetime.timezone.utc)

@@ -85,7 +85,7 @@ def _normal_tail(x, xx, m: Math):
   The fit's exp(-z^2 + P(t)) / 2 is evaluated as 2**(P'(t) - x^2 log2(e) / 2), with log2 e
   and the halving folded into P' (_ERFC_LOG2), and t from |x| by one FMA: 11 FMAs, 2
   multiplies, a reciprocal and an exp2 an element (SASS counts in
-  bench/results/nvidia_h200/*_matmul-gelu-epilogue-sass-counts.txt).
+  results/nvidia_h200/*_matmul-gelu-epilogue-sass-counts.txt).
   """
   t = m.reciprocal(m.fma(jnp.abs(x), 0.5 * _SQRT_HALF, 1.0))
   return t * m.exp2(m.fma(xx, -0.5 * _LOG2E, _horner(_ERFC_LOG2, t, m)))

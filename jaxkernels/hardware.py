@@ -13,7 +13,7 @@ Sources:
   [gc-tpu]   Google Cloud TPU system architecture pages for v4, v5e, v5p, v6e.
   [jax-tpu-info]  jax/_src/pallas/mosaic/tpu_info.py (VMEM capacity per core, MXU shape).
   [kinds]    the GPU machines we measure on (their device kinds and clocks as they report
-             them, 2026-10-28 .. 2026-11-21; bench/results/ holds those runs).
+             them, 2026-10-28 .. 2026-11-21; results/ holds those runs).
 """
 
 from __future__ import annotations

@@ -34,10 +34,10 @@ def _prose(page: pathlib.Path):
 
 def _matches(cited: str) -> list[str]:
   """The files a cited path names: ``<op>`` any op's folder, ``<device>`` any device's,
-  ``*`` a glob, a leading ``...`` any folder of bench/results/."""
+  ``*`` a glob, a leading ``...`` any folder of results/."""
   cited = cited.rstrip(",.;:")
   if cited.startswith("..."):
-    cited = "bench/results/**/*" + cited[3:].lstrip("/")
+    cited = "results/**/*" + cited[3:].lstrip("/")
   pattern = re.sub(r"<[a-z_]+>", "*", cited)
   return glob.glob(str(ROOT / pattern), recursive=True)
 
@@ -131,9 +131,9 @@ def test_layout_names_every_module_and_nothing_else():
 
 
 def test_committed_results_carry_no_machines_paths_and_stay_readable():
-  """bench/results holds what a reader can open: no file over 256 KiB, and no path of the
+  """results holds what a reader can open: no file over 256 KiB, and no path of the
   machine a run ran on (``bench.harness.scrub`` takes them out as a run writes)."""
-  results = ROOT / "bench" / "results"
+  results = ROOT / "results"
   machine = re.compile(r"(?<![\w.~<>$-])/(root|work|home|tmp|opt|usr|mnt)/\w")
   found = []
   for path in sorted(p for p in results.rglob("*") if p.is_file()):

@@ -37,7 +37,7 @@ def _gone(pid: int, within: float = 10.0) -> bool:
 
 @pytest.mark.cpu_only
 def test_without_a_gpu_it_refuses_in_one_line_and_writes_nothing(tmp_path):
-  results = ROOT / "bench" / "results"
+  results = ROOT / "results"
   stamp = max((p.stat().st_mtime for p in results.rglob("*")), default=0)
   done = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=tmp_path,
                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,

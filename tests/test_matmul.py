@@ -153,7 +153,7 @@ class TestMosaicGpu(MatmulTest):
   """The Mosaic GPU interpreter runs the real kernel (warpgroups, barriers, TMA, wgmma) on the
   CPU, but not TMA's out-of-bounds handling: these shapes keep M, N, K within whole CTA tiles
   after the wrapper's padding, and fp8 hangs it (jax 0.10.2). Odd shapes and fp8 are checked
-  on the GPU machine (`python -m bench matmul --only checks`, results in bench/results/), and
+  on the GPU machine (`python -m bench matmul --only checks`, results in results/), and
   lowered for CUDA below."""
 
   IMPL = "mosaic_gpu"
@@ -525,7 +525,7 @@ def test_stream_k_heuristic_and_lowering(monkeypatch):
   (1536^3, where the hand-over ran 50% slower). Stream-K then lowers for CUDA on a ragged
   shape with gelu + bias + residual and for fp8 with scales. The interpreter has no
   semaphores (jax 0.10.2), so its numerics are checked on the GPU machine (`python -m bench
-  matmul --only streamk`: 49 checks, bench/results/)."""
+  matmul --only streamk`: 49 checks, results/)."""
   chip = hardware.chip_for("NVIDIA H200")
   bf = jnp.dtype(jnp.bfloat16)
   pick = lambda s: mosaic_gpu.heuristic(Problem(m=s, n=s, k=s, dtype=bf, out_dtype=bf), chip)
