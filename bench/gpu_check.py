@@ -52,7 +52,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 TEST_FILES = ("test_models.py", "test_one_device_mesh.py", "test_flax.py", "test_attention.py",
               "test_matmul.py", "test_cross_entropy.py", "test_norms.py", "test_elementwise.py",
               "test_softmax.py", "test_cases.py", "test_testing.py", "test_forward_mode.py",
-              "test_debug_flags.py", "test_fp8.py")
+              "test_debug_flags.py", "test_fp8.py", "test_value_checks.py", "test_drop_in.py")
 
 
 # No deprecated JAX API in any call the compiled tests make (a DeprecationWarning fails its
