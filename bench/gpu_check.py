@@ -51,8 +51,9 @@ ROOT = pathlib.Path(__file__).parent.parent
 # cases were done in 250 s and the model's, collected last, were still running.
 TEST_FILES = ("test_models.py", "test_one_device_mesh.py", "test_flax.py",
               "test_attention_mosaic.py", "test_attention.py", "test_decode.py",
-              "test_matmul.py", "test_cross_entropy.py", "test_norms.py", "test_elementwise.py",
-              "test_softmax.py", "test_cases.py", "test_testing.py", "test_forward_mode.py",
+              "test_matmul.py", "test_matmul_glu.py", "test_matmul_fp8.py",
+              "test_matmul_schedules.py", "test_cross_entropy.py", "test_norms.py",
+              "test_elementwise.py", "test_softmax.py", "test_cases.py", "test_testing.py", "test_forward_mode.py",
               "test_debug_flags.py", "test_fp8.py", "test_value_checks.py", "test_drop_in.py")
 
 

@@ -19,9 +19,9 @@ import jaxkernels as jk
 from jaxkernels import _activations, partitioning
 from jaxkernels.ops.cross_entropy import reference as cross_entropy_reference
 from tests import numerics
+from tests.matmul_cases import glu_reference as glu_spec
+from tests.matmul_cases import reference as matmul_spec
 from tests.sharding import auto_mesh, put
-from tests.test_matmul import glu_reference as glu_spec
-from tests.test_matmul import reference as matmul_spec
 
 pytestmark = pytest.mark.cpu_only  # the mesh is of host devices, the kernels interpreted
 
