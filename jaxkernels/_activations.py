@@ -39,10 +39,11 @@ _SQRT_HALF = 1 / math.sqrt(2)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 _TANH_C = math.sqrt(2 / math.pi)
 _TANH_K = 0.044715
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 _FLOAT32_MAX = 3.4028234663852886e38
 # The same fit for log2(erfc(z) / 2) + z^2 log2 e: scaled by log2 e, less 1 for the halving.
-_ERFC_LOG2 = tuple(c * _LOG2E for c in _ERFC[:-1]) + (_ERFC[-1] * _LOG2E - 1.0,)
+_ERFC_LOG2 = tuple(c * LOG2E for c in _ERFC[:-1]) + (_ERFC[-1] * LOG2E - 1.0,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ def exp(x):
   Relative error ~|x| * 2**-24 from rounding the product: at most ~5e-6 over
   float32's range, and where |x| is large the values it feeds saturate.
   """
-  return jnp.exp2(x * _LOG2E)
+  return jnp.exp2(x * LOG2E)
 
 
 def _sigmoid_exp2(arg, m: Math):
@@ -88,12 +89,12 @@ def _normal_tail(x, xx, m: Math):
   results/nvidia_h200/*_matmul-gelu-epilogue-sass-counts.txt).
   """
   t = m.reciprocal(m.fma(jnp.abs(x), 0.5 * _SQRT_HALF, 1.0))
-  return t * m.exp2(m.fma(xx, -0.5 * _LOG2E, _horner(_ERFC_LOG2, t, m)))
+  return t * m.exp2(m.fma(xx, -0.5 * LOG2E, _horner(_ERFC_LOG2, t, m)))
 
 
 def _tanh_arg(x, xx, m: Math):
   """-2u log2 e for GELU-tanh's u = sqrt(2/pi) (x + 0.044715 x^3), as x (a + b x^2)."""
-  return x * m.fma(xx, -2.0 * _TANH_C * _TANH_K * _LOG2E, -2.0 * _TANH_C * _LOG2E)
+  return x * m.fma(xx, -2.0 * _TANH_C * _TANH_K * LOG2E, -2.0 * _TANH_C * LOG2E)
 
 
 def apply(name: str, x, m: Math = EXACT):
@@ -108,7 +109,7 @@ def apply(name: str, x, m: Math = EXACT):
     # cancellation for x << 0, and an exp instead of a tanh.
     return x * _sigmoid_exp2(_tanh_arg(x, x * x, m), m)
   if name == "silu":
-    return x * _sigmoid_exp2(x * -_LOG2E, m)
+    return x * _sigmoid_exp2(x * -LOG2E, m)
   if name == "relu":
     return jnp.maximum(x, 0.0)
   raise ValueError(f"activation={name!r}: expected one of {ACTIVATIONS}")
@@ -120,7 +121,7 @@ def value_and_grad(name: str, x, m: Math = EXACT):
     xx = x * x
     tail = _normal_tail(x, xx, m)
     cdf = jnp.where(x < 0, tail, 1.0 - tail)
-    pdf = m.exp2(xx * (-0.5 * _LOG2E))  # sqrt(2 pi) times the normal density
+    pdf = m.exp2(xx * (-0.5 * LOG2E))  # sqrt(2 pi) times the normal density
     return x * cdf, m.fma(x * _INV_SQRT_2PI, pdf, cdf)
   if name == "gelu_tanh":
     xx = x * x
@@ -128,7 +129,7 @@ def value_and_grad(name: str, x, m: Math = EXACT):
     du = m.fma(xx, 6.0 * _TANH_C * _TANH_K, 2.0 * _TANH_C)  # d(2u)/dx
     return x * s, m.fma(x * du, m.fma(-s, s, s), s)  # s + x du s (1 - s)
   if name == "silu":
-    s = _sigmoid_exp2(x * -_LOG2E, m)
+    s = _sigmoid_exp2(x * -LOG2E, m)
     return x * s, s * m.fma(x, 1.0 - s, 1.0)  # s (1 + x (1 - s))
   if name == "relu":
     return jnp.maximum(x, 0.0), jnp.where(x > 0, 1.0, 0.0).astype(x.dtype)

@@ -543,3 +543,19 @@ def test_every_file_stays_under_the_line_ceiling():
         if lines > OVER_THE_CEILING.get(name, LINE_CEILING):
           over[name] = lines
   assert not over, f"over {LINE_CEILING} lines (or past their listed length): {over}"
+
+
+SHARED_CONSTANTS = ("MAX_HEAD_DIM", "LOG2E", "LN2")
+
+
+def test_shared_constants_are_defined_once():
+  """A limit or a number several kernels share is assigned in one module and imported by the
+  rest (MAX_HEAD_DIM and LOG2E were each assigned in 4): changed in one place, it cannot drift."""
+  where = {name: [] for name in SHARED_CONSTANTS}
+  for path in sorted(PACKAGE.rglob("*.py")):
+    for node in ast.parse(path.read_text()).body:
+      if isinstance(node, ast.Assign):
+        for target in node.targets:
+          if isinstance(target, ast.Name) and target.id in where:
+            where[target.id].append(path.relative_to(PACKAGE.parent).as_posix())
+  assert all(len(files) <= 1 for files in where.values()), where

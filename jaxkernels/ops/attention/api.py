@@ -14,11 +14,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxkernels import _checks, backend, dispatch, partitioning, remat
 from jaxkernels.ops.attention import mosaic_gpu, mosaic_tpu, reference, ring
-from jaxkernels.ops.attention.common import Problem, Window
+from jaxkernels.ops.attention.common import MAX_HEAD_DIM, Problem, Window
 from jaxkernels.partitioning import Free, Whole
 
 OP = "flash_attention"
-MAX_HEAD_DIM = 256
 # Names under which the forward's residuals are saved, for remat policies
 # (jax.checkpoint_policies.save_only_these_names and friends).
 OUTPUT_NAME = remat.ATTENTION_OUT  # the checkpoint names of the saved output and LSE

@@ -19,6 +19,9 @@ from jax import lax
 from jaxkernels import _checks
 from jaxkernels._tiling import bucket
 
+# The widest head every attention kernel takes (and the reference: one limit, said once).
+MAX_HEAD_DIM = 256
+
 # A bound that no position reaches: a side of the window that is open. Positions are int32 in
 # the kernels, and T + S + UNBOUNDED must not overflow.
 UNBOUNDED = 1 << 30

@@ -34,9 +34,8 @@ from jaxkernels import _mosaic_tpu, hardware
 from jaxkernels._tiling import check_fields, round_up
 from jaxkernels.ops.attention import mosaic_tpu_blocks as blocks
 from jaxkernels.ops.attention import mosaic_tpu_in_place as in_place
-from jaxkernels.ops.attention.common import Call, Window, dot
+from jaxkernels.ops.attention.common import MAX_HEAD_DIM, Call, Window, dot
 
-MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

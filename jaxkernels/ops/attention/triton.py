@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +30,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import _online_softmax, _triton, hardware
-from jaxkernels._triton import pltriton
+from jaxkernels._activations import LN2, LOG2E
 from jaxkernels._online_softmax import Running, finite
 from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
-from jaxkernels.ops.attention.common import (Call, Window, dot, key_blocks, query_blocks,
-                                             visible)
+from jaxkernels._triton import pltriton
+from jaxkernels.ops.attention.common import (MAX_HEAD_DIM, Call, Window, dot, key_blocks,
+                                             query_blocks, visible)
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +21,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkernels import _online_softmax, _triton, hardware
-from jaxkernels._triton import pltriton
+from jaxkernels._activations import LN2, LOG2E
 from jaxkernels._online_softmax import Running, finite
 from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
-from jaxkernels.ops.attention.common import combine
+from jaxkernels._triton import pltriton
+from jaxkernels.ops.attention.common import MAX_HEAD_DIM, combine
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-MAX_HEAD_DIM = 256
 MAX_QUERIES = 64
 
 

@@ -29,13 +29,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _mosaic_gpu, hardware
+from jaxkernels._activations import LN2, LOG2E
 from jaxkernels._mosaic_gpu import iota, layout_cast, load_block
 from jaxkernels._online_softmax import finite
 from jaxkernels._tiling import cdiv, check_fields
 from jaxkernels.ops.attention.common import combine
 from jaxkernels.ops.attention.mosaic_gpu.config import scoped_smem_bytes
 from jaxkernels.ops.attention.mosaic_gpu.forward import accumulate, scores
-from jaxkernels.ops.attention.mosaic_gpu.schedule import LN2, LOG2E, ROWS, named, produce
+from jaxkernels.ops.attention.mosaic_gpu.schedule import ROWS, named, produce
 
 MAX_QUERIES = ROWS  # a group's G x Tq query rows: one warpgroup's wgmma rows
 CONSUMER, PRODUCER = 0, 1  # the warpgroups

@@ -11,15 +11,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _mosaic_gpu
+from jaxkernels._activations import LN2, LOG2E
 from jaxkernels._mosaic_gpu import iota, layout_cast, load_block
 from jaxkernels._online_softmax import finite
 from jaxkernels._tiling import cdiv, pad_to, round_up
 from jaxkernels.ops.attention.common import Call, Window, visible
 from jaxkernels.ops.attention.mosaic_gpu.config import (PRODUCER_REGISTERS, Config,
                                                         bias_in_ring, pad_head)
-from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, LN2, LOG2E, WARPGROUPS, Walk,
-                                                          bias_at, bias_tile, is_consumer,
-                                                          is_producer,
+from jaxkernels.ops.attention.mosaic_gpu.schedule import (CONSUMERS, WARPGROUPS, Walk, bias_at,
+                                                          bias_tile, is_consumer, is_producer,
                                                           meeting_blocks, named, ring)
 
 

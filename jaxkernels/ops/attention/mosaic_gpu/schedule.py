@@ -13,7 +13,6 @@ on a barrier that both arrive at.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -22,14 +21,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkernels import _mosaic_gpu
+from jaxkernels._activations import LOG2E
 from jaxkernels.ops.attention.common import Call, Window, key_blocks
 
 CONSUMERS = 2  # compute warpgroups, 0 and 1: the arrivals that release a slot
 PRODUCER = CONSUMERS  # the producer warpgroup's index
 WARPGROUPS = CONSUMERS + 1
 ROWS = 64  # a consumer's rows: a wgmma's M for one warpgroup
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 def is_producer(wg):
