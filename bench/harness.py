@@ -45,13 +45,13 @@ class Row:
   pct_roofline: float | None = None
   vs_xla: float | None = None  # xla time / this time, same run
   # Device time of the same program: the sum of its kernels' durations (CUPTI), without the
-  # gaps between programs that the host clock above also counts (bench/NOTES.md, run 17).
+  # gaps between programs that the host clock above also counts (notes/rows.md, run 17).
   kernel_ms: float | None = None
   kernel_gbps: float | None = None
   kernel_vs_xla: float | None = None
   kernels: str | None = None  # "name time" for each kernel of one execution
   # Host clock of a whole round of ``calls`` programs, its fixed cost included (the headline
-  # until run 32, bench/NOTES.md).
+  # until run 32, notes/rows.md).
   round_ms: float | None = None
   error: float | None = None  # max |out - ref| / max |ref| over outputs
   tolerance: float | None = None
@@ -127,7 +127,7 @@ def kernel_seconds(fn: Callable, arg_sets: Sequence[Sequence[Any]], *,
   under CUPTI (JAX's Mosaic GPU profiler); the time is the median over iterations of the sum
   of kernel durations, per set. Host-clock timing also counts what passes between kernels and
   programs on the device: at ~0.1 ms a kernel that was 7-12% of the norms' times on the H200
-  (bench/NOTES.md, run 17), for every implementation alike. (None, None) where CUPTI is not
+  (notes/rows.md, run 17), for every implementation alike. (None, None) where CUPTI is not
   available (no GPU, or a jaxlib without Mosaic GPU).
   """
   try:
@@ -498,7 +498,7 @@ class Timed:
 
   def __init__(self, fn, grads):
     # vjp_fn runs once: called once per gradient, XLA merged the Triton calls but ran a Mosaic
-    # GPU attention backward kernel of two outputs twice (bench/NOTES.md attention-5).
+    # GPU attention backward kernel of two outputs twice (notes/attn.md attention-5).
     def bwd(vjp_fn, cts):
       every = vjp_fn(cts)
       return tuple(every[i] for i in grads)
@@ -533,7 +533,7 @@ def run_case(session: Session, case: Case, *, sweep: bool = False) -> None:
   # Many sets a program: what a program costs beyond its kernels (dispatch, the first launch,
   # the sync) is then shared by many kernels, as in a training step. With 4 sets of the norms
   # it was 7-12% of the time; 16 negates a program ran at 87 us a negate against 105 for one,
-  # 81 us of kernel (bench/NOTES.md, run 17). A set is each input twice over (the residuals
+  # 81 us of kernel (notes/rows.md, run 17). A set is each input twice over (the residuals
   # the backward reads), so an eighth of the device's memory holds 4 x budget / 8 sets' worth.
   n_sets = sets_for(
       session, 2 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(first)),

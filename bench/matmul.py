@@ -10,7 +10,7 @@ autotunes ours at 8192, 8193, 2049 and 4096 first (into the user's tuning cache)
 runs some of the parts: checks, headline, sweep, glu (the gated product, fused against our
 product then glu and against XLA, at the models' MLP shapes). (The investigations that chose the shipped
 configs, epilogue pieces, schedules, CTA tiles by waves, stream-K and clusters, were parts here
-too; bench/NOTES.md keeps their results and the commit that last had them.)
+too; notes/README.md keeps their results and the commit that last had them.)
 
 Every output is checked before it is timed by the numerics rule (jaxkernels.testing): its
 error against the float64 product at most twice that of the plain product in the same dtype;
@@ -208,7 +208,7 @@ def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, s
   """Checks each implementation, then times them round-robin: one round of each in turn (in
   a fresh random order every round), the median per implementation over the rounds. A GPU at
   its power limit clocks down as a run goes on; timed one after another, whichever ran first
-  (on a cool chip) looked up to ~10% faster (run matmul-3, bench/NOTES.md). Round-robin gives
+  (on a cool chip) looked up to ~10% faster (run matmul-3, notes/matmul.md). Round-robin gives
   every implementation the same mix. ``n_sets`` distinct input sets (default: up to 4) make
   one timed program; cuBLAS rotates through as many."""
   rows, programs, rules = {}, {}, {}
@@ -259,7 +259,7 @@ def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, s
   for _ in range(rounds or session.rounds):
     # A fresh order every round: with a fixed one, the same place ran ~2% slow whatever sat
     # there (matmul-9..11); rotating kept each one's neighbours, and two identical configs
-    # still differed by 2% (matmul-13, bench/NOTES.md).
+    # still differed by 2% (matmul-13, notes/matmul.md).
     for impl, timer in order.sample(timers, len(timers)):
       samples[impl].append(timer())
   flops = flops or _flops(s, s, s)
@@ -272,7 +272,7 @@ def interleaved(session, name, s, fns, *, torch=False, dtype=BF16, bias=False, s
       row.note = (row.note + f" spread {min(times) * 1e3:.3f}-{max(times) * 1e3:.3f} ms").strip()
   # No CUPTI kernel time here: taken after compiling (an idle, cool card) it ran 8192^3 18%
   # faster than the round-robin, which holds the card at its power limit as training does
-  # (run 18, bench/NOTES.md). Products are long enough for the host clock.
+  # (run 18, notes/rows.md). Products are long enough for the host clock.
   _ratios(rows["xla"], list(rows.values()))
   for row in rows.values():
     session.add(row)
@@ -319,13 +319,13 @@ def tune(session, impl, s=8192):
 # Below SWEEP_HOST_CLOCK_FROM even 24 sets (80 us at 1024^3) are less than the host takes to
 # dispatch a program: the steady clock read noise (1024^3 at 1.7-10 us), so ours and XLA also
 # get the device time of their kernels (CUPTI), which the plot takes there; cuBLAS (torch, one
-# launch a product) is launch-bound there and is not plotted (bench/NOTES.md, matmul-30).
+# launch a product) is launch-bound there and is not plotted (notes/matmul.md, matmul-30).
 PROGRAM_SECONDS = 0.5e-3
 MOST_SETS = 24
 SWEEP_HOST_CLOCK_FROM = 2048
 # Rounds and programs a timing of the sweep. With 3 x 3 (to 9ce3759) one timing was the
 # difference of 3 and 6 programs, ~1.5 and 3 ms, and read 4096^3 from 0.115 to 0.172 ms (XLA,
-# 3 rounds): rows above the H200's peak (bench/NOTES.md, matmul-37). Compiling and checking
+# 3 rounds): rows above the H200's peak (notes/tiles.md, matmul-37). Compiling and checking
 # take ~10 s a size; 5 x 10 adds well under a second.
 SWEEP_ROUNDS = 5
 SWEEP_CALLS = 10

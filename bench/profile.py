@@ -4,7 +4,7 @@ Runs, at (16384, 4096) bf16 with the shipped heuristics, two forwards each of: r
 layer_norm+residual with a bias, and without one, in that order, then one forward+backward of
 each norm with residual. Example (on the GPU machine). Without
 XLA_PYTHON_CLIENT_PREALLOCATE=false, JAX holds most of the GPU's memory and ncu saves and
-restores all of it for every replay pass (500 s for 14 kernels, bench/NOTES.md run 3b):
+restores all of it for every replay pass (500 s for 14 kernels, notes/rows.md run 3b):
   XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:jk_ \\
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
       --section Occupancy --section LaunchStats python -m bench.profile

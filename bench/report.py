@@ -312,7 +312,7 @@ def render(by_device: dict[str, list[Line]], results: pathlib.Path) -> str:
     out += ["## Not measured here", "",
             "No full-size run with our kernels beside an anchor under: "
             + ", ".join(f"`{name}`" for name in missing)
-            + " (the model step's compiled memory for TPUs: bench/NOTES.md).", ""]
+            + " (the model step's compiled memory for TPUs: notes/report.md).", ""]
   return "\n".join(out)
 
 
@@ -394,7 +394,7 @@ def _lessons(runs: list[Run], results: pathlib.Path, plots: dict[str, str]) -> l
     if lesson == "waves" and "waves" in plots:
       out += [f"![matmul sweep and the wave model]({plots['waves']})", ""]
     if lesson == "recomputation":
-      out += ["The remat table and plot: bench/NOTES.md (model-3..5) and "
+      out += ["The remat table and plot: notes/model.md (model-3..5) and "
               "[remat.png](results/nvidia_h100/remat.png).", ""]
     if lesson == "low precision":
       out += _fp8_blocks(runs, results)

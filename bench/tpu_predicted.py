@@ -177,7 +177,7 @@ def _program(case: Case, impl: str):
   with an optimization barrier between the halves. The forward's outputs and residuals reach
   HBM before the backward starts, as in a training step, where the rest of the network runs in
   between; without the barrier XLA fuses the forward into the backward and reads the inputs
-  once for both (a glu or bias+gelu then 0.75-0.8x "XLA" on v5e, bench/NOTES.md tpu-inplace-1),
+  once for both (a glu or bias+gelu then 0.75-0.8x "XLA" on v5e, notes/attn.md tpu-inplace-1),
   which no step allows."""
   if not case.grad:
     return lambda *args: case.op(impl, *args)

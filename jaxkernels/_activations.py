@@ -10,7 +10,7 @@ SFU instruction on a GPU.
 
 The formulas are written as fused multiply-adds through ``Math``, the arithmetic a kernel
 swaps in: Triton kernels compiled by XLA get no FMA contraction (their SASS has FMUL and FADD
-only), so there ``Math.fma`` is an explicit fma.rn.f32 (bench/NOTES.md run 22).
+only), so there ``Math.fma`` is an explicit fma.rn.f32 (notes/rows.md run 22).
 
 Accuracy against float64 (tests/test_activations.py): on [-4, 4], values
 within ``RTOL`` relative and slopes within ``RTOL`` of max(|slope|, 1),

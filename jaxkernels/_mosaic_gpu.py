@@ -95,7 +95,7 @@ def fast_reciprocal(x, layout=None):
 
   Pallas lowers 1/x under approx_math to rcp.approx.f32, whose subnormal and overflow range
   fix-ups take six SASS instructions besides the one MUFU.RCP (the matmul epilogue's SASS,
-  bench/NOTES.md matmul-24): in an issue-bound elementwise kernel, a fifth of its
+  notes/matmul.md matmul-24): in an issue-bound elementwise kernel, a fifth of its
   instructions (mgpu-rows-1). Mosaic GPU exposes no reciprocal, so this reaches
   FragmentedArray's PTX helpers (jax 0.10-0.12); where a release lacks them, exact division.
   """
@@ -456,7 +456,7 @@ def row_blocks(cta, ctas: int, n_blocks: int, rows: int, row: Row, per_cta: int 
 
   A persistent grid (``per_cta`` 0) fixes each CTA's share at launch: where SMs stream at
   unequal rates, the kernel ends with its slowest. Runs of ``per_cta`` blocks, more CTAs than
-  fit at once, are handed out by the hardware as CTAs finish (bench/NOTES.md mgpu-rows-2)."""
+  fit at once, are handed out by the hardware as CTAs finish (notes/mgpurows.md mgpu-rows-2)."""
   count, block = _blocks(cta, ctas, n_blocks, per_cta)
   return count, block, pl.BlockSpec((rows, row.n_cols // row.piece, row.piece),
                                     lambda i: (block(i), 0, 0))

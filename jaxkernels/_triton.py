@@ -68,7 +68,7 @@ def fast_tanh(x):
 
 def fma(a, b, c):
   """a * b + c rounded once. XLA compiles Pallas Triton kernels without FMA contraction: their
-  SASS has FMUL and FADD only, so every Horner step cost two instructions (bench/NOTES.md
+  SASS has FMUL and FADD only, so every Horner step cost two instructions (notes/rows.md
   run 22)."""
   return _triton_asm("fma.rn.f32", a, b, c)
 
@@ -172,7 +172,7 @@ class Tile:
 
     ``streamed``: the kernel reads these bytes once, so they are read past L1 (``.cg``),
     leaving L1 to what every program rereads, a float32 scale row say: rms_norm's forward
-    ran 4 us faster and both norms' backwards 2.5 us faster of ~140 (bench/NOTES.md,
+    ran 4 us faster and both norms' backwards 2.5 us faster of ~140 (notes/rows.md,
     run 45). No eviction hint: evict_first on streamed loads cost 1-5% on an H200 (run 5).
     """
     return load_vector(ref, self.index, self.mask, other, stream_cache_modifier() if streamed else None)
@@ -210,8 +210,8 @@ def store_vector(ref, index, value, mask):
 FLAT_MAX_ELEMENTS = 2**31
 
 # The shape of a walk along whole rows (softmax's, cross-entropy's). Rows up to ONE_PASS_COLS
-# wide sit in registers, ROW_TILE elements a program (as for the norms, bench/NOTES.md). Wider
-# rows take the online path, from the H200 sweeps (bench/NOTES.md, runs 29-30): one program of
+# wide sit in registers, ROW_TILE elements a program (as for the norms, notes/rows.md). Wider
+# rows take the online path, from the H200 sweeps (notes/rows.md, runs 29-30): one program of
 # 32 warps an SM (64 registers a thread), so few rows are in flight (132 x 128 KiB at 65536
 # columns, under the 50 MB L2: their second read can come from it, not measured); 4 chunks a
 # step, a step at most half the row: 16384 columns, 32768 from 65536 on. Against the former 2

@@ -16,7 +16,7 @@ dw = xᵀ dy  xᵀ, 1 x 128 along M   dy, 128 x 128          (K, M/128), (M/128,
 ==========  ====================  =====================  ==========================
 
 Fine blocks keep an outlier from flushing its neighbours to zero (a per-tensor scale loses
-rows 1e5x smaller than the largest entirely: bench/NOTES.md fp8-blocks). The forward keeps
+rows 1e5x smaller than the largest entirely: notes/report.md fp8-blocks). The forward keeps
 for the backward the fp8 copies it needs (xᵀ and w quantized, 1 byte an element where the
 bfloat16 product keeps x at 2), and w's quantization serves both the forward and dx.
 
@@ -102,7 +102,7 @@ def _whole(name, a):
 def _quantized(x, block):
   """(q, scale) of ``x`` in blocks, computed in x's own layout and materialized there: where a
   transpose follows (the copies for dw), XLA otherwise fuses it into the blocks' reductions and
-  reads x across its rows (350 GB/s on an H200, bench/NOTES.md fp8-train-1); transposing the
+  reads x across its rows (350 GB/s on an H200, notes/model.md train-step-1); transposing the
   fp8 result and the small scale after costs a byte an element."""
   return jax.lax.optimization_barrier(quantize(x, dtype=E4M3, block=block))
 

@@ -21,7 +21,7 @@ forward kernel); the model tags its projections, norms and residual stream. Poli
   forward makes them, brought back for the backward; the rest recomputed. Its transfers cross
   the host link (PCIe on a GPU), so it offloads the fewest bytes that spare the attention
   forward; offloading every named tensor moved ~9 GiB each way a step at 1b and ran 4x slower
-  than ``none`` on an H100 (bench/NOTES.md model-3).
+  than ``none`` on an H100 (notes/model.md model-3).
 
 And ``auto`` (:func:`auto`): per layer, the policy of :data:`LADDER` that recomputes least while
 the compiled program's peak memory fits a budget (bytes, or :func:`device_budget`).
@@ -101,7 +101,7 @@ def policy(name: str) -> Callable[..., Any]:
 # ``minimal`` on the third rung: both recompute the same matmuls and keep attention, minimal
 # also keeps the stream that one add recomputes, so it held more and ran no faster (1b on an
 # H100: 17.3 GiB against 15.8, 119.8 ms against 117.0; compiled for TPUs 11.3-11.6 GiB against
-# 10.0-10.5; bench/NOTES.md model-3).
+# 10.0-10.5; notes/model.md model-3).
 LADDER = ("none", "dots", "attention", "full")
 
 

@@ -51,7 +51,7 @@ def time_rounds(run: Callable[[int], Any], *, rounds: int, calls: int,
   A round pays once for what passes before its first kernel starts (the host dispatching the
   first program, the device idle: 0.4-0.8 ms for a program over 16 input sets) and for the
   closing sync; spread over the round's programs that was 3-10 us a set of a ~0.1-0.3 ms op,
-  while the device ran the programs back to back (bench/NOTES.md, run 32). The difference of
+  while the device ran the programs back to back (notes/rows.md, run 32). The difference of
   the two timings cancels that fixed cost: what ``calls`` more programs take on a device that
   is kept busy, as in a training loop. The whole-round figure keeps the fixed cost.
   """

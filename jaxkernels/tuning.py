@@ -14,7 +14,7 @@ dtypes, operand layout, epilogue and shape bucket). A dimension's bucket is the 
 two up to 1024, a multiple of 128 past it (``_tiling.bucket``), so one tuning run covers the
 neighbourhood of the shape it timed. The neighbourhood is narrow because a config's speed
 turns on the waves of tiles it makes: the CTA tile tuned at 4096^3 (3.9 waves of 132 SMs on an
-H200) makes 4 waves at 3840^3 with the last 41% full (bench/NOTES.md, matmul-35). Shipped
+H200) makes 4 waves at 3840^3 with the last 41% full (notes/tiles.md, matmul-35). Shipped
 tables are keyed without the jax version: they are a better start than a heuristic on any.
 
 The autotuner times with ``jaxkernels.timing``, the timer the benchmarks judge configs by.

@@ -7,7 +7,7 @@ attention through ``flash_attention`` (causal), the SwiGLU MLP through ``matmul`
 (``linear_softmax_cross_entropy``: the (tokens, vocab) logits are never held). The layers are
 stacked parameters, each under ``nnx.remat`` with a policy by name (``jaxkernels.remat``), one
 for all or one per layer, walked unrolled (the default: a step 22% shorter on an H100 at 350m,
-bench/NOTES.md model-2) or by one ``nnx.scan`` (``scan_layers``: one layer's program to
+notes/model.md model-2) or by one ``nnx.scan`` (``scan_layers``: one layer's program to
 compile). The residual stream is float32 (or ``stream``'s 16 bits), the activations ``dtype``.
 
 On a TPU the norms, products and MLP run on XLA unless ``reference_ops`` says otherwise
@@ -47,7 +47,7 @@ STREAMS = ("float32", "bfloat16", "float16")  # the residual stream's dtypes
 # On a TPU, the groups the model leaves to XLA unless ``Config.reference_ops`` names its own:
 # XLA:TPU folds an RMSNorm into the next dot's fusion and SwiGLU into the down projection's,
 # which a Pallas call between them stops (each of our norm and GLU kernels is a pass of its
-# own). Attention and the loss stay kernels. bench/NOTES.md tpu-step-1: the 350m step
+# own). Attention and the loss stay kernels. notes/report.md tpu-step-1: the 350m step
 # predicted 13% shorter on v5e and 12% on v6e (remat dots) than with every group a kernel.
 TPU_REFERENCE_OPS = ("norm", "matmul", "mlp")
 

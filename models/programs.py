@@ -4,7 +4,7 @@ JAX's persistent compilation cache spares a second run XLA's compile, but not wh
 before it: tracing the step and lowering it to StableHLO, which JAX must do to find the
 cache's key. For plain JAX that is ~0.6 s at 350m; for the kernels' step it is most of a
 second run (each Mosaic GPU kernel's lowering, 0.3-0.6 s, about 7 s a step on an H200,
-bench/NOTES.md gpu-paths-3). ``jax.export`` serializes a lowered program: :class:`Program`
+notes/paths.md gpu-paths-3). ``jax.export`` serializes a lowered program: :class:`Program`
 keeps the step's, keyed by everything that decides it, and a run that finds it calls it
 instead of tracing again (and then finds XLA's compile in the compilation cache).
 

@@ -41,7 +41,7 @@ def init(cfg: llama.Config, tc: TrainConfig, where: jax.sharding.Mesh | None = N
 # weight gradients leave as one reduce-scatter (fsdp) or all-reduce (data parallel), not one a
 # weight, and its weights arrive as one all-gather. NCCL moves a few large collectives faster
 # than many, and they run beside compute (whose kernels they slow) for less time: fsdp 4 on
-# H100s, 0.904 -> 0.933 of linear, collectives 26.1 -> 16.0 ms a step (bench/NOTES.md,
+# H100s, 0.904 -> 0.933 of linear, collectives 26.1 -> 16.0 ms a step (notes/scale.md,
 # scaling-3).
 GPU_COMBINE_BYTES = {f"xla_gpu_{op}_combine_threshold_bytes": 256 << 20
                      for op in ("reduce_scatter", "all_gather", "all_reduce")}

@@ -16,7 +16,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 # emitters take twice the time of its older loop emitters to compile them (a switch XLA
 # dropped after jax 0.10: set only where this XLA knows it, or it would refuse to start).
 # These change how fast code compiles and runs, not what it computes (no fast-math); compiled
-# on a GPU (the GPU check) they are left alone. bench/NOTES.md readme-2, readme-3.
+# on a GPU (the GPU check) they are left alone. notes/paths.md readme-2, readme-3.
 OPTIMIZATION_LEVEL = "--xla_backend_optimization_level=0"
 LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 

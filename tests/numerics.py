@@ -67,7 +67,7 @@ def grid(*axes, center=None) -> list:
   ``center`` (default: each axis's first value): every value of each axis once, with the
   center's values on the other axes. Each value's own path (each shape's edges, each
   activation's formula) still runs on the CPU; its pairings with every other axis's values
-  run compiled in the GPU check, where they take seconds, not minutes (bench/NOTES.md, Test
+  run compiled in the GPU check, where they take seconds, not minutes (notes/model.md, Test
   time)."""
   if COMPILED or SLOW:
     out = list(itertools.product(*axes))

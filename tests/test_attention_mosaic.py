@@ -212,7 +212,7 @@ class TestAttentionMosaicTpu(AttentionTest):
   def test_production_blocks_at_head_dim_256(self):
     """The heuristic's heads-major production blocks (512 query rows; backward 512 x 512) at
     head dim 256, GQA, plain and causal, forward and every gradient against the reference:
-    they were 128-row blocks there, memory-bound (bench/NOTES.md tpu-splash-2)."""
+    they were 128-row blocks there, memory-bound (notes/attn.md tpu-splash-2)."""
     numerics.slow_when_interpreted(20)
     config = attention_mosaic_tpu.heuristic(attention_problem(q_len=1024, heads=2, kv_heads=1,
                                                      head_dim=256, bias=(1, 1)),

@@ -268,7 +268,7 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
     """Runs of RUN tiles a CTA (hardware-scheduled), d(bias)'s backward in longer runs, one
     tile a CTA where runs would leave SMs idle; bias + erf's gelu's forward persistent, its
     backward in runs. Dispatch prefers the kernels only where measured at Triton's time
-    (bench/NOTES.md mgpu-rows-2, mgpu-rows-3)."""
+    (notes/mgpurows.md mgpu-rows-2, mgpu-rows-3)."""
     chip = hardware.chip("H200")
     x = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
     small = jax.ShapeDtypeStruct((96, 4096), jnp.bfloat16)  # 192 tiles: one a CTA
@@ -290,7 +290,7 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
   def test_heuristic_narrow_chunks(self):
     """Rows whose chunks are narrow (2816 and 11008 columns: 256-wide chunks; 5504: 128) take
     runs of tiles of several rows, each step's inputs RUN_STEP_BYTES (forward, backward);
-    one-row tiles of them ran at 1.3-3.3x Triton's time (bench/NOTES.md mgpu-rows-4). An odd
+    one-row tiles of them ran at 1.3-3.3x Triton's time (notes/mgpurows.md mgpu-rows-4). An odd
     row count keeps one row a tile. bias_activation's backward keeps about BIAS_BWD_RUN rows
     a CTA."""
     chip = hardware.chip("H200")
@@ -321,7 +321,7 @@ class TestElementwiseMosaicGpu(ElementwiseTest):
   def test_reciprocal_is_one_instruction(self):
     """The activations' 1/x as rcp.approx.ftz (inline PTX in the row layout), not the
     approx_math lowering's seven instructions: a fifth of the issue-bound forward's
-    (bench/NOTES.md mgpu-rows-1)."""
+    (notes/mgpurows.md mgpu-rows-1)."""
     x = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((4096,), jnp.float32)
     for text in (cuda_lowering(self.bias_activation("gelu"), x, b),

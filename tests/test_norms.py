@@ -227,7 +227,7 @@ class TestNormsMosaicGpu(NormTest):
     where runs would leave SMs idle), a persistent grid where they do not (layer_norm's
     two-row blocks beside a float32 residual); the backward, with its partials a CTA, always
     persistent: rms_norm's without a residual three CTAs an SM, its sums in shared memory;
-    layer_norm's sums in registers where they fit (bench/NOTES.md mgpu-rows-2, mgpu-rows-3)."""
+    layer_norm's sums in registers where they fit (notes/mgpurows.md mgpu-rows-2, mgpu-rows-3)."""
     chip = hardware.chip("H200")
     x = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((4096,), jnp.float32)

@@ -199,7 +199,7 @@ ATTENTION_TPU_CASES = {
 
 
 # v5e only: the bound holds there; v6e holds 13.4 MB of temporaries and v5p 37.5 MB against the
-# ring's 12.6 MB, not yet understood (bench/NOTES.md structure-1).
+# ring's 12.6 MB, not yet understood (notes/contract.md structure-1).
 @pytest.mark.parametrize("tpu4", ["v5e:2x2"], indirect=True)
 def test_tpu_compile_ring_attention(tpu4):
   """Ring attention on 4 chips (the sequence of 8K split, zig-zag, causal, GQA), forward and

@@ -60,7 +60,7 @@ def test_sharded_matches_unsharded(request, mesh, impl, op, layout):
   """The numerics rule against the float64 oracle, for the sharded call as for any other."""
   if impl == "mosaic_tpu" and (op, layout) in GATHERS:
     pytest.skip("an all-gather before the kernels hangs the TPU interpreter's callbacks on host "
-                "devices (bench/NOTES.md sharding-1); the TPU compiler takes it "
+                "devices (notes/base.md sharding-1); the TPU compiler takes it "
                 "(test_tpu_compile_keeps_rows_split) and Triton checks the rule's numbers")
   if impl == "mosaic_tpu" and not numerics.SLOW and (op, layout) not in _tpu_interpreted():
     pytest.skip("each op once on the Mosaic TPU interpreter (the suite's time); Triton takes "

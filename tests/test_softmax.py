@@ -133,7 +133,7 @@ class TestSoftmaxMosaicGpu(SoftmaxTest):
   def test_heuristic_walks(self):
     """Runs of RUN rows a CTA (hardware-scheduled) where four CTAs' rings fit an SM, one row a
     CTA where runs would leave SMs idle; rows too wide for that take a persistent grid
-    (bench/NOTES.md mgpu-rows-2). Each fits the chip."""
+    (notes/mgpurows.md mgpu-rows-2). Each fits the chip."""
     chip = hardware.chip("H200")
     for rows, cols, want in ((16384, 4096, softmax_mosaic_gpu.RUN), (200, 4096, 1),
                              (16384, 16384, 0)):

@@ -2,7 +2,7 @@
 shard, under ``jax.shard_map`` over the mesh the inputs carry, with the collectives its rule
 asks for and no others.
 
-Why shard_map, not ``custom_partitioning`` (bench/NOTES.md, sharding-1): a Pallas call is one
+Why shard_map, not ``custom_partitioning`` (notes/base.md, sharding-1): a Pallas call is one
 opaque custom call, which neither GSPMD nor Shardy can split (Mosaic TPU refuses, "cannot be
 automatically partitioned"; a Triton call is pinned to one device). ``custom_partitioning``
 hands the split to a Python callback at compile time, but on TPU the callback is never

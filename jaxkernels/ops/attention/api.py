@@ -273,7 +273,7 @@ def _attention_fwd(plan, q, k, v, bias, q_seg, kv_seg):
   if plan.implementation != "mosaic_tpu":
     # The barrier keeps XLA's GPU dynamic-slice fusion from taking the kernel into the fusion
     # that writes the saved output into a scan's stacked residuals: it cloned the kernel
-    # there, so that each layer ran its attention forward twice (bench/NOTES.md model-2). On
+    # there, so that each layer ran its attention forward twice (notes/model.md model-2). On
     # a TPU it would pin the saved output to a layout of XLA's choosing: (B, T, N, 64) laid
     # out T-minor, a copy of the output each way around the in-place kernels (tpu-step-1).
     out, lse = lax.optimization_barrier((out, lse))

@@ -60,7 +60,7 @@ class Config:
 # Query rows a forward block (and both backward blocks) takes, as splash attention's
 # production blocks do (MaxText's 512): k and v are re-read once per query block, so the
 # forward's traffic at T=4096 falls from ~2.2 GB (128 rows) to ~0.6 GB, under the MXU's time
-# on every chip (bench/NOTES.md tpu-splash-1), at every head dim (tpu-splash-2).
+# on every chip (notes/attn.md tpu-splash-1), at every head dim (tpu-splash-2).
 BLOCK = 512
 
 
@@ -71,7 +71,7 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   v5e, 256 on v6e) forward; backward, BLOCK x BLOCK (the dq kernel re-reads k and v per query
   block, dk/dv q and dout per key block), at every head dim up to 256, as splash attention's
   production blocks: at 256, 128-row blocks re-read k and v four times as often and left the
-  kernel memory-bound (0.27-0.82x splash predicted, bench/NOTES.md tpu-splash-2), and 512 x
+  kernel memory-bound (0.27-0.82x splash predicted, notes/attn.md tpu-splash-2), and 512 x
   512 fits VMEM on v5e, v5p and v6e (forward and backward compiled at T=4096)."""
   edge = chip.mxu or 128
   limit = _mosaic_tpu.vmem_limit(chip)

@@ -71,7 +71,7 @@ def costs(call: Call, bq: int, bk: int, *, shared_kv: bool = False
           ) -> dict[str, pl.CostEstimate]:
   """What each kernel computes and moves with (bq, bk) blocks, for the compiler (its cost
   analysis cannot look inside a Mosaic kernel, and counted 0 FLOPs without this;
-  bench/NOTES.md, TPU columns). Per visited block pair: the forward's two products (4 bq bk h
+  notes/report.md, TPU columns). Per visited block pair: the forward's two products (4 bq bk h
   FLOPs) and bq bk exponentials, reading that key block's k and v; dk/dv's four products
   (8 bq bk h: scores, dp, dv, dk), reading q, dout and the statistics; dq's three (6 bq bk h:
   scores, dp, dq), reading k and v (roofline.attention_traffic: the bytes; ``shared_kv``: a

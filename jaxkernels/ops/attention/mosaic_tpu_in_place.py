@@ -5,7 +5,7 @@ in pairs of rows, so (B, T, N, H) viewed as (B, T * N, H) is the same bytes wher
 whole tiles, and XLA compiles the reshape to a bitcast. The kernels here read q, k, v and dout
 and write out, dq, dk and dv through that view: no transpose around them, where the
 heads-major kernels of ``mosaic_tpu.py`` transpose each array in HBM, (B, T, N, H) <-> (B, N,
-T, H), about 500 MB at B2 T4096 N16 H128 (bench/NOTES.md tpu-splash-2).
+T, H), about 500 MB at B2 T4096 N16 H128 (notes/attn.md tpu-splash-2).
 
 A block is bq positions of every head, interleaved: position t of head n at row t * N + n. A
 head's rows are one strided load. Mosaic loads strided rows of 32-bit words only, so a 16-bit
@@ -21,7 +21,7 @@ A head is a group's aligned 128-lane load and a static slice of it; outputs go b
 a time, its heads side by side. The rows view would pad each 64-lane head to 128 lanes in HBM
 and VMEM, and XLA lays a (B, T, N, 64) array out with T minor, so either view costs a caller's
 array one relayout; an array a product made (the model's q, k and v) is written in this view
-directly (bench/NOTES.md tpu-step-1).
+directly (notes/report.md tpu-step-1).
 
 The orientation is transposed: a block's scores are (keys, queries), so the softmax's
 statistics are rows, (1, bq), 8 sublanes of VMEM a head where a column takes 128 lanes, and the
@@ -417,7 +417,7 @@ def _delta_kernel(o_ref, do_ref, delta_ref, *words, call: Call, bq: int):
 def _delta(out, dout, call: Call, length: int, bq: int, vmem_limit_bytes: int, interpret):
   """delta (B, N, 1, length) rows from the kernels' views of out and dout (``length``
   positions each): one read of each. XLA's einsum over a (B, T, N, 64) pair turned a float32
-  copy of it to lay H out for the reduction (bench/NOTES.md tpu-step-1)."""
+  copy of it to lay H out for the reduction (notes/report.md tpu-step-1)."""
   b, n, h = call.batch, call.heads, call.head_dim
   item = call.dtype.itemsize
   return pl.pallas_call(

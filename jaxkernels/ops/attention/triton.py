@@ -71,7 +71,7 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   if hp > 128:  # H200 sweep at h256 (attention-1): forward 2.82 ms against 4.53 for 64 x 64
     return Config(block_q=128, block_k=64, num_warps=8, num_stages=1, bwd_block_q=64,
                   bwd_block_k=32, bwd_num_warps=4, bwd_num_stages=2)
-  # H200, B=2 T=S=4096 N=16 H=128 bf16 (bench/NOTES.md, attention-1): forward 128 x 64 on 8
+  # H200, B=2 T=S=4096 N=16 H=128 bf16 (notes/attn.md, attention-1): forward 128 x 64 on 8
   # warps, 3 stages; backward 64 x 64 on 4 warps, 2 stages (2.50 ms fwd+bwd against 4.46 on
   # 8 warps, 3 stages).
   return Config(block_q=64 if small else 128, block_k=64, num_warps=8 if hp > 64 else 4,
@@ -141,7 +141,7 @@ class _Rows:
 
 def _tanh(x, call: Call, math_):
   """tanh for the soft cap. libdevice's tanhf costs ~20 instructions: the soft-capped forward
-  ran 64% over the plain one with it on an H200 (bench/NOTES.md, attention-1).
+  ran 64% over the plain one with it on an H200 (notes/attn.md, attention-1).
 
   bfloat16 and float16 inputs, compiled: tanh.approx.f32, one SFU op, relative error ~2**-11,
   under the 2**-8 that rounding the logits to the input dtype costs the naive baseline. Else

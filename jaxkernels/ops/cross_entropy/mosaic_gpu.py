@@ -71,7 +71,7 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``cross_entropy.rows.Problem``. 32 KiB tiles, two CTAs an SM, as many
   tiles in flight as fit (three), forward and backward: at (8192, 128256) bfloat16 on an H200
   the best of 8-32 KiB tiles at one to four CTAs an SM, 1.3x Triton's forward and 1.07x its
-  forward and backward (bench/NOTES.md mgpu-ce-2). One CTA an SM starves the online softmax's
+  forward and backward (notes/mgpurows.md mgpu-ce-2). One CTA an SM starves the online softmax's
   chain of exps and maxima (0.56-1.06 ms forward against 0.48)."""
   _, geometry = _geometry(problem)
   chunk = geometry[1] if geometry is not None else _mosaic_gpu.MAX_CHUNK

@@ -130,7 +130,7 @@ def glu(gate, up=None, *, activation: str = "silu", implementation=None, config=
       as one matmul against the two weights side by side writes them: the GPU kernels read
       both halves in place and write the gradient as one (..., 2N) array, where two arrays
       would cost a copy of each half forward and a concatenation backward (3.1 ms each of a
-      92 ms train step at 350m on an H100, bench/NOTES.md model-3). The XLA reference and the
+      92 ms train step at 350m on an H100, notes/model.md model-3). The XLA reference and the
       Mosaic TPU kernels take the halves as slices.
     activation: applied to gate; "silu" by default.
     implementation, config: as for :func:`bias_activation`.

@@ -41,7 +41,7 @@ RUN_CTAS_PER_SM = 4
 # one row a tile where the row's chunk is wide (4096 bf16 columns: 2048-column chunks), more
 # where it is narrow (2816 or 11008 columns, whose chunks are 256 wide; 5504's 128). One-row
 # tiles of those moved 256-1024 bytes a copy: glu silu's forward 1.3-2.5x Triton's time,
-# bias+silu's 1.7-3.3x; with these, at or under Triton's (bench/NOTES.md mgpu-rows-4).
+# bias+silu's 1.7-3.3x; with these, at or under Triton's (notes/mgpurows.md mgpu-rows-4).
 RUN_STEP_BYTES = 2048
 # bias_activation's backward writes one float32 row of d(bias) partials a program: longer
 # runs there, so that those stay a few MiB.
@@ -53,7 +53,7 @@ PERSISTENT_FORWARD = frozenset({("bias_activation", "gelu")})
 
 
 # Where dispatch prefers these kernels (op, activation): forward+backward measured at
-# Triton's time, within 1%, on an H200 (bench/NOTES.md mgpu-rows-3: glu silu 0.995x, glu gelu
+# Triton's time, within 1%, on an H200 (notes/mgpurows.md mgpu-rows-3: glu silu 0.995x, glu gelu
 # 1.004x, bias+silu 0.999x; mgpu-rows-4: glu gelu_tanh and relu 1.00x, bias+relu 1.006x).
 # bias+gelu_tanh (0.98x) and bias+gelu (0.97x), their backwards 4-7% behind, serve a call
 # naming them.
@@ -144,7 +144,7 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   ``run_rows`` where chunks are narrow), the hardware handing them out as CTAs end, where
   RUN_CTAS_PER_SM CTAs' rings fit an SM: on an H200 that beat a persistent grid by 5-15% (a
   static share per CTA ends with the slowest SM) and matched or beat Triton's forwards and
-  backwards for silu (bench/NOTES.md mgpu-rows-2); for erf's gelu too (glu's 0.096 / 0.160 ms
+  backwards for silu (notes/mgpurows.md mgpu-rows-2); for erf's gelu too (glu's 0.096 / 0.160 ms
   forward / backward against 0.114 / 0.178 persistent; bias+gelu's backward 0.105 against
   0.115, mgpu-rows-3), but for PERSISTENT_FORWARD's forwards. Where runs do not fit, the
   persistent walk: 16 KiB tiles, one CTA an SM, up to MOST_STAGES in flight."""

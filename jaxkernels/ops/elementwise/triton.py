@@ -22,7 +22,7 @@ from jaxkernels import _activations, _triton, hardware, roofline
 from jaxkernels._tiling import cdiv, check_fields, is_pow2, next_pow2
 from jaxkernels._triton import Tile, store_vector
 
-# Elements per program. H200, (16384, 4096) bf16 (bench/NOTES.md, run 4): glu forward
+# Elements per program. H200, (16384, 4096) bf16 (notes/rows.md, run 4): glu forward
 # 1 x 4096 on 4 warps 3965 GB/s, 2 x 4096 on 8 warps 3883.
 TARGET_TILE = 4096
 MAX_BLOCK_COLS = 4096

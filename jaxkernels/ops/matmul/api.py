@@ -111,7 +111,7 @@ def _gated_bwd(plan, p, saved, dy):
   # glu's backward on a GPU kernel beside the product's (only Mosaic GPU fuses the gate): the
   # product's own backend's; else Triton's; else dispatch's choice, the XLA reference. At
   # the model steps' [gate | up] (silu, H200) Mosaic GPU's is at Triton's time for 350m
-  # (16384 x 2 x 2816) and 1.07x faster for 1b (8192 x 2 x 5632): bench/NOTES.md mgpu-rows-4.
+  # (16384 x 2 x 2816) and 1.07x faster for 1b (8192 x 2 x 5632): notes/mgpurows.md mgpu-rows-4.
   serving = [implementation for implementation in (plan.implementation, "triton")
              if backend.supports(elementwise.GLU.name, implementation, z,
                                  activation=p.activation)]

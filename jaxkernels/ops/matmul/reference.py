@@ -103,7 +103,7 @@ def matmul(a, b, *, bias=None, activation=None, residual=None, a_scale=None, b_s
     # accumulates in float32 and rounds once; and under autodiff the gradients' matmuls take
     # the cotangent in that dtype too, where a float32 product would hand them a float32
     # cotangent and make them float32 matmuls (tf32 on a GPU, at twice the bytes: the plain-JAX
-    # Llama's step ran 1.6x slower so, bench/NOTES.md model-2).
+    # Llama's step ran 1.6x slower so, notes/model.md model-2).
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype,
                            out_sharding=_summed_split(a, b))
   acc = lax.dot_general(a, b, dims, precision=precision,

@@ -3,7 +3,7 @@
 ``BLOCK_ROWS x BLOCK_COLS`` tile: aligned, vectorized loads from the padded source, read once
 past L1, and masked stores that Triton issues element by element where the destination's
 alignment forbids wider ones (XLA's slice, every destination row only 2-byte aligned, ran at
-0.86 TB/s on an H200; bench/NOTES.md matmul-30).
+0.86 TB/s on an H200; notes/matmul.md matmul-30).
 """
 
 from __future__ import annotations

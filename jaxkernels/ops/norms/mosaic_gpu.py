@@ -84,7 +84,7 @@ RUN_CTAS_PER_SM = 2
 
 def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``norms.api.Problem``. Measured on an H200 at (16384, 4096) bf16 and
-  at the model's (16384, 1024) with a float32 residual (bench/NOTES.md, mgpu-norms-3):
+  at the model's (16384, 1024) with a float32 residual (notes/mgpunorm.md, mgpu-norms-3):
   layer_norm takes its rows two to a step (two rows' statistics in flight: forward 0.074 ms
   against 0.087 for one), rms_norm one; rms_norm's backward without a residual (two streams
   in, one out) runs three CTAs an SM (0.175 ms against 0.192 for one), its sums in shared

@@ -30,7 +30,7 @@ from jaxkernels._triton import Tile, row_sums, store_vector
 # Widest row (power-of-two padded) kept in registers in one pass; wider rows are chunked.
 MAX_ONE_PASS_COLS = 16384
 # Elements per forward program. Measured on an H200 at (16384, 4096) bf16 with device timing
-# (bench/NOTES.md, run 3): 2 rows x 8 warps (32 elements a thread) 3464 GB/s, 1 x 4 3381,
+# (notes/rows.md, run 3): 2 rows x 8 warps (32 elements a thread) 3464 GB/s, 1 x 4 3381,
 # 4 x 8 3416; a persistent grid and register prefetch were slower.
 TARGET_TILE = 8192
 # Forward elements a thread (runs 33-34, same shape): rms_norm at 16 (2 rows x 16 warps, 40
@@ -57,7 +57,7 @@ BWD_PROGRAMS_PER_SM = {False: 4, True: 2}
 # ... as long as they fit: the backward holds ~8 registers an element of its row block (64-127
 # a thread at 8-16 elements), so an SM's 64K registers hold 8192 elements, two 4096-wide row
 # blocks but one 8192-wide. At 4096x8192 a second program an SM ran as a second wave: 264
-# programs 81.9 / 90.2 us (rms / layer), 132 programs 77.5 / 83.1 (bench/NOTES.md, run 48).
+# programs 81.9 / 90.2 us (rms / layer), 132 programs 77.5 / 83.1 (notes/rows.md, run 48).
 BWD_ELEMENTS_PER_SM = 8192
 
 
@@ -146,7 +146,7 @@ def _fwd_kernel(*refs, layer, has_residual, has_bias, n_rows, n_cols, block_rows
     s = t.load_cols(s_ref)[None, :]
     # The bias past L1: the ~23 KB that Triton's launch leaves L1 then holds the float32 scale
     # row every program rereads, where scale and bias together (32 KB) evicted each other
-    # (bench/NOTES.md, runs 45-46).
+    # (notes/rows.md, runs 45-46).
     t.store(y_ref, fma(n, s, t.load_cols(b_ref, streamed=True)[None, :]) if has_bias else n * s)
 
   def write_stats(t, mean, rstd):
@@ -235,7 +235,7 @@ def _bwd_one_pass_kernel(*refs, layer, has_dh, has_bias, dual_dx, n_rows, n_cols
     t = Tile.at((pid + i * programs) * block_rows, block_rows, 0, block_cols, n_rows=n_rows,
                 n_cols=n_cols, mask_rows=mask_rows, mask_cols=mask_cols)
     # Every load of the block before the row reduction, so all three streams are in flight
-    # together: dh loaded after it (where it is used) cost 4-6% (bench/NOTES.md, run 16).
+    # together: dh loaded after it (where it is used) cost 4-6% (notes/rows.md, run 16).
     h, dy = t.load(h_ref, streamed=True), t.load(dy_ref, streamed=True)
     dh_in = t.load(dh_ref, streamed=True) if has_dh else None
     rstd = t.load_rows(rstd_ref)  # 0 for rows past the end: no inf, no NaN

@@ -45,7 +45,7 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   """problem: the call's ``softmax.api.Problem``. One row a step. Runs of RUN rows a CTA, the
   hardware handing them out as CTAs end, where RUN_CTAS_PER_SM CTAs' rings fit an SM: on an
   H200 at (16384, 4096) bf16 the forward 0.067 ms against 0.078 on a persistent grid and
-  Triton's 0.069 (bench/NOTES.md mgpu-rows-2). Rows too wide for that (one or two CTAs an SM)
+  Triton's 0.069 (notes/mgpurows.md mgpu-rows-2). Rows too wide for that (one or two CTAs an SM)
   take a persistent grid at the most CTAs an SM that fit two blocks, up to three, as many
   blocks in flight as fit, up to 8: a row's chain of two reductions and an exp leaves one warp
   a scheduler mostly waiting, and more CTAs overlap more rows' (mgpu-rows-1)."""

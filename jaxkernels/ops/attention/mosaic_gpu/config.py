@@ -13,7 +13,7 @@ from jaxkernels._tiling import check_fields, pad_to, round_up
 PRODUCER_REGISTERS = 40
 # The backward kernels past head dim 128: a producer of 24 registers leaves 240 to each compute
 # warpgroup; at GQA h256 dk/dv 4.72 -> 4.44 ms, dq 4.75 -> 4.34 (fewer spills), while at 128
-# the kernels were no faster (bench/NOTES.md attention-6).
+# the kernels were no faster (notes/attn.md attention-6).
 WIDE_PRODUCER_REGISTERS = 24
 # The d(bias) kernel's keys a CTA (beside 2 x 64 queries): its four float32 tiles of 64 x 64
 # (S, dP, the bias and the sum) take 128 registers a thread.
@@ -23,7 +23,7 @@ DBIAS_BLOCK_KV = 64
 # products' share of the padding. Triton's kernels round H up to a power of two in registers,
 # as wide as this padding or wider past 32: at h80 and h96 (padded to 128; B2 T=S=2048 N16/K4
 # causal bf16, H200) these ran 0.106 / 0.420 ms forward / forward+backward, the copies
-# counted, against Triton's 0.122 / 0.523 and cuDNN's 0.082 / 0.329 (bench/NOTES.md
+# counted, against Triton's 0.122 / 0.523 and cuDNN's 0.082 / 0.329 (notes/attn.md
 # attention-8). Up to 32 Triton's tiles are the narrower (16 or 32 against 64): it is
 # preferred there (``on_auto``; untimed).
 HEAD_TILE = 64
@@ -66,12 +66,12 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   """FlashAttention-3's blocks: 2 x 64 queries against 128 keys at head dim 128 (64 keys at
   128 with 3 stages: 0.53 against 0.43 ms), 256 keys at 64 (0.604 against 0.621 ms for 128),
   64 keys past 128 (registers: the accumulator alone takes 128 a thread at 256). H100, B=2
-  T=S=4096, bench/NOTES.md attention-4. The dq kernel past 128 takes 32 keys a step, two
+  T=S=4096, notes/attn.md attention-4. The dq kernel past 128 takes 32 keys a step, two
   blocks in flight: at 256 its ring of one 64-key block ran 4.26 ms, this 2.63 (attention-7).
   Causal at head dim 64 over up to 4096 keys, 128 keys a step: a query block's last key block
   straddles the diagonal and computes masked products, up to a whole block's, and 256-key
   blocks waste twice 128's. At the 350m model's shape (8 x 2048, 16/4 heads, causal; H100)
-  128 keys ran 0.191 ms against 256's 0.213 and cuDNN's 0.194 (bench/NOTES.md model-4)."""
+  128 keys ran 0.191 ms against 256's 0.213 and cuDNN's 0.194 (notes/model.md model-4)."""
   h = head_dim(problem)
   block_kv = 256 if h <= 64 else 128 if h <= 128 else 64
   if h <= 64 and problem.window.plain_causal and problem.kv_len <= 4096:

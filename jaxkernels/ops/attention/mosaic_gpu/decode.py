@@ -67,7 +67,7 @@ def heuristic(problem, chip: hardware.Chip) -> Config:
   """128 keys a step at head dim 64, else 64; as many blocks in flight as fit two CTAs an SM
   (two to four); and the chunks a sequence's kv head is cut into so that the CTAs fill the
   SMs in one wave (each chunk at least four blocks long). At B=8 S=32768 N=32 K=8 H=128 on an
-  H200 (bench/NOTES.md mgpu-decode-1): 64 keys, two stages, four chunks ran the full cache in
+  H200 (notes/mgpurows.md mgpu-decode-1): 64 keys, two stages, four chunks ran the full cache in
   0.254-0.255 ms (Triton 0.253-0.262, cuDNN 0.255) and ragged lengths in 0.151-0.170 (Triton
   0.160-0.170, cuDNN 0.152); eight chunks (two waves) 0.253 and 0.157, within that spread;
   five (1.2 waves) 0.311 on the full cache."""

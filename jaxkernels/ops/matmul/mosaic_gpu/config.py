@@ -197,7 +197,7 @@ def _glu_error(p: Problem, c: Config) -> str | None:
 CTA_SHAPES = ((128, 128, "n"), (128, 128, "m"), (64, 192, "m"), (64, 128, "n"), (64, 128, "m"),
               (64, 64, "n"), (128, 192, "m"), (128, 192, "n"))
 # The wave model's constants, fitted to the H200 sweep of 128x256 and 64x256 CTA tiles over
-# square sizes 1024-4352 (bench/NOTES.md, matmul-35): an SM multiplies-and-adds 3.3e12 16-bit
+# square sizes 1024-4352 (notes/tiles.md, matmul-35): an SM multiplies-and-adds 3.3e12 16-bit
 # products a second within a tile, a wave of tiles costs 2.65 us more to start and finish, and a
 # tile's rate falls with the bytes it loads per product, 1/cta_m + 1/cta_n, weighted so that
 # 128 x 128 tiles run ~5% behind 128 x 256 ones (the ping-pong schedule's 128 x 128 tiles ran
@@ -210,7 +210,7 @@ TILE_BYTES_WEIGHT = 16.0
 WAVE_MARGIN = 0.05
 # Stream-K's cut tiles ran slower a tile than whole ones on the H200, the more so the larger
 # A and B: 12-20% at 3712^3-4096^3 (55-67 MB of bf16 operands), 30-50% at 4864^3-6272^3,
-# 60-90% at 6912^3 and 8192^3 (bench/NOTES.md matmul-39). Runs at different K steps share few
+# 60-90% at 6912^3 and 8192^3 (notes/tiles.md matmul-39). Runs at different K steps share few
 # A and B blocks in the 50 MB L2, where whole tiles of one wave walk K together. Modelled as
 # this fraction per GB of A and B.
 STREAM_K_OVERHEAD_PER_GB = 3.0
@@ -242,7 +242,7 @@ def heuristic(problem: Problem, chip: hardware.Chip, shapes=CTA_SHAPES) -> Confi
   2.2 waves of 132 SMs with the third 18% full, where 128 x 192 tiles make 384 (2.9 waves);
   at 6528^3 they make 10.05 waves, where 256 x 192 tiles make 6.7 (the model: 10% faster).
 
-  The epilogue, by what it computes (H200, bench/NOTES.md):
+  The epilogue, by what it computes (H200, notes/matmul.md):
   * 16-bit products in 128 x 256 tiles (or cut by stream-K) run on the kernel's own ring
     (``ring``). Without an activation, with 64 x 64 pieces over 4 stages: against JAX's
     pipeline with whole-tile pieces over 3, the same at 8192^3 and 4096^3 or 1-3% faster,

@@ -12,7 +12,7 @@ one CTA per SM walks output tiles in a snake order (``grid_minor``,
 in turn, fed from one ring in the order they consume it, so that one warpgroup's epilogue
 could run under the other's product. On an H200 at its 700 W cap it is not faster: the same
 cycles as cooperative for the plain product at a 6% lower clock (128-wide tiles move more bytes
-per flop), and the exact-GELU epilogue's cycles were not hidden (bench/NOTES.md, matmul-18/19).
+per flop), and the exact-GELU epilogue's cycles were not hidden (notes/matmul.md, matmul-18/19).
 
 The epilogue runs on the accumulator in registers (dequantization scales, bias,
 activation; the residual comes in by TMA through the output buffer), then
@@ -44,7 +44,7 @@ rows and b_scale's (tile_n,) for the columns, which the producer loads with A an
 slot (the wrapper hands them over as (K / tile_k, M) and (K / tile_k, N) arrays). Where a CTA
 tile's columns share one b scale (DeepSeek-V3's 128 x 128 weight blocks), it comes repeated
 along the tile's rows instead, and the add is one multiply-add an element (``_b_scale_by_rows``:
-1.23 -> 1.04 ms at 8192^3 on an H100, bench/NOTES.md fp8-blocks-2). Hopper's
+1.23 -> 1.04 ms at 8192^3 on an H100, notes/report.md fp8-blocks-2). Hopper's
 tensor cores cannot scale inside an MMA (Blackwell's can), so the two warpgroups take turns:
 one adds while the other's product runs. Two accumulators per warpgroup keep its tile at
 64 x 128 (``config._block_error``).

@@ -9,7 +9,7 @@ them (``padded_shapes``) and cuts the padded C with ``crop``: one extra pass ove
 kernels are gone. C's rows are written by TMA, which needs 16-byte row strides, so where
 N * itemsize is not a multiple of 16 (8193 bf16 columns: 16386-byte rows) the kernel writes a
 padded C that must then be cut. XLA's slice of (8320, 8448) to (8193, 8193) bf16 ran at
-0.86 TB/s on an H200 (0.31 ms, bench/NOTES.md matmul-30): every destination row starts only
+0.86 TB/s on an H200 (0.31 ms, notes/matmul.md matmul-30): every destination row starts only
 2-byte aligned.
 """
 
@@ -29,7 +29,7 @@ def _padded_extent(size: int, align: int, cta: int, step: int) -> int:
   ``cta`` where some piece of the last block would start at or past the padded end.
 
   A TMA copy whose start lies past the array's end came out wrong on an H200 ((6, 1027) @
-  (1027, 2), bench/NOTES.md); pieces that start inside and run past the end are fine (TMA
+  (1027, 2), notes/matmul.md); pieces that start inside and run past the end are fine (TMA
   zero-fills and clips them).
   """
   padded = round_up(size, align)
