@@ -525,7 +525,7 @@ def test_every_public_op_returns_through_the_pipeline():
 LINE_CEILING = 600
 # Files still over the ceiling, at their length when it was set (issue 77's house splits them):
 # none may grow, and a file not listed may not pass the ceiling.
-OVER_THE_CEILING = {"bench/report.py": 678, "bench/model.py": 662,
+OVER_THE_CEILING = {"bench/model.py": 662,
                     "bench/matmul.py": 648, "bench/harness.py": 615}
 
 
