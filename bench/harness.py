@@ -271,7 +271,7 @@ def device_slug(device) -> str:
   return kind.lower().replace("nvidia ", "").replace(" ", "_")
 
 
-ROOT = RESULTS.parent.parent  # the repository
+ROOT = RESULTS.parent  # the repository
 
 
 def shown_path(path) -> str:

@@ -449,3 +449,16 @@ def test_the_plain_jax_anchor_is_our_model_written_without_us():
                                   stream="bfloat16")
   assert got["ms"] > 0 and len(got["losses"]) == 6 and got["tokens_per_s"] > 0
   assert got["losses"][-1] < got["losses"][0] < 10  # it trains
+
+
+def test_shown_paths_are_the_repositorys():
+  """A result file's path as the bench prints it and logs keep it: relative to the repository
+  (results/ moved out of bench/, and the repository's root once pointed one folder too
+  high: paths came out as "<clone's name>/results/...")."""
+  from bench import harness
+
+  assert (harness.ROOT / "pyproject.toml").is_file() and harness.RESULTS == harness.ROOT / "results"
+  shown = harness.shown_path(harness.RESULTS / "nvidia_h100" / "run.json")
+  assert shown == "results/nvidia_h100/run.json", shown
+  assert harness.scrub(f"log: {harness.ROOT}/results/x.log") == "log: results/x.log"
+
