@@ -21,16 +21,17 @@ EPILOGUES = (  # (activation, bias, residual)
     ("silu", False, True), ("relu", True, True))
 
 
-def reference(activation, has_bias, has_residual):
+def reference(activation, has_bias, has_residual, glu=False):
   """The spec computed in ``compute_dtype`` throughout (float64: the oracle; the input dtype:
-  the naive baseline whose error sets the tolerance)."""
+  the naive baseline whose error sets the tolerance); ``glu``: the gated product's,
+  y = activation(z[..., :N]) * z[..., N:] + residual, z = a @ b + bias."""
   def make(cd):
     def fn(a, b, *rest):
       rest = list(rest)
       bias = rest.pop(0) if has_bias else None
       residual = rest.pop(0) if has_residual else None
       return matmul_reference.in_dtype(cd, a, b, bias=bias, residual=residual,
-                                       activation=activation)
+                                       activation=activation, glu=glu)
     return fn
   return make
 
@@ -96,16 +97,8 @@ class MatmulTest:
 
 
 def glu_reference(activation, has_bias, has_residual):
-  """y = activation(z[..., :N]) * z[..., N:] + residual, z = a @ b + bias, in compute_dtype."""
-  def make(cd):
-    def fn(a, b, *rest):
-      rest = list(rest)
-      bias = rest.pop(0) if has_bias else None
-      residual = rest.pop(0) if has_residual else None
-      return matmul_reference.in_dtype(cd, a, b, bias=bias, residual=residual,
-                                       activation=activation, glu=True)
-    return fn
-  return make
+  """The gated product's spec (:func:`reference` with ``glu``)."""
+  return reference(activation, has_bias, has_residual, glu=True)
 
 
 def glu_inputs(shape, dtype, has_bias, has_residual, *labels):

@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 from models import train
 
@@ -27,6 +28,16 @@ def launch(tmp_path, name, *extra, args=ARGS):
       env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
            "PYTHONUNBUFFERED": "1"})
   return process, metrics
+
+
+def wait_for_steps(process, metrics, steps: int, timeout: float = 300) -> None:
+  """Returns once ``metrics`` holds ``steps`` steps' lines; fails, with the run's output, where
+  the run ends first or ``timeout`` seconds pass."""
+  deadline = time.monotonic() + timeout
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+    assert process.poll() is None, process.stdout.read()
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
 
 
 def curve(metrics) -> dict[int, float]:

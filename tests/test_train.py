@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import chex
 import jax
@@ -25,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkernels import remat
 from models import batches, checkpointing, hparams, llama, loop, placement, train_step
 from tests import numerics
-from tests.runs import ROOT, curve as _curve, launch as _launch
+from tests.runs import ROOT, curve as _curve, launch as _launch, wait_for_steps as _wait_for_steps
 
 # The GPU check's train-125m and interrupt steps run this one and test_train_cli's SIGINT one
 # on the device, at the README's sizes; CI runs both at the tiny preset (14 s and 10 s on its
@@ -39,11 +38,7 @@ def test_killed_run_resumes_to_the_same_curve(tmp_path):
 
   checkpoints = tmp_path / "checkpoints"
   killed, metrics = _launch(tmp_path, "resumed", "--checkpoint-dir", str(checkpoints))
-  deadline = time.monotonic() + 300
-  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 14):
-    assert killed.poll() is None, killed.stdout.read()
-    assert time.monotonic() < deadline
-    time.sleep(0.05)
+  _wait_for_steps(killed, metrics, 14)
   killed.send_signal(signal.SIGKILL)  # past the checkpoint of step 12, before the last one
   killed.wait()
   assert max(_curve(metrics)) < 24

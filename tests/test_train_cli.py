@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from models import hparams, llama, loop, placement, train, train_step
-from tests.runs import curve, launch, main_err
+from tests.runs import curve, launch, main_err, wait_for_steps
 
 
 def _refused_before_training(monkeypatch, capsys, *argv) -> str:
@@ -143,11 +143,7 @@ def test_two_sigints_stop_at_once_and_leave_whole_checkpoints(tmp_path):
   extra = ("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2",
            "--no-compilation-cache")
   process, metrics = launch(tmp_path, "twice", *extra)
-  deadline = time.monotonic() + 300
-  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-    assert process.poll() is None, process.stdout.read()
-    assert time.monotonic() < deadline
-    time.sleep(0.05)
+  wait_for_steps(process, metrics, 3)
   process.send_signal(signal.SIGINT)
   time.sleep(0.1)  # apart: two pending SIGINTs are delivered as one
   process.send_signal(signal.SIGINT)
@@ -208,11 +204,7 @@ def test_sigint_saves_and_the_same_command_resumes(tmp_path):
   checkpoints = tmp_path / "checkpoints"
   process, metrics = launch(tmp_path, "interrupted", "--checkpoint-dir", str(checkpoints),
                              "--checkpoint-every", "100", "--no-compilation-cache")
-  deadline = time.monotonic() + 300
-  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-    assert process.poll() is None, process.stdout.read()
-    assert time.monotonic() < deadline
-    time.sleep(0.05)
+  wait_for_steps(process, metrics, 3)
   process.send_signal(signal.SIGINT)
   out = process.communicate(timeout=300)[0]
   assert process.returncode == 128 + signal.SIGINT, out
